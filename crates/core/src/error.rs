@@ -1,0 +1,159 @@
+//! Errors: a configuration that can never be valid, and a store that failed.
+//!
+//! A refused request is not an error; it is a [`Decision`](crate::Decision).
+
+use std::fmt;
+
+/// A policy configuration that cannot be used, with what to change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigError {
+    /// `window_ms` was 0; a window must last at least one millisecond.
+    ZeroWindow,
+    /// A number lies outside `0 ..= 2^53 - 1`.
+    OutOfRange { field: &'static str, value: u128 },
+    /// The policy name is not one of the registry's.
+    UnknownPolicy { name: String },
+    /// `burst` was given to a policy that has no bucket.
+    BurstNotAllowed { policy: &'static str },
+    /// A field could not be read as a whole number (negative, fractional,
+    /// not a number).
+    NotAnInteger { field: &'static str, value: String },
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::ZeroWindow => {
+                write!(f, "window_ms is 0: a window must last at least 1 ms; set window_ms to 1 or more")
+            }
+            ConfigError::OutOfRange { field, value } => write!(
+                f,
+                "{field} is {value}, above the largest allowed value 9007199254740991 (2^53 - 1); \
+                 use a smaller {field}"
+            ),
+            ConfigError::UnknownPolicy { name } => write!(
+                f,
+                "unknown policy {name:?}; use one of: {}",
+                crate::PolicyKind::ALL.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
+            ),
+            ConfigError::BurstNotAllowed { policy } => write!(
+                f,
+                "burst is given for {policy}, which has no bucket; remove burst, \
+                 or use token-bucket or gcra"
+            ),
+            ConfigError::NotAnInteger { field, value } => write!(
+                f,
+                "{field} is {value}: it must be a whole number from 0 to 9007199254740991 (2^53 - 1)"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// What kind of failure a [`StoreError`] is, so that a caller can choose to
+/// fail open, fail closed or fall back without parsing messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StoreErrorKind {
+    /// The store did not answer within the configured timeout. The request
+    /// may or may not have been applied.
+    Timeout,
+    /// The connection to the store was lost or could not be made.
+    ConnectionDropped,
+    /// The store holds its maximum number of keys and cannot track a new
+    /// one: the request was not decided (never silently admitted).
+    CapacityExhausted,
+    /// The state stored under the key is not valid state for the policy.
+    CorruptState,
+    /// The request itself is invalid (`now_ms` or `cost` out of range).
+    InvalidInput,
+    /// The store answered with an error of its own.
+    Backend,
+}
+
+/// A store failed to decide a request. The request was not decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreError {
+    kind: StoreErrorKind,
+    detail: String,
+}
+
+impl StoreError {
+    /// An error of `kind` with a message for people.
+    pub fn new(kind: StoreErrorKind, detail: impl Into<String>) -> Self {
+        StoreError { kind, detail: detail.into() }
+    }
+
+    /// What kind of failure this is.
+    pub fn kind(&self) -> StoreErrorKind {
+        self.kind
+    }
+
+    /// The message for people.
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
+    /// The store did not answer in time; the request may have been applied.
+    pub fn is_timeout(&self) -> bool {
+        self.kind == StoreErrorKind::Timeout
+    }
+
+    /// The connection to the store is gone.
+    pub fn is_connection_dropped(&self) -> bool {
+        self.kind == StoreErrorKind::ConnectionDropped
+    }
+
+    /// The store is full of keys.
+    pub fn is_capacity_exhausted(&self) -> bool {
+        self.kind == StoreErrorKind::CapacityExhausted
+    }
+
+    /// The request carried a value that can never be decided.
+    pub fn is_invalid_input(&self) -> bool {
+        self.kind == StoreErrorKind::InvalidInput
+    }
+
+    /// Worth retrying later: the store may answer once it is reachable
+    /// again. Corrupt state and invalid input stay wrong however often they
+    /// are retried.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self.kind,
+            StoreErrorKind::Timeout | StoreErrorKind::ConnectionDropped | StoreErrorKind::Backend
+        )
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.kind {
+            StoreErrorKind::Timeout => "store timeout",
+            StoreErrorKind::ConnectionDropped => "store connection dropped",
+            StoreErrorKind::CapacityExhausted => "store capacity exhausted",
+            StoreErrorKind::CorruptState => "corrupt state in store",
+            StoreErrorKind::InvalidInput => "invalid request",
+            StoreErrorKind::Backend => "store error",
+        };
+        write!(f, "{kind}: {}", self.detail)
+    }
+}
+
+impl std::error::Error for StoreError {}
+
+/// Checks a request's numbers against SPEC's range before any decision.
+pub(crate) fn check_request(now_ms: u64, cost: u64) -> Result<(), StoreError> {
+    if now_ms > crate::MAX_SAFE {
+        return Err(StoreError::new(
+            StoreErrorKind::InvalidInput,
+            format!("now_ms is {now_ms}, above 2^53 - 1 (9007199254740991)"),
+        ));
+    }
+    if cost > crate::MAX_SAFE {
+        return Err(StoreError::new(
+            StoreErrorKind::InvalidInput,
+            format!("cost is {cost}, above 2^53 - 1 (9007199254740991)"),
+        ));
+    }
+    Ok(())
+}

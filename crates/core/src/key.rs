@@ -1,0 +1,83 @@
+//! Keys: unsigned integers. String keys are hashed.
+//!
+//! The default hash is **mix32**, MurmurHash3 x86_32 with seed 0 over the
+//! key's UTF-8 bytes, as SPEC fixes it, so every port maps a string to the
+//! same key. Two strings with one hash share one count (`user:21620` and
+//! `user:32611` collide).
+//!
+//! How many collide: among `n` distinct strings a `b`-bit hash gives about
+//! `n^2 / 2^(b+1)` colliding pairs. For a million keys that is about 116
+//! pairs with mix32 (`10^12 / 2^33`), and about `2.7e-8` with the 64-bit
+//! [`xxh3_64`] (`10^12 / 2^65`): a deployment with that many keys wants
+//! [`KeyHash::Xxh3_64`]. Both hashes are public and unkeyed (they must be, to
+//! be portable); a client that chooses its own key strings can choose two
+//! that collide and share one budget, which only makes it stricter on itself.
+
+use std::io::Cursor;
+
+/// MurmurHash3 x86_32 with seed 0 over `key`'s UTF-8 bytes.
+///
+/// ```
+/// use ratewarden_core::mix32;
+/// assert_eq!(mix32(""), 0);
+/// assert_eq!(mix32("hello"), 0x248b_fa47);
+/// assert_eq!(mix32("user:21620"), mix32("user:32611"));
+/// ```
+pub fn mix32(key: &str) -> u32 {
+    // Reading from an in-memory cursor cannot fail.
+    murmur3::murmur3_32(&mut Cursor::new(key.as_bytes()), 0).unwrap_or(0)
+}
+
+/// XXH3-64 with seed 0 over `key`'s UTF-8 bytes: the hash for key spaces too
+/// large for mix32.
+///
+/// ```
+/// use ratewarden_core::xxh3_64;
+/// assert_ne!(xxh3_64("user:21620"), xxh3_64("user:32611"));
+/// ```
+pub fn xxh3_64(key: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(key.as_bytes())
+}
+
+/// Which hash turns a string key into an integer key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KeyHash {
+    /// [`mix32`]: SPEC's default, portable, 32 bits.
+    #[default]
+    Mix32,
+    /// [`xxh3_64`]: 64 bits, for millions of keys.
+    Xxh3_64,
+}
+
+impl KeyHash {
+    /// The integer key for `key`.
+    pub fn hash(self, key: &str) -> u64 {
+        match self {
+            KeyHash::Mix32 => u64::from(mix32(key)),
+            KeyHash::Xxh3_64 => xxh3_64(key),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mix32_known_values() {
+        assert_eq!(mix32(""), 0);
+        assert_eq!(mix32("hello"), 0x248bfa47);
+        assert_eq!(mix32("The quick brown fox jumps over the lazy dog"), 0x2e4ff723);
+        assert_eq!(mix32("user:42"), 3349586805);
+        assert_eq!(mix32("ключ"), 2589532226);
+        assert_eq!(mix32("user:21620"), 2051118272);
+        assert_eq!(mix32("user:32611"), 2051118272);
+    }
+
+    #[test]
+    fn key_hash_selects_the_hash() {
+        assert_eq!(KeyHash::Mix32.hash("hello"), 0x248bfa47);
+        assert_eq!(KeyHash::Xxh3_64.hash("hello"), xxh3_64("hello"));
+        assert_ne!(KeyHash::Xxh3_64.hash("user:21620"), KeyHash::Xxh3_64.hash("user:32611"));
+    }
+}

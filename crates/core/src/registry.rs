@@ -1,0 +1,353 @@
+//! The registry: policies by name, configurations validated once.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::policy::{
+    FixedWindow, Gcra, Policy, SlidingLog, SlidingWindowCounter, TokenBucket,
+};
+use crate::{ConfigError, Decision, MAX_SAFE};
+
+/// The five policies, by their registry names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyKind {
+    /// `fixed-window`: one count per aligned window.
+    FixedWindow,
+    /// `sliding-window-counter`: two aligned windows, the older fading out.
+    SlidingWindowCounter,
+    /// `sliding-log`: every admitted request, exact.
+    SlidingLog,
+    /// `token-bucket`: a bucket refilled continuously.
+    TokenBucket,
+    /// `gcra`: the token bucket as one theoretical arrival time.
+    Gcra,
+}
+
+impl PolicyKind {
+    /// Every policy, in the registry's order.
+    pub const ALL: [PolicyKind; 5] = [
+        PolicyKind::FixedWindow,
+        PolicyKind::SlidingWindowCounter,
+        PolicyKind::SlidingLog,
+        PolicyKind::TokenBucket,
+        PolicyKind::Gcra,
+    ];
+
+    /// The registry name, e.g. `sliding-window-counter`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            PolicyKind::FixedWindow => "fixed-window",
+            PolicyKind::SlidingWindowCounter => "sliding-window-counter",
+            PolicyKind::SlidingLog => "sliding-log",
+            PolicyKind::TokenBucket => "token-bucket",
+            PolicyKind::Gcra => "gcra",
+        }
+    }
+
+    /// Whether the policy is a bucket and takes a `burst`.
+    pub const fn has_burst(self) -> bool {
+        matches!(self, PolicyKind::TokenBucket | PolicyKind::Gcra)
+    }
+}
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for PolicyKind {
+    type Err = ConfigError;
+
+    /// Looks a policy up by its registry name.
+    ///
+    /// ```
+    /// use ratewarden_core::PolicyKind;
+    /// assert_eq!("gcra".parse::<PolicyKind>().unwrap(), PolicyKind::Gcra);
+    /// assert!("leaky-bucket".parse::<PolicyKind>().is_err());
+    /// ```
+    fn from_str(name: &str) -> Result<Self, ConfigError> {
+        PolicyKind::ALL
+            .into_iter()
+            .find(|k| k.name() == name)
+            .ok_or_else(|| ConfigError::UnknownPolicy { name: name.to_owned() })
+    }
+}
+
+/// A policy's configuration as a user writes it; [`PolicyConfig::build`]
+/// validates it once and yields the policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PolicyConfig {
+    /// Which policy.
+    pub policy: PolicyKind,
+    /// Permits per window (the refill rate for the buckets).
+    pub limit: u64,
+    /// The window, in ms; at least 1.
+    pub window_ms: u64,
+    /// The bucket's capacity for `token-bucket` and `gcra` (default:
+    /// `limit`); not allowed for the window policies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u64>,
+}
+
+/// The reference configuration: `sliding-window-counter`, 100 per 1000 ms.
+/// Benchmarks and examples use it unless they say otherwise.
+pub const REFERENCE: PolicyConfig = PolicyConfig {
+    policy: PolicyKind::SlidingWindowCounter,
+    limit: 100,
+    window_ms: 1000,
+    burst: None,
+};
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        REFERENCE
+    }
+}
+
+impl PolicyConfig {
+    /// `limit` per `window_ms` under `policy`, with no burst.
+    pub const fn new(policy: PolicyKind, limit: u64, window_ms: u64) -> Self {
+        PolicyConfig { policy, limit, window_ms, burst: None }
+    }
+
+    /// The same configuration with a bucket capacity.
+    pub const fn with_burst(mut self, burst: u64) -> Self {
+        self.burst = Some(burst);
+        self
+    }
+
+    /// Validates the configuration and builds the policy.
+    ///
+    /// ```
+    /// use ratewarden_core::{PolicyConfig, PolicyKind};
+    /// let err = PolicyConfig::new(PolicyKind::FixedWindow, 10, 0).build().unwrap_err();
+    /// assert!(err.to_string().contains("window_ms is 0"));
+    /// let err = PolicyConfig::new(PolicyKind::FixedWindow, 10, 1000)
+    ///     .with_burst(20)
+    ///     .build()
+    ///     .unwrap_err();
+    /// assert!(err.to_string().contains("remove burst"));
+    /// ```
+    pub fn build(&self) -> Result<AnyPolicy, ConfigError> {
+        if self.burst.is_some() && !self.policy.has_burst() {
+            return Err(ConfigError::BurstNotAllowed { policy: self.policy.name() });
+        }
+        let (l, w, b) = (self.limit, self.window_ms, self.burst);
+        Ok(match self.policy {
+            PolicyKind::FixedWindow => AnyPolicy::FixedWindow(FixedWindow::new(l, w)?),
+            PolicyKind::SlidingWindowCounter => {
+                AnyPolicy::SlidingWindowCounter(SlidingWindowCounter::new(l, w)?)
+            }
+            PolicyKind::SlidingLog => AnyPolicy::SlidingLog(SlidingLog::new(l, w)?),
+            PolicyKind::TokenBucket => AnyPolicy::TokenBucket(TokenBucket::new(l, w, b)?),
+            PolicyKind::Gcra => AnyPolicy::Gcra(Gcra::new(l, w, b)?),
+        })
+    }
+
+    /// The bucket capacity in effect: `burst`, or `limit` when unset.
+    pub fn effective_burst(&self) -> u64 {
+        self.burst.unwrap_or(self.limit)
+    }
+}
+
+impl fmt::Display for PolicyConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {} per {} ms", self.policy, self.limit, self.window_ms)?;
+        if let Some(b) = self.burst {
+            write!(f, " (burst {b})")?;
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn check_limit(limit: u64) -> Result<(), ConfigError> {
+    check_range("limit", limit)
+}
+
+pub(crate) fn check_burst(burst: u64) -> Result<(), ConfigError> {
+    check_range("burst", burst)
+}
+
+pub(crate) fn check_window(window_ms: u64) -> Result<(), ConfigError> {
+    if window_ms == 0 {
+        return Err(ConfigError::ZeroWindow);
+    }
+    check_range("window_ms", window_ms)
+}
+
+fn check_range(field: &'static str, value: u64) -> Result<(), ConfigError> {
+    if value > MAX_SAFE {
+        return Err(ConfigError::OutOfRange { field, value: u128::from(value) });
+    }
+    Ok(())
+}
+
+/// Any policy of the registry, chosen at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnyPolicy {
+    /// `fixed-window`.
+    FixedWindow(FixedWindow),
+    /// `sliding-window-counter`.
+    SlidingWindowCounter(SlidingWindowCounter),
+    /// `sliding-log`.
+    SlidingLog(SlidingLog),
+    /// `token-bucket`.
+    TokenBucket(TokenBucket),
+    /// `gcra`.
+    Gcra(Gcra),
+}
+
+/// The state of a key under an [`AnyPolicy`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AnyState {
+    /// `fixed-window` state.
+    FixedWindow(crate::policy::FixedWindowState),
+    /// `sliding-window-counter` state.
+    SlidingWindowCounter(crate::policy::SlidingWindowCounterState),
+    /// `sliding-log` state.
+    SlidingLog(crate::policy::SlidingLogState),
+    /// `token-bucket` state.
+    TokenBucket(crate::policy::TokenBucketState),
+    /// `gcra` state.
+    Gcra(crate::policy::GcraState),
+}
+
+impl AnyPolicy {
+    /// The registry entry this policy belongs to.
+    pub fn kind(&self) -> PolicyKind {
+        match self {
+            AnyPolicy::FixedWindow(_) => PolicyKind::FixedWindow,
+            AnyPolicy::SlidingWindowCounter(_) => PolicyKind::SlidingWindowCounter,
+            AnyPolicy::SlidingLog(_) => PolicyKind::SlidingLog,
+            AnyPolicy::TokenBucket(_) => PolicyKind::TokenBucket,
+            AnyPolicy::Gcra(_) => PolicyKind::Gcra,
+        }
+    }
+}
+
+
+impl Policy for AnyPolicy {
+    type State = AnyState;
+
+    fn new_state(&self, now_ms: u64) -> AnyState {
+        match self {
+            AnyPolicy::FixedWindow(p) => AnyState::FixedWindow(p.new_state(now_ms)),
+            AnyPolicy::SlidingWindowCounter(p) => {
+                AnyState::SlidingWindowCounter(p.new_state(now_ms))
+            }
+            AnyPolicy::SlidingLog(p) => AnyState::SlidingLog(p.new_state(now_ms)),
+            AnyPolicy::TokenBucket(p) => AnyState::TokenBucket(p.new_state(now_ms)),
+            AnyPolicy::Gcra(p) => AnyState::Gcra(p.new_state(now_ms)),
+        }
+    }
+
+    fn decide(&self, state: &mut AnyState, now_ms: u64, cost: u64) -> Decision {
+        match (self, &mut *state) {
+            (AnyPolicy::FixedWindow(p), AnyState::FixedWindow(s)) => p.decide(s, now_ms, cost),
+            (AnyPolicy::SlidingWindowCounter(p), AnyState::SlidingWindowCounter(s)) => {
+                p.decide(s, now_ms, cost)
+            }
+            (AnyPolicy::SlidingLog(p), AnyState::SlidingLog(s)) => p.decide(s, now_ms, cost),
+            (AnyPolicy::TokenBucket(p), AnyState::TokenBucket(s)) => p.decide(s, now_ms, cost),
+            (AnyPolicy::Gcra(p), AnyState::Gcra(s)) => p.decide(s, now_ms, cost),
+            // A state of another policy is the caller's mistake; starting
+            // the key afresh is the only state this policy can vouch for.
+            _ => {
+                *state = self.new_state(now_ms);
+                self.decide(state, now_ms, cost)
+            }
+        }
+    }
+
+    fn is_forgettable(&self, state: &AnyState, now_ms: u64) -> bool {
+        match (self, state) {
+            (AnyPolicy::FixedWindow(p), AnyState::FixedWindow(s)) => p.is_forgettable(s, now_ms),
+            (AnyPolicy::SlidingWindowCounter(p), AnyState::SlidingWindowCounter(s)) => {
+                p.is_forgettable(s, now_ms)
+            }
+            (AnyPolicy::SlidingLog(p), AnyState::SlidingLog(s)) => p.is_forgettable(s, now_ms),
+            (AnyPolicy::TokenBucket(p), AnyState::TokenBucket(s)) => p.is_forgettable(s, now_ms),
+            (AnyPolicy::Gcra(p), AnyState::Gcra(s)) => p.is_forgettable(s, now_ms),
+            _ => true,
+        }
+    }
+
+    fn limit(&self) -> u64 {
+        match self {
+            AnyPolicy::FixedWindow(p) => p.limit(),
+            AnyPolicy::SlidingWindowCounter(p) => p.limit(),
+            AnyPolicy::SlidingLog(p) => p.limit(),
+            AnyPolicy::TokenBucket(p) => p.limit(),
+            AnyPolicy::Gcra(p) => p.limit(),
+        }
+    }
+
+    fn window_ms(&self) -> u64 {
+        match self {
+            AnyPolicy::FixedWindow(p) => p.window_ms(),
+            AnyPolicy::SlidingWindowCounter(p) => p.window_ms(),
+            AnyPolicy::SlidingLog(p) => p.window_ms(),
+            AnyPolicy::TokenBucket(p) => p.window_ms(),
+            AnyPolicy::Gcra(p) => p.window_ms(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_name_round_trips() {
+        for kind in PolicyKind::ALL {
+            assert_eq!(kind.name().parse::<PolicyKind>().unwrap(), kind);
+            let json = serde_json::to_string(&kind).unwrap();
+            assert_eq!(json, format!("\"{}\"", kind.name()));
+        }
+    }
+
+    #[test]
+    fn unknown_name_lists_the_known_ones() {
+        let err = "sliding-window".parse::<PolicyKind>().unwrap_err().to_string();
+        assert!(err.contains("\"sliding-window\""), "{err}");
+        assert!(err.contains("sliding-window-counter"), "{err}");
+    }
+
+    #[test]
+    fn bad_configurations_say_what_to_change() {
+        use PolicyKind::*;
+        let cases = [
+            (PolicyConfig::new(SlidingLog, 10, 0), "window_ms is 0"),
+            (PolicyConfig::new(FixedWindow, MAX_SAFE + 1, 1000), "limit is 9007199254740992"),
+            (PolicyConfig::new(Gcra, 1, MAX_SAFE + 1), "window_ms is 9007199254740992"),
+            (PolicyConfig::new(TokenBucket, 1, 10).with_burst(MAX_SAFE + 1), "burst is"),
+            (PolicyConfig::new(SlidingWindowCounter, 1, 10).with_burst(5), "remove burst"),
+            (PolicyConfig::new(FixedWindow, 1, 10).with_burst(5), "remove burst"),
+            (PolicyConfig::new(SlidingLog, 1, 10).with_burst(5), "remove burst"),
+        ];
+        for (config, needle) in cases {
+            let err = config.build().unwrap_err().to_string();
+            assert!(err.contains(needle), "{config:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn limits_at_the_edges_of_the_range_are_valid() {
+        for kind in PolicyKind::ALL {
+            PolicyConfig::new(kind, 0, 1).build().unwrap();
+            PolicyConfig::new(kind, MAX_SAFE, MAX_SAFE).build().unwrap();
+        }
+        PolicyConfig::new(PolicyKind::Gcra, 1, 1).with_burst(MAX_SAFE).build().unwrap();
+    }
+
+    #[test]
+    fn reference_is_100_per_second_sliding_window_counter() {
+        assert_eq!(REFERENCE.policy.name(), "sliding-window-counter");
+        assert_eq!((REFERENCE.limit, REFERENCE.window_ms), (100, 1000));
+        assert_eq!(REFERENCE.build().unwrap().kind(), PolicyKind::SlidingWindowCounter);
+    }
+}

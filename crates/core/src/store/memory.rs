@@ -1,0 +1,345 @@
+//! The embedded, concurrent in-memory store.
+//!
+//! Keys are spread over shards, each a SwissTable behind its own mutex, so
+//! threads deciding different keys rarely meet and a decision on one key is
+//! linearizable (its read-modify-write happens under the shard's lock). A
+//! key is hashed once, with a keyed, per-store randomly seeded hash
+//! (foldhash): the bits pick the shard and the slot, and an attacker who
+//! chooses keys cannot predict which collide (no hash flooding).
+//!
+//! Memory per key: the table stores `(u64 key, state)`; state is 16 bytes
+//! for `fixed-window`, 24 for `sliding-window-counter` and `token-bucket`,
+//! 16 for `gcra`, and 40 plus 16 per log entry for `sliding-log`; SwissTable
+//! adds one control byte per slot and keeps its load factor between 7/16
+//! and 7/8, so a `sliding-window-counter` key costs about 33 to 75 bytes
+//! (`ratewarden bench` measures it).
+//!
+//! The store holds at most [`MemoryOptions::max_keys`] keys. It forgets
+//! keys only in [`MemoryStore::forget_idle`], an explicit call with a bound,
+//! and only keys whose forgetting cannot change a decision (SPEC "Memory"):
+//! the library starts no threads. When a new key arrives at a full shard,
+//! the store first forgets that shard's idle keys (at most once per
+//! millisecond of `now_ms`); if the shard is still full the request gets
+//! [`StoreErrorKind::CapacityExhausted`] and is never silently admitted.
+
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use foldhash::fast::RandomState;
+use hashbrown::HashTable;
+use parking_lot::Mutex;
+
+use super::Store;
+use crate::error::check_request;
+use crate::policy::Policy;
+use crate::registry::{AnyPolicy, PolicyConfig};
+use crate::{ConfigError, Decision, StoreError, StoreErrorKind};
+
+/// Limits and layout of a [`MemoryStore`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryOptions {
+    /// The most keys the store holds at once (split evenly over shards).
+    pub max_keys: usize,
+    /// Number of shards, rounded up to a power of two; 0 picks four per
+    /// available core (at least 16).
+    pub shards: usize,
+}
+
+impl Default for MemoryOptions {
+    /// 4,194,304 keys (2^22), about 200 MiB at worst for the window
+    /// counters, and automatic sharding.
+    fn default() -> Self {
+        MemoryOptions { max_keys: 1 << 22, shards: 0 }
+    }
+}
+
+/// What one [`MemoryStore::forget_idle`] call did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Housekeeping {
+    /// Keys looked at.
+    pub scanned: usize,
+    /// Keys forgotten.
+    pub forgotten: usize,
+}
+
+/// The in-memory store for one policy. Cloning is cheap: clones share the
+/// same keys (one budget), through a reference-counted pointer.
+pub struct MemoryStore<P: Policy = AnyPolicy> {
+    inner: Arc<Inner<P>>,
+}
+
+impl<P: Policy> Clone for MemoryStore<P> {
+    fn clone(&self) -> Self {
+        MemoryStore { inner: Arc::clone(&self.inner) }
+    }
+}
+
+impl<P: Policy> std::fmt::Debug for MemoryStore<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("shards", &self.inner.shards.len())
+            .field("max_keys_per_shard", &self.inner.max_keys_per_shard)
+            .field("entries_tracked", &self.entries_tracked())
+            .finish()
+    }
+}
+
+struct Inner<P: Policy> {
+    policy: P,
+    hasher: RandomState,
+    shards: Box<[Shard<P::State>]>,
+    shard_mask: usize,
+    max_keys_per_shard: usize,
+    sweep_cursor: AtomicUsize,
+}
+
+/// One shard, on its own cache line so that two cores locking neighbouring
+/// shards do not contend for one line.
+#[repr(align(64))]
+struct Shard<S> {
+    table: Mutex<ShardTable<S>>,
+}
+
+struct ShardTable<S> {
+    entries: HashTable<(u64, S)>,
+    /// `now_ms` of the last sweep forced by a full shard: a full shard is
+    /// swept at most once per millisecond, so a flood of new keys cannot
+    /// turn every request into a scan.
+    last_full_sweep_ms: Option<u64>,
+}
+
+impl MemoryStore<AnyPolicy> {
+    /// A store for a configuration of the registry, validated here.
+    pub fn for_config(config: &PolicyConfig, options: MemoryOptions) -> Result<Self, ConfigError> {
+        Ok(MemoryStore::new(config.build()?, options))
+    }
+}
+
+impl<P: Policy> MemoryStore<P> {
+    /// A store deciding every key under `policy`.
+    pub fn new(policy: P, options: MemoryOptions) -> Self {
+        let wanted = if options.shards == 0 {
+            let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+            (cores * 4).max(16)
+        } else {
+            options.shards
+        };
+        // At most 2^16 shards: the shard index is taken from hash bits 32..48.
+        let shards = wanted.clamp(1, 1 << 16).next_power_of_two();
+        let max_keys_per_shard = options.max_keys.div_ceil(shards).max(1);
+        MemoryStore {
+            inner: Arc::new(Inner {
+                policy,
+                hasher: RandomState::default(),
+                shards: (0..shards)
+                    .map(|_| Shard {
+                        table: Mutex::new(ShardTable {
+                            entries: HashTable::new(),
+                            last_full_sweep_ms: None,
+                        }),
+                    })
+                    .collect(),
+                shard_mask: shards - 1,
+                max_keys_per_shard,
+                sweep_cursor: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// The policy every key is decided by.
+    pub fn policy(&self) -> &P {
+        &self.inner.policy
+    }
+
+    /// The most keys this store holds (rounded up to a multiple of the
+    /// shard count).
+    pub fn max_keys(&self) -> usize {
+        self.inner.max_keys_per_shard * self.inner.shards.len()
+    }
+
+    /// Decides a request of `cost` for `key` at `now_ms`.
+    ///
+    /// Errors: `now_ms` or `cost` above `2^53 - 1` (invalid input), or a new
+    /// key when its shard is full of keys that cannot be forgotten
+    /// (capacity exhausted).
+    pub fn decide(&self, key: u64, now_ms: u64, cost: u64) -> Result<Decision, StoreError> {
+        check_request(now_ms, cost)?;
+        let inner = &*self.inner;
+        let hash = inner.hasher.hash_one(key);
+        // Bits 32..48 pick the shard: SwissTable uses the low bits for the
+        // slot and the top seven for its control bytes.
+        let shard = &inner.shards[(hash >> 32) as usize & inner.shard_mask];
+        let mut table = shard.table.lock();
+        if let Some((_, state)) = table.entries.find_mut(hash, |e| e.0 == key) {
+            return Ok(inner.policy.decide(state, now_ms, cost));
+        }
+        let mut state = inner.policy.new_state(now_ms);
+        let decision = inner.policy.decide(&mut state, now_ms, cost);
+        // A key left in a state it could forget at once (a peek, a refusal
+        // of a fresh key) takes no room.
+        if inner.policy.is_forgettable(&state, now_ms) {
+            return Ok(decision);
+        }
+        if table.entries.len() >= inner.max_keys_per_shard {
+            if table.last_full_sweep_ms.is_none_or(|t| now_ms > t) {
+                table.last_full_sweep_ms = Some(now_ms);
+                inner.sweep(&mut table, now_ms);
+            }
+            if table.entries.len() >= inner.max_keys_per_shard {
+                return Err(StoreError::new(
+                    StoreErrorKind::CapacityExhausted,
+                    format!(
+                        "the in-memory store holds its maximum of {} keys and none can be \
+                         forgotten yet; raise max_keys or call forget_idle more often",
+                        self.max_keys()
+                    ),
+                ));
+            }
+        }
+        table.entries.insert_unique(hash, (key, state), |e| inner.hasher.hash_one(e.0));
+        Ok(decision)
+    }
+
+    /// How many keys the store holds now.
+    pub fn entries_tracked(&self) -> usize {
+        self.inner.shards.iter().map(|s| s.table.lock().entries.len()).sum()
+    }
+
+    /// Forgets keys whose forgetting cannot change any later decision at or
+    /// after `now_ms`, looking at whole shards in turn until at least
+    /// `max_scanned` keys have been looked at (or every shard once). Each
+    /// call resumes where the last one stopped, so a timer calling it with a
+    /// small bound sweeps the whole store over several calls without ever
+    /// holding a lock for long.
+    pub fn forget_idle(&self, now_ms: u64, max_scanned: usize) -> Housekeeping {
+        let inner = &*self.inner;
+        let mut done = Housekeeping::default();
+        for _ in 0..inner.shards.len() {
+            let index = inner.sweep_cursor.fetch_add(1, Ordering::Relaxed) & inner.shard_mask;
+            let mut table = inner.shards[index].table.lock();
+            let before = table.entries.len();
+            inner.sweep(&mut table, now_ms);
+            done.scanned += before;
+            done.forgotten += before - table.entries.len();
+            if done.scanned >= max_scanned {
+                break;
+            }
+        }
+        done
+    }
+}
+
+impl<P: Policy> Inner<P> {
+    fn sweep(&self, table: &mut ShardTable<P::State>, now_ms: u64) {
+        table.entries.retain(|(_, state)| !self.policy.is_forgettable(state, now_ms));
+        // Give memory back after a large sweep, keeping room to grow.
+        let (len, capacity) = (table.entries.len(), table.entries.capacity());
+        if capacity > 64 && len * 4 < capacity {
+            table.entries.shrink_to(len * 2, |e| self.hasher.hash_one(e.0));
+        }
+    }
+}
+
+impl<P: Policy> Store for MemoryStore<P> {
+    fn decide(&self, key: u64, now_ms: u64, cost: u64) -> Result<Decision, StoreError> {
+        MemoryStore::decide(self, key, now_ms, cost)
+    }
+
+    fn entries_tracked(&self) -> usize {
+        MemoryStore::entries_tracked(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{FixedWindow, PolicyKind, SlidingWindowCounter, MAX_SAFE};
+
+    #[test]
+    fn clones_share_one_budget() {
+        let store = MemoryStore::new(FixedWindow::new(2, 1000).unwrap(), MemoryOptions::default());
+        let other = store.clone();
+        assert!(store.decide(1, 0, 1).unwrap().allowed);
+        assert!(other.decide(1, 0, 1).unwrap().allowed);
+        assert!(!store.decide(1, 0, 1).unwrap().allowed);
+        assert!(other.decide(2, 0, 1).unwrap().allowed);
+    }
+
+    #[test]
+    fn requests_out_of_range_are_errors() {
+        let store = MemoryStore::for_config(&crate::REFERENCE, MemoryOptions::default()).unwrap();
+        let err = store.decide(1, MAX_SAFE + 1, 1).unwrap_err();
+        assert!(err.is_invalid_input() && err.to_string().contains("now_ms"), "{err}");
+        let err = store.decide(1, 0, MAX_SAFE + 1).unwrap_err();
+        assert!(err.is_invalid_input() && err.to_string().contains("cost"), "{err}");
+        assert_eq!(store.entries_tracked(), 0);
+    }
+
+    #[test]
+    fn peeks_and_fresh_refusals_take_no_room() {
+        let store = MemoryStore::new(SlidingWindowCounter::new(5, 1000).unwrap(), MemoryOptions::default());
+        assert!(store.decide(1, 0, 0).unwrap().allowed);
+        assert!(!store.decide(2, 0, 6).unwrap().allowed);
+        assert_eq!(store.entries_tracked(), 0);
+        store.decide(3, 0, 1).unwrap();
+        assert_eq!(store.entries_tracked(), 1);
+    }
+
+    #[test]
+    fn forget_idle_keeps_every_key_that_still_counts() {
+        let store = MemoryStore::new(SlidingWindowCounter::new(5, 1000).unwrap(), MemoryOptions::default());
+        for key in 0..100 {
+            store.decide(key, 500, 1).unwrap();
+        }
+        store.decide(7, 1500, 1).unwrap();
+        // At 1999 every key still carries into the trailing window.
+        let kept = store.forget_idle(1999, usize::MAX);
+        assert_eq!((kept.scanned, kept.forgotten), (100, 0));
+        // At 2000 the keys last written in window 0 have left it; key 7,
+        // written in window 1000, still carries.
+        let swept = store.forget_idle(2000, usize::MAX);
+        assert_eq!(swept.forgotten, 99);
+        assert_eq!(store.entries_tracked(), 1);
+        assert_eq!(store.decide(7, 2000, 0).unwrap().remaining, 4);
+    }
+
+    #[test]
+    fn forget_idle_is_bounded_per_call() {
+        let options = MemoryOptions { max_keys: 1 << 20, shards: 16 };
+        let store = MemoryStore::new(FixedWindow::new(5, 10).unwrap(), options);
+        for key in 0..1600 {
+            store.decide(key, 0, 1).unwrap();
+        }
+        let first = store.forget_idle(10, 1);
+        assert!(first.scanned >= 1 && first.scanned < 1600, "{first:?}");
+        let mut total = first.forgotten;
+        for _ in 0..15 {
+            total += store.forget_idle(10, 1).forgotten;
+        }
+        assert_eq!(total, 1600);
+        assert_eq!(store.entries_tracked(), 0);
+    }
+
+    #[test]
+    fn a_full_store_refuses_new_keys_with_an_error_never_an_admit() {
+        let options = MemoryOptions { max_keys: 4, shards: 1 };
+        let store = MemoryStore::for_config(
+            &PolicyConfig::new(PolicyKind::FixedWindow, 10, 1000),
+            options,
+        )
+        .unwrap();
+        for key in 0..4 {
+            store.decide(key, 0, 1).unwrap();
+        }
+        let err = store.decide(99, 1, 1).unwrap_err();
+        assert!(err.is_capacity_exhausted(), "{err}");
+        assert!(err.to_string().contains("max_keys"), "{err}");
+        // Known keys are still decided.
+        assert!(store.decide(0, 2, 1).unwrap().allowed);
+        // Once the window has passed the full shard forgets its idle keys
+        // and takes the new one.
+        assert!(store.decide(99, 1000, 1).unwrap().allowed);
+        assert_eq!(store.entries_tracked(), 1);
+    }
+}

@@ -1,0 +1,413 @@
+//! Conformance vectors: the file format of SPEC "Vector files", parsed with
+//! errors that name the place, and run against any store.
+//!
+//! ```
+//! use ratewarden_core::vectors::{parse, run_case, CaseOutcome};
+//! use ratewarden_core::MemoryStore;
+//! let file = parse(r#"{"cases": [{"description": "one fits", "policy": "fixed-window",
+//!     "limit": 1, "window_ms": 1000, "steps": [
+//!     {"key": "a", "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0},
+//!     {"key": "a", "now_ms": 1, "cost": 1, "allowed": false, "retry_after_ms": 999, "remaining": 0}]}]}"#)
+//!     .unwrap();
+//! let case = &file.cases[0];
+//! let store = MemoryStore::for_config(&case.config, Default::default()).unwrap();
+//! let outcome = run_case(case, |key, now_ms, cost| store.decide(key, now_ms, cost));
+//! assert_eq!(outcome, CaseOutcome::Passed);
+//! ```
+
+use std::fmt;
+
+use serde_json::{Map, Value};
+
+use crate::registry::{PolicyConfig, PolicyKind};
+use crate::{mix32, Decision, StoreError, MAX_SAFE};
+
+/// A parsed vector file.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct VectorFile {
+    /// Known mix32 values.
+    pub mix32: Vec<Mix32Vector>,
+    /// Cases, each starting from an empty store.
+    pub cases: Vec<Case>,
+}
+
+/// One known mix32 value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mix32Vector {
+    /// The string hashed.
+    pub input: String,
+    /// Its mix32.
+    pub output: u32,
+}
+
+/// One case: a configuration and the steps run against a fresh store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Case {
+    /// What the case shows.
+    pub description: String,
+    /// The policy configuration (validated when parsed).
+    pub config: PolicyConfig,
+    /// The requests in order, with what each must get.
+    pub steps: Vec<Step>,
+}
+
+/// A key as a vector file writes it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum VectorKey {
+    /// An integer key, used as is.
+    Int(u64),
+    /// A string key, hashed with mix32.
+    Str(String),
+}
+
+impl VectorKey {
+    /// The integer key a store sees.
+    pub fn resolve(&self) -> u64 {
+        match self {
+            VectorKey::Int(k) => *k,
+            VectorKey::Str(s) => u64::from(mix32(s)),
+        }
+    }
+}
+
+/// What a step must get. The wait is held in 128 bits so that a file
+/// expecting more than `u64::MAX` ms reads as a mismatch, not a bad file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expected {
+    /// Admitted or refused.
+    pub allowed: bool,
+    /// `None` for `null`.
+    pub retry_after_ms: Option<u128>,
+    /// What is left.
+    pub remaining: u64,
+}
+
+impl Expected {
+    /// Whether `actual` matches in all three fields.
+    pub fn matches(&self, actual: &Decision) -> bool {
+        self.allowed == actual.allowed
+            && self.retry_after_ms == actual.retry_after_ms.map(u128::from)
+            && self.remaining == actual.remaining
+    }
+}
+
+impl From<Decision> for Expected {
+    fn from(d: Decision) -> Self {
+        Expected { allowed: d.allowed, retry_after_ms: d.retry_after_ms.map(u128::from), remaining: d.remaining }
+    }
+}
+
+/// One request of a case.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    /// The key.
+    pub key: VectorKey,
+    /// When.
+    pub now_ms: u64,
+    /// How much.
+    pub cost: u64,
+    /// What it must get.
+    pub expected: Expected,
+}
+
+/// A vector file that cannot be run, with where and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VectorError {
+    /// Where in the file, e.g. `cases[2].steps[7].now_ms`.
+    pub path: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for VectorError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", self.path, self.message)
+        }
+    }
+}
+
+impl std::error::Error for VectorError {}
+
+fn err(path: &str, message: impl Into<String>) -> VectorError {
+    VectorError { path: path.to_owned(), message: message.into() }
+}
+
+/// Parses a vector file, checking every field: a missing field, a number
+/// outside `0 ..= 2^53 - 1`, an unknown policy or an invalid configuration
+/// is an error naming its place.
+pub fn parse(text: &str) -> Result<VectorFile, VectorError> {
+    let root: Value = serde_json::from_str(text)
+        .map_err(|e| err("", format!("not valid JSON: {e}")))?;
+    let root = root.as_object().ok_or_else(|| err("", "the file must be a JSON object with \"cases\""))?;
+    let mut file = VectorFile::default();
+    if let Some(mix) = root.get("mix32") {
+        let mix = mix.as_array().ok_or_else(|| err("mix32", "must be an array"))?;
+        for (i, entry) in mix.iter().enumerate() {
+            let path = format!("mix32[{i}]");
+            let obj = object(entry, &path)?;
+            let input = string_field(obj, &path, "input")?;
+            let output = integer_field(obj, &path, "output", u64::from(u32::MAX))? as u32;
+            file.mix32.push(Mix32Vector { input, output });
+        }
+    }
+    let cases = root.get("cases").ok_or_else(|| err("", "missing field \"cases\""))?;
+    let cases = cases.as_array().ok_or_else(|| err("cases", "must be an array"))?;
+    for (i, case) in cases.iter().enumerate() {
+        file.cases.push(parse_case(case, &format!("cases[{i}]"))?);
+    }
+    Ok(file)
+}
+
+fn parse_case(value: &Value, path: &str) -> Result<Case, VectorError> {
+    let obj = object(value, path)?;
+    let description = match obj.get("description") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err(err(&format!("{path}.description"), "must be a string")),
+    };
+    let name = string_field(obj, path, "policy")?;
+    let policy: PolicyKind =
+        name.parse().map_err(|e: crate::ConfigError| err(&format!("{path}.policy"), e.to_string()))?;
+    let limit = integer_field(obj, path, "limit", MAX_SAFE)?;
+    let window_ms = integer_field(obj, path, "window_ms", MAX_SAFE)?;
+    let burst = match obj.get("burst") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(integer_field(obj, path, "burst", MAX_SAFE)?),
+    };
+    let config = PolicyConfig { policy, limit, window_ms, burst };
+    config.build().map_err(|e| err(path, e.to_string()))?;
+    let steps = obj.get("steps").ok_or_else(|| err(path, "missing field \"steps\""))?;
+    let steps = steps.as_array().ok_or_else(|| err(&format!("{path}.steps"), "must be an array"))?;
+    let steps = steps
+        .iter()
+        .enumerate()
+        .map(|(j, step)| parse_step(step, &format!("{path}.steps[{j}]")))
+        .collect::<Result<_, _>>()?;
+    Ok(Case { description, config, steps })
+}
+
+fn parse_step(value: &Value, path: &str) -> Result<Step, VectorError> {
+    let obj = object(value, path)?;
+    let key = match obj.get("key") {
+        Some(Value::String(s)) => VectorKey::Str(s.clone()),
+        Some(Value::Number(_)) => VectorKey::Int(integer_field(obj, path, "key", u64::MAX)?),
+        Some(_) => return Err(err(&format!("{path}.key"), "must be an integer or a string")),
+        None => return Err(err(path, "missing field \"key\"")),
+    };
+    let now_ms = integer_field(obj, path, "now_ms", MAX_SAFE)?;
+    let cost = integer_field(obj, path, "cost", MAX_SAFE)?;
+    let allowed = match obj.get("allowed") {
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(err(&format!("{path}.allowed"), "must be true or false")),
+        None => return Err(err(path, "missing field \"allowed\"")),
+    };
+    let retry_after_ms = match obj.get("retry_after_ms") {
+        Some(Value::Null) => None,
+        Some(Value::Number(n)) => Some(wide_integer(n).ok_or_else(|| {
+            err(&format!("{path}.retry_after_ms"), format!("must be a whole number of ms or null, found {n}"))
+        })?),
+        Some(other) => {
+            return Err(err(
+                &format!("{path}.retry_after_ms"),
+                format!("must be a whole number of ms or null, found {other}"),
+            ))
+        }
+        None => return Err(err(path, "missing field \"retry_after_ms\"")),
+    };
+    let remaining = integer_field(obj, path, "remaining", u64::MAX)?;
+    Ok(Step { key, now_ms, cost, expected: Expected { allowed, retry_after_ms, remaining } })
+}
+
+fn object<'a>(value: &'a Value, path: &str) -> Result<&'a Map<String, Value>, VectorError> {
+    value.as_object().ok_or_else(|| err(path, format!("must be an object, found {value}")))
+}
+
+fn string_field(obj: &Map<String, Value>, path: &str, field: &str) -> Result<String, VectorError> {
+    match obj.get(field) {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(other) => Err(err(&format!("{path}.{field}"), format!("must be a string, found {other}"))),
+        None => Err(err(path, format!("missing field \"{field}\""))),
+    }
+}
+
+fn integer_field(obj: &Map<String, Value>, path: &str, field: &str, max: u64) -> Result<u64, VectorError> {
+    let here = || format!("{path}.{field}");
+    match obj.get(field) {
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(v) if v <= max => Ok(v),
+            Some(v) => Err(err(&here(), format!("{v} is out of range: the largest allowed is {max}"))),
+            None => Err(err(&here(), format!("must be a whole number from 0 to {max}, found {n}"))),
+        },
+        Some(other) => Err(err(&here(), format!("must be a whole number from 0 to {max}, found {other}"))),
+        None => Err(err(path, format!("missing field \"{field}\""))),
+    }
+}
+
+/// A non-negative whole number, also above `u64::MAX` (read through f64,
+/// so exact only to 2^53 there; such a value never matches anyway).
+fn wide_integer(n: &serde_json::Number) -> Option<u128> {
+    if let Some(v) = n.as_u64() {
+        return Some(u128::from(v));
+    }
+    let f = n.as_f64()?;
+    (f >= 0.0 && f.fract() == 0.0 && f.is_finite()).then_some(f as u128)
+}
+
+/// How one case went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CaseOutcome {
+    /// Every step matched.
+    Passed,
+    /// Step `step` (0-based) got `actual` instead of `expected`.
+    Mismatch {
+        /// Index of the first failing step.
+        step: usize,
+        /// What the file expects.
+        expected: Expected,
+        /// What the store decided.
+        actual: Decision,
+    },
+    /// The store failed at step `step`.
+    StoreFailed {
+        /// Index of the step.
+        step: usize,
+        /// The store's error.
+        error: StoreError,
+    },
+}
+
+/// Runs a case's steps in order through `decide(key, now_ms, cost)`, which
+/// must start from a store holding nothing for the case; stops at the first
+/// step that differs.
+pub fn run_case(
+    case: &Case,
+    mut decide: impl FnMut(u64, u64, u64) -> Result<Decision, StoreError>,
+) -> CaseOutcome {
+    for (i, step) in case.steps.iter().enumerate() {
+        match decide(step.key.resolve(), step.now_ms, step.cost) {
+            Ok(actual) if step.expected.matches(&actual) => {}
+            Ok(actual) => return CaseOutcome::Mismatch { step: i, expected: step.expected, actual },
+            Err(error) => return CaseOutcome::StoreFailed { step: i, error },
+        }
+    }
+    CaseOutcome::Passed
+}
+
+/// Writes a vector file in the format `parse` reads, one step per line so
+/// that a change to a generated file reads well in a diff.
+pub fn write(file: &VectorFile) -> String {
+    let mut out = String::from("{\n");
+    if !file.mix32.is_empty() {
+        out.push_str("  \"mix32\": [\n");
+        let rows: Vec<String> = file
+            .mix32
+            .iter()
+            .map(|m| format!("    {{\"input\": {}, \"output\": {}}}", Value::from(m.input.clone()), m.output))
+            .collect();
+        out.push_str(&rows.join(",\n"));
+        out.push_str("\n  ],\n");
+    }
+    out.push_str("  \"cases\": [\n");
+    let cases: Vec<String> = file.cases.iter().map(write_case).collect();
+    out.push_str(&cases.join(",\n"));
+    out.push_str("\n  ]\n}\n");
+    out
+}
+
+fn write_case(case: &Case) -> String {
+    let c = &case.config;
+    let mut head = format!(
+        "    {{\"description\": {}, \"policy\": \"{}\", \"limit\": {}, \"window_ms\": {}",
+        Value::from(case.description.clone()),
+        c.policy.name(),
+        c.limit,
+        c.window_ms
+    );
+    if let Some(b) = c.burst {
+        head.push_str(&format!(", \"burst\": {b}"));
+    }
+    head.push_str(", \"steps\": [\n");
+    let steps: Vec<String> = case
+        .steps
+        .iter()
+        .map(|s| {
+            let key = match &s.key {
+                VectorKey::Int(k) => k.to_string(),
+                VectorKey::Str(k) => Value::from(k.clone()).to_string(),
+            };
+            let retry = s.expected.retry_after_ms.map_or("null".to_owned(), |r| r.to_string());
+            format!(
+                "      {{\"key\": {key}, \"now_ms\": {}, \"cost\": {}, \"allowed\": {}, \"retry_after_ms\": {retry}, \"remaining\": {}}}",
+                s.now_ms, s.cost, s.expected.allowed, s.expected.remaining
+            )
+        })
+        .collect();
+    head.push_str(&steps.join(",\n"));
+    head.push_str("\n    ]}");
+    head
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD_STEP: &str =
+        r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#;
+
+    fn case_with(fields: &str, step: &str) -> String {
+        format!(r#"{{"cases": [{{"description": "d", {fields}, "steps": [{step}]}}]}}"#)
+    }
+
+    #[test]
+    fn round_trips_through_write() {
+        let text = case_with(r#""policy": "gcra", "limit": 1, "window_ms": 10, "burst": 2"#, GOOD_STEP);
+        let file = parse(&text).unwrap();
+        assert_eq!(parse(&write(&file)).unwrap(), file);
+    }
+
+    #[test]
+    fn malformed_files_name_the_place_and_the_problem() {
+        let fw = r#""policy": "fixed-window", "limit": 1, "window_ms": 10"#;
+        let cases = [
+            ("{".to_owned(), "not valid JSON"),
+            ("[]".to_owned(), "JSON object"),
+            ("{}".to_owned(), "missing field \"cases\""),
+            (case_with(r#""policy": "leaky", "limit": 1, "window_ms": 10"#, GOOD_STEP), "cases[0].policy: unknown policy \"leaky\""),
+            (case_with(r#""policy": "fixed-window", "window_ms": 10"#, GOOD_STEP), "cases[0]: missing field \"limit\""),
+            (case_with(r#""policy": "fixed-window", "limit": 1, "window_ms": 0"#, GOOD_STEP), "window_ms is 0"),
+            (case_with(r#""policy": "fixed-window", "limit": -1, "window_ms": 10"#, GOOD_STEP), "cases[0].limit: must be a whole number"),
+            (case_with(r#""policy": "fixed-window", "limit": 1.5, "window_ms": 10"#, GOOD_STEP), "cases[0].limit: must be a whole number"),
+            (case_with(r#""policy": "fixed-window", "limit": 9007199254740992, "window_ms": 10"#, GOOD_STEP), "cases[0].limit: 9007199254740992 is out of range"),
+            (case_with(r#""policy": "sliding-log", "limit": 1, "window_ms": 10, "burst": 3"#, GOOD_STEP), "remove burst"),
+            (case_with(fw, r#"{"key": 1, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#), "cases[0].steps[0]: missing field \"now_ms\""),
+            (case_with(fw, r#"{"key": 1, "now_ms": 9007199254740992, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#), "steps[0].now_ms: 9007199254740992 is out of range"),
+            (case_with(fw, r#"{"key": 1, "now_ms": 0, "cost": "1", "allowed": true, "retry_after_ms": 0, "remaining": 0}"#), "steps[0].cost: must be a whole number"),
+            (case_with(fw, r#"{"key": true, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#), "steps[0].key: must be an integer or a string"),
+            (case_with(fw, r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": 1, "retry_after_ms": 0, "remaining": 0}"#), "steps[0].allowed: must be true or false"),
+            (case_with(fw, r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": -2, "remaining": 0}"#), "steps[0].retry_after_ms"),
+            (case_with(fw, r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "remaining": 0}"#), "missing field \"retry_after_ms\""),
+            (r#"{"mix32": [{"input": "a", "output": 4294967296}], "cases": []}"#.to_owned(), "mix32[0].output"),
+        ];
+        for (text, needle) in cases {
+            let e = parse(&text).unwrap_err().to_string();
+            assert!(e.contains(needle), "expected {needle:?} in {e:?}");
+        }
+    }
+
+    #[test]
+    fn a_huge_expected_wait_is_a_mismatch_not_a_bad_file() {
+        let step = r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": false, "retry_after_ms": 1e30, "remaining": 0}"#;
+        let file = parse(&case_with(r#""policy": "token-bucket", "limit": 1, "window_ms": 10"#, step)).unwrap();
+        let outcome = run_case(&file.cases[0], |_, _, _| Ok(Decision::refused(Some(u64::MAX), 0)));
+        assert!(matches!(outcome, CaseOutcome::Mismatch { step: 0, .. }), "{outcome:?}");
+    }
+
+    #[test]
+    fn string_keys_hash_with_mix32() {
+        assert_eq!(VectorKey::Str("hello".into()).resolve(), 0x248bfa47);
+        assert_eq!(VectorKey::Int(7).resolve(), 7);
+    }
+}

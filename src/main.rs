@@ -1,0 +1,29 @@
+//! `ratewarden`: the command-line entry point. Each subcommand lives in its
+//! own module under `cmd/`.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod cmd;
+
+/// Exact, portable rate limiting.
+#[derive(Parser)]
+#[command(name = "ratewarden", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run conformance vector files against a store.
+    Vectors(cmd::vectors::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Vectors(args) => cmd::vectors::run(args),
+    }
+}
