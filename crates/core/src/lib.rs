@@ -38,9 +38,7 @@ pub use decision::Decision;
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use key::{mix32, xxh3_64, KeyHash};
 pub use limiter::{BoxFuture, FailurePolicy, Limiter, LocalLimiter};
-pub use policy::{
-    FixedWindow, Gcra, Policy, SlidingLog, SlidingWindowCounter, TokenBucket,
-};
+pub use policy::{FixedWindow, Gcra, Policy, SlidingLog, SlidingWindowCounter, TokenBucket};
 pub use registry::{AnyPolicy, PolicyConfig, PolicyKind, REFERENCE};
 pub use store::memory::{Housekeeping, MemoryOptions, MemoryStore};
 

@@ -70,6 +70,9 @@ impl Wide {
 
     #[inline]
     pub fn new(v: u128) -> Self {
-        Wide { hi: (v >> 64) as u64, lo: v as u64 }
+        Wide {
+            hi: (v >> 64) as u64,
+            lo: v as u64,
+        }
     }
 }
