@@ -47,3 +47,8 @@ pub use store::memory::{Housekeeping, MemoryOptions, MemoryStore};
 /// It is the largest integer a IEEE-754 double holds exactly, so JSON
 /// clients, Lua scripts and JavaScript ports can carry every input unchanged.
 pub const MAX_SAFE: u64 = (1 << 53) - 1;
+
+/// The README's Rust examples, compiled and run as doctests.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
