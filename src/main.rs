@@ -19,11 +19,15 @@ struct Cli {
 enum Command {
     /// Run conformance vector files against a store.
     Vectors(cmd::vectors::Args),
+    /// Measure the Redis store: pipelined decisions/s, round trips and
+    /// server CPU per policy, beside redis-benchmark on the same server.
+    BenchRedis(cmd::bench_redis::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Vectors(args) => cmd::vectors::run(args),
+        Command::BenchRedis(args) => cmd::bench_redis::run(args),
     }
 }

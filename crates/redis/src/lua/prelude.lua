@@ -18,12 +18,6 @@ local TWO53 = 9007199254740992
 local fmod = math.fmod
 local floor = math.floor
 
--- 2^k for k = 0 .. 23, for the bit-by-bit division.
-local POW2 = {}
-do
-  local p = 1
-  for k = 0, 23 do POW2[k] = p; p = p * 2 end
-end
 
 local function corrupt(what)
   error({ err = 'RATEWARDEN_CORRUPT ' .. what .. ' under key ' .. KEYS[1] })
@@ -130,9 +124,9 @@ local function wdivmod(a, d)
     return wtrim(q), r
   end
   for i = #a, 1, -1 do
-    local limb, ql = a[i], 0
-    for k = 23, 0, -1 do
-      local p, bit = POW2[k], 0
+    local limb, ql, p = a[i], 0, 8388608
+    for _ = 23, 0, -1 do
+      local bit = 0
       if limb >= p then bit = 1; limb = limb - p end
       local t = d - r
       if r + bit >= t then
@@ -142,6 +136,7 @@ local function wdivmod(a, d)
         r = r + r + bit
         ql = ql + ql
       end
+      p = p / 2
     end
     q[i] = ql
   end
