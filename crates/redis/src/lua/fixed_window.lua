@@ -37,8 +37,9 @@ end
 
 -- Forgettable one window after its start.
 local ttl = ttl_after(start - NOW, W)
-save(existed, ttl, function(px)
-  redis.call('HSET', key, 'w', string.format('%.0f', start), 'c', string.format('%.0f', current))
+local px = keep_for(existed, ttl)
+if px then
+  redis.call('HSET', key, 'w', start, 'c', current)
   redis.call('PEXPIRE', key, px)
-end)
+end
 return result
