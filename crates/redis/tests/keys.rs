@@ -75,3 +75,25 @@ fn prefixes_that_would_run_together_stay_apart() {
         assert_eq!(c.decide(7, Some(0), 1).await.unwrap().remaining, 1);
     });
 }
+
+#[test]
+fn a_batch_spanning_every_node_decides_as_single_calls_do() {
+    let cluster = RedisCluster::start();
+    let rt = common::runtime();
+    let config = PolicyConfig::new(PolicyKind::SlidingWindowCounter, 3, 1000);
+    rt.block_on(async {
+        let batched = common::store(&cluster.url(), config, "batch").await;
+        let single = common::store(&cluster.url(), config, "single").await;
+        // 200 keys spread over all masters, each asked 4 times in one batch.
+        let requests: Vec<(u64, u64)> = (0..800).map(|i| (i % 200, 1)).collect();
+        let results = batched.decide_many(&requests, Some(5_000)).await.unwrap();
+        for (&(key, cost), result) in requests.iter().zip(results) {
+            let expected = single.decide(key, Some(5_000), cost).await.unwrap();
+            assert_eq!(result.unwrap(), expected, "key {key}");
+        }
+        let too_many = vec![(1, 1); ratewarden_redis::MAX_BATCH + 1];
+        let err = batched.decide_many(&too_many, None).await.unwrap_err();
+        assert!(err.is_invalid_input(), "{err}");
+    });
+    assert_eq!(cluster.keys_without_ttl(), Vec::<String>::new());
+}
