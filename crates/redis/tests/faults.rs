@@ -224,6 +224,7 @@ fn sigstop_never_blocks_a_call_past_the_timeout() {
     rt.block_on(until_redis_answers(&limiter));
     let after = rt.block_on(load(&limiter, Instant::now() + Duration::from_millis(300)));
     assert!(mostly_answered(after), "{after:?}");
+    assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
 }
 
 #[test]
