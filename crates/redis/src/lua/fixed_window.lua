@@ -15,7 +15,8 @@ end
 
 -- Clock regression: a request from before the recorded window is decided
 -- at its start, so a clock that steps back never resets it.
-local now = math.max(NOW, start)
+local now = NOW
+if start > now then now = start end
 local window = now - fmod(now, W)
 if window ~= start then
   current = 0

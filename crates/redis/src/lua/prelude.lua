@@ -26,7 +26,8 @@ end
 -- An integer in 0 .. 2^53 - 1 read from the store, or a corrupt-state error.
 local function int_field(v, name)
   local n = tonumber(v)
-  if n == nil or n < 0 or n >= TWO53 or n ~= floor(n) then
+  -- n % 1 is exact for doubles (n - floor(n)); an operator, not a call.
+  if n == nil or n < 0 or n >= TWO53 or n % 1 ~= 0 then
     corrupt('field ' .. name .. ' is not an integer in 0..2^53-1 (' .. tostring(v) .. ')')
   end
   return n

@@ -18,7 +18,8 @@ end
 
 -- Clock regression: decided at the recorded window start, never rolling
 -- the windows back.
-local now = math.max(NOW, start)
+local now = NOW
+if start > now then now = start end
 local window = now - fmod(now, W)
 if window ~= start then
   -- Only the window just before this one carries. window > start here, so
