@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod measure;
 
 /// Exact, portable rate limiting.
 #[derive(Parser)]
@@ -19,11 +20,21 @@ struct Cli {
 enum Command {
     /// Run conformance vector files against a store.
     Vectors(cmd::vectors::Args),
+    /// Measure speed, memory and accuracy of every policy, beside governor.
+    Bench(cmd::bench::Args),
+    /// Draw how policies answer a traffic shape (SVG chart, CSV series).
+    Simulate(cmd::simulate::Args),
+    /// Measure one contender's memory in a fresh process (used by `bench`).
+    #[command(hide = true)]
+    BenchMemory(cmd::bench::MemoryArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Vectors(args) => cmd::vectors::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
+        Command::Simulate(args) => cmd::simulate::run(args),
+        Command::BenchMemory(args) => cmd::bench::run_memory(args),
     }
 }
