@@ -117,22 +117,22 @@ const PALETTE: [RGBColor; 5] = [
 ];
 
 fn draw(out: &Path, shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<()> {
-    let top = runs
-        .iter()
-        .flat_map(|r| r.points.iter())
-        .map(|p| {
-            p.offered_per_window
-                .max(p.admitted_per_window)
-                .max(p.trailing_count as f64)
-        })
-        .fold(args.limit as f64, f64::max)
+    let points = || runs.iter().flat_map(|r| r.points.iter());
+    let rate_top = points()
+        .map(|p| p.offered_per_sec.max(p.admitted_per_sec))
+        .fold(1.0, f64::max)
         * 1.1;
+    let count_top = points()
+        .map(|p| p.trailing_count as f64)
+        .fold(args.limit as f64, f64::max)
+        .max(1.0)
+        * 1.25;
     let end_ms = args.duration_ms as f64;
-    let root = SVGBackend::new(out, (1200, 700)).into_drawing_area();
+    let root = SVGBackend::new(out, (1200, 720)).into_drawing_area();
     let result = (|| -> Result<(), Box<dyn std::error::Error>> {
         root.fill(&WHITE)?;
         let caption = format!(
-            "{}: limit {} per {} ms, seed {} (rates in {} ms buckets)",
+            "{}: limit {} per {} ms, seed {}; rates in {} ms buckets",
             shape, args.limit, args.window_ms, args.seed, bucket_ms
         );
         let mut chart = ChartBuilder::on(&root)
@@ -140,29 +140,31 @@ fn draw(out: &Path, shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> 
             .margin(15)
             .x_label_area_size(50)
             .y_label_area_size(80)
-            .build_cartesian_2d(0f64..end_ms, 0f64..top.max(1.0))?;
+            .right_y_label_area_size(80)
+            .build_cartesian_2d(0f64..end_ms, 0f64..rate_top)?
+            .set_secondary_coord(0f64..end_ms, 0f64..count_top);
         chart
             .configure_mesh()
             .x_desc("time (ms)")
-            .y_desc(format!("requests per {} ms window", args.window_ms))
+            .y_desc("offered and admitted rate (requests/s), solid")
             .label_style(("sans-serif", 15))
             .draw()?;
-        let limit = args.limit as f64;
         chart
-            .draw_series(LineSeries::new(
-                [(0.0, limit), (end_ms, limit)],
-                BLACK.stroke_width(2),
-            ))?
-            .label(format!("limit ({})", args.limit))
-            .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(2)));
+            .configure_secondary_axes()
+            .y_desc(format!(
+                "admitted in the trailing {} ms (requests), dashed",
+                args.window_ms
+            ))
+            .label_style(("sans-serif", 15))
+            .draw()?;
+        let grey = RGBColor(0x99, 0x99, 0x99);
         if let Some(first) = runs.first() {
-            let grey = RGBColor(0x99, 0x99, 0x99);
             chart
                 .draw_series(LineSeries::new(
                     first
                         .points
                         .iter()
-                        .map(|p| (p.start_ms as f64, p.offered_per_window)),
+                        .map(|p| (p.start_ms as f64, p.offered_per_sec)),
                     grey.stroke_width(1),
                 ))?
                 .label("offered rate")
@@ -170,37 +172,47 @@ fn draw(out: &Path, shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> 
                     PathElement::new([(x, y), (x + 20, y)], grey.stroke_width(1))
                 });
         }
+        let limit = args.limit as f64;
+        chart
+            .draw_secondary_series(DashedLineSeries::new(
+                [(0.0, limit), (end_ms, limit)],
+                3,
+                3,
+                BLACK.stroke_width(2),
+            ))?
+            .label(format!("limit: {} per {} ms", args.limit, args.window_ms))
+            .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(2)));
         for (i, run) in runs.iter().enumerate() {
             let color = PALETTE[i % PALETTE.len()];
+            // Earlier policies are drawn wider, so a policy that decides
+            // exactly like another still shows under it.
+            let width = 2 * (runs.len() - i) as u32;
             chart
                 .draw_series(LineSeries::new(
                     run.points
                         .iter()
-                        .map(|p| (p.start_ms as f64, p.admitted_per_window)),
-                    color.stroke_width(2),
+                        .map(|p| (p.start_ms as f64, p.admitted_per_sec)),
+                    color.stroke_width(width),
                 ))?
                 .label(format!("{}: admitted rate", run.kind))
                 .legend(move |(x, y)| {
-                    PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2))
+                    PathElement::new([(x, y), (x + 20, y)], color.stroke_width(3))
                 });
             chart
-                .draw_series(DashedLineSeries::new(
+                .draw_secondary_series(DashedLineSeries::new(
                     run.points
                         .iter()
                         .map(|p| (p.start_ms as f64, p.trailing_count as f64)),
-                    6,
+                    8,
                     4,
-                    color.stroke_width(2),
+                    color.stroke_width(width),
                 ))?
                 .label(format!(
-                    "{}: admitted in trailing window (busiest key)",
+                    "{}: admitted in trailing window, busiest key",
                     run.kind
                 ))
                 .legend(move |(x, y)| {
-                    PathElement::new(
-                        [(x, y), (x + 6, y), (x + 10, y), (x + 16, y)],
-                        color.stroke_width(1),
-                    )
+                    PathElement::new([(x, y), (x + 7, y)], color.stroke_width(3))
                 });
         }
         chart
@@ -225,7 +237,7 @@ fn write_csv(path: &Path, args: &Args, runs: &[Run]) -> Result<()> {
     let mut w = std::io::BufWriter::new(file);
     writeln!(
         w,
-        "policy,start_ms,offered_per_window,admitted_per_window,trailing_count,limit"
+        "policy,start_ms,offered_per_sec,admitted_per_sec,trailing_count,limit"
     )?;
     for run in runs {
         for p in &run.points {
@@ -234,8 +246,8 @@ fn write_csv(path: &Path, args: &Args, runs: &[Run]) -> Result<()> {
                 "{},{},{},{},{},{}",
                 run.kind,
                 p.start_ms,
-                p.offered_per_window,
-                p.admitted_per_window,
+                p.offered_per_sec,
+                p.admitted_per_sec,
                 p.trailing_count,
                 args.limit
             )?;

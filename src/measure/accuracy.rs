@@ -127,10 +127,10 @@ pub fn max_in_window(requests: &[Request], admitted: &[bool], window_ms: u64) ->
 pub struct Point {
     /// The bucket's start.
     pub start_ms: u64,
-    /// Requests offered in the bucket, as a rate per `window_ms`.
-    pub offered_per_window: f64,
-    /// Requests admitted in the bucket, as a rate per `window_ms`.
-    pub admitted_per_window: f64,
+    /// Requests offered in the bucket, as a rate per second.
+    pub offered_per_sec: f64,
+    /// Requests admitted in the bucket, as a rate per second.
+    pub admitted_per_sec: f64,
     /// The highest count of admitted requests of the busiest key in the
     /// trailing `window_ms`, over the bucket.
     pub trailing_count: u64,
@@ -147,12 +147,12 @@ pub fn series(
     bucket_ms: u64,
 ) -> Vec<Point> {
     let buckets = duration_ms.div_ceil(bucket_ms) as usize;
-    let scale = window_ms as f64 / bucket_ms as f64;
+    let scale = 1000.0 / bucket_ms as f64;
     let mut points: Vec<Point> = (0..buckets)
         .map(|i| Point {
             start_ms: i as u64 * bucket_ms,
-            offered_per_window: 0.0,
-            admitted_per_window: 0.0,
+            offered_per_sec: 0.0,
+            admitted_per_sec: 0.0,
             trailing_count: 0,
         })
         .collect();
@@ -162,9 +162,9 @@ pub fn series(
         let Some(point) = points.get_mut((r.at_ms / bucket_ms) as usize) else {
             continue;
         };
-        point.offered_per_window += scale;
+        point.offered_per_sec += scale;
         if a {
-            point.admitted_per_window += scale;
+            point.admitted_per_sec += scale;
         }
         if a && Some(r.key) == busiest {
             while trailing.front().is_some_and(|&t| r.at_ms - t >= window_ms) {
@@ -279,8 +279,9 @@ mod tests {
             .to_vec();
         let points = series(&requests, &[true, false, true, true], 10, 20, 10);
         assert_eq!(points.len(), 2);
-        assert_eq!(points[0].offered_per_window, 3.0);
-        assert_eq!(points[0].admitted_per_window, 2.0);
+        // Three offered and two admitted in 10 ms: 300 and 200 per second.
+        assert_eq!(points[0].offered_per_sec, 300.0);
+        assert_eq!(points[0].admitted_per_sec, 200.0);
         assert_eq!(points[0].trailing_count, 2);
         // At 12 the admission at 0 has left the window (12 - 0 >= 10).
         assert_eq!(points[1].trailing_count, 2);
