@@ -1,7 +1,7 @@
 //! `gcra`: the token bucket held as one integer, the theoretical arrival
 //! time.
 
-use super::{Policy, Wide};
+use super::{div, div_ceil, Policy, Wide};
 use crate::decision::saturate_ms;
 use crate::registry::{check_burst, check_limit, check_window};
 use crate::{ConfigError, Decision};
@@ -69,11 +69,11 @@ impl Policy for Gcra {
         let need = u128::from(cost) * w;
         if spent + need <= capacity {
             s.tat = Wide::new(base + need);
-            return Decision::admitted(((capacity - spent - need) / w) as u64);
+            return Decision::admitted(div(capacity - spent - need, w) as u64);
         }
-        let remaining = (capacity.saturating_sub(spent) / w) as u64;
+        let remaining = div(capacity.saturating_sub(spent), w) as u64;
         let retry = (cost <= self.burst && self.limit > 0)
-            .then(|| saturate_ms((spent + need - capacity).div_ceil(u128::from(self.limit))));
+            .then(|| saturate_ms(div_ceil(spent + need - capacity, u128::from(self.limit))));
         Decision::refused(retry, remaining)
     }
 

@@ -1,7 +1,7 @@
 //! `sliding-window-counter`: the current and previous aligned windows, the
 //! previous one fading out linearly as the current one fills.
 
-use super::{mul_div, Policy};
+use super::{mul_div, window_start, Policy};
 use crate::registry::{check_limit, check_window};
 use crate::{ConfigError, Decision};
 
@@ -101,7 +101,7 @@ impl Policy for SlidingWindowCounter {
         // Clock regression: decided at the recorded window start, never
         // rolling the windows back.
         let now = now_ms.max(s.window_start_ms);
-        let window = now - now % self.window_ms;
+        let window = window_start(now, s.window_start_ms, self.window_ms);
         if window != s.window_start_ms {
             // Only the window just before this one carries; a gap of two
             // windows or more has left the trailing window entirely.

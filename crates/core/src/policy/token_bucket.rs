@@ -1,7 +1,7 @@
 //! `token-bucket`: a bucket of `burst` tokens refilled continuously at
 //! `limit` per `window_ms`.
 
-use super::{Policy, Wide};
+use super::{div, div_ceil, Policy, Wide};
 use crate::decision::saturate_ms;
 use crate::registry::{check_burst, check_limit, check_window};
 use crate::{ConfigError, Decision};
@@ -76,14 +76,14 @@ impl Policy for TokenBucket {
         if level >= need {
             level -= need;
             s.level = Wide::new(level);
-            return Decision::admitted((level / w) as u64);
+            return Decision::admitted(div(level, w) as u64);
         }
         s.level = Wide::new(level);
         let retry = (cost <= self.burst && self.limit > 0).then(|| {
-            let wait = (need - level).div_ceil(u128::from(self.limit));
+            let wait = div_ceil(need - level, u128::from(self.limit));
             saturate_ms(wait + u128::from(now - now_ms))
         });
-        Decision::refused(retry, (level / w) as u64)
+        Decision::refused(retry, div(level, w) as u64)
     }
 
     fn is_forgettable(&self, s: &TokenBucketState, now_ms: u64) -> bool {
