@@ -5,7 +5,6 @@ use std::process::ExitCode;
 
 use anyhow::{ensure, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use ratewarden_core::policy::Policy;
 use ratewarden_core::{
     FixedWindow, Gcra, PolicyKind, SlidingLog, SlidingWindowCounter, TokenBucket,
 };
@@ -131,125 +130,156 @@ impl Sequences {
     }
 }
 
-fn speed_row(policy: &str, workload: &str, ns: f64, threads: usize, entries: usize) -> Row {
-    Row {
-        policy: policy.to_owned(),
-        workload: workload.to_owned(),
-        ns_per_decision: Some(ns),
-        decisions_per_sec: Some(1e9 / ns),
-        threads: Some(threads),
-        entries_tracked: Some(entries),
-        ..Row::default()
+/// One contender of the speed table: a fresh instance for `hot-key` and
+/// one holding every key for the `*-1m` workloads.
+struct Entry<C: Contender> {
+    name: &'static str,
+    hot: C,
+    big: C,
+    /// How to run the threaded workload, for contenders that can be shared.
+    threads: Option<ThreadedRun<C>>,
+}
+
+/// Runs one sequence per thread on a shared contender; see [`run_threads`].
+type ThreadedRun<C> = fn(&C, &[Vec<u64>]) -> f64;
+
+/// The speed workloads, named as in the table.
+const WORKLOADS: [&str; 4] = ["hot-key", "uniform-1m", "zipf-1m", "uniform-1m-threads"];
+
+/// A contender seen through one type, so that repetitions can go round
+/// every contender in turn; each call runs a whole, statically dispatched
+/// loop.
+trait Runner {
+    fn name(&self) -> &'static str;
+    /// Nanoseconds per decision of one repetition of `workload`, or `None`
+    /// when the contender does not run it.
+    fn run(&self, workload: &str, seq: &Sequences) -> Option<f64>;
+    fn entries_tracked(&self, workload: &str) -> usize;
+}
+
+impl<C: Contender> Runner for Entry<C> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn run(&self, workload: &str, seq: &Sequences) -> Option<f64> {
+        match workload {
+            "hot-key" => Some(run_single(&self.hot, &seq.hot)),
+            "uniform-1m" => Some(run_single(&self.big, &seq.uniform)),
+            "zipf-1m" => Some(run_single(&self.big, &seq.zipf)),
+            _ => self.threads.map(|run| run(&self.big, &seq.per_thread)),
+        }
+    }
+
+    fn entries_tracked(&self, workload: &str) -> usize {
+        if workload == "hot-key" {
+            self.hot.entries_tracked()
+        } else {
+            self.big.entries_tracked()
+        }
     }
 }
 
-fn repeat(reps: usize, mut once: impl FnMut() -> f64) -> f64 {
-    let mut samples: Vec<f64> = (0..reps).map(|_| once()).collect();
-    median(&mut samples)
-}
-
-/// The single-threaded rows of one contender: `hot-key` on a fresh
-/// instance, then `uniform-1m` and `zipf-1m` on one holding every key.
-fn single_rows<C: Contender>(
-    name: &str,
-    make: &impl Fn() -> C,
-    plan: &Plan,
+fn entry<C: Contender + Sync + 'static>(
+    name: &'static str,
+    make: impl Fn() -> C,
     seq: &Sequences,
-    bar: &ProgressBar,
-) -> (Vec<Row>, C) {
-    let mut rows = Vec::new();
-    let hot = make();
-    let ns = repeat(plan.reps, || run_single(&hot, &seq.hot));
-    rows.push(speed_row(name, "hot-key", ns, 1, hot.entries_tracked()));
-    drop(hot);
-    bar.inc(1);
+) -> Box<dyn Runner> {
     let big = make();
     insert_all(&big, &seq.keys);
-    let ns = repeat(plan.reps, || run_single(&big, &seq.uniform));
-    rows.push(speed_row(name, "uniform-1m", ns, 1, big.entries_tracked()));
-    bar.inc(1);
-    let ns = repeat(plan.reps, || run_single(&big, &seq.zipf));
-    rows.push(speed_row(name, "zipf-1m", ns, 1, big.entries_tracked()));
-    bar.inc(1);
-    (rows, big)
-}
-
-/// Every speed row of one contender that can be shared between threads.
-fn shared_rows<C: Contender + Sync>(
-    name: &str,
-    make: impl Fn() -> C,
-    plan: &Plan,
-    seq: &Sequences,
-    bar: &ProgressBar,
-) -> Vec<Row> {
-    let (mut rows, big) = single_rows(name, &make, plan, seq, bar);
-    let ns = repeat(plan.reps, || run_threads(&big, &seq.per_thread));
-    rows.push(speed_row(
+    Box::new(Entry {
         name,
-        "uniform-1m-threads",
-        ns,
-        plan.threads,
-        big.entries_tracked(),
-    ));
-    bar.inc(1);
-    rows
-}
-
-fn policy_rows<P: Policy + Copy>(
-    kind: PolicyKind,
-    policy: P,
-    plan: &Plan,
-    seq: &Sequences,
-    bar: &ProgressBar,
-) -> Vec<Row> {
-    // Twice the key count: room for every key, never near the bound.
-    let max_keys = plan.keys * 2;
-    shared_rows(kind.name(), || Store::new(policy, max_keys), plan, seq, bar)
+        hot: make(),
+        big,
+        threads: Some(run_threads::<C>),
+    })
 }
 
 fn speed_rows(plan: &Plan, seq: &Sequences, bar: &ProgressBar) -> Result<Vec<Row>> {
     let (l, w) = (REFERENCE_LIMIT, REFERENCE_WINDOW_MS);
-    let mut rows = Vec::new();
-    use PolicyKind as K;
-    rows.extend(policy_rows(
-        K::FixedWindow,
-        FixedWindow::new(l, w)?,
-        plan,
-        seq,
-        bar,
-    ));
-    rows.extend(policy_rows(
-        K::SlidingWindowCounter,
-        SlidingWindowCounter::new(l, w)?,
-        plan,
-        seq,
-        bar,
-    ));
-    rows.extend(policy_rows(
-        K::SlidingLog,
-        SlidingLog::new(l, w)?,
-        plan,
-        seq,
-        bar,
-    ));
-    rows.extend(policy_rows(
-        K::TokenBucket,
-        TokenBucket::new(l, w, None)?,
-        plan,
-        seq,
-        bar,
-    ));
-    rows.extend(policy_rows(K::Gcra, Gcra::new(l, w, None)?, plan, seq, bar));
+    // Twice the key count: room for every key, never near the bound.
+    let max_keys = plan.keys * 2;
+    let fixed = FixedWindow::new(l, w)?;
+    let counter = SlidingWindowCounter::new(l, w)?;
+    let log = SlidingLog::new(l, w)?;
+    let bucket = TokenBucket::new(l, w, None)?;
+    let gcra = Gcra::new(l, w, None)?;
     Governor::new(l as u32, w)?;
-    rows.extend(shared_rows(
-        "governor",
-        || Governor::new(l as u32, w).expect("checked above"),
-        plan,
-        seq,
-        bar,
-    ));
-    let (baseline, _) = single_rows("baseline-hashmap", &|| Baseline::new(l, w), plan, seq, bar);
-    rows.extend(baseline);
+    let runners: Vec<Box<dyn Runner>> = vec![
+        entry(
+            PolicyKind::FixedWindow.name(),
+            || Store::new(fixed, max_keys),
+            seq,
+        ),
+        entry(
+            PolicyKind::SlidingWindowCounter.name(),
+            || Store::new(counter, max_keys),
+            seq,
+        ),
+        entry(
+            PolicyKind::SlidingLog.name(),
+            || Store::new(log, max_keys),
+            seq,
+        ),
+        entry(
+            PolicyKind::TokenBucket.name(),
+            || Store::new(bucket, max_keys),
+            seq,
+        ),
+        entry(PolicyKind::Gcra.name(), || Store::new(gcra, max_keys), seq),
+        entry(
+            "governor",
+            || Governor::new(l as u32, w).expect("checked above"),
+            seq,
+        ),
+        {
+            let big = Baseline::new(l, w);
+            insert_all(&big, &seq.keys);
+            Box::new(Entry {
+                name: "baseline-hashmap",
+                hot: Baseline::new(l, w),
+                big,
+                threads: None,
+            })
+        },
+    ];
+    bar.inc(1);
+    // Repetitions go round every contender in turn, so a slow spell of the
+    // machine falls on all of them alike rather than on one.
+    let mut samples = vec![vec![Vec::new(); WORKLOADS.len()]; runners.len()];
+    for _ in 0..plan.reps {
+        for (w, workload) in WORKLOADS.iter().enumerate() {
+            for (r, runner) in runners.iter().enumerate() {
+                if let Some(ns) = runner.run(workload, seq) {
+                    samples[r][w].push(ns);
+                }
+            }
+        }
+        bar.inc(1);
+    }
+    let mut rows = Vec::new();
+    for (r, runner) in runners.iter().enumerate() {
+        for (w, workload) in WORKLOADS.iter().enumerate() {
+            if samples[r][w].is_empty() {
+                continue;
+            }
+            let ns = median(&mut samples[r][w]);
+            let threads = if *workload == "uniform-1m-threads" {
+                plan.threads
+            } else {
+                1
+            };
+            rows.push(Row {
+                policy: runner.name().to_owned(),
+                workload: (*workload).to_owned(),
+                ns_per_decision: Some(ns),
+                decisions_per_sec: Some(1e9 / ns),
+                threads: Some(threads),
+                entries_tracked: Some(runner.entries_tracked(workload)),
+                ..Row::default()
+            });
+        }
+    }
     Ok(rows)
 }
 
@@ -374,7 +404,31 @@ fn fmt_opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"))
 }
 
-fn print_table(rows: &[Row], targets: &[Target], plan: &Plan) {
+/// The machine, as the table's first line names it: cores, CPU model
+/// and the load average when the run started (other work on the machine
+/// slows every contender and the threaded rows most).
+fn machine(load_at_start: &str) -> String {
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, m)| m.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".to_owned());
+    format!("{cores} cores, {model}, load average at start {load_at_start}")
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".to_owned())
+}
+
+fn print_table(rows: &[Row], targets: &[Target], plan: &Plan, load_at_start: &str) {
+    println!("machine: {}", machine(load_at_start));
     println!(
         "speed and memory: reference configuration (100 per 1000 ms), {} keys, {} decisions x {} repetitions \
          (median); supplied time for every contender (an atomic millisecond counter, governor through \
@@ -446,14 +500,14 @@ fn print_table(rows: &[Row], targets: &[Target], plan: &Plan) {
 
 fn bench(args: &Args) -> Result<()> {
     let plan = Plan::from_args(args)?;
+    let load_at_start = load_average();
     let contenders: Vec<&str> = PolicyKind::ALL
         .iter()
         .map(|k| k.name())
         .chain(["governor"])
         .collect();
-    // 7 contenders x 3 single-thread rows, 6 threaded rows, the memory
-    // processes, the shapes.
-    let steps = 7 * 3 + 6 + contenders.len() + Shape::ALL.len();
+    // Setting up, the repetitions, the memory processes, the shapes.
+    let steps = 1 + plan.reps + contenders.len() + Shape::ALL.len();
     let bar = ProgressBar::new(steps as u64);
     bar.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} {msg}")
@@ -495,7 +549,7 @@ fn bench(args: &Args) -> Result<()> {
             );
         }
     } else {
-        print_table(&rows, &targets, &plan);
+        print_table(&rows, &targets, &plan, &load_at_start);
     }
     Ok(())
 }
