@@ -118,15 +118,16 @@ const PALETTE: [RGBColor; 5] = [
 
 fn draw(out: &Path, shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<()> {
     let points = || runs.iter().flat_map(|r| r.points.iter());
+    // Headroom above the highest line keeps the legend clear of the data.
     let rate_top = points()
         .map(|p| p.offered_per_sec.max(p.admitted_per_sec))
         .fold(1.0, f64::max)
-        * 1.1;
+        * 1.7;
     let count_top = points()
         .map(|p| p.trailing_count as f64)
         .fold(args.limit as f64, f64::max)
         .max(1.0)
-        * 1.25;
+        * 1.9;
     let end_ms = args.duration_ms as f64;
     let root = SVGBackend::new(out, (1200, 720)).into_drawing_area();
     let result = (|| -> Result<(), Box<dyn std::error::Error>> {
