@@ -71,14 +71,50 @@ pub(crate) fn div(n: u128, d: u128) -> u128 {
     }
 }
 
-/// `n / d`, rounded up, as [`div`] does it.
-#[inline]
-pub(crate) fn div_ceil(n: u128, d: u128) -> u128 {
-    let q = div(n, d);
-    if q * d < n {
-        q + 1
-    } else {
-        q
+/// A divisor fixed at construction (a policy's window or limit), with its
+/// reciprocal worked out once so that dividing by it is a multiplication.
+///
+/// For `2 <= d < 2^32` and any `n < 2^32`, `floor(n / d)` equals
+/// `floor(n * ceil(2^64 / d) / 2^64)` (Lemire, Kaser and Kurz, "Faster
+/// remainder by direct computation", 2019, theorem 1 with 64 fractional
+/// bits); other operands take [`div`]. The quotient is the same either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Divisor {
+    d: u64,
+    /// `ceil(2^64 / d)` when `2 <= d < 2^32`, else 0.
+    reciprocal: u64,
+}
+
+impl Divisor {
+    pub(crate) fn new(d: u64) -> Divisor {
+        let reciprocal = if (2..=u64::from(u32::MAX)).contains(&d) {
+            // At most 2^63 for d >= 2, so it fits in 64 bits.
+            ((1u128 << 64).div_ceil(u128::from(d))) as u64
+        } else {
+            0
+        };
+        Divisor { d, reciprocal }
+    }
+
+    /// `n / d`, floored.
+    #[inline]
+    pub(crate) fn div(self, n: u128) -> u128 {
+        if self.reciprocal != 0 && n <= u128::from(u32::MAX) {
+            (u128::from(self.reciprocal) * n) >> 64
+        } else {
+            div(n, u128::from(self.d))
+        }
+    }
+
+    /// `n / d`, rounded up.
+    #[inline]
+    pub(crate) fn div_ceil(self, n: u128) -> u128 {
+        let q = self.div(n);
+        if q * u128::from(self.d) < n {
+            q + 1
+        } else {
+            q
+        }
     }
 }
 
@@ -163,12 +199,48 @@ mod narrow_division_tests {
         ]
     }
 
+    #[test]
+    fn a_divisor_is_exact_at_the_edges_of_32_bits() {
+        // The theorem's worst cases: the largest numerators, for divisors
+        // near powers of two and the largest 32-bit divisors.
+        let top = u128::from(u32::MAX);
+        for d in [
+            2,
+            3,
+            7,
+            641,
+            1000,
+            65_535,
+            65_537,
+            (1 << 31) - 1,
+            1 << 31,
+            u32::MAX as u64,
+        ] {
+            let divisor = Divisor::new(d);
+            for n in (top - 2000..=top).chain(0..2000) {
+                assert_eq!(divisor.div(n), n / u128::from(d), "{n} / {d}");
+            }
+        }
+    }
+
     proptest! {
         #[test]
         fn narrow_division_equals_128_bit_division(n in wide(), d in wide()) {
             prop_assume!(d > 0);
             prop_assert_eq!(div(n, d), n / d);
-            prop_assert_eq!(div_ceil(n, d), n.div_ceil(d));
+        }
+
+        #[test]
+        fn a_divisor_divides_as_128_bit_division_does(n in wide(), d in prop_oneof![
+            1u64..=4096,
+            Just(u64::from(u32::MAX)),
+            Just(u64::from(u32::MAX) + 1),
+            any::<u32>().prop_map(|d| u64::from(d.max(1))),
+            any::<u64>().prop_map(|d| d.max(1)),
+        ]) {
+            let divisor = Divisor::new(d);
+            prop_assert_eq!(divisor.div(n), n / u128::from(d));
+            prop_assert_eq!(divisor.div_ceil(n), n.div_ceil(u128::from(d)));
         }
 
         #[test]
