@@ -51,7 +51,8 @@ pub trait Policy: Send + Sync + 'static {
 /// quotient fits (the callers guarantee it).
 #[inline]
 pub(crate) fn mul_div(a: u64, b: u64, c: u64) -> u64 {
-    div(u128::from(a) * u128::from(b), u128::from(c)) as u64
+    // `c` is a count in its only caller: small, and different each call.
+    div_by_small(u128::from(a) * u128::from(b), c) as u64
 }
 
 /// `n / d`, floored, with the narrowest hardware division that holds both.
@@ -115,6 +116,34 @@ impl Divisor {
         } else {
             q
         }
+    }
+}
+
+/// The largest divisor [`div_by_small`] finds in its table.
+const SMALL_DIVISORS: usize = 1024;
+
+/// `ceil(2^64 / d)` for every `d` in `2..=SMALL_DIVISORS` (index `d`),
+/// worked out at compile time; entries 0 and 1 are unused.
+static SMALL_RECIPROCALS: [u64; SMALL_DIVISORS + 1] = {
+    let mut table = [0u64; SMALL_DIVISORS + 1];
+    let mut d = 2;
+    while d <= SMALL_DIVISORS {
+        table[d] = ((1u128 << 64).div_ceil(d as u128)) as u64;
+        d += 1;
+    }
+    table
+};
+
+/// `n / d`, floored, for a divisor that changes from call to call (a
+/// count): small divisors multiply by a reciprocal from a table (exact for
+/// `n < 2^32`, as for [`Divisor`]); others take [`div`].
+#[inline]
+pub(crate) fn div_by_small(n: u128, d: u64) -> u128 {
+    match SMALL_RECIPROCALS.get(d as usize) {
+        Some(&reciprocal) if reciprocal != 0 && n <= u128::from(u32::MAX) => {
+            (u128::from(reciprocal) * n) >> 64
+        }
+        _ => div(n, u128::from(d)),
     }
 }
 
@@ -219,6 +248,13 @@ mod narrow_division_tests {
             let divisor = Divisor::new(d);
             for n in (top - 2000..=top).chain(0..2000) {
                 assert_eq!(divisor.div(n), n / u128::from(d), "{n} / {d}");
+                assert_eq!(div_by_small(n, d), n / u128::from(d), "{n} / {d}");
+            }
+        }
+        // Every divisor of the table, at the largest numerators.
+        for d in 1..=SMALL_DIVISORS as u64 + 1 {
+            for n in [top, top - 1, top - u128::from(d), u128::from(d) * 1000 - 1] {
+                assert_eq!(div_by_small(n, d), n / u128::from(d), "{n} / {d}");
             }
         }
     }
@@ -240,6 +276,7 @@ mod narrow_division_tests {
         ]) {
             let divisor = Divisor::new(d);
             prop_assert_eq!(divisor.div(n), n / u128::from(d));
+            prop_assert_eq!(div_by_small(n, d), n / u128::from(d));
             prop_assert_eq!(divisor.div_ceil(n), n.div_ceil(u128::from(d)));
         }
 
