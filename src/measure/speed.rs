@@ -153,15 +153,23 @@ impl Contender for Baseline {
     fn check(&self, key: u64) -> bool {
         let now = self.now_ms.get();
         let w = self.window_ms;
-        let window = now - now % w;
         let mut map = self.map.borrow_mut();
-        let e = map.entry(key).or_insert((window, 0, 0));
-        if e.0 != window {
+        let e = map.entry(key).or_insert_with(|| (now - now % w, 0, 0));
+        // The floor should be as fast as the formula allows: most requests
+        // fall in the recorded window, which needs no division to find.
+        if now - e.0 >= w {
+            let window = now - now % w;
             e.1 = if window == e.0 + w { e.2 } else { 0 };
             e.2 = 0;
             e.0 = window;
         }
-        let carried = u64::from(e.1) * (w - (now - window)) / w;
+        let weight = w - (now - e.0);
+        // 32-bit division when the operands fit (they do in the reference
+        // configuration), as the store's policies do.
+        let carried = match (u32::try_from(u64::from(e.1) * weight), u32::try_from(w)) {
+            (Ok(n), Ok(d)) => u64::from(n / d),
+            _ => u64::from(e.1) * weight / w,
+        };
         if carried + u64::from(e.2) < self.limit {
             e.2 += 1;
             true
