@@ -60,6 +60,7 @@ fn bench_json_rows_parse_with_the_named_fields() {
             let row = find(policy, workload);
             assert!(row["ns_per_decision"].as_f64().unwrap() > 0.0, "{row}");
             assert!(row["decisions_per_sec"].as_f64().unwrap() > 0.0, "{row}");
+            assert_eq!(row["time_source"], "supplied", "{row}");
         }
         let uniform = find(policy, "uniform-1m");
         assert_eq!(uniform["entries_tracked"], 2000, "{uniform}");

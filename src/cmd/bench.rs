@@ -274,6 +274,7 @@ fn speed_rows(plan: &Plan, seq: &Sequences, bar: &ProgressBar) -> Result<Vec<Row
                 workload: (*workload).to_owned(),
                 ns_per_decision: Some(ns),
                 decisions_per_sec: Some(1e9 / ns),
+                time_source: Some("supplied"),
                 threads: Some(threads),
                 entries_tracked: Some(runner.entries_tracked(workload)),
                 ..Row::default()

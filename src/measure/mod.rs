@@ -42,6 +42,10 @@ pub struct Row {
     /// Decisions per second at that median.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decisions_per_sec: Option<f64>,
+    /// How the speed rows get time: `supplied` (every contender reads a
+    /// millisecond counter the benchmark advances; no system clock call).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub time_source: Option<&'static str>,
     /// Threads deciding at once.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub threads: Option<usize>,
