@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod measure;
 
 /// Exact, portable rate limiting.
 #[derive(Parser)]
@@ -19,6 +20,13 @@ struct Cli {
 enum Command {
     /// Run conformance vector files against a store.
     Vectors(cmd::vectors::Args),
+    /// Measure speed, memory and accuracy of every policy, beside governor.
+    Bench(cmd::bench::Args),
+    /// Draw how policies answer a traffic shape (SVG chart, CSV series).
+    Simulate(cmd::simulate::Args),
+    /// Measure one contender's memory in a fresh process (used by `bench`).
+    #[command(hide = true)]
+    BenchMemory(cmd::bench::MemoryArgs),
     /// Measure the Redis store: pipelined decisions/s, round trips and
     /// server CPU per policy, beside redis-benchmark on the same server.
     BenchRedis(cmd::bench_redis::Args),
@@ -28,6 +36,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Vectors(args) => cmd::vectors::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
+        Command::Simulate(args) => cmd::simulate::run(args),
+        Command::BenchMemory(args) => cmd::bench::run_memory(args),
         Command::BenchRedis(args) => cmd::bench_redis::run(args),
     }
 }

@@ -1,4 +1,6 @@
 //! One module per subcommand.
 
+pub mod bench;
 pub mod bench_redis;
+pub mod simulate;
 pub mod vectors;
