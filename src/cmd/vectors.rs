@@ -1,16 +1,208 @@
-//! `ratewarden vectors`: runs vector files against a store.
+//! `ratewarden vectors`: runs conformance vector files (SPEC "Vector files")
+//! against a store and reports every case that differs.
+//!
+//! Exit status: 0 when every case passes, 1 when a case fails, 2 when a file
+//! cannot be read or is malformed (it is named, with the problem) or the
+//! store cannot be used.
 
+use std::fmt;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::str::FromStr;
+
+use ratewarden_core::vectors::{self, Case, CaseOutcome, Expected, VectorFile};
+use ratewarden_core::{mix32, Decision, MemoryOptions, MemoryStore};
 
 /// Arguments of `ratewarden vectors`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Vector files, or directories searched for `*.json` files.
+    /// The store to run the vectors on: `memory` (the embedded store).
+    #[arg(long, default_value = "memory")]
+    pub store: StoreArg,
+    /// Vector files, or directories searched (recursively) for `*.json`.
     #[arg(required = true)]
-    pub paths: Vec<std::path::PathBuf>,
+    pub paths: Vec<PathBuf>,
+}
+
+/// Which store `--store` names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreArg {
+    /// The embedded in-memory store.
+    Memory,
+}
+
+impl FromStr for StoreArg {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "memory" => Ok(StoreArg::Memory),
+            other => Err(format!("unknown store {other:?}; use memory")),
+        }
+    }
+}
+
+impl fmt::Display for StoreArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreArg::Memory => f.write_str("memory"),
+        }
+    }
+}
+
+/// Runs one case on a fresh, empty store.
+trait CaseRunner {
+    fn run(&mut self, case: &Case) -> CaseOutcome;
+}
+
+struct MemoryRunner;
+
+impl CaseRunner for MemoryRunner {
+    fn run(&mut self, case: &Case) -> CaseOutcome {
+        // Parsing validated the configuration, so building it cannot fail;
+        // a failure would still be reported, never a panic.
+        match MemoryStore::for_config(&case.config, MemoryOptions::default()) {
+            Ok(store) => {
+                vectors::run_case(case, |key, now_ms, cost| store.decide(key, now_ms, cost))
+            }
+            Err(e) => CaseOutcome::StoreFailed {
+                step: 0,
+                error: ratewarden_core::StoreError::new(
+                    ratewarden_core::StoreErrorKind::InvalidInput,
+                    e.to_string(),
+                ),
+            },
+        }
+    }
 }
 
 /// Runs the command.
-pub fn run(_args: Args) -> ExitCode {
-    ExitCode::from(2)
+pub fn run(args: Args) -> ExitCode {
+    let mut runner: Box<dyn CaseRunner> = match args.store {
+        StoreArg::Memory => Box::new(MemoryRunner),
+    };
+    let mut files = Vec::new();
+    let mut malformed = 0usize;
+    for path in &args.paths {
+        if let Err(e) = collect(path, &mut files) {
+            eprintln!("{}: {e}", path.display());
+            malformed += 1;
+        }
+    }
+    let (mut passed, mut failed) = (0usize, 0usize);
+    for path in &files {
+        let file = match std::fs::read_to_string(path)
+            .map_err(|e| e.to_string())
+            .and_then(|text| vectors::parse(&text).map_err(|e| e.to_string()))
+        {
+            Ok(file) => file,
+            Err(e) => {
+                eprintln!("{}: malformed vector file: {e}", path.display());
+                malformed += 1;
+                continue;
+            }
+        };
+        let (p, f) = run_file(path, &file, runner.as_mut());
+        passed += p;
+        failed += f;
+    }
+    println!("{passed} passed, {failed} failed");
+    if malformed > 0 {
+        ExitCode::from(2)
+    } else if failed > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+/// Adds `path` (a file), or every `*.json` below it (a directory), in a
+/// stable order.
+fn collect(path: &Path, out: &mut Vec<PathBuf>) -> Result<(), String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read: {e}"))?;
+    if meta.is_file() {
+        out.push(path.to_owned());
+        return Ok(());
+    }
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(path)
+        .map_err(|e| format!("cannot list directory: {e}"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    entries.sort();
+    for entry in entries {
+        if entry.is_dir() {
+            collect(&entry, out)?;
+        } else if entry.extension().is_some_and(|x| x == "json") {
+            out.push(entry);
+        }
+    }
+    Ok(())
+}
+
+/// Runs every mix32 value and case of one file; prints each failure and
+/// returns (passed, failed), counting cases and mix32 values.
+fn run_file(path: &Path, file: &VectorFile, runner: &mut dyn CaseRunner) -> (usize, usize) {
+    let (mut passed, mut failed) = (0, 0);
+    for (i, m) in file.mix32.iter().enumerate() {
+        let actual = mix32(&m.input);
+        if actual == m.output {
+            passed += 1;
+        } else {
+            failed += 1;
+            println!(
+                "FAIL {} mix32[{i}] {:?}: expected {}, got {actual}",
+                path.display(),
+                m.input,
+                m.output
+            );
+        }
+    }
+    for (i, case) in file.cases.iter().enumerate() {
+        match runner.run(case) {
+            CaseOutcome::Passed => passed += 1,
+            CaseOutcome::Mismatch {
+                step,
+                expected,
+                actual,
+            } => {
+                failed += 1;
+                let s = &case.steps[step];
+                println!(
+                    "FAIL {} case {i} ({:?}, {}): step {step} (key {}, now_ms {}, cost {}): expected {}, got {}",
+                    path.display(),
+                    case.description,
+                    case.config,
+                    s.key.resolve(),
+                    s.now_ms,
+                    s.cost,
+                    show_expected(&expected),
+                    show_actual(&actual)
+                );
+            }
+            CaseOutcome::StoreFailed { step, error } => {
+                failed += 1;
+                println!(
+                    "FAIL {} case {i} ({:?}, {}): step {step}: store error: {error}",
+                    path.display(),
+                    case.description,
+                    case.config
+                );
+            }
+        }
+    }
+    (passed, failed)
+}
+
+fn show_expected(e: &Expected) -> String {
+    let retry = e
+        .retry_after_ms
+        .map_or("null".to_owned(), |r| r.to_string());
+    format!(
+        "allowed={} retry_after_ms={retry} remaining={}",
+        e.allowed, e.remaining
+    )
+}
+
+fn show_actual(d: &Decision) -> String {
+    show_expected(&Expected::from(*d))
 }

@@ -50,7 +50,9 @@ pub struct ManualClock {
 impl ManualClock {
     /// A clock reading `now_ms`.
     pub fn new(now_ms: u64) -> Self {
-        ManualClock { now_ms: Arc::new(AtomicU64::new(now_ms)) }
+        ManualClock {
+            now_ms: Arc::new(AtomicU64::new(now_ms)),
+        }
     }
 
     /// Sets the time; it may move backwards, as a real clock can.
@@ -60,9 +62,11 @@ impl ManualClock {
 
     /// Moves the time forward by `delta_ms`, saturating at `u64::MAX`.
     pub fn advance_ms(&self, delta_ms: u64) {
-        let _ = self.now_ms.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |t| {
-            Some(t.saturating_add(delta_ms))
-        });
+        let _ = self
+            .now_ms
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |t| {
+                Some(t.saturating_add(delta_ms))
+            });
     }
 }
 

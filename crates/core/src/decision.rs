@@ -27,12 +27,20 @@ pub struct Decision {
 impl Decision {
     /// An admitted request that leaves `remaining`.
     pub const fn admitted(remaining: u64) -> Self {
-        Decision { allowed: true, retry_after_ms: Some(0), remaining }
+        Decision {
+            allowed: true,
+            retry_after_ms: Some(0),
+            remaining,
+        }
     }
 
     /// A refused request; `retry_after_ms` is `None` for "never".
     pub const fn refused(retry_after_ms: Option<u64>, remaining: u64) -> Self {
-        Decision { allowed: false, retry_after_ms, remaining }
+        Decision {
+            allowed: false,
+            retry_after_ms,
+            remaining,
+        }
     }
 }
 

@@ -81,7 +81,10 @@ pub struct StoreError {
 impl StoreError {
     /// An error of `kind` with a message for people.
     pub fn new(kind: StoreErrorKind, detail: impl Into<String>) -> Self {
-        StoreError { kind, detail: detail.into() }
+        StoreError {
+            kind,
+            detail: detail.into(),
+        }
     }
 
     /// What kind of failure this is.

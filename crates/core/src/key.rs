@@ -67,7 +67,10 @@ mod tests {
     fn mix32_known_values() {
         assert_eq!(mix32(""), 0);
         assert_eq!(mix32("hello"), 0x248bfa47);
-        assert_eq!(mix32("The quick brown fox jumps over the lazy dog"), 0x2e4ff723);
+        assert_eq!(
+            mix32("The quick brown fox jumps over the lazy dog"),
+            0x2e4ff723
+        );
         assert_eq!(mix32("user:42"), 3349586805);
         assert_eq!(mix32("ключ"), 2589532226);
         assert_eq!(mix32("user:21620"), 2051118272);
@@ -78,6 +81,9 @@ mod tests {
     fn key_hash_selects_the_hash() {
         assert_eq!(KeyHash::Mix32.hash("hello"), 0x248bfa47);
         assert_eq!(KeyHash::Xxh3_64.hash("hello"), xxh3_64("hello"));
-        assert_ne!(KeyHash::Xxh3_64.hash("user:21620"), KeyHash::Xxh3_64.hash("user:32611"));
+        assert_ne!(
+            KeyHash::Xxh3_64.hash("user:21620"),
+            KeyHash::Xxh3_64.hash("user:32611")
+        );
     }
 }

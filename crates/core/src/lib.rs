@@ -38,9 +38,7 @@ pub use decision::Decision;
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use key::{mix32, xxh3_64, KeyHash};
 pub use limiter::{BoxFuture, FailurePolicy, Limiter, LocalLimiter};
-pub use policy::{
-    FixedWindow, Gcra, Policy, SlidingLog, SlidingWindowCounter, TokenBucket,
-};
+pub use policy::{FixedWindow, Gcra, Policy, SlidingLog, SlidingWindowCounter, TokenBucket};
 pub use registry::{AnyPolicy, PolicyConfig, PolicyKind, REFERENCE};
 pub use store::memory::{Housekeeping, MemoryOptions, MemoryStore};
 
@@ -49,3 +47,8 @@ pub use store::memory::{Housekeeping, MemoryOptions, MemoryStore};
 /// It is the largest integer a IEEE-754 double holds exactly, so JSON
 /// clients, Lua scripts and JavaScript ports can carry every input unchanged.
 pub const MAX_SAFE: u64 = (1 << 53) - 1;
+
+/// The README's Rust examples, compiled and run as doctests.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -105,7 +105,10 @@ pub struct LocalLimiter {
 
 impl fmt::Debug for LocalLimiter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LocalLimiter").field("config", &self.config).field("store", &self.store).finish()
+        f.debug_struct("LocalLimiter")
+            .field("config", &self.config)
+            .field("store", &self.store)
+            .finish()
     }
 }
 
@@ -122,7 +125,11 @@ impl LocalLimiter {
         clock: impl Clock + 'static,
     ) -> Result<Self, ConfigError> {
         let store = MemoryStore::for_config(&config, options)?;
-        Ok(LocalLimiter { config, store, clock: Arc::new(clock) })
+        Ok(LocalLimiter {
+            config,
+            store,
+            clock: Arc::new(clock),
+        })
     }
 
     /// Decides at once, synchronously.
@@ -158,7 +165,11 @@ mod tests {
 
     #[test]
     fn failure_policy_names_round_trip() {
-        for p in [FailurePolicy::FailOpen, FailurePolicy::FailClosed, FailurePolicy::Local] {
+        for p in [
+            FailurePolicy::FailOpen,
+            FailurePolicy::FailClosed,
+            FailurePolicy::Local,
+        ] {
             assert_eq!(p.name().parse::<FailurePolicy>().unwrap(), p);
         }
         let err = "fail-open".parse::<FailurePolicy>().unwrap_err();

@@ -5,9 +5,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::{
-    FixedWindow, Gcra, Policy, SlidingLog, SlidingWindowCounter, TokenBucket,
-};
+use crate::policy::{FixedWindow, Gcra, Policy, SlidingLog, SlidingWindowCounter, TokenBucket};
 use crate::{ConfigError, Decision, MAX_SAFE};
 
 /// The five policies, by their registry names.
@@ -73,7 +71,9 @@ impl FromStr for PolicyKind {
         PolicyKind::ALL
             .into_iter()
             .find(|k| k.name() == name)
-            .ok_or_else(|| ConfigError::UnknownPolicy { name: name.to_owned() })
+            .ok_or_else(|| ConfigError::UnknownPolicy {
+                name: name.to_owned(),
+            })
     }
 }
 
@@ -111,7 +111,12 @@ impl Default for PolicyConfig {
 impl PolicyConfig {
     /// `limit` per `window_ms` under `policy`, with no burst.
     pub const fn new(policy: PolicyKind, limit: u64, window_ms: u64) -> Self {
-        PolicyConfig { policy, limit, window_ms, burst: None }
+        PolicyConfig {
+            policy,
+            limit,
+            window_ms,
+            burst: None,
+        }
     }
 
     /// The same configuration with a bucket capacity.
@@ -134,7 +139,9 @@ impl PolicyConfig {
     /// ```
     pub fn build(&self) -> Result<AnyPolicy, ConfigError> {
         if self.burst.is_some() && !self.policy.has_burst() {
-            return Err(ConfigError::BurstNotAllowed { policy: self.policy.name() });
+            return Err(ConfigError::BurstNotAllowed {
+                policy: self.policy.name(),
+            });
         }
         let (l, w, b) = (self.limit, self.window_ms, self.burst);
         Ok(match self.policy {
@@ -156,7 +163,11 @@ impl PolicyConfig {
 
 impl fmt::Display for PolicyConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} {} per {} ms", self.policy, self.limit, self.window_ms)?;
+        write!(
+            f,
+            "{} {} per {} ms",
+            self.policy, self.limit, self.window_ms
+        )?;
         if let Some(b) = self.burst {
             write!(f, " (burst {b})")?;
         }
@@ -181,7 +192,10 @@ pub(crate) fn check_window(window_ms: u64) -> Result<(), ConfigError> {
 
 fn check_range(field: &'static str, value: u64) -> Result<(), ConfigError> {
     if value > MAX_SAFE {
-        return Err(ConfigError::OutOfRange { field, value: u128::from(value) });
+        return Err(ConfigError::OutOfRange {
+            field,
+            value: u128::from(value),
+        });
     }
     Ok(())
 }
@@ -228,7 +242,6 @@ impl AnyPolicy {
         }
     }
 }
-
 
 impl Policy for AnyPolicy {
     type State = AnyState;
@@ -312,7 +325,10 @@ mod tests {
 
     #[test]
     fn unknown_name_lists_the_known_ones() {
-        let err = "sliding-window".parse::<PolicyKind>().unwrap_err().to_string();
+        let err = "sliding-window"
+            .parse::<PolicyKind>()
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("\"sliding-window\""), "{err}");
         assert!(err.contains("sliding-window-counter"), "{err}");
     }
@@ -322,12 +338,30 @@ mod tests {
         use PolicyKind::*;
         let cases = [
             (PolicyConfig::new(SlidingLog, 10, 0), "window_ms is 0"),
-            (PolicyConfig::new(FixedWindow, MAX_SAFE + 1, 1000), "limit is 9007199254740992"),
-            (PolicyConfig::new(Gcra, 1, MAX_SAFE + 1), "window_ms is 9007199254740992"),
-            (PolicyConfig::new(TokenBucket, 1, 10).with_burst(MAX_SAFE + 1), "burst is"),
-            (PolicyConfig::new(SlidingWindowCounter, 1, 10).with_burst(5), "remove burst"),
-            (PolicyConfig::new(FixedWindow, 1, 10).with_burst(5), "remove burst"),
-            (PolicyConfig::new(SlidingLog, 1, 10).with_burst(5), "remove burst"),
+            (
+                PolicyConfig::new(FixedWindow, MAX_SAFE + 1, 1000),
+                "limit is 9007199254740992",
+            ),
+            (
+                PolicyConfig::new(Gcra, 1, MAX_SAFE + 1),
+                "window_ms is 9007199254740992",
+            ),
+            (
+                PolicyConfig::new(TokenBucket, 1, 10).with_burst(MAX_SAFE + 1),
+                "burst is",
+            ),
+            (
+                PolicyConfig::new(SlidingWindowCounter, 1, 10).with_burst(5),
+                "remove burst",
+            ),
+            (
+                PolicyConfig::new(FixedWindow, 1, 10).with_burst(5),
+                "remove burst",
+            ),
+            (
+                PolicyConfig::new(SlidingLog, 1, 10).with_burst(5),
+                "remove burst",
+            ),
         ];
         for (config, needle) in cases {
             let err = config.build().unwrap_err().to_string();
@@ -341,13 +375,19 @@ mod tests {
             PolicyConfig::new(kind, 0, 1).build().unwrap();
             PolicyConfig::new(kind, MAX_SAFE, MAX_SAFE).build().unwrap();
         }
-        PolicyConfig::new(PolicyKind::Gcra, 1, 1).with_burst(MAX_SAFE).build().unwrap();
+        PolicyConfig::new(PolicyKind::Gcra, 1, 1)
+            .with_burst(MAX_SAFE)
+            .build()
+            .unwrap();
     }
 
     #[test]
     fn reference_is_100_per_second_sliding_window_counter() {
         assert_eq!(REFERENCE.policy.name(), "sliding-window-counter");
         assert_eq!((REFERENCE.limit, REFERENCE.window_ms), (100, 1000));
-        assert_eq!(REFERENCE.build().unwrap().kind(), PolicyKind::SlidingWindowCounter);
+        assert_eq!(
+            REFERENCE.build().unwrap().kind(),
+            PolicyKind::SlidingWindowCounter
+        );
     }
 }

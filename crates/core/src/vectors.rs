@@ -93,7 +93,11 @@ impl Expected {
 
 impl From<Decision> for Expected {
     fn from(d: Decision) -> Self {
-        Expected { allowed: d.allowed, retry_after_ms: d.retry_after_ms.map(u128::from), remaining: d.remaining }
+        Expected {
+            allowed: d.allowed,
+            retry_after_ms: d.retry_after_ms.map(u128::from),
+            remaining: d.remaining,
+        }
     }
 }
 
@@ -132,19 +136,26 @@ impl fmt::Display for VectorError {
 impl std::error::Error for VectorError {}
 
 fn err(path: &str, message: impl Into<String>) -> VectorError {
-    VectorError { path: path.to_owned(), message: message.into() }
+    VectorError {
+        path: path.to_owned(),
+        message: message.into(),
+    }
 }
 
 /// Parses a vector file, checking every field: a missing field, a number
 /// outside `0 ..= 2^53 - 1`, an unknown policy or an invalid configuration
 /// is an error naming its place.
 pub fn parse(text: &str) -> Result<VectorFile, VectorError> {
-    let root: Value = serde_json::from_str(text)
-        .map_err(|e| err("", format!("not valid JSON: {e}")))?;
-    let root = root.as_object().ok_or_else(|| err("", "the file must be a JSON object with \"cases\""))?;
+    let root: Value =
+        serde_json::from_str(text).map_err(|e| err("", format!("not valid JSON: {e}")))?;
+    let root = root
+        .as_object()
+        .ok_or_else(|| err("", "the file must be a JSON object with \"cases\""))?;
     let mut file = VectorFile::default();
     if let Some(mix) = root.get("mix32") {
-        let mix = mix.as_array().ok_or_else(|| err("mix32", "must be an array"))?;
+        let mix = mix
+            .as_array()
+            .ok_or_else(|| err("mix32", "must be an array"))?;
         for (i, entry) in mix.iter().enumerate() {
             let path = format!("mix32[{i}]");
             let obj = object(entry, &path)?;
@@ -153,8 +164,12 @@ pub fn parse(text: &str) -> Result<VectorFile, VectorError> {
             file.mix32.push(Mix32Vector { input, output });
         }
     }
-    let cases = root.get("cases").ok_or_else(|| err("", "missing field \"cases\""))?;
-    let cases = cases.as_array().ok_or_else(|| err("cases", "must be an array"))?;
+    let cases = root
+        .get("cases")
+        .ok_or_else(|| err("", "missing field \"cases\""))?;
+    let cases = cases
+        .as_array()
+        .ok_or_else(|| err("cases", "must be an array"))?;
     for (i, case) in cases.iter().enumerate() {
         file.cases.push(parse_case(case, &format!("cases[{i}]"))?);
     }
@@ -169,24 +184,38 @@ fn parse_case(value: &Value, path: &str) -> Result<Case, VectorError> {
         Some(_) => return Err(err(&format!("{path}.description"), "must be a string")),
     };
     let name = string_field(obj, path, "policy")?;
-    let policy: PolicyKind =
-        name.parse().map_err(|e: crate::ConfigError| err(&format!("{path}.policy"), e.to_string()))?;
+    let policy: PolicyKind = name
+        .parse()
+        .map_err(|e: crate::ConfigError| err(&format!("{path}.policy"), e.to_string()))?;
     let limit = integer_field(obj, path, "limit", MAX_SAFE)?;
     let window_ms = integer_field(obj, path, "window_ms", MAX_SAFE)?;
     let burst = match obj.get("burst") {
         None | Some(Value::Null) => None,
         Some(_) => Some(integer_field(obj, path, "burst", MAX_SAFE)?),
     };
-    let config = PolicyConfig { policy, limit, window_ms, burst };
+    let config = PolicyConfig {
+        policy,
+        limit,
+        window_ms,
+        burst,
+    };
     config.build().map_err(|e| err(path, e.to_string()))?;
-    let steps = obj.get("steps").ok_or_else(|| err(path, "missing field \"steps\""))?;
-    let steps = steps.as_array().ok_or_else(|| err(&format!("{path}.steps"), "must be an array"))?;
+    let steps = obj
+        .get("steps")
+        .ok_or_else(|| err(path, "missing field \"steps\""))?;
+    let steps = steps
+        .as_array()
+        .ok_or_else(|| err(&format!("{path}.steps"), "must be an array"))?;
     let steps = steps
         .iter()
         .enumerate()
         .map(|(j, step)| parse_step(step, &format!("{path}.steps[{j}]")))
         .collect::<Result<_, _>>()?;
-    Ok(Case { description, config, steps })
+    Ok(Case {
+        description,
+        config,
+        steps,
+    })
 }
 
 fn parse_step(value: &Value, path: &str) -> Result<Step, VectorError> {
@@ -194,7 +223,12 @@ fn parse_step(value: &Value, path: &str) -> Result<Step, VectorError> {
     let key = match obj.get("key") {
         Some(Value::String(s)) => VectorKey::Str(s.clone()),
         Some(Value::Number(_)) => VectorKey::Int(integer_field(obj, path, "key", u64::MAX)?),
-        Some(_) => return Err(err(&format!("{path}.key"), "must be an integer or a string")),
+        Some(_) => {
+            return Err(err(
+                &format!("{path}.key"),
+                "must be an integer or a string",
+            ))
+        }
         None => return Err(err(path, "missing field \"key\"")),
     };
     let now_ms = integer_field(obj, path, "now_ms", MAX_SAFE)?;
@@ -207,7 +241,10 @@ fn parse_step(value: &Value, path: &str) -> Result<Step, VectorError> {
     let retry_after_ms = match obj.get("retry_after_ms") {
         Some(Value::Null) => None,
         Some(Value::Number(n)) => Some(wide_integer(n).ok_or_else(|| {
-            err(&format!("{path}.retry_after_ms"), format!("must be a whole number of ms or null, found {n}"))
+            err(
+                &format!("{path}.retry_after_ms"),
+                format!("must be a whole number of ms or null, found {n}"),
+            )
         })?),
         Some(other) => {
             return Err(err(
@@ -218,30 +255,58 @@ fn parse_step(value: &Value, path: &str) -> Result<Step, VectorError> {
         None => return Err(err(path, "missing field \"retry_after_ms\"")),
     };
     let remaining = integer_field(obj, path, "remaining", u64::MAX)?;
-    Ok(Step { key, now_ms, cost, expected: Expected { allowed, retry_after_ms, remaining } })
+    Ok(Step {
+        key,
+        now_ms,
+        cost,
+        expected: Expected {
+            allowed,
+            retry_after_ms,
+            remaining,
+        },
+    })
 }
 
 fn object<'a>(value: &'a Value, path: &str) -> Result<&'a Map<String, Value>, VectorError> {
-    value.as_object().ok_or_else(|| err(path, format!("must be an object, found {value}")))
+    value
+        .as_object()
+        .ok_or_else(|| err(path, format!("must be an object, found {value}")))
 }
 
 fn string_field(obj: &Map<String, Value>, path: &str, field: &str) -> Result<String, VectorError> {
     match obj.get(field) {
         Some(Value::String(s)) => Ok(s.clone()),
-        Some(other) => Err(err(&format!("{path}.{field}"), format!("must be a string, found {other}"))),
+        Some(other) => Err(err(
+            &format!("{path}.{field}"),
+            format!("must be a string, found {other}"),
+        )),
         None => Err(err(path, format!("missing field \"{field}\""))),
     }
 }
 
-fn integer_field(obj: &Map<String, Value>, path: &str, field: &str, max: u64) -> Result<u64, VectorError> {
+fn integer_field(
+    obj: &Map<String, Value>,
+    path: &str,
+    field: &str,
+    max: u64,
+) -> Result<u64, VectorError> {
     let here = || format!("{path}.{field}");
     match obj.get(field) {
         Some(Value::Number(n)) => match n.as_u64() {
             Some(v) if v <= max => Ok(v),
-            Some(v) => Err(err(&here(), format!("{v} is out of range: the largest allowed is {max}"))),
-            None => Err(err(&here(), format!("must be a whole number from 0 to {max}, found {n}"))),
+            Some(v) => Err(err(
+                &here(),
+                format!("{v} is out of range: the largest allowed is {max}"),
+            )),
+            None => Err(err(
+                &here(),
+                format!("must be a whole number from 0 to {max}, found {n}"),
+            )),
         },
-        Some(other) => Err(err(&here(), format!("must be a whole number from 0 to {max}, found {other}"))),
+        Some(other) => Err(err(
+            &here(),
+            format!("must be a whole number from 0 to {max}, found {other}"),
+        )),
         None => Err(err(path, format!("missing field \"{field}\""))),
     }
 }
@@ -289,7 +354,13 @@ pub fn run_case(
     for (i, step) in case.steps.iter().enumerate() {
         match decide(step.key.resolve(), step.now_ms, step.cost) {
             Ok(actual) if step.expected.matches(&actual) => {}
-            Ok(actual) => return CaseOutcome::Mismatch { step: i, expected: step.expected, actual },
+            Ok(actual) => {
+                return CaseOutcome::Mismatch {
+                    step: i,
+                    expected: step.expected,
+                    actual,
+                }
+            }
             Err(error) => return CaseOutcome::StoreFailed { step: i, error },
         }
     }
@@ -305,7 +376,13 @@ pub fn write(file: &VectorFile) -> String {
         let rows: Vec<String> = file
             .mix32
             .iter()
-            .map(|m| format!("    {{\"input\": {}, \"output\": {}}}", Value::from(m.input.clone()), m.output))
+            .map(|m| {
+                format!(
+                    "    {{\"input\": {}, \"output\": {}}}",
+                    Value::from(m.input.clone()),
+                    m.output
+                )
+            })
             .collect();
         out.push_str(&rows.join(",\n"));
         out.push_str("\n  ],\n");
@@ -354,8 +431,7 @@ fn write_case(case: &Case) -> String {
 mod tests {
     use super::*;
 
-    const GOOD_STEP: &str =
-        r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#;
+    const GOOD_STEP: &str = r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#;
 
     fn case_with(fields: &str, step: &str) -> String {
         format!(r#"{{"cases": [{{"description": "d", {fields}, "steps": [{step}]}}]}}"#)
@@ -363,7 +439,10 @@ mod tests {
 
     #[test]
     fn round_trips_through_write() {
-        let text = case_with(r#""policy": "gcra", "limit": 1, "window_ms": 10, "burst": 2"#, GOOD_STEP);
+        let text = case_with(
+            r#""policy": "gcra", "limit": 1, "window_ms": 10, "burst": 2"#,
+            GOOD_STEP,
+        );
         let file = parse(&text).unwrap();
         assert_eq!(parse(&write(&file)).unwrap(), file);
     }
@@ -375,21 +454,105 @@ mod tests {
             ("{".to_owned(), "not valid JSON"),
             ("[]".to_owned(), "JSON object"),
             ("{}".to_owned(), "missing field \"cases\""),
-            (case_with(r#""policy": "leaky", "limit": 1, "window_ms": 10"#, GOOD_STEP), "cases[0].policy: unknown policy \"leaky\""),
-            (case_with(r#""policy": "fixed-window", "window_ms": 10"#, GOOD_STEP), "cases[0]: missing field \"limit\""),
-            (case_with(r#""policy": "fixed-window", "limit": 1, "window_ms": 0"#, GOOD_STEP), "window_ms is 0"),
-            (case_with(r#""policy": "fixed-window", "limit": -1, "window_ms": 10"#, GOOD_STEP), "cases[0].limit: must be a whole number"),
-            (case_with(r#""policy": "fixed-window", "limit": 1.5, "window_ms": 10"#, GOOD_STEP), "cases[0].limit: must be a whole number"),
-            (case_with(r#""policy": "fixed-window", "limit": 9007199254740992, "window_ms": 10"#, GOOD_STEP), "cases[0].limit: 9007199254740992 is out of range"),
-            (case_with(r#""policy": "sliding-log", "limit": 1, "window_ms": 10, "burst": 3"#, GOOD_STEP), "remove burst"),
-            (case_with(fw, r#"{"key": 1, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#), "cases[0].steps[0]: missing field \"now_ms\""),
-            (case_with(fw, r#"{"key": 1, "now_ms": 9007199254740992, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#), "steps[0].now_ms: 9007199254740992 is out of range"),
-            (case_with(fw, r#"{"key": 1, "now_ms": 0, "cost": "1", "allowed": true, "retry_after_ms": 0, "remaining": 0}"#), "steps[0].cost: must be a whole number"),
-            (case_with(fw, r#"{"key": true, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#), "steps[0].key: must be an integer or a string"),
-            (case_with(fw, r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": 1, "retry_after_ms": 0, "remaining": 0}"#), "steps[0].allowed: must be true or false"),
-            (case_with(fw, r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": -2, "remaining": 0}"#), "steps[0].retry_after_ms"),
-            (case_with(fw, r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "remaining": 0}"#), "missing field \"retry_after_ms\""),
-            (r#"{"mix32": [{"input": "a", "output": 4294967296}], "cases": []}"#.to_owned(), "mix32[0].output"),
+            (
+                case_with(
+                    r#""policy": "leaky", "limit": 1, "window_ms": 10"#,
+                    GOOD_STEP,
+                ),
+                "cases[0].policy: unknown policy \"leaky\"",
+            ),
+            (
+                case_with(r#""policy": "fixed-window", "window_ms": 10"#, GOOD_STEP),
+                "cases[0]: missing field \"limit\"",
+            ),
+            (
+                case_with(
+                    r#""policy": "fixed-window", "limit": 1, "window_ms": 0"#,
+                    GOOD_STEP,
+                ),
+                "window_ms is 0",
+            ),
+            (
+                case_with(
+                    r#""policy": "fixed-window", "limit": -1, "window_ms": 10"#,
+                    GOOD_STEP,
+                ),
+                "cases[0].limit: must be a whole number",
+            ),
+            (
+                case_with(
+                    r#""policy": "fixed-window", "limit": 1.5, "window_ms": 10"#,
+                    GOOD_STEP,
+                ),
+                "cases[0].limit: must be a whole number",
+            ),
+            (
+                case_with(
+                    r#""policy": "fixed-window", "limit": 9007199254740992, "window_ms": 10"#,
+                    GOOD_STEP,
+                ),
+                "cases[0].limit: 9007199254740992 is out of range",
+            ),
+            (
+                case_with(
+                    r#""policy": "sliding-log", "limit": 1, "window_ms": 10, "burst": 3"#,
+                    GOOD_STEP,
+                ),
+                "remove burst",
+            ),
+            (
+                case_with(
+                    fw,
+                    r#"{"key": 1, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#,
+                ),
+                "cases[0].steps[0]: missing field \"now_ms\"",
+            ),
+            (
+                case_with(
+                    fw,
+                    r#"{"key": 1, "now_ms": 9007199254740992, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#,
+                ),
+                "steps[0].now_ms: 9007199254740992 is out of range",
+            ),
+            (
+                case_with(
+                    fw,
+                    r#"{"key": 1, "now_ms": 0, "cost": "1", "allowed": true, "retry_after_ms": 0, "remaining": 0}"#,
+                ),
+                "steps[0].cost: must be a whole number",
+            ),
+            (
+                case_with(
+                    fw,
+                    r#"{"key": true, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#,
+                ),
+                "steps[0].key: must be an integer or a string",
+            ),
+            (
+                case_with(
+                    fw,
+                    r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": 1, "retry_after_ms": 0, "remaining": 0}"#,
+                ),
+                "steps[0].allowed: must be true or false",
+            ),
+            (
+                case_with(
+                    fw,
+                    r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": -2, "remaining": 0}"#,
+                ),
+                "steps[0].retry_after_ms",
+            ),
+            (
+                case_with(
+                    fw,
+                    r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "remaining": 0}"#,
+                ),
+                "missing field \"retry_after_ms\"",
+            ),
+            (
+                r#"{"mix32": [{"input": "a", "output": 4294967296}], "cases": []}"#.to_owned(),
+                "mix32[0].output",
+            ),
         ];
         for (text, needle) in cases {
             let e = parse(&text).unwrap_err().to_string();
@@ -400,9 +563,18 @@ mod tests {
     #[test]
     fn a_huge_expected_wait_is_a_mismatch_not_a_bad_file() {
         let step = r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": false, "retry_after_ms": 1e30, "remaining": 0}"#;
-        let file = parse(&case_with(r#""policy": "token-bucket", "limit": 1, "window_ms": 10"#, step)).unwrap();
-        let outcome = run_case(&file.cases[0], |_, _, _| Ok(Decision::refused(Some(u64::MAX), 0)));
-        assert!(matches!(outcome, CaseOutcome::Mismatch { step: 0, .. }), "{outcome:?}");
+        let file = parse(&case_with(
+            r#""policy": "token-bucket", "limit": 1, "window_ms": 10"#,
+            step,
+        ))
+        .unwrap();
+        let outcome = run_case(&file.cases[0], |_, _, _| {
+            Ok(Decision::refused(Some(u64::MAX), 0))
+        });
+        assert!(
+            matches!(outcome, CaseOutcome::Mismatch { step: 0, .. }),
+            "{outcome:?}"
+        );
     }
 
     #[test]

@@ -37,7 +37,10 @@ impl Policy for FixedWindow {
     type State = FixedWindowState;
 
     fn new_state(&self, now_ms: u64) -> FixedWindowState {
-        FixedWindowState { window_start_ms: now_ms - now_ms % self.window_ms, current: 0 }
+        FixedWindowState {
+            window_start_ms: now_ms - now_ms % self.window_ms,
+            current: 0,
+        }
     }
 
     fn decide(&self, s: &mut FixedWindowState, now_ms: u64, cost: u64) -> Decision {
@@ -62,7 +65,7 @@ impl Policy for FixedWindow {
     }
 
     fn is_forgettable(&self, s: &FixedWindowState, now_ms: u64) -> bool {
-        s.current == 0 || now_ms.saturating_sub(s.window_start_ms) >= self.window_ms
+        now_ms.saturating_sub(s.window_start_ms) >= self.window_ms
     }
 
     fn limit(&self) -> u64 {
@@ -78,7 +81,12 @@ impl Policy for FixedWindow {
 mod tests {
     use super::*;
 
-    fn run(p: &FixedWindow, s: &mut FixedWindowState, now: u64, cost: u64) -> (bool, Option<u64>, u64) {
+    fn run(
+        p: &FixedWindow,
+        s: &mut FixedWindowState,
+        now: u64,
+        cost: u64,
+    ) -> (bool, Option<u64>, u64) {
         let d = p.decide(s, now, cost);
         (d.allowed, d.retry_after_ms, d.remaining)
     }

@@ -39,7 +39,11 @@ impl Gcra {
         check_window(window_ms)?;
         let burst = burst.unwrap_or(limit);
         check_burst(burst)?;
-        Ok(Gcra { limit, window_ms, burst })
+        Ok(Gcra {
+            limit,
+            window_ms,
+            burst,
+        })
     }
 
     /// The bucket's capacity in tokens.
@@ -68,9 +72,8 @@ impl Policy for Gcra {
             return Decision::admitted(((capacity - spent - need) / w) as u64);
         }
         let remaining = (capacity.saturating_sub(spent) / w) as u64;
-        let retry = (cost <= self.burst && self.limit > 0).then(|| {
-            saturate_ms((spent + need - capacity).div_ceil(u128::from(self.limit)))
-        });
+        let retry = (cost <= self.burst && self.limit > 0)
+            .then(|| saturate_ms((spent + need - capacity).div_ceil(u128::from(self.limit))));
         Decision::refused(retry, remaining)
     }
 

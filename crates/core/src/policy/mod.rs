@@ -70,6 +70,27 @@ impl Wide {
 
     #[inline]
     pub fn new(v: u128) -> Self {
-        Wide { hi: (v >> 64) as u64, lo: v as u64 }
+        Wide {
+            hi: (v >> 64) as u64,
+            lo: v as u64,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::size_of;
+
+    /// The per-key sizes the memory store documents; a change here changes
+    /// its memory per key.
+    #[test]
+    fn state_sizes_are_as_documented() {
+        assert_eq!(size_of::<FixedWindowState>(), 16);
+        assert_eq!(size_of::<SlidingWindowCounterState>(), 24);
+        assert_eq!(size_of::<TokenBucketState>(), 24);
+        assert_eq!(size_of::<GcraState>(), 16);
+        assert_eq!(size_of::<SlidingLogState>(), 40);
+        assert_eq!(std::mem::align_of::<TokenBucketState>(), 8);
     }
 }

@@ -98,7 +98,9 @@ impl Policy for SlidingLog {
     }
 
     fn is_forgettable(&self, s: &SlidingLogState, now_ms: u64) -> bool {
-        s.entries.back().is_none_or(|e| now_ms.saturating_sub(e.at_ms) >= self.window_ms)
+        s.entries
+            .back()
+            .is_none_or(|e| now_ms.saturating_sub(e.at_ms) >= self.window_ms)
     }
 
     fn limit(&self) -> u64 {
@@ -114,7 +116,12 @@ impl Policy for SlidingLog {
 mod tests {
     use super::*;
 
-    fn run(p: &SlidingLog, s: &mut SlidingLogState, now: u64, cost: u64) -> (bool, Option<u64>, u64) {
+    fn run(
+        p: &SlidingLog,
+        s: &mut SlidingLogState,
+        now: u64,
+        cost: u64,
+    ) -> (bool, Option<u64>, u64) {
         let d = p.decide(s, now, cost);
         (d.allowed, d.retry_after_ms, d.remaining)
     }

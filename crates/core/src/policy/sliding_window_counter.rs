@@ -59,7 +59,11 @@ impl SlidingWindowCounter {
     /// on, where nothing is carried.
     fn admission_time(&self, window: u64, s: &SlidingWindowCounterState, cost: u64) -> u64 {
         let w = self.window_ms;
-        if let Some(need) = self.limit.checked_sub(s.current).and_then(|r| r.checked_sub(cost)) {
+        if let Some(need) = self
+            .limit
+            .checked_sub(s.current)
+            .and_then(|r| r.checked_sub(cost))
+        {
             // Refused here means carried > need, hence previous > need.
             if s.previous > need {
                 let e = self.first_elapsed(s.previous, need);
@@ -101,8 +105,11 @@ impl Policy for SlidingWindowCounter {
         if window != s.window_start_ms {
             // Only the window just before this one carries; a gap of two
             // windows or more has left the trailing window entirely.
-            s.previous =
-                if window == s.window_start_ms.saturating_add(self.window_ms) { s.current } else { 0 };
+            s.previous = if window == s.window_start_ms.saturating_add(self.window_ms) {
+                s.current
+            } else {
+                0
+            };
             s.current = 0;
             s.window_start_ms = window;
         }
@@ -119,8 +126,7 @@ impl Policy for SlidingWindowCounter {
     }
 
     fn is_forgettable(&self, s: &SlidingWindowCounterState, now_ms: u64) -> bool {
-        (s.previous == 0 && s.current == 0)
-            || now_ms.saturating_sub(s.window_start_ms) >= self.window_ms.saturating_mul(2)
+        now_ms.saturating_sub(s.window_start_ms) >= self.window_ms.saturating_mul(2)
     }
 
     fn limit(&self) -> u64 {

@@ -37,7 +37,11 @@ impl TokenBucket {
         check_window(window_ms)?;
         let burst = burst.unwrap_or(limit);
         check_burst(burst)?;
-        Ok(TokenBucket { limit, window_ms, burst })
+        Ok(TokenBucket {
+            limit,
+            window_ms,
+            burst,
+        })
     }
 
     /// The bucket's capacity in tokens.
@@ -54,7 +58,10 @@ impl Policy for TokenBucket {
     type State = TokenBucketState;
 
     fn new_state(&self, now_ms: u64) -> TokenBucketState {
-        TokenBucketState { level: Wide::new(self.capacity()), last_ms: now_ms }
+        TokenBucketState {
+            level: Wide::new(self.capacity()),
+            last_ms: now_ms,
+        }
     }
 
     fn decide(&self, s: &mut TokenBucketState, now_ms: u64, cost: u64) -> Decision {
@@ -98,7 +105,12 @@ mod tests {
     use super::*;
     use crate::MAX_SAFE;
 
-    fn run(p: &TokenBucket, s: &mut TokenBucketState, now: u64, cost: u64) -> (bool, Option<u64>, u64) {
+    fn run(
+        p: &TokenBucket,
+        s: &mut TokenBucketState,
+        now: u64,
+        cost: u64,
+    ) -> (bool, Option<u64>, u64) {
         let d = p.decide(s, now, cost);
         (d.allowed, d.retry_after_ms, d.remaining)
     }

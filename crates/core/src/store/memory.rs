@@ -50,7 +50,10 @@ impl Default for MemoryOptions {
     /// 4,194,304 keys (2^22), about 200 MiB at worst for the window
     /// counters, and automatic sharding.
     fn default() -> Self {
-        MemoryOptions { max_keys: 1 << 22, shards: 0 }
+        MemoryOptions {
+            max_keys: 1 << 22,
+            shards: 0,
+        }
     }
 }
 
@@ -71,7 +74,9 @@ pub struct MemoryStore<P: Policy = AnyPolicy> {
 
 impl<P: Policy> Clone for MemoryStore<P> {
     fn clone(&self) -> Self {
-        MemoryStore { inner: Arc::clone(&self.inner) }
+        MemoryStore {
+            inner: Arc::clone(&self.inner),
+        }
     }
 }
 
@@ -174,13 +179,9 @@ impl<P: Policy> MemoryStore<P> {
         if let Some((_, state)) = table.entries.find_mut(hash, |e| e.0 == key) {
             return Ok(inner.policy.decide(state, now_ms, cost));
         }
-        let mut state = inner.policy.new_state(now_ms);
-        let decision = inner.policy.decide(&mut state, now_ms, cost);
-        // A key left in a state it could forget at once (a peek, a refusal
-        // of a fresh key) takes no room.
-        if inner.policy.is_forgettable(&state, now_ms) {
-            return Ok(decision);
-        }
+        // A new key is stored even when its first request was a peek or a
+        // refusal: that request still recorded a time, and a later request
+        // from before it must be decided at that time.
         if table.entries.len() >= inner.max_keys_per_shard {
             if table.last_full_sweep_ms.is_none_or(|t| now_ms > t) {
                 table.last_full_sweep_ms = Some(now_ms);
@@ -197,13 +198,21 @@ impl<P: Policy> MemoryStore<P> {
                 ));
             }
         }
-        table.entries.insert_unique(hash, (key, state), |e| inner.hasher.hash_one(e.0));
+        let mut state = inner.policy.new_state(now_ms);
+        let decision = inner.policy.decide(&mut state, now_ms, cost);
+        table
+            .entries
+            .insert_unique(hash, (key, state), |e| inner.hasher.hash_one(e.0));
         Ok(decision)
     }
 
     /// How many keys the store holds now.
     pub fn entries_tracked(&self) -> usize {
-        self.inner.shards.iter().map(|s| s.table.lock().entries.len()).sum()
+        self.inner
+            .shards
+            .iter()
+            .map(|s| s.table.lock().entries.len())
+            .sum()
     }
 
     /// Forgets keys whose forgetting cannot change any later decision at or
@@ -232,11 +241,15 @@ impl<P: Policy> MemoryStore<P> {
 
 impl<P: Policy> Inner<P> {
     fn sweep(&self, table: &mut ShardTable<P::State>, now_ms: u64) {
-        table.entries.retain(|(_, state)| !self.policy.is_forgettable(state, now_ms));
+        table
+            .entries
+            .retain(|(_, state)| !self.policy.is_forgettable(state, now_ms));
         // Give memory back after a large sweep, keeping room to grow.
         let (len, capacity) = (table.entries.len(), table.entries.capacity());
         if capacity > 64 && len * 4 < capacity {
-            table.entries.shrink_to(len * 2, |e| self.hasher.hash_one(e.0));
+            table
+                .entries
+                .shrink_to(len * 2, |e| self.hasher.hash_one(e.0));
         }
     }
 }
@@ -270,25 +283,38 @@ mod tests {
     fn requests_out_of_range_are_errors() {
         let store = MemoryStore::for_config(&crate::REFERENCE, MemoryOptions::default()).unwrap();
         let err = store.decide(1, MAX_SAFE + 1, 1).unwrap_err();
-        assert!(err.is_invalid_input() && err.to_string().contains("now_ms"), "{err}");
+        assert!(
+            err.is_invalid_input() && err.to_string().contains("now_ms"),
+            "{err}"
+        );
         let err = store.decide(1, 0, MAX_SAFE + 1).unwrap_err();
-        assert!(err.is_invalid_input() && err.to_string().contains("cost"), "{err}");
+        assert!(
+            err.is_invalid_input() && err.to_string().contains("cost"),
+            "{err}"
+        );
         assert_eq!(store.entries_tracked(), 0);
     }
 
+    /// Regression: a refused first request used to leave no state, so a
+    /// later request from before it was decided in an older window than
+    /// the one the refusal had recorded.
     #[test]
-    fn peeks_and_fresh_refusals_take_no_room() {
-        let store = MemoryStore::new(SlidingWindowCounter::new(5, 1000).unwrap(), MemoryOptions::default());
-        assert!(store.decide(1, 0, 0).unwrap().allowed);
-        assert!(!store.decide(2, 0, 6).unwrap().allowed);
-        assert_eq!(store.entries_tracked(), 0);
-        store.decide(3, 0, 1).unwrap();
+    fn a_refused_first_request_records_its_window() {
+        let store = MemoryStore::new(FixedWindow::new(3, 6).unwrap(), MemoryOptions::default());
+        assert!(!store.decide(2, 18, 4).unwrap().allowed);
         assert_eq!(store.entries_tracked(), 1);
+        // Decided at 18 (window 18), not at 2 (window 0)...
+        assert!(store.decide(2, 2, 1).unwrap().allowed);
+        // ...so at 6 the cost admitted at "2" is still counted.
+        assert_eq!(store.decide(2, 6, 0).unwrap().remaining, 2);
     }
 
     #[test]
     fn forget_idle_keeps_every_key_that_still_counts() {
-        let store = MemoryStore::new(SlidingWindowCounter::new(5, 1000).unwrap(), MemoryOptions::default());
+        let store = MemoryStore::new(
+            SlidingWindowCounter::new(5, 1000).unwrap(),
+            MemoryOptions::default(),
+        );
         for key in 0..100 {
             store.decide(key, 500, 1).unwrap();
         }
@@ -306,7 +332,10 @@ mod tests {
 
     #[test]
     fn forget_idle_is_bounded_per_call() {
-        let options = MemoryOptions { max_keys: 1 << 20, shards: 16 };
+        let options = MemoryOptions {
+            max_keys: 1 << 20,
+            shards: 16,
+        };
         let store = MemoryStore::new(FixedWindow::new(5, 10).unwrap(), options);
         for key in 0..1600 {
             store.decide(key, 0, 1).unwrap();
@@ -323,7 +352,10 @@ mod tests {
 
     #[test]
     fn a_full_store_refuses_new_keys_with_an_error_never_an_admit() {
-        let options = MemoryOptions { max_keys: 4, shards: 1 };
+        let options = MemoryOptions {
+            max_keys: 4,
+            shards: 1,
+        };
         let store = MemoryStore::for_config(
             &PolicyConfig::new(PolicyKind::FixedWindow, 10, 1000),
             options,

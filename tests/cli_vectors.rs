@@ -1,0 +1,121 @@
+//! `ratewarden vectors` as a user runs it: exit statuses, the closing line,
+//! failures named precisely, malformed files named with their problem.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn ratewarden(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn scratch(name: &str, text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ratewarden-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn the_project_vectors_pass_and_end_with_the_count_line() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = ratewarden(&["vectors", root.join("vectors").to_str().unwrap()]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    let last = stdout(&out).lines().last().unwrap_or_default().to_owned();
+    let passed: usize = last
+        .strip_suffix(" passed, 0 failed")
+        .expect(&last)
+        .parse()
+        .unwrap();
+    assert!(passed > 600, "{last}");
+}
+
+#[test]
+fn a_failing_case_is_named_and_exits_1() {
+    let path = scratch(
+        "wrong.json",
+        r#"{"cases": [
+            {"description": "right", "policy": "fixed-window", "limit": 1, "window_ms": 10,
+             "steps": [{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}]},
+            {"description": "wrong wait", "policy": "fixed-window", "limit": 1, "window_ms": 10,
+             "steps": [{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0},
+                       {"key": 1, "now_ms": 3, "cost": 1, "allowed": false, "retry_after_ms": 6, "remaining": 0}]}]}"#,
+    );
+    let out = ratewarden(&["vectors", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = stdout(&out);
+    assert!(text.contains("wrong.json case 1 (\"wrong wait\""), "{text}");
+    assert!(text.contains("step 1"), "{text}");
+    assert!(
+        text.contains("expected allowed=false retry_after_ms=6 remaining=0"),
+        "{text}"
+    );
+    assert!(
+        text.contains("got allowed=false retry_after_ms=7 remaining=0"),
+        "{text}"
+    );
+    assert_eq!(text.lines().last(), Some("1 passed, 1 failed"));
+}
+
+#[test]
+fn malformed_files_are_named_with_the_problem_and_exit_2() {
+    let bad_json = scratch("bad.json", "{\"cases\": [");
+    let bad_policy = scratch(
+        "policy.json",
+        r#"{"cases": [{"policy": "leaky-bucket", "limit": 1, "window_ms": 10, "steps": []}]}"#,
+    );
+    let negative = scratch(
+        "negative.json",
+        r#"{"cases": [{"policy": "gcra", "limit": 1, "window_ms": 10, "steps": [
+            {"key": 1, "now_ms": -5, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}]}]}"#,
+    );
+    for (path, needle) in [
+        (&bad_json, "not valid JSON"),
+        (
+            &bad_policy,
+            "cases[0].policy: unknown policy \"leaky-bucket\"",
+        ),
+        (
+            &negative,
+            "cases[0].steps[0].now_ms: must be a whole number",
+        ),
+    ] {
+        let out = ratewarden(&["vectors", path.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(path.file_name().unwrap().to_str().unwrap()),
+            "{err}"
+        );
+        assert!(err.contains(needle), "{err}");
+    }
+    let out = ratewarden(&["vectors", "/nonexistent/vectors"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("/nonexistent/vectors: cannot read"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn an_unknown_store_is_refused() {
+    let out = ratewarden(&["vectors", "--store", "etcd://x", "vectors"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("unknown store \"etcd://x\""),
+        "{}",
+        stderr(&out)
+    );
+}
