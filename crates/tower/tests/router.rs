@@ -732,3 +732,44 @@ async fn invalid_cost_is_a_server_error_under_every_failure_policy() {
         assert!(body.contains("cost is 18446744073709551615"), "{body}");
     }
 }
+
+#[tokio::test]
+async fn nested_layers_each_report_their_own_policy() {
+    let (per_ip, _clock) = local(PolicyConfig::new(PolicyKind::FixedWindow, 2, 1000));
+    let (global, _clock) = local(PolicyConfig::new(PolicyKind::FixedWindow, 3, 60_000));
+    let per_ip = RateLimitLayer::builder(Arc::new(per_ip), PeerIp::new())
+        .policy_name("per-ip")
+        .build()
+        .unwrap();
+    let global = RateLimitLayer::builder(Arc::new(global), GlobalKey::new(0))
+        .policy_name("global")
+        .build()
+        .unwrap();
+    // The global limit runs first, then the per-client one.
+    let app = Router::new()
+        .route("/", get(echo_decision))
+        .layer(per_ip)
+        .layer(global);
+    let (response, _) = send(&app, get_from("192.0.2.1:1")).await;
+    let values: Vec<_> = response.headers().get_all(&RATELIMIT).iter().collect();
+    assert_eq!(values, ["\"per-ip\";r=1", "\"global\";r=2"]);
+    send(&app, get_from("192.0.2.1:1")).await;
+    // Refused per client: the global budget was spent by the admitted
+    // request, and the refusal carries both policies' counts.
+    let (response, _) = send(&app, get_from("192.0.2.1:1")).await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    let values: Vec<_> = response.headers().get_all(&RATELIMIT).iter().collect();
+    assert_eq!(values, ["\"per-ip\";r=0;t=1", "\"global\";r=0"]);
+    assert_eq!(
+        header(&response, &RATELIMIT_POLICY),
+        Some("\"per-ip\";q=2;w=1")
+    );
+    // The global budget is spent: another client is refused by it.
+    let (response, _) = send(&app, get_from("192.0.2.2:1")).await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&response, &RATELIMIT), Some("\"global\";r=0;t=60"));
+    assert_eq!(
+        header(&response, &RATELIMIT_POLICY),
+        Some("\"global\";q=3;w=60")
+    );
+}
