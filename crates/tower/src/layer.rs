@@ -56,6 +56,8 @@ pub enum BuildError {
     PolicyName(String),
     /// The fallback limiter for [`FailurePolicy::Local`] could not be built.
     Fallback(ConfigError),
+    /// The limiter timeout is zero: every call would fail.
+    ZeroTimeout,
     /// The fallback limiter's configuration differs from the limiter's.
     FallbackConfig {
         /// The limiter's configuration.
@@ -70,6 +72,9 @@ impl fmt::Display for BuildError {
         match self {
             BuildError::PolicyName(why) => f.write_str(why),
             BuildError::Fallback(e) => write!(f, "the local fallback limiter: {e}"),
+            BuildError::ZeroTimeout => f.write_str(
+                "check_timeout is 0: every limiter call would time out; use 1 ms or more",
+            ),
             BuildError::FallbackConfig { limiter, fallback } => write!(
                 f,
                 "the local fallback limiter decides by {fallback}, the limiter by {limiter}; \
@@ -167,7 +172,7 @@ impl RateLimitBuilder {
     }
 
     /// The longest a limiter call may take before it counts as failed
-    /// (default [`DEFAULT_CHECK_TIMEOUT`]).
+    /// (default [`DEFAULT_CHECK_TIMEOUT`]; at least 1 ms).
     pub fn check_timeout(mut self, timeout: Duration) -> Self {
         self.check_timeout = timeout;
         self
@@ -182,6 +187,9 @@ impl RateLimitBuilder {
 
     /// Checks the configuration and builds the layer.
     pub fn build(self) -> Result<RateLimitLayer, BuildError> {
+        if self.check_timeout < Duration::from_millis(1) {
+            return Err(BuildError::ZeroTimeout);
+        }
         let config = *self.limiter.config();
         let headers =
             RateLimitHeaders::new(&self.policy_name, &config).map_err(BuildError::PolicyName)?;

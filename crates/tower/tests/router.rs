@@ -600,6 +600,11 @@ fn bad_configuration_is_an_error_that_says_what_to_change() {
         .build()
         .unwrap_err();
     assert!(err.to_string().contains("printable ASCII"), "{err}");
+    let err = RateLimitLayer::builder(Arc::new(limiter.clone()), GlobalKey::new(0))
+        .check_timeout(Duration::ZERO)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("use 1 ms or more"), "{err}");
     let (other, _clock) = local(PolicyConfig::new(PolicyKind::Gcra, 100, 1000));
     let err = RateLimitLayer::builder(Arc::new(limiter), GlobalKey::new(0))
         .failure_policy(FailurePolicy::Local)
