@@ -6,6 +6,8 @@
 //!   the smallest such whole number of seconds.
 //! - The remaining count `r` is never negative, and `t` always equals
 //!   `Retry-After`.
+//! - Status, `r` and `Retry-After` are exactly those of the decision a twin
+//!   limiter makes for the same requests at the same times.
 //! - A refusal without `Retry-After` is a request no wait can admit.
 
 use std::sync::Arc;
@@ -17,7 +19,7 @@ use http::header::RETRY_AFTER;
 use http::{Request, Response, StatusCode};
 use proptest::prelude::*;
 use ratewarden_core::{LocalLimiter, ManualClock, PolicyConfig, PolicyKind};
-use ratewarden_tower::headers::{RATELIMIT, SF_INTEGER_MAX};
+use ratewarden_tower::headers::{retry_after_secs, RATELIMIT, SF_INTEGER_MAX};
 use ratewarden_tower::key::GlobalKey;
 use ratewarden_tower::RateLimitLayer;
 use tower::ServiceExt;
@@ -70,13 +72,29 @@ fn retry_after(response: &Response<Body>) -> Option<u64> {
         .map(|v| v.to_str().unwrap().parse().unwrap())
 }
 
-async fn send(app: &Router, cost: u64) -> Response<Body> {
+/// Sends a request of `cost` and holds the response against the decision
+/// of `twin`, a limiter on the same clock fed the same requests.
+async fn send(
+    app: &Router,
+    twin: &LocalLimiter,
+    cost: u64,
+) -> Result<Response<Body>, TestCaseError> {
     let request = Request::builder()
         .uri("/")
         .header("x-cost", cost)
         .body(Body::empty())
         .unwrap();
-    app.clone().oneshot(request).await.unwrap()
+    let response = app.clone().oneshot(request).await.unwrap();
+    let expected = twin.check_now(0, cost).unwrap();
+    prop_assert_eq!(response.status() == StatusCode::OK, expected.allowed);
+    let (r, _) = ratelimit(&response);
+    prop_assert_eq!(r, i128::from(expected.remaining.min(SF_INTEGER_MAX)));
+    let wait = match expected.retry_after_ms {
+        Some(ms) if !expected.allowed => Some(retry_after_secs(ms)),
+        _ => None,
+    };
+    prop_assert_eq!(retry_after(&response), wait);
+    Ok(response)
 }
 
 fn check_counts(response: &Response<Body>) -> Result<Option<u64>, TestCaseError> {
@@ -110,9 +128,10 @@ async fn run(config: PolicyConfig, trace: Vec<(u64, u64)>) -> Result<(), TestCas
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer);
+    let twin = LocalLimiter::with_clock(config, Default::default(), clock.clone()).unwrap();
     for (advance_ms, cost) in trace {
         clock.advance_ms(advance_ms);
-        let response = send(&app, cost).await;
+        let response = send(&app, &twin, cost).await?;
         check_counts(&response)?;
         if response.status() == StatusCode::OK {
             prop_assert_eq!(retry_after(&response), None);
@@ -137,7 +156,7 @@ async fn run(config: PolicyConfig, trace: Vec<(u64, u64)>) -> Result<(), TestCas
         if secs >= 2 {
             // One second less is too early: the refusal changes nothing.
             clock.advance_ms((secs - 1) * 1000);
-            let early = send(&app, cost).await;
+            let early = send(&app, &twin, cost).await?;
             check_counts(&early)?;
             prop_assert_eq!(
                 early.status(),
@@ -149,7 +168,7 @@ async fn run(config: PolicyConfig, trace: Vec<(u64, u64)>) -> Result<(), TestCas
         } else {
             clock.advance_ms(1000);
         }
-        let retried = send(&app, cost).await;
+        let retried = send(&app, &twin, cost).await?;
         check_counts(&retried)?;
         prop_assert_eq!(
             retried.status(),
