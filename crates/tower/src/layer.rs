@@ -344,8 +344,14 @@ impl Shared {
     }
 
     async fn decide(&self, key: u64, cost: u64) -> Verdict {
-        let result =
-            match tokio::time::timeout(self.check_timeout, self.limiter.check(key, cost)).await {
+        // The in-memory limiter answers on the first poll; only a limiter
+        // that has to wait gets a timer, which spares every local decision
+        // the cost of arming one.
+        let mut check = self.limiter.check(key, cost);
+        let first = std::future::poll_fn(|cx| Poll::Ready(check.as_mut().poll(cx))).await;
+        let result = match first {
+            Poll::Ready(result) => result,
+            Poll::Pending => match tokio::time::timeout(self.check_timeout, check).await {
                 Ok(result) => result,
                 Err(_) => Err(StoreError::new(
                     ratewarden_core::StoreErrorKind::Timeout,
@@ -354,7 +360,8 @@ impl Shared {
                         self.check_timeout.as_millis()
                     ),
                 )),
-            };
+            },
+        };
         let error = match result {
             Ok(decision) => return Verdict::Decided(decision),
             // Invalid input is the same on any store: no failure policy can
