@@ -778,3 +778,50 @@ async fn nested_layers_each_report_their_own_policy() {
         Some("\"global\";q=3;w=60")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_through_clones_admit_exactly_the_limit() {
+    let (limiter, _clock) = local(REFERENCE);
+    let app = router(RateLimitLayer::new(Arc::new(limiter), GlobalKey::new(0)));
+    let tasks: Vec<_> = (0..300)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move {
+                let response = app.oneshot(Request::new(Body::empty())).await.unwrap();
+                response.status()
+            })
+        })
+        .collect();
+    let mut ok = 0;
+    for task in tasks {
+        let status = tokio::time::timeout(Duration::from_secs(20), task)
+            .await
+            .expect("a request took too long")
+            .unwrap();
+        ok += usize::from(status == StatusCode::OK);
+    }
+    assert_eq!(ok, 100);
+}
+
+#[tokio::test]
+async fn any_response_body_made_from_bytes_works() {
+    // A plain tower service with http-body-util's Full body, no axum.
+    type Full = http_body_util::Full<Bytes>;
+    let config = PolicyConfig::new(PolicyKind::FixedWindow, 1, 1000);
+    let (limiter, _clock) = local(config);
+    let service = RateLimitLayer::new(Arc::new(limiter), GlobalKey::new(0)).layer(
+        tower::service_fn(|_req: http::Request<()>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(Full::from("ok")))
+        }),
+    );
+    let admitted = service
+        .clone()
+        .oneshot(http::Request::new(()))
+        .await
+        .unwrap();
+    assert_eq!(admitted.status(), StatusCode::OK);
+    let refused = service.oneshot(http::Request::new(())).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let body = refused.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"rate limit exceeded; retry in 1 s\n");
+}
