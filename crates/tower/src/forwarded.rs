@@ -1,0 +1,302 @@
+//! Reading the client address from `X-Forwarded-For` or `Forwarded`
+//! (RFC 7239) behind proxies the operator trusts.
+//!
+//! Each proxy appends the address it received the request from, so the list
+//! is read from the right: the right-most address that is not a trusted
+//! proxy is the client. Everything left of it was written by the client or
+//! by proxies nobody vouches for, and is ignored.
+
+use std::net::{IpAddr, SocketAddr};
+
+use http::HeaderMap;
+use ipnet::IpNet;
+
+/// The most list entries read from the right before giving up. Honest chains
+/// are a handful of proxies long; the bound keeps a padded header from
+/// costing more than a few comparisons.
+pub const MAX_HOPS: usize = 32;
+
+/// Which header the trusted proxies write.
+///
+/// Only one is read: a proxy that writes one header usually passes the other
+/// through untouched, so trusting both would let a client forge the one the
+/// proxy does not write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForwardedHeader {
+    /// `X-Forwarded-For: client, proxy1, proxy2`.
+    XForwardedFor,
+    /// `Forwarded: for=client, for=proxy1` (RFC 7239).
+    Forwarded,
+}
+
+impl ForwardedHeader {
+    fn name(self) -> &'static str {
+        match self {
+            ForwardedHeader::XForwardedFor => "x-forwarded-for",
+            ForwardedHeader::Forwarded => "forwarded",
+        }
+    }
+}
+
+/// One entry of a forwarding list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hop {
+    Ip(IpAddr),
+    /// `unknown`, an obfuscated identifier, a missing `for=`, or text that is
+    /// not an address.
+    Unknown,
+}
+
+/// The proxies whose forwarding header is believed, and which header that is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProxyTrust {
+    header: ForwardedHeader,
+    proxies: Vec<IpNet>,
+}
+
+impl ProxyTrust {
+    /// Trust `header` when the direct peer lies in one of `proxies`.
+    pub fn new(header: ForwardedHeader, proxies: impl IntoIterator<Item = IpNet>) -> Self {
+        ProxyTrust {
+            header,
+            proxies: proxies.into_iter().map(|n| n.trunc()).collect(),
+        }
+    }
+
+    /// The header read.
+    pub fn header(&self) -> ForwardedHeader {
+        self.header
+    }
+
+    /// Whether `ip` is one of the trusted proxies.
+    pub fn is_trusted(&self, ip: IpAddr) -> bool {
+        let ip = ip.to_canonical();
+        self.proxies.iter().any(|net| net.contains(&ip))
+    }
+
+    /// The client address for a request received from `peer`.
+    ///
+    /// - A peer that is not a trusted proxy is the client; its headers are
+    ///   ignored.
+    /// - Otherwise the list is read from the right, and the first address
+    ///   that is not a trusted proxy is the client.
+    /// - An entry that is not an address (`unknown`, an obfuscated name,
+    ///   garbage) ends the walk: the trusted proxy that wrote it is taken as
+    ///   the client, because nothing left of it can be believed.
+    /// - When every entry is a trusted proxy (or the header is absent), the
+    ///   left-most trusted address is the client.
+    pub fn client_ip(&self, peer: IpAddr, headers: &HeaderMap) -> IpAddr {
+        let mut current = peer.to_canonical();
+        if !self.is_trusted(current) {
+            return current;
+        }
+        let lines: Vec<&[u8]> = headers
+            .get_all(self.header.name())
+            .iter()
+            .map(|v| v.as_bytes())
+            .collect();
+        let mut seen = 0;
+        for line in lines.iter().rev() {
+            // Header values are visible ASCII in practice; a line that is not
+            // UTF-8 cannot hold an address and counts as unknown.
+            let Ok(line) = std::str::from_utf8(line) else {
+                return current;
+            };
+            for element in split_unquoted(line, ',').into_iter().rev() {
+                seen += 1;
+                if seen > MAX_HOPS {
+                    return current;
+                }
+                let hop = match self.header {
+                    ForwardedHeader::XForwardedFor => parse_node(element.trim()),
+                    ForwardedHeader::Forwarded => forwarded_for(element),
+                };
+                match hop {
+                    Hop::Ip(ip) => {
+                        let ip = ip.to_canonical();
+                        if !self.is_trusted(ip) {
+                            return ip;
+                        }
+                        current = ip;
+                    }
+                    Hop::Unknown => return current,
+                }
+            }
+        }
+        current
+    }
+}
+
+/// Splits `s` at `sep` outside double-quoted strings (which may contain
+/// backslash escapes), as RFC 7239 and RFC 9110 lists require.
+fn split_unquoted(s: &str, sep: char) -> Vec<&str> {
+    let mut parts = Vec::new();
+    let mut start = 0;
+    let mut quoted = false;
+    let mut escaped = false;
+    for (i, c) in s.char_indices() {
+        if escaped {
+            escaped = false;
+        } else if quoted && c == '\\' {
+            escaped = true;
+        } else if c == '"' {
+            quoted = !quoted;
+        } else if c == sep && !quoted {
+            parts.push(&s[start..i]);
+            start = i + c.len_utf8();
+        }
+    }
+    parts.push(&s[start..]);
+    parts
+}
+
+/// The `for=` node of one `Forwarded` element (`for=192.0.2.60;proto=http`).
+fn forwarded_for(element: &str) -> Hop {
+    for pair in split_unquoted(element, ';') {
+        let Some((name, value)) = pair.split_once('=') else {
+            continue;
+        };
+        if name.trim().eq_ignore_ascii_case("for") {
+            let value = value.trim();
+            let value = value
+                .strip_prefix('"')
+                .and_then(|v| v.strip_suffix('"'))
+                .unwrap_or(value);
+            return parse_node(value);
+        }
+    }
+    Hop::Unknown
+}
+
+/// An address with an optional port: `192.0.2.1`, `192.0.2.1:80`,
+/// `2001:db8::1`, `[2001:db8::1]`, `[2001:db8::1]:80`.
+fn parse_node(node: &str) -> Hop {
+    if let Ok(ip) = node.parse::<IpAddr>() {
+        return Hop::Ip(ip);
+    }
+    if let Ok(addr) = node.parse::<SocketAddr>() {
+        return Hop::Ip(addr.ip());
+    }
+    if let Some(ip) = node.strip_prefix('[').and_then(|n| n.strip_suffix(']')) {
+        if let Ok(ip) = ip.parse::<IpAddr>() {
+            return Hop::Ip(ip);
+        }
+    }
+    Hop::Unknown
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    fn headers(name: &'static str, values: &[&'static str]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append(name, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    fn trust(header: ForwardedHeader) -> ProxyTrust {
+        ProxyTrust::new(
+            header,
+            ["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()],
+        )
+    }
+
+    #[test]
+    fn untrusted_peer_is_the_client_whatever_it_claims() {
+        let t = trust(ForwardedHeader::XForwardedFor);
+        let h = headers("x-forwarded-for", &["1.2.3.4"]);
+        assert_eq!(t.client_ip(ip("203.0.113.9"), &h), ip("203.0.113.9"));
+    }
+
+    #[test]
+    fn right_most_untrusted_address_wins() {
+        let t = trust(ForwardedHeader::XForwardedFor);
+        // The client forged "6.6.6.6"; the trusted proxy 10.0.0.2 appended
+        // the real client 198.51.100.7, then 10.0.0.3 appended 10.0.0.2.
+        let h = headers("x-forwarded-for", &["6.6.6.6, 198.51.100.7, 10.0.0.2"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("198.51.100.7"));
+        // The same list split over two lines reads the same.
+        let h = headers("x-forwarded-for", &["6.6.6.6", "198.51.100.7,10.0.0.2"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("198.51.100.7"));
+    }
+
+    #[test]
+    fn all_trusted_or_absent_falls_back_to_the_left_most_trusted() {
+        let t = trust(ForwardedHeader::XForwardedFor);
+        let h = headers("x-forwarded-for", &["10.1.1.1, 10.0.0.2"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.1.1.1"));
+        assert_eq!(
+            t.client_ip(ip("10.0.0.3"), &HeaderMap::new()),
+            ip("10.0.0.3")
+        );
+    }
+
+    #[test]
+    fn garbage_stops_at_the_proxy_that_wrote_it() {
+        let t = trust(ForwardedHeader::XForwardedFor);
+        let h = headers("x-forwarded-for", &["198.51.100.7, not-an-ip, 10.0.0.2"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.2"));
+    }
+
+    #[test]
+    fn ports_brackets_and_mapped_addresses() {
+        let t = trust(ForwardedHeader::XForwardedFor);
+        let h = headers("x-forwarded-for", &["198.51.100.7:5555"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("198.51.100.7"));
+        let h = headers("x-forwarded-for", &["[2001:db8::7]:443"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("2001:db8::7"));
+        // An IPv4 peer seen through an IPv6 socket is still trusted.
+        let h = headers("x-forwarded-for", &["198.51.100.7"]);
+        assert_eq!(t.client_ip(ip("::ffff:10.0.0.3"), &h), ip("198.51.100.7"));
+        let h = headers("x-forwarded-for", &["::ffff:198.51.100.7"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("198.51.100.7"));
+    }
+
+    #[test]
+    fn forwarded_header_syntax() {
+        let t = trust(ForwardedHeader::Forwarded);
+        let h = headers(
+            "forwarded",
+            &[
+                "for=6.6.6.6, for=\"[2001:db8:cafe::17]:4711\";proto=https;host=\"a,b\", \
+                 For=10.0.0.2;by=10.0.0.3",
+            ],
+        );
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("2001:db8:cafe::17"));
+        let h = headers("forwarded", &["for=192.0.2.43:47011;proto=http"]);
+        assert_eq!(t.client_ip(ip("fd00::1"), &h), ip("192.0.2.43"));
+        let h = headers("forwarded", &["for=192.0.2.43, for=unknown"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.3"));
+        let h = headers("forwarded", &["for=192.0.2.43, for=_hidden"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.3"));
+        let h = headers("forwarded", &["proto=https"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.3"));
+    }
+
+    #[test]
+    fn only_the_configured_header_is_read() {
+        let t = trust(ForwardedHeader::Forwarded);
+        let h = headers("x-forwarded-for", &["198.51.100.7"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.3"));
+    }
+
+    #[test]
+    fn padded_lists_are_bounded() {
+        let t = trust(ForwardedHeader::XForwardedFor);
+        let padded = format!(
+            "198.51.100.7, {}",
+            vec!["10.0.0.9"; MAX_HOPS + 5].join(", ")
+        );
+        let mut h = HeaderMap::new();
+        h.insert("x-forwarded-for", HeaderValue::try_from(padded).unwrap());
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.9"));
+    }
+}

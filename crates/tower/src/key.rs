@@ -1,0 +1,432 @@
+//! Which budget a request draws on: a key taken from the request.
+//!
+//! A [`KeyExtractor`] reads the request's head ([`http::request::Parts`]) and
+//! returns a [`RequestKey`]: an integer used as is, or a string hashed by the
+//! layer's [`KeyHash`](ratewarden_core::KeyHash) (mix32 unless configured).
+//! When no key can be read the extractor answers with a [`KeyRejection`],
+//! which becomes the response; [`KeyExtractorExt::or`] tries another
+//! extractor first.
+//!
+//! Ready extractors: [`PeerIp`] (the client address, with opt-in trust of
+//! `X-Forwarded-For` / `Forwarded`), [`HeaderKey`], [`ExtensionKey`] (for
+//! example the authenticated user) and [`GlobalKey`]. Any closure
+//! `Fn(&Parts) -> Result<RequestKey, KeyRejection>` is an extractor too.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::marker::PhantomData;
+use std::net::{IpAddr, SocketAddr};
+
+use axum::extract::ConnectInfo;
+use http::header::HeaderName;
+use http::request::Parts;
+use http::StatusCode;
+use ipnet::IpNet;
+
+use crate::forwarded::{ForwardedHeader, ProxyTrust};
+
+/// The key of one request, before hashing.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum RequestKey {
+    /// An integer key, used as is.
+    Id(u64),
+    /// A string key, hashed by the layer's key hash.
+    Name(String),
+}
+
+impl From<u64> for RequestKey {
+    fn from(id: u64) -> Self {
+        RequestKey::Id(id)
+    }
+}
+
+impl From<String> for RequestKey {
+    fn from(name: String) -> Self {
+        RequestKey::Name(name)
+    }
+}
+
+impl From<&str> for RequestKey {
+    fn from(name: &str) -> Self {
+        RequestKey::Name(name.to_owned())
+    }
+}
+
+/// Why no key could be read from a request, as the response to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyRejection {
+    status: StatusCode,
+    message: Cow<'static, str>,
+}
+
+impl KeyRejection {
+    /// A rejection answered with `status` and `message` as a plain-text body.
+    pub fn new(status: StatusCode, message: impl Into<Cow<'static, str>>) -> Self {
+        KeyRejection {
+            status,
+            message: message.into(),
+        }
+    }
+
+    /// The response status.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The message, sent as the body.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for KeyRejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.status, self.message)
+    }
+}
+
+impl std::error::Error for KeyRejection {}
+
+/// Reads the rate-limit key from a request's head.
+pub trait KeyExtractor: Send + Sync + 'static {
+    /// The key for the request, or the response to send when there is none.
+    fn extract(&self, parts: &Parts) -> Result<RequestKey, KeyRejection>;
+}
+
+impl<F> KeyExtractor for F
+where
+    F: Fn(&Parts) -> Result<RequestKey, KeyRejection> + Send + Sync + 'static,
+{
+    fn extract(&self, parts: &Parts) -> Result<RequestKey, KeyRejection> {
+        self(parts)
+    }
+}
+
+/// Combinators for every [`KeyExtractor`].
+pub trait KeyExtractorExt: KeyExtractor + Sized {
+    /// This extractor, and `other` when this one finds no key: for example
+    /// the user's API key, or else the client address.
+    ///
+    /// ```
+    /// use http::{header::HeaderName, Request};
+    /// use ratewarden_tower::key::{HeaderKey, KeyExtractor, KeyExtractorExt, GlobalKey, RequestKey};
+    /// let key = HeaderKey::new(HeaderName::from_static("x-api-key")).or(GlobalKey::new(7));
+    /// let (parts, ()) = Request::new(()).into_parts();
+    /// assert_eq!(key.extract(&parts).unwrap(), RequestKey::Id(7));
+    /// ```
+    fn or<B: KeyExtractor>(self, other: B) -> Or<Self, B> {
+        Or {
+            first: self,
+            second: other,
+        }
+    }
+}
+
+impl<K: KeyExtractor> KeyExtractorExt for K {}
+
+/// Tries `first`, then `second`; made by [`KeyExtractorExt::or`].
+#[derive(Debug, Clone)]
+pub struct Or<A, B> {
+    first: A,
+    second: B,
+}
+
+impl<A: KeyExtractor, B: KeyExtractor> KeyExtractor for Or<A, B> {
+    fn extract(&self, parts: &Parts) -> Result<RequestKey, KeyRejection> {
+        self.first
+            .extract(parts)
+            .or_else(|_| self.second.extract(parts))
+    }
+}
+
+/// One budget for every request: a global limit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GlobalKey {
+    id: u64,
+}
+
+impl GlobalKey {
+    /// Every request draws on key `id`.
+    pub const fn new(id: u64) -> Self {
+        GlobalKey { id }
+    }
+}
+
+impl KeyExtractor for GlobalKey {
+    fn extract(&self, _parts: &Parts) -> Result<RequestKey, KeyRejection> {
+        Ok(RequestKey::Id(self.id))
+    }
+}
+
+/// The value of one request header as a string key (an API key, a tenant).
+///
+/// A request without the header, with it twice, with an empty value, or with
+/// a value that is not visible ASCII is answered `400 Bad Request` (or the
+/// status set with [`HeaderKey::missing_status`]): a client must not be able
+/// to escape its budget by leaving the header out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderKey {
+    name: HeaderName,
+    missing_status: StatusCode,
+}
+
+impl HeaderKey {
+    /// The key is the value of header `name`.
+    pub fn new(name: HeaderName) -> Self {
+        HeaderKey {
+            name,
+            missing_status: StatusCode::BAD_REQUEST,
+        }
+    }
+
+    /// The status sent when the header is missing or unusable, for example
+    /// `401 Unauthorized` for an API key.
+    pub fn missing_status(mut self, status: StatusCode) -> Self {
+        self.missing_status = status;
+        self
+    }
+}
+
+impl KeyExtractor for HeaderKey {
+    fn extract(&self, parts: &Parts) -> Result<RequestKey, KeyRejection> {
+        let reject = |what: &str| {
+            KeyRejection::new(self.missing_status, format!("header {} {what}", self.name))
+        };
+        let mut values = parts.headers.get_all(&self.name).iter();
+        let value = values.next().ok_or_else(|| reject("is missing"))?;
+        if values.next().is_some() {
+            return Err(reject("is sent more than once; send it once"));
+        }
+        let value = value.to_str().map_err(|_| reject("is not visible ASCII"))?;
+        if value.is_empty() {
+            return Err(reject("is empty"));
+        }
+        Ok(RequestKey::Name(value.to_owned()))
+    }
+}
+
+/// A key computed from a request extension that an earlier layer inserted,
+/// such as the authenticated user.
+///
+/// A request without the extension is answered `500 Internal Server Error`
+/// (or the status set with [`ExtensionKey::missing_status`]): it means the
+/// layer that inserts it does not run before this one.
+pub struct ExtensionKey<T, F> {
+    key: F,
+    missing_status: StatusCode,
+    _extension: PhantomData<fn(&T)>,
+}
+
+impl<T, F: Clone> Clone for ExtensionKey<T, F> {
+    fn clone(&self) -> Self {
+        ExtensionKey {
+            key: self.key.clone(),
+            missing_status: self.missing_status,
+            _extension: PhantomData,
+        }
+    }
+}
+
+impl<T, F> fmt::Debug for ExtensionKey<T, F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExtensionKey")
+            .field("extension", &std::any::type_name::<T>())
+            .field("missing_status", &self.missing_status)
+            .finish()
+    }
+}
+
+impl<T, F> ExtensionKey<T, F>
+where
+    T: Send + Sync + 'static,
+    F: Fn(&T) -> RequestKey + Send + Sync + 'static,
+{
+    /// The key is `key(extension)` for the request's extension of type `T`.
+    pub fn new(key: F) -> Self {
+        ExtensionKey {
+            key,
+            missing_status: StatusCode::INTERNAL_SERVER_ERROR,
+            _extension: PhantomData,
+        }
+    }
+
+    /// The status sent when the extension is missing, for example
+    /// `401 Unauthorized` when it is the authenticated user.
+    pub fn missing_status(mut self, status: StatusCode) -> Self {
+        self.missing_status = status;
+        self
+    }
+}
+
+impl<T, F> KeyExtractor for ExtensionKey<T, F>
+where
+    T: Send + Sync + 'static,
+    F: Fn(&T) -> RequestKey + Send + Sync + 'static,
+{
+    fn extract(&self, parts: &Parts) -> Result<RequestKey, KeyRejection> {
+        match parts.extensions.get::<T>() {
+            Some(value) => Ok((self.key)(value)),
+            None => Err(KeyRejection::new(
+                self.missing_status,
+                format!(
+                    "request extension {} is missing: the layer that inserts it must run \
+                     before the rate limit",
+                    std::any::type_name::<T>()
+                ),
+            )),
+        }
+    }
+}
+
+/// The client's IP address, as the string key `"198.51.100.7"` or
+/// `"2001:db8::7"` (IPv4-mapped IPv6 addresses are written as IPv4).
+///
+/// The direct peer comes from axum's `ConnectInfo<SocketAddr>` (serve with
+/// `into_make_service_with_connect_info::<SocketAddr>()`), or from a plain
+/// `SocketAddr` extension for other servers. A request with neither is
+/// answered `500 Internal Server Error`: the server is not set up to tell
+/// clients apart.
+///
+/// Forwarding headers are ignored unless trust is configured with
+/// [`PeerIp::trust_x_forwarded_for`] or [`PeerIp::trust_forwarded`]: any
+/// client can write them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PeerIp {
+    trust: Option<ProxyTrust>,
+    ipv6_prefix_len: Option<u8>,
+}
+
+impl PeerIp {
+    /// The direct peer's address; forwarding headers are ignored.
+    pub fn new() -> Self {
+        PeerIp::default()
+    }
+
+    /// When the direct peer is in one of `proxies`, read the client from
+    /// `X-Forwarded-For`: the right-most address that is not a trusted
+    /// proxy.
+    pub fn trust_x_forwarded_for(mut self, proxies: impl IntoIterator<Item = IpNet>) -> Self {
+        self.trust = Some(ProxyTrust::new(ForwardedHeader::XForwardedFor, proxies));
+        self
+    }
+
+    /// When the direct peer is in one of `proxies`, read the client from the
+    /// `for=` nodes of `Forwarded` (RFC 7239): the right-most address that is
+    /// not a trusted proxy.
+    pub fn trust_forwarded(mut self, proxies: impl IntoIterator<Item = IpNet>) -> Self {
+        self.trust = Some(ProxyTrust::new(ForwardedHeader::Forwarded, proxies));
+        self
+    }
+
+    /// Counts IPv6 clients by network prefix instead of by address (64 is
+    /// typical: one customer usually holds a whole /64, and would otherwise
+    /// have 2^64 budgets). Lengths above 128 are taken as 128.
+    pub fn ipv6_prefix_len(mut self, len: u8) -> Self {
+        self.ipv6_prefix_len = Some(len.min(128));
+        self
+    }
+
+    /// The direct peer's address, from `ConnectInfo<SocketAddr>` or a
+    /// `SocketAddr` extension.
+    pub fn peer(parts: &Parts) -> Option<IpAddr> {
+        if let Some(ConnectInfo(addr)) = parts.extensions.get::<ConnectInfo<SocketAddr>>() {
+            return Some(addr.ip());
+        }
+        parts.extensions.get::<SocketAddr>().map(|addr| addr.ip())
+    }
+
+    /// The client address this extractor keys the request by.
+    pub fn client_ip(&self, parts: &Parts) -> Option<IpAddr> {
+        let peer = Self::peer(parts)?;
+        let ip = match &self.trust {
+            Some(trust) => trust.client_ip(peer, &parts.headers),
+            None => peer.to_canonical(),
+        };
+        Some(match (ip, self.ipv6_prefix_len) {
+            (IpAddr::V6(v6), Some(len)) => {
+                // `len` was capped at 128, so the network is always valid.
+                ipnet::Ipv6Net::new(v6, len)
+                    .map(|n| IpAddr::V6(n.network()))
+                    .unwrap_or(ip)
+            }
+            _ => ip,
+        })
+    }
+}
+
+impl KeyExtractor for PeerIp {
+    fn extract(&self, parts: &Parts) -> Result<RequestKey, KeyRejection> {
+        match self.client_ip(parts) {
+            Some(ip) => Ok(RequestKey::Name(ip.to_string())),
+            None => Err(KeyRejection::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the peer address is unknown: serve the router with \
+                 into_make_service_with_connect_info::<SocketAddr>()",
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::Request;
+
+    fn parts(build: impl FnOnce(http::request::Builder) -> http::request::Builder) -> Parts {
+        build(Request::builder()).body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn header_key_rejects_missing_repeated_and_empty_values() {
+        let key = HeaderKey::new(HeaderName::from_static("x-api-key"));
+        let ok = parts(|b| b.header("x-api-key", "k1"));
+        assert_eq!(key.extract(&ok).unwrap(), RequestKey::Name("k1".into()));
+        let missing = key.extract(&parts(|b| b)).unwrap_err();
+        assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(missing.message(), "header x-api-key is missing");
+        let twice = parts(|b| b.header("x-api-key", "a").header("x-api-key", "b"));
+        assert!(key
+            .extract(&twice)
+            .unwrap_err()
+            .message()
+            .contains("more than once"));
+        let empty = parts(|b| b.header("x-api-key", ""));
+        assert!(key.extract(&empty).unwrap_err().message().contains("empty"));
+        let key = key.missing_status(StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            key.extract(&parts(|b| b)).unwrap_err().status(),
+            StatusCode::UNAUTHORIZED
+        );
+    }
+
+    #[test]
+    fn peer_ip_groups_ipv6_by_prefix() {
+        let addr: SocketAddr = "[2001:db8:1:2:3:4:5:6]:443".parse().unwrap();
+        let p = parts(|b| b.extension(ConnectInfo(addr)));
+        assert_eq!(
+            PeerIp::new().extract(&p).unwrap(),
+            RequestKey::from("2001:db8:1:2:3:4:5:6")
+        );
+        let grouped = PeerIp::new().ipv6_prefix_len(64);
+        assert_eq!(
+            grouped.extract(&p).unwrap(),
+            RequestKey::from("2001:db8:1:2::")
+        );
+        // IPv4 addresses are not affected by the IPv6 prefix.
+        let v4: SocketAddr = "198.51.100.7:80".parse().unwrap();
+        let p = parts(|b| b.extension(v4));
+        assert_eq!(
+            grouped.extract(&p).unwrap(),
+            RequestKey::from("198.51.100.7")
+        );
+    }
+
+    #[test]
+    fn peer_ip_without_a_peer_is_a_server_error() {
+        let err = PeerIp::new().extract(&parts(|b| b)).unwrap_err();
+        assert_eq!(err.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(err
+            .message()
+            .contains("into_make_service_with_connect_info"));
+    }
+}

@@ -1,0 +1,499 @@
+//! The layer and the service.
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::request::Parts;
+use http::{HeaderValue, Request, Response, StatusCode};
+use ratewarden_core::{
+    BoxFuture, ConfigError, Decision, FailurePolicy, KeyHash, Limiter, LocalLimiter, PolicyConfig,
+    StoreError,
+};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::headers::{RateLimitHeaders, RATELIMIT, RATELIMIT_POLICY};
+use crate::key::{KeyExtractor, KeyRejection, RequestKey};
+
+/// The default bound on one limiter call: a store that has not answered in
+/// a second is treated as failed.
+pub const DEFAULT_CHECK_TIMEOUT: Duration = Duration::from_millis(1000);
+
+/// A refused request, as the refusal closure sees it.
+#[derive(Debug)]
+pub struct Refusal<'a> {
+    /// The limiter's decision: `allowed` is false.
+    pub decision: Decision,
+    /// The configuration that refused it.
+    pub config: &'a PolicyConfig,
+    /// The request's head.
+    pub parts: &'a Parts,
+    /// The request's cost.
+    pub cost: u64,
+}
+
+impl Refusal<'_> {
+    /// Whole seconds until the same request would be admitted (rounded up,
+    /// at least 1); `None` when no wait ever admits it.
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        self.decision
+            .retry_after_ms
+            .map(crate::headers::retry_after_secs)
+    }
+}
+
+type CostFn = dyn Fn(&Parts) -> u64 + Send + Sync;
+type RefusalFn = dyn for<'a> Fn(&Refusal<'a>) -> Response<Bytes> + Send + Sync;
+
+/// Why a layer could not be built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BuildError {
+    /// The policy name cannot be written into the headers.
+    PolicyName(String),
+    /// The fallback limiter for [`FailurePolicy::Local`] could not be built.
+    Fallback(ConfigError),
+    /// The limiter timeout is zero: every call would fail.
+    ZeroTimeout,
+    /// The fallback limiter's configuration differs from the limiter's.
+    FallbackConfig {
+        /// The limiter's configuration.
+        limiter: PolicyConfig,
+        /// The fallback's configuration.
+        fallback: PolicyConfig,
+    },
+}
+
+impl fmt::Display for BuildError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BuildError::PolicyName(why) => f.write_str(why),
+            BuildError::Fallback(e) => write!(f, "the local fallback limiter: {e}"),
+            BuildError::ZeroTimeout => f.write_str(
+                "check_timeout is 0: every limiter call would time out; use 1 ms or more",
+            ),
+            BuildError::FallbackConfig { limiter, fallback } => write!(
+                f,
+                "the local fallback limiter decides by {fallback}, the limiter by {limiter}; \
+                 give the fallback the limiter's configuration"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for BuildError {}
+
+/// Everything a layer and all its services share: one limiter, hence one
+/// budget, however often the layer or the service is cloned.
+struct Shared {
+    limiter: Arc<dyn Limiter>,
+    key: Box<dyn KeyExtractor>,
+    key_hash: KeyHash,
+    cost: Option<Box<CostFn>>,
+    refusal: Option<Box<RefusalFn>>,
+    failure_policy: FailurePolicy,
+    fallback: Option<LocalLimiter>,
+    check_timeout: Duration,
+    headers: RateLimitHeaders,
+}
+
+/// Configures a [`RateLimitLayer`]; made by [`RateLimitLayer::builder`].
+pub struct RateLimitBuilder {
+    limiter: Arc<dyn Limiter>,
+    key: Box<dyn KeyExtractor>,
+    key_hash: KeyHash,
+    cost: Option<Box<CostFn>>,
+    refusal: Option<Box<RefusalFn>>,
+    failure_policy: FailurePolicy,
+    fallback: Option<LocalLimiter>,
+    check_timeout: Duration,
+    policy_name: String,
+}
+
+impl fmt::Debug for RateLimitBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitBuilder")
+            .field("config", self.limiter.config())
+            .field("key_hash", &self.key_hash)
+            .field("failure_policy", &self.failure_policy)
+            .field("check_timeout", &self.check_timeout)
+            .field("policy_name", &self.policy_name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RateLimitBuilder {
+    /// The hash that turns string keys into integer keys (default
+    /// [`KeyHash::Mix32`], SPEC's portable hash; [`KeyHash::Xxh3_64`] for
+    /// millions of keys).
+    pub fn key_hash(mut self, key_hash: KeyHash) -> Self {
+        self.key_hash = key_hash;
+        self
+    }
+
+    /// The cost of each request (default 1), for example its size class.
+    pub fn cost<F>(mut self, cost: F) -> Self
+    where
+        F: Fn(&Parts) -> u64 + Send + Sync + 'static,
+    {
+        self.cost = Some(Box::new(cost));
+        self
+    }
+
+    /// Builds the response to a refused request. The layer then adds
+    /// `Retry-After`, `RateLimit-Policy` and `RateLimit` unless the response
+    /// already has them.
+    pub fn on_refused<F>(mut self, refusal: F) -> Self
+    where
+        F: for<'a> Fn(&Refusal<'a>) -> Response<Bytes> + Send + Sync + 'static,
+    {
+        self.refusal = Some(Box::new(refusal));
+        self
+    }
+
+    /// What to do when the limiter fails (default
+    /// [`FailurePolicy::FailClosed`]): `FailOpen` admits the request without
+    /// rate-limit headers, `FailClosed` answers `503 Service Unavailable`,
+    /// `Local` decides on an in-memory limiter with the same configuration.
+    pub fn failure_policy(mut self, policy: FailurePolicy) -> Self {
+        self.failure_policy = policy;
+        self
+    }
+
+    /// The in-memory limiter that [`FailurePolicy::Local`] falls back to
+    /// (default: a [`LocalLimiter`] on the system clock with the limiter's
+    /// configuration). Its configuration must equal the limiter's.
+    pub fn local_fallback(mut self, fallback: LocalLimiter) -> Self {
+        self.fallback = Some(fallback);
+        self
+    }
+
+    /// The longest a limiter call may take before it counts as failed
+    /// (default [`DEFAULT_CHECK_TIMEOUT`]; at least 1 ms).
+    pub fn check_timeout(mut self, timeout: Duration) -> Self {
+        self.check_timeout = timeout;
+        self
+    }
+
+    /// The policy's name in the `RateLimit-Policy` and `RateLimit` headers
+    /// (default `default`): printable ASCII, at most 64 bytes.
+    pub fn policy_name(mut self, name: impl Into<String>) -> Self {
+        self.policy_name = name.into();
+        self
+    }
+
+    /// Checks the configuration and builds the layer.
+    pub fn build(self) -> Result<RateLimitLayer, BuildError> {
+        if self.check_timeout < Duration::from_millis(1) {
+            return Err(BuildError::ZeroTimeout);
+        }
+        let config = *self.limiter.config();
+        let headers =
+            RateLimitHeaders::new(&self.policy_name, &config).map_err(BuildError::PolicyName)?;
+        let fallback = match (self.failure_policy, self.fallback) {
+            (FailurePolicy::Local, Some(fallback)) => {
+                if *fallback.config() != config {
+                    return Err(BuildError::FallbackConfig {
+                        limiter: config,
+                        fallback: *fallback.config(),
+                    });
+                }
+                Some(fallback)
+            }
+            (FailurePolicy::Local, None) => {
+                Some(LocalLimiter::new(config, Default::default()).map_err(BuildError::Fallback)?)
+            }
+            (_, _) => None,
+        };
+        Ok(RateLimitLayer {
+            shared: Arc::new(Shared {
+                limiter: self.limiter,
+                key: self.key,
+                key_hash: self.key_hash,
+                cost: self.cost,
+                refusal: self.refusal,
+                failure_policy: self.failure_policy,
+                fallback,
+                check_timeout: self.check_timeout,
+                headers,
+            }),
+        })
+    }
+}
+
+/// A tower [`Layer`] that rate-limits requests by a key taken from each
+/// request.
+///
+/// The limiter lives behind an `Arc`: every clone of the layer and every
+/// service it makes (axum clones the service for each request) draws on one
+/// budget.
+///
+/// ```
+/// use std::sync::Arc;
+/// use axum::{routing::get, Router};
+/// use ratewarden_core::{LocalLimiter, REFERENCE};
+/// use ratewarden_tower::{key::PeerIp, RateLimitLayer};
+///
+/// let limiter = LocalLimiter::new(REFERENCE, Default::default()).unwrap();
+/// let layer = RateLimitLayer::new(Arc::new(limiter), PeerIp::new());
+/// let app: Router = Router::new().route("/", get(|| async { "hello" })).layer(layer);
+/// ```
+#[derive(Clone)]
+pub struct RateLimitLayer {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for RateLimitLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayer")
+            .field("config", self.shared.limiter.config())
+            .field("failure_policy", &self.shared.failure_policy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RateLimitLayer {
+    /// A layer with the defaults: cost 1, mix32 for string keys, the default
+    /// refusal, fail closed, a one-second limiter timeout, policy name
+    /// `default`.
+    pub fn new(limiter: Arc<dyn Limiter>, key: impl KeyExtractor) -> Self {
+        RateLimitLayer {
+            shared: Arc::new(Shared {
+                headers: RateLimitHeaders::default_name(limiter.config()),
+                limiter,
+                key: Box::new(key),
+                key_hash: KeyHash::default(),
+                cost: None,
+                refusal: None,
+                failure_policy: FailurePolicy::FailClosed,
+                fallback: None,
+                check_timeout: DEFAULT_CHECK_TIMEOUT,
+            }),
+        }
+    }
+
+    /// A builder for a layer on `limiter`, keyed by `key`.
+    pub fn builder(limiter: Arc<dyn Limiter>, key: impl KeyExtractor) -> RateLimitBuilder {
+        RateLimitBuilder {
+            limiter,
+            key: Box::new(key),
+            key_hash: KeyHash::default(),
+            cost: None,
+            refusal: None,
+            failure_policy: FailurePolicy::FailClosed,
+            fallback: None,
+            check_timeout: DEFAULT_CHECK_TIMEOUT,
+            policy_name: "default".to_owned(),
+        }
+    }
+
+    /// The limiter every request is decided by.
+    pub fn limiter(&self) -> &Arc<dyn Limiter> {
+        &self.shared.limiter
+    }
+}
+
+impl<S> Layer<S> for RateLimitLayer {
+    type Service = RateLimitService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimitService {
+            inner,
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+/// The service made by [`RateLimitLayer`]. Clones share the layer's budget.
+#[derive(Clone)]
+pub struct RateLimitService<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S: fmt::Debug> fmt::Debug for RateLimitService<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitService")
+            .field("inner", &self.inner)
+            .field("config", self.shared.limiter.config())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the limiter, or the failure policy, made of a request.
+enum Verdict {
+    /// Decided, by the limiter or the local fallback.
+    Decided(Decision),
+    /// The limiter failed and the failure policy admits without a decision.
+    AdmitUndecided,
+    /// The limiter failed and the failure policy refuses.
+    Unavailable,
+    /// The request itself cannot be decided (a cost out of range).
+    Invalid(StoreError),
+}
+
+impl Shared {
+    fn key(&self, key: RequestKey) -> u64 {
+        match key {
+            RequestKey::Id(id) => id,
+            RequestKey::Name(name) => self.key_hash.hash(&name),
+        }
+    }
+
+    async fn decide(&self, key: u64, cost: u64) -> Verdict {
+        // The in-memory limiter answers on the first poll; only a limiter
+        // that has to wait gets a timer, which spares every local decision
+        // the cost of arming one.
+        let mut check = self.limiter.check(key, cost);
+        let first = std::future::poll_fn(|cx| Poll::Ready(check.as_mut().poll(cx))).await;
+        let result = match first {
+            Poll::Ready(result) => result,
+            Poll::Pending => match tokio::time::timeout(self.check_timeout, check).await {
+                Ok(result) => result,
+                Err(_) => Err(StoreError::new(
+                    ratewarden_core::StoreErrorKind::Timeout,
+                    format!(
+                        "the limiter did not answer within {} ms",
+                        self.check_timeout.as_millis()
+                    ),
+                )),
+            },
+        };
+        let error = match result {
+            Ok(decision) => return Verdict::Decided(decision),
+            // Invalid input is the same on any store: no failure policy can
+            // make it decidable.
+            Err(e) if e.is_invalid_input() => return Verdict::Invalid(e),
+            Err(e) => e,
+        };
+        tracing::warn!(%error, failure_policy = %self.failure_policy, "rate limiter failed");
+        match self.failure_policy {
+            FailurePolicy::FailOpen => Verdict::AdmitUndecided,
+            FailurePolicy::FailClosed => Verdict::Unavailable,
+            FailurePolicy::Local => match self.fallback.as_ref().map(|f| f.check_now(key, cost)) {
+                Some(Ok(decision)) => Verdict::Decided(decision),
+                Some(Err(e)) if e.is_invalid_input() => Verdict::Invalid(e),
+                Some(Err(fallback_error)) => {
+                    tracing::warn!(%error, %fallback_error, "rate limiter and local fallback failed; refusing");
+                    Verdict::Unavailable
+                }
+                None => Verdict::Unavailable,
+            },
+        }
+    }
+
+    fn refused(&self, decision: Decision, parts: &Parts, cost: u64) -> Response<Bytes> {
+        let config = self.limiter.config();
+        let refusal = Refusal {
+            decision,
+            config,
+            parts,
+            cost,
+        };
+        let mut response = match &self.refusal {
+            Some(build) => build(&refusal),
+            None => default_refusal(&refusal),
+        };
+        let headers = response.headers_mut();
+        if !headers.contains_key(RETRY_AFTER) {
+            if let Some(value) = self.headers.retry_after(&decision) {
+                headers.insert(RETRY_AFTER, value);
+            }
+        }
+        if !headers.contains_key(&RATELIMIT_POLICY) {
+            headers.insert(RATELIMIT_POLICY, self.headers.policy().clone());
+        }
+        if !headers.contains_key(&RATELIMIT) {
+            headers.insert(RATELIMIT, self.headers.ratelimit(&decision));
+        }
+        response
+    }
+}
+
+fn text_response(status: StatusCode, body: String) -> Response<Bytes> {
+    let mut response = Response::new(Bytes::from(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+/// The default refusal: `429 Too Many Requests` with a one-line message.
+pub fn default_refusal(refusal: &Refusal<'_>) -> Response<Bytes> {
+    let body = match refusal.retry_after_secs() {
+        Some(secs) => format!("rate limit exceeded; retry in {secs} s\n"),
+        None => format!(
+            "rate limit exceeded; a request of cost {} is above what {} can ever admit\n",
+            refusal.cost, refusal.config
+        ),
+    };
+    text_response(StatusCode::TOO_MANY_REQUESTS, body)
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimitService<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Send + 'static,
+    ResBody: From<Bytes> + Send + 'static,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<Response<ResBody>, S::Error>>;
+
+    /// Ready when the inner service is: the limiter is consulted in `call`,
+    /// so a full budget never holds a request back here; it is answered.
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // The inner service was made ready by `poll_ready`; take that one
+        // into the future and leave a fresh clone behind for the next call.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let shared = Arc::clone(&self.shared);
+        Box::pin(async move {
+            let (mut parts, body) = request.into_parts();
+            let key = match shared.key.extract(&parts) {
+                Ok(key) => shared.key(key),
+                Err(rejection) => return Ok(rejection_response(rejection).map(ResBody::from)),
+            };
+            let cost = shared.cost.as_ref().map_or(1, |cost| cost(&parts));
+            match shared.decide(key, cost).await {
+                Verdict::Decided(decision) if decision.allowed => {
+                    parts.extensions.insert(decision);
+                    let mut response = inner.call(Request::from_parts(parts, body)).await?;
+                    response
+                        .headers_mut()
+                        .append(RATELIMIT, shared.headers.ratelimit(&decision));
+                    Ok(response)
+                }
+                Verdict::Decided(decision) => {
+                    Ok(shared.refused(decision, &parts, cost).map(ResBody::from))
+                }
+                Verdict::AdmitUndecided => inner.call(Request::from_parts(parts, body)).await,
+                Verdict::Unavailable => Ok(text_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the rate limiter is unavailable; try again later\n".to_owned(),
+                )
+                .map(ResBody::from)),
+                Verdict::Invalid(e) => Ok(text_response(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("the request cannot be rate-limited: {e}\n"),
+                )
+                .map(ResBody::from)),
+            }
+        })
+    }
+}
+
+fn rejection_response(rejection: KeyRejection) -> Response<Bytes> {
+    text_response(rejection.status(), format!("{}\n", rejection.message()))
+}
