@@ -615,3 +615,22 @@ fn parse_reply(value: Value) -> Result<Decision, StoreError> {
         remaining,
     })
 }
+
+/// The store on its own is a [`Limiter`](ratewarden_core::Limiter) that
+/// decides by Redis `TIME` and passes every failure on as a
+/// [`StoreError`]: for callers that apply a failure policy of their own
+/// (the tower layer does). [`RedisLimiter`](crate::RedisLimiter) adds the
+/// caller's clock as an option and a failure policy.
+impl ratewarden_core::Limiter for RedisStore {
+    fn config(&self) -> &PolicyConfig {
+        RedisStore::config(self)
+    }
+
+    fn check(
+        &self,
+        key: u64,
+        cost: u64,
+    ) -> ratewarden_core::BoxFuture<'_, Result<Decision, StoreError>> {
+        Box::pin(self.decide(key, None, cost))
+    }
+}

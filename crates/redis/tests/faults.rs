@@ -193,6 +193,34 @@ fn the_failure_policies_decide_as_documented() {
     });
 }
 
+/// The bare store as a `Limiter` applies no failure policy: a dead Redis
+/// reaches the caller as a typed error, so a layer above can apply its own.
+#[test]
+fn the_store_as_a_limiter_passes_failures_on() {
+    use ratewarden_core::Limiter;
+    let rt = common::runtime();
+    let mut server = RedisServer::start();
+    let store = rt
+        .block_on(RedisStore::connect(
+            &server.url(),
+            REFERENCE,
+            options("bare"),
+        ))
+        .expect("connect");
+    rt.block_on(async {
+        let d = store.check(7, 1).await.unwrap();
+        assert!(d.allowed);
+        assert_eq!(d.remaining, REFERENCE.limit - 1);
+    });
+    server.kill();
+    rt.block_on(async {
+        let started = Instant::now();
+        let err = store.check(7, 1).await.unwrap_err();
+        assert!(err.is_transient(), "{err}");
+        assert!(started.elapsed() < Duration::from_millis(TIMEOUT_MS) + MARGIN);
+    });
+}
+
 #[test]
 fn sigstop_never_blocks_a_call_past_the_timeout() {
     let rt = common::runtime();
