@@ -19,11 +19,14 @@ struct Cli {
 enum Command {
     /// Run conformance vector files against a store.
     Vectors(cmd::vectors::Args),
+    /// Run the rate-limit service: HTTP JSON and Envoy RLS v3 gRPC.
+    Serve(cmd::serve::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Vectors(args) => cmd::vectors::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
     }
 }

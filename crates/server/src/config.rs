@@ -753,3 +753,21 @@ shadow = true
         );
     }
 }
+
+#[cfg(test)]
+mod example {
+    use super::*;
+
+    #[test]
+    fn the_documented_example_loads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/ratewarden.toml");
+        let c = Config::load(&path).unwrap();
+        assert_eq!(c.keys.as_ref().unwrap().policy, REFERENCE);
+        assert_eq!(c.domains[0].domain, "api");
+        assert_eq!(c.domains[0].descriptors.len(), 4);
+        let login = &c.domains[0].descriptors[2].children[0];
+        assert_eq!(login.rule.as_ref().unwrap().name, "login-per-user");
+        assert!(c.domains[0].descriptors[3].rule.as_ref().unwrap().shadow);
+        assert!(c.fallback.is_none());
+    }
+}
