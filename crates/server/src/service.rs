@@ -387,7 +387,11 @@ impl Service {
                     // Nothing is known of the budget: report none left, so a
                     // client that reads `remaining` slows down.
                     FailurePolicy::FailOpen => Decision::admitted(0),
-                    FailurePolicy::FailClosed => Decision::refused(None, 0),
+                    // Retry within a second (or the window, when
+                    // shorter): the store may be back by then.
+                    FailurePolicy::FailClosed => {
+                        Decision::refused(Some(m.rule.spec.policy.window_ms.clamp(1, 1000)), 0)
+                    }
                     FailurePolicy::Local => {
                         let local = m.rule.failover.as_ref().or(m.rule.local.as_ref());
                         match local.map(|l| l.check_now(m.key, cost)) {
