@@ -1,0 +1,221 @@
+//! [`RedisLimiter`]: the Redis store behind the core's `Limiter` trait,
+//! with a failure policy for when Redis fails.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use ratewarden_core::{
+    BoxFuture, Clock, ConfigError, Decision, FailurePolicy, Limiter, LocalLimiter, MemoryOptions,
+    PolicyConfig, StoreError, StoreErrorKind,
+};
+
+use crate::RedisStore;
+
+/// Which clock a [`RedisLimiter`] decides by.
+#[derive(Clone)]
+pub enum RedisTime {
+    /// Redis `TIME`, read inside the script: every client of one Redis
+    /// shares one clock, whatever their own clocks say.
+    Server,
+    /// The caller's clock, passed as `now_ms`: deterministic, but clients
+    /// whose clocks disagree disagree about windows.
+    Caller(Arc<dyn Clock>),
+}
+
+impl std::fmt::Debug for RedisTime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RedisTime::Server => "Server",
+            RedisTime::Caller(_) => "Caller",
+        })
+    }
+}
+
+/// How often each failure path was taken, since the limiter was built.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FailureCounts {
+    /// Calls that timed out.
+    pub timeouts: u64,
+    /// Calls that found the connection lost or could not connect.
+    pub connection_dropped: u64,
+    /// Calls that Redis answered with an error of its own.
+    pub backend_errors: u64,
+    /// Requests admitted by `FailurePolicy::FailOpen`.
+    pub failed_open: u64,
+    /// Requests refused by `FailurePolicy::FailClosed`.
+    pub failed_closed: u64,
+    /// Requests decided by the local fallback limiter.
+    pub decided_locally: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    timeouts: AtomicU64,
+    connection_dropped: AtomicU64,
+    backend_errors: AtomicU64,
+    failed_open: AtomicU64,
+    failed_closed: AtomicU64,
+    decided_locally: AtomicU64,
+}
+
+/// A decision and, when Redis failed, the failure the policy answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checked {
+    /// The decision given to the caller.
+    pub decision: Decision,
+    /// `Some` when the decision came from the failure policy, not Redis.
+    pub failure: Option<StoreError>,
+}
+
+/// A [`Limiter`] deciding on Redis, with a timeout on every call and a
+/// failure policy. Clones share the connection, the fallback limiter and
+/// the counters.
+///
+/// Transient failures (timeout, lost connection, a Redis error) get the
+/// failure policy: `FailOpen` admits (`remaining` 0), `FailClosed` refuses
+/// (`retry_after_ms` the window, at most 1000), `Local` decides on an
+/// in-memory limiter with the same configuration, so each process enforces
+/// the limit alone until Redis returns. Corrupt state and invalid input are
+/// returned as errors: retrying cannot fix them and admitting would hide
+/// them. The connection reconnects by itself when Redis returns.
+#[derive(Clone)]
+pub struct RedisLimiter {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: RedisStore,
+    time: RedisTime,
+    failure_policy: FailurePolicy,
+    fallback: LocalLimiter,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for RedisLimiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisLimiter")
+            .field("store", &self.inner.store)
+            .field("time", &self.inner.time)
+            .field("failure_policy", &self.inner.failure_policy)
+            .finish()
+    }
+}
+
+impl RedisLimiter {
+    /// A limiter on `store`, deciding by `time`, answering failures with
+    /// `failure_policy`. `fallback_options` bound the local limiter's memory
+    /// (used only with `FailurePolicy::Local`).
+    pub fn new(
+        store: RedisStore,
+        time: RedisTime,
+        failure_policy: FailurePolicy,
+        fallback_options: MemoryOptions,
+    ) -> Result<Self, ConfigError> {
+        let fallback = match &time {
+            RedisTime::Server => LocalLimiter::new(*store.config(), fallback_options)?,
+            RedisTime::Caller(clock) => LocalLimiter::with_clock(
+                *store.config(),
+                fallback_options,
+                SharedClock(Arc::clone(clock)),
+            )?,
+        };
+        Ok(RedisLimiter {
+            inner: Arc::new(Inner {
+                store,
+                time,
+                failure_policy,
+                fallback,
+                counters: Counters::default(),
+            }),
+        })
+    }
+
+    /// The store the limiter decides on.
+    pub fn store(&self) -> &RedisStore {
+        &self.inner.store
+    }
+
+    /// The failure policy.
+    pub fn failure_policy(&self) -> FailurePolicy {
+        self.inner.failure_policy
+    }
+
+    /// How often each failure path was taken.
+    pub fn failure_counts(&self) -> FailureCounts {
+        let c = &self.inner.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        FailureCounts {
+            timeouts: get(&c.timeouts),
+            connection_dropped: get(&c.connection_dropped),
+            backend_errors: get(&c.backend_errors),
+            failed_open: get(&c.failed_open),
+            failed_closed: get(&c.failed_closed),
+            decided_locally: get(&c.decided_locally),
+        }
+    }
+
+    /// Decides `(key, cost)` now and says whether the failure policy gave
+    /// the answer. Errors only for corrupt state, invalid input, or a local
+    /// fallback that fails itself.
+    pub async fn check_detailed(&self, key: u64, cost: u64) -> Result<Checked, StoreError> {
+        let inner = &*self.inner;
+        let now_ms = match &inner.time {
+            RedisTime::Server => None,
+            RedisTime::Caller(clock) => Some(clock.now_ms()),
+        };
+        let error = match inner.store.decide(key, now_ms, cost).await {
+            Ok(decision) => {
+                return Ok(Checked {
+                    decision,
+                    failure: None,
+                })
+            }
+            Err(e) if e.is_transient() => e,
+            Err(e) => return Err(e),
+        };
+        let c = &inner.counters;
+        match error.kind() {
+            StoreErrorKind::Timeout => &c.timeouts,
+            StoreErrorKind::ConnectionDropped => &c.connection_dropped,
+            _ => &c.backend_errors,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+        let decision = match inner.failure_policy {
+            FailurePolicy::FailOpen => {
+                c.failed_open.fetch_add(1, Ordering::Relaxed);
+                Decision::admitted(0)
+            }
+            FailurePolicy::FailClosed => {
+                c.failed_closed.fetch_add(1, Ordering::Relaxed);
+                Decision::refused(Some(inner.store.config().window_ms.min(1000)), 0)
+            }
+            FailurePolicy::Local => {
+                c.decided_locally.fetch_add(1, Ordering::Relaxed);
+                inner.fallback.check_now(key, cost)?
+            }
+        };
+        Ok(Checked {
+            decision,
+            failure: Some(error),
+        })
+    }
+}
+
+impl Limiter for RedisLimiter {
+    fn config(&self) -> &PolicyConfig {
+        self.inner.store.config()
+    }
+
+    fn check(&self, key: u64, cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
+        Box::pin(async move { self.check_detailed(key, cost).await.map(|c| c.decision) })
+    }
+}
+
+/// The caller's clock, shared with the fallback limiter.
+struct SharedClock(Arc<dyn Clock>);
+
+impl Clock for SharedClock {
+    fn now_ms(&self) -> u64 {
+        self.0.now_ms()
+    }
+}

@@ -1,0 +1,572 @@
+//! The store: connection, key names, script calls, replies and errors.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ratewarden_core::{Decision, PolicyConfig, PolicyKind, StoreError, StoreErrorKind, MAX_SAFE};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, Script, Value};
+
+const PRELUDE: &str = include_str!("lua/prelude.lua");
+const FIXED_WINDOW: &str = include_str!("lua/fixed_window.lua");
+const SLIDING_WINDOW_COUNTER: &str = include_str!("lua/sliding_window_counter.lua");
+const SLIDING_LOG: &str = include_str!("lua/sliding_log.lua");
+const TOKEN_BUCKET: &str = include_str!("lua/token_bucket.lua");
+const GCRA: &str = include_str!("lua/gcra.lua");
+
+/// The most requests one [`RedisStore::decide_many`] call takes: a bound on
+/// the memory a batch holds and on how long it keeps Redis busy.
+pub const MAX_BATCH: usize = 10_000;
+
+/// How a [`RedisStore`] names keys, bounds its calls and sets TTLs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisOptions {
+    /// The first part of every key name (escaped; see [`escape_key_part`]).
+    pub prefix: String,
+    /// The most a call may take, in ms, connection and reply included; a
+    /// call that takes longer returns [`StoreErrorKind::Timeout`].
+    pub timeout_ms: u64,
+    /// The most connecting may take, in ms.
+    pub connect_timeout_ms: u64,
+    /// Added to every TTL, in ms. With Redis `TIME` (the default) 0 is
+    /// exact: keys expire by the clock the scripts read. When callers pass
+    /// their own `now_ms`, that clock and Redis's may drift apart; a grace
+    /// keeps a key that Redis's clock would expire while the caller's time
+    /// says it still counts.
+    pub ttl_grace_ms: u64,
+    /// The longest TTL set, in ms: a bucket that never refills (`limit` 0)
+    /// or refills over centuries keeps its key this long, not forever.
+    pub max_ttl_ms: u64,
+}
+
+impl Default for RedisOptions {
+    /// Prefix `ratewarden`, a 50 ms timeout, 1 s to connect, no grace, and
+    /// TTLs of at most 2^40 ms (about 35 years).
+    fn default() -> Self {
+        RedisOptions {
+            prefix: "ratewarden".to_owned(),
+            timeout_ms: 50,
+            connect_timeout_ms: 1000,
+            ttl_grace_ms: 0,
+            max_ttl_ms: 1 << 40,
+        }
+    }
+}
+
+/// Escapes one part of a key name: `%`, `{`, `}` and `:` become `%25`,
+/// `%7B`, `%7D` and `%3A`.
+///
+/// With `{` and `}` escaped no part can form a Redis Cluster hash tag, so
+/// the whole name picks the slot; with `:` escaped, parts joined by `:`
+/// can never run into each other, so two different limiters never share a
+/// key.
+///
+/// ```
+/// use ratewarden_redis::escape_key_part;
+/// assert_eq!(escape_key_part("api:{v1}"), "api%3A%7Bv1%7D");
+/// assert_eq!(escape_key_part("100%"), "100%25");
+/// ```
+pub fn escape_key_part(part: &str) -> String {
+    let mut out = String::with_capacity(part.len());
+    for c in part.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '{' => out.push_str("%7B"),
+            '}' => out.push_str("%7D"),
+            ':' => out.push_str("%3A"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[derive(Clone)]
+enum Conn {
+    Node(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Node(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Node(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Node(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// A store keeping every key's state in Redis, deciding under one policy
+/// configuration. Cloning is cheap: clones share one connection.
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    conn: Conn,
+    config: PolicyConfig,
+    script: Script,
+    /// The escaped prefix and the configuration, joined by `:`, ending in `:`.
+    key_prefix: String,
+    /// ARGV 1..3: limit, window_ms, burst.
+    config_args: [String; 3],
+    options: RedisOptions,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("config", &self.inner.config)
+            .field("key_prefix", &self.inner.key_prefix)
+            .field("options", &self.inner.options)
+            .finish()
+    }
+}
+
+impl RedisStore {
+    /// Connects to `url` and prepares the policy's script.
+    ///
+    /// `url` is `redis://HOST:PORT[/DB]` (one node; `rediss://` and the
+    /// other forms of the `redis` crate work too) or
+    /// `redis-cluster://HOST:PORT[,HOST:PORT...]` (Redis Cluster, any of
+    /// its nodes as seeds). Errors: an invalid configuration or URL
+    /// ([`StoreErrorKind::InvalidInput`]), no connection within
+    /// `connect_timeout_ms` ([`StoreErrorKind::ConnectionDropped`] or
+    /// [`StoreErrorKind::Timeout`]).
+    pub async fn connect(
+        url: &str,
+        config: PolicyConfig,
+        options: RedisOptions,
+    ) -> Result<Self, StoreError> {
+        config
+            .build()
+            .map_err(|e| StoreError::new(StoreErrorKind::InvalidInput, e.to_string()))?;
+        if options.timeout_ms == 0 || options.connect_timeout_ms == 0 {
+            return Err(StoreError::new(
+                StoreErrorKind::InvalidInput,
+                "timeout_ms and connect_timeout_ms must be at least 1",
+            ));
+        }
+        if options.max_ttl_ms == 0 || options.max_ttl_ms > MAX_SAFE {
+            return Err(StoreError::new(
+                StoreErrorKind::InvalidInput,
+                format!("max_ttl_ms is {}: use 1 to 2^53 - 1", options.max_ttl_ms),
+            ));
+        }
+        if options.ttl_grace_ms > MAX_SAFE - options.max_ttl_ms {
+            return Err(StoreError::new(
+                StoreErrorKind::InvalidInput,
+                "ttl_grace_ms + max_ttl_ms must stay below 2^53; use a smaller ttl_grace_ms",
+            ));
+        }
+        let connect_timeout = Duration::from_millis(options.connect_timeout_ms);
+        let response_timeout = Duration::from_millis(options.timeout_ms);
+        let connecting = async {
+            if let Some(seeds) = url.strip_prefix("redis-cluster://") {
+                let nodes: Vec<String> = seeds
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(|s| format!("redis://{s}"))
+                    .collect();
+                if nodes.is_empty() {
+                    return Err(StoreError::new(
+                        StoreErrorKind::InvalidInput,
+                        format!(
+                            "{url:?} names no node; write redis-cluster://HOST:PORT[,HOST:PORT...]"
+                        ),
+                    ));
+                }
+                let client = ClusterClient::builder(nodes)
+                    .connection_timeout(connect_timeout)
+                    .response_timeout(response_timeout)
+                    .retries(2)
+                    .min_retry_wait(5)
+                    .max_retry_wait(50)
+                    .build()
+                    .map_err(|e| invalid_url(url, e))?;
+                let conn = client.get_async_connection().await.map_err(map_error)?;
+                Ok(Conn::Cluster(conn))
+            } else {
+                let client = redis::Client::open(url).map_err(|e| invalid_url(url, e))?;
+                // A few quick retries with short waits: the call's own
+                // timeout bounds the whole, and a reconnect attempt starts
+                // on the next call after a failure.
+                let manager_config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(connect_timeout)
+                    .set_response_timeout(response_timeout)
+                    .set_number_of_retries(2)
+                    .set_factor(5)
+                    .set_max_delay(50);
+                let conn = ConnectionManager::new_with_config(client, manager_config)
+                    .await
+                    .map_err(map_error)?;
+                Ok(Conn::Node(conn))
+            }
+        };
+        let conn = tokio::time::timeout(connect_timeout, connecting)
+            .await
+            .map_err(|_| {
+                StoreError::new(
+                    StoreErrorKind::Timeout,
+                    format!(
+                        "no connection to {url} within {} ms",
+                        options.connect_timeout_ms
+                    ),
+                )
+            })??;
+        Ok(Self::with_connection(conn, config, options))
+    }
+
+    fn with_connection(conn: Conn, config: PolicyConfig, options: RedisOptions) -> Self {
+        let body = match config.policy {
+            PolicyKind::FixedWindow => FIXED_WINDOW,
+            PolicyKind::SlidingWindowCounter => SLIDING_WINDOW_COUNTER,
+            PolicyKind::SlidingLog => SLIDING_LOG,
+            PolicyKind::TokenBucket => TOKEN_BUCKET,
+            PolicyKind::Gcra => GCRA,
+        };
+        let script = Script::new(&format!("{PRELUDE}{body}"));
+        let burst = config.effective_burst();
+        // The configuration is part of every key name: two limiters with
+        // different policies or numbers under one prefix never read each
+        // other's state.
+        let mut key_prefix = format!(
+            "{}:{}:{}:{}",
+            escape_key_part(&options.prefix),
+            config.policy,
+            config.limit,
+            config.window_ms
+        );
+        if config.policy.has_burst() {
+            key_prefix.push_str(&format!(":{burst}"));
+        }
+        key_prefix.push(':');
+        let config_args = [
+            config.limit.to_string(),
+            config.window_ms.to_string(),
+            burst.to_string(),
+        ];
+        RedisStore {
+            inner: Arc::new(Inner {
+                conn,
+                config,
+                script,
+                key_prefix,
+                config_args,
+                options,
+            }),
+        }
+    }
+
+    /// The configuration every key is decided by.
+    pub fn config(&self) -> &PolicyConfig {
+        &self.inner.config
+    }
+
+    /// The options the store was built with.
+    pub fn options(&self) -> &RedisOptions {
+        &self.inner.options
+    }
+
+    /// The Redis key holding `key`'s state: the escaped prefix, the
+    /// policy and its numbers, then the key, joined by `:`.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), ratewarden_core::StoreError> {
+    /// # use ratewarden_redis::{RedisOptions, RedisStore};
+    /// let store = RedisStore::connect("redis://127.0.0.1:6379", ratewarden_core::REFERENCE, RedisOptions::default()).await?;
+    /// assert_eq!(store.key_name(7), "ratewarden:sliding-window-counter:100:1000:7");
+    /// # Ok(()) }
+    /// ```
+    pub fn key_name(&self, key: u64) -> String {
+        format!("{}{}", self.inner.key_prefix, key)
+    }
+
+    /// The SHA1 of the policy's script, as `EVALSHA` takes it.
+    pub fn script_sha(&self) -> &str {
+        self.inner.script.get_hash()
+    }
+
+    fn eval_cmd(&self, key: u64, now_ms: Option<u64>, cost: u64) -> Cmd {
+        let o = &self.inner.options;
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.inner.script.get_hash())
+            .arg(1)
+            .arg(self.key_name(key))
+            .arg(&self.inner.config_args[..])
+            .arg(cost)
+            .arg(now_ms.map_or(String::new(), |n| n.to_string()))
+            .arg(o.ttl_grace_ms)
+            .arg(o.max_ttl_ms);
+        cmd
+    }
+
+    fn check(now_ms: Option<u64>, cost: u64) -> Result<(), StoreError> {
+        if let Some(now) = now_ms.filter(|&n| n > MAX_SAFE) {
+            return Err(StoreError::new(
+                StoreErrorKind::InvalidInput,
+                format!("now_ms is {now}, above 2^53 - 1 (9007199254740991)"),
+            ));
+        }
+        if cost > MAX_SAFE {
+            return Err(StoreError::new(
+                StoreErrorKind::InvalidInput,
+                format!("cost is {cost}, above 2^53 - 1 (9007199254740991)"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn timed_out(&self) -> StoreError {
+        StoreError::new(
+            StoreErrorKind::Timeout,
+            format!(
+                "Redis did not answer within {} ms; the request may or may not have been applied",
+                self.inner.options.timeout_ms
+            ),
+        )
+    }
+
+    /// Decides a request of `cost` for `key`, atomically on Redis.
+    ///
+    /// `now_ms`: `None` reads Redis `TIME` inside the script (one clock for
+    /// every client); `Some` uses the caller's time (deterministic, for
+    /// tests and vectors; every client must then share a good clock).
+    /// The call never takes longer than `timeout_ms`.
+    pub async fn decide(
+        &self,
+        key: u64,
+        now_ms: Option<u64>,
+        cost: u64,
+    ) -> Result<Decision, StoreError> {
+        Self::check(now_ms, cost)?;
+        let cmd = self.eval_cmd(key, now_ms, cost);
+        let timeout = Duration::from_millis(self.inner.options.timeout_ms);
+        let call = async {
+            let mut conn = self.inner.conn.clone();
+            // Server errors arrive as values; extract_error makes them errors.
+            let value = match conn
+                .req_packed_command(&cmd)
+                .await
+                .and_then(Value::extract_error)
+            {
+                Err(e) if e.kind() == ErrorKind::NoScriptError => {
+                    // The script cache was flushed (or a node restarted):
+                    // load it again and repeat; the failed EVALSHA ran nothing.
+                    self.inner
+                        .script
+                        .prepare_invoke()
+                        .load_async(&mut conn)
+                        .await
+                        .map_err(map_error)?;
+                    conn.req_packed_command(&cmd)
+                        .await
+                        .and_then(Value::extract_error)
+                }
+                other => other,
+            }
+            .map_err(map_error)?;
+            parse_reply(value)
+        };
+        tokio::time::timeout(timeout, call)
+            .await
+            .map_err(|_| self.timed_out())?
+    }
+
+    /// Decides many `(key, cost)` requests in one round trip: their
+    /// `EVALSHA` calls are pipelined. Each request is still decided
+    /// atomically on its own, in order per key.
+    ///
+    /// The outer error is for the whole batch (too large, timed out,
+    /// connection lost: then any subset may have been applied); the inner
+    /// results are per request. At most [`MAX_BATCH`] requests.
+    pub async fn decide_many(
+        &self,
+        requests: &[(u64, u64)],
+        now_ms: Option<u64>,
+    ) -> Result<Vec<Result<Decision, StoreError>>, StoreError> {
+        if requests.len() > MAX_BATCH {
+            return Err(StoreError::new(
+                StoreErrorKind::InvalidInput,
+                format!(
+                    "a batch of {} requests is above the maximum of {MAX_BATCH}; split it",
+                    requests.len()
+                ),
+            ));
+        }
+        for &(_, cost) in requests {
+            Self::check(now_ms, cost)?;
+        }
+        let timeout = Duration::from_millis(self.inner.options.timeout_ms);
+        let call = async {
+            let mut conn = self.inner.conn.clone();
+            let mut results: Vec<Option<Result<Decision, StoreError>>> = vec![None; requests.len()];
+            let mut todo: Vec<usize> = (0..requests.len()).collect();
+            // Twice at most: once, and once more for the requests that met
+            // NOSCRIPT after the script is loaded again.
+            for attempt in 0..2 {
+                if todo.is_empty() {
+                    break;
+                }
+                let mut pipe = redis::pipe();
+                for &i in &todo {
+                    let (key, cost) = requests[i];
+                    pipe.add_command(self.eval_cmd(key, now_ms, cost));
+                }
+                let values = conn
+                    .req_packed_commands(&pipe, 0, todo.len())
+                    .await
+                    .map_err(map_error)?;
+                if values.len() != todo.len() {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Backend,
+                        format!(
+                            "Redis answered {} replies to {} commands",
+                            values.len(),
+                            todo.len()
+                        ),
+                    ));
+                }
+                let mut again = Vec::new();
+                for (&i, value) in todo.iter().zip(values) {
+                    match value.extract_error() {
+                        Err(e) if e.kind() == ErrorKind::NoScriptError && attempt == 0 => {
+                            again.push(i)
+                        }
+                        Err(e) => results[i] = Some(Err(map_error(e))),
+                        Ok(v) => results[i] = Some(parse_reply(v)),
+                    }
+                }
+                if !again.is_empty() {
+                    self.inner
+                        .script
+                        .prepare_invoke()
+                        .load_async(&mut conn)
+                        .await
+                        .map_err(map_error)?;
+                }
+                todo = again;
+            }
+            Ok(results
+                .into_iter()
+                .map(|r| {
+                    r.unwrap_or_else(|| {
+                        Err(StoreError::new(
+                            StoreErrorKind::Backend,
+                            "request left undecided",
+                        ))
+                    })
+                })
+                .collect())
+        };
+        tokio::time::timeout(timeout, call)
+            .await
+            .map_err(|_| self.timed_out())?
+    }
+}
+
+fn invalid_url(url: &str, e: RedisError) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::InvalidInput,
+        format!(
+            "{url:?} is not a Redis address ({e}); write redis://HOST:PORT[/DB] or \
+             redis-cluster://HOST:PORT[,HOST:PORT...]"
+        ),
+    )
+}
+
+/// Classifies a client error so that a limiter can choose its failure
+/// policy without parsing messages.
+pub(crate) fn map_error(e: RedisError) -> StoreError {
+    let text = e.to_string();
+    let kind = if text.contains("RATEWARDEN_CORRUPT")
+        || e.code() == Some("WRONGTYPE")
+        || text.contains("WRONGTYPE")
+    {
+        StoreErrorKind::CorruptState
+    } else if e.is_timeout() {
+        StoreErrorKind::Timeout
+    } else if e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_io_error()
+        || matches!(
+            e.kind(),
+            ErrorKind::ClusterConnectionNotFound | ErrorKind::ClusterDown
+        )
+    {
+        StoreErrorKind::ConnectionDropped
+    } else {
+        StoreErrorKind::Backend
+    };
+    StoreError::new(kind, text)
+}
+
+fn int(v: &Value) -> Option<u64> {
+    match v {
+        Value::Int(n) => u64::try_from(*n).ok(),
+        _ => None,
+    }
+}
+
+/// Reads a script's reply: `{allowed, remaining, retry_kind, retry...}`.
+fn parse_reply(value: Value) -> Result<Decision, StoreError> {
+    let bad = |what: &str| {
+        StoreError::new(
+            StoreErrorKind::Backend,
+            format!("unexpected script reply ({what}): {value:?}"),
+        )
+    };
+    let Value::Array(items) = &value else {
+        return Err(bad("not an array"));
+    };
+    let field = |i: usize| items.get(i).and_then(int);
+    let (Some(allowed), Some(remaining), Some(kind)) = (field(0), field(1), field(2)) else {
+        return Err(bad("missing fields"));
+    };
+    let retry_after_ms = match kind {
+        0 => None,
+        1 => Some(field(3).ok_or_else(|| bad("no retry"))?),
+        2 => {
+            // Base-2^24 limbs, least significant first; a wait past u64
+            // saturates as the core's does.
+            let mut wide: u128 = 0;
+            for (shift, item) in items[3..].iter().enumerate() {
+                let limb = int(item)
+                    .filter(|&l| l < 1 << 24)
+                    .ok_or_else(|| bad("bad limb"))?;
+                if shift >= 5 {
+                    return Err(bad("too many limbs"));
+                }
+                wide |= u128::from(limb) << (24 * shift);
+            }
+            Some(u64::try_from(wide).unwrap_or(u64::MAX))
+        }
+        _ => return Err(bad("unknown retry kind")),
+    };
+    Ok(Decision {
+        allowed: allowed == 1,
+        retry_after_ms,
+        remaining,
+    })
+}

@@ -1,0 +1,278 @@
+//! Real `redis-server` processes for tests: single nodes and 3-master
+//! clusters on free loopback ports, stopped when dropped.
+//!
+//! Needs `redis-server` and `redis-cli` on `PATH` (Debian: `redis-server`
+//! and `redis-tools`). Every wait here is bounded.
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a server may take to start answering.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A free loopback port; with `bus`, port + 10000 (a cluster node's bus)
+/// is free too.
+pub fn free_port(bus: bool) -> u16 {
+    for _ in 0..1000 {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind a loopback port");
+        let port = listener.local_addr().expect("local address").port();
+        if !bus {
+            return port;
+        }
+        if port < 55_000 && TcpListener::bind((Ipv4Addr::LOCALHOST, port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port found in 1000 tries");
+}
+
+/// Sends one inline command over a raw socket and returns the reply text;
+/// enough for PING and CLUSTER INFO without a client.
+fn raw_command(port: u16, command: &str) -> Option<String> {
+    let mut stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .ok()?;
+    stream.write_all(format!("{command}\r\n").as_bytes()).ok()?;
+    let mut buf = [0u8; 4096];
+    let n = stream.read(&mut buf).ok()?;
+    Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+}
+
+/// One `redis-server` on 127.0.0.1, killed when dropped.
+pub struct RedisServer {
+    port: u16,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    cluster: bool,
+}
+
+impl RedisServer {
+    /// Starts a node on a free port and waits until it answers PING.
+    pub fn start() -> RedisServer {
+        Self::start_on(free_port(false), false)
+    }
+
+    fn start_on(port: u16, cluster: bool) -> RedisServer {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let mut server = RedisServer {
+            port,
+            child: None,
+            dir,
+            cluster,
+        };
+        server.spawn();
+        server
+    }
+
+    fn spawn(&mut self) {
+        let mut cmd = Command::new("redis-server");
+        cmd.args([
+            "--port",
+            &self.port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .args(["--dir", &self.dir.path().display().to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+        if self.cluster {
+            cmd.args([
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+            ]);
+        }
+        self.child = Some(cmd.spawn().expect("start redis-server (is it installed?)"));
+        let deadline = Instant::now() + START_TIMEOUT;
+        while Instant::now() < deadline {
+            if raw_command(self.port, "PING").is_some_and(|r| r.starts_with("+PONG")) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "redis-server on port {} did not answer within {START_TIMEOUT:?}",
+            self.port
+        );
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The process id, while running.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// Kills the server at once (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port (with empty data).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open, nothing answers.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Thaws a frozen server (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        if let Some(pid) = self.pid() {
+            let status = Command::new("kill")
+                .args([sig, &pid.to_string()])
+                .status()
+                .expect("run kill");
+            assert!(status.success(), "kill {sig} {pid} failed");
+        }
+    }
+
+    /// Runs `redis-cli -p PORT args...` and returns its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("run redis-cli (is redis-tools installed?)");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Keys that have no TTL (SCAN + PTTL), at most 100 listed.
+    pub fn keys_without_ttl(&self) -> Vec<String> {
+        let client = redis::Client::open(self.url()).expect("client");
+        let mut conn = client
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .expect("connect");
+        let keys: Vec<String> = {
+            use redis::Commands;
+            conn.scan::<String>().expect("SCAN").collect()
+        };
+        let mut missing = Vec::new();
+        for key in keys {
+            let ttl: i64 = redis::cmd("PTTL").arg(&key).query(&mut conn).expect("PTTL");
+            // -1: no TTL; -2: gone since the scan.
+            if ttl == -1 {
+                missing.push(key);
+                if missing.len() == 100 {
+                    break;
+                }
+            }
+        }
+        missing
+    }
+
+    /// The directory the server runs in.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        // A frozen server must be thawed to die promptly on some systems;
+        // SIGKILL works on a stopped process too, so kill is enough.
+        self.kill();
+    }
+}
+
+/// A Redis Cluster of three masters (no replicas), killed when dropped.
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts three cluster-enabled nodes, joins them with
+    /// `redis-cli --cluster create`, and waits until every node reports
+    /// `cluster_state:ok`.
+    pub fn start() -> RedisCluster {
+        let mut ports = Vec::new();
+        while ports.len() < 3 {
+            let p = free_port(true);
+            if !ports.contains(&p) {
+                ports.push(p);
+            }
+        }
+        let nodes: Vec<RedisServer> = ports
+            .iter()
+            .map(|&p| RedisServer::start_on(p, true))
+            .collect();
+        let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ok = ports.iter().all(|&p| {
+                raw_command(p, "CLUSTER INFO").is_some_and(|r| r.contains("cluster_state:ok"))
+            });
+            if ok {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "cluster did not reach cluster_state:ok in 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        RedisCluster { nodes }
+    }
+
+    /// `redis-cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3`.
+    pub fn url(&self) -> String {
+        let addrs: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect();
+        format!("redis-cluster://{}", addrs.join(","))
+    }
+
+    /// The nodes.
+    pub fn nodes(&self) -> &[RedisServer] {
+        &self.nodes
+    }
+
+    /// Keys without a TTL on any node.
+    pub fn keys_without_ttl(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .flat_map(|n| n.keys_without_ttl())
+            .collect()
+    }
+}

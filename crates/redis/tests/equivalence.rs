@@ -1,0 +1,164 @@
+//! Random traces get identical decisions on Redis and on the core's
+//! in-memory store, for every policy, with numbers up to 2^53 - 1 and
+//! wall-clock times (bounded: a fixed number of cases and steps).
+
+mod common;
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use ratewarden_core::{MemoryStore, PolicyConfig, PolicyKind, MAX_SAFE};
+use ratewarden_redis::test_support::RedisServer;
+
+const WALL_CLOCK_MS: u64 = 1_764_000_000_000;
+const YEAR_MS: u64 = 31_536_000_000;
+
+/// Small, medium, wall-clock-sized and near-2^53 numbers.
+fn number() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        3 => 0u64..=12,
+        2 => 13u64..=2_000,
+        1 => Just(1_000_000_000u64),
+        1 => Just(YEAR_MS),
+        1 => (MAX_SAFE - 1000)..=MAX_SAFE,
+        1 => 0u64..=MAX_SAFE,
+    ]
+}
+
+#[derive(Debug, Clone)]
+struct Trace {
+    config: PolicyConfig,
+    start_ms: u64,
+    steps: Vec<(u64, u8, u64, u8, u64)>,
+}
+
+fn trace() -> impl Strategy<Value = Trace> {
+    let kind = prop::sample::select(PolicyKind::ALL.to_vec());
+    let start = prop_oneof![
+        Just(0u64),
+        WALL_CLOCK_MS..WALL_CLOCK_MS + 10_000,
+        (MAX_SAFE - 5_000)..=MAX_SAFE
+    ];
+    (
+        kind,
+        number(),
+        number().prop_map(|w| w.max(1)),
+        prop::option::of(number()),
+        start,
+        prop::collection::vec((0u64..3, 0u8..8, any::<u64>(), 0u8..6, any::<u64>()), 1..40),
+    )
+        .prop_map(|(policy, limit, window_ms, burst, start_ms, steps)| {
+            let burst = if policy.has_burst() { burst } else { None };
+            Trace {
+                config: PolicyConfig {
+                    policy,
+                    limit,
+                    window_ms,
+                    burst,
+                },
+                start_ms,
+                steps,
+            }
+        })
+}
+
+/// The next time: stays, steps a little, moves by fractions or multiples of
+/// the window, jumps anywhere, or steps back.
+fn next_time(now: u64, w: u64, kind: u8, r: u64) -> u64 {
+    let t = match kind {
+        0 => now,
+        1 => now.saturating_add(r % 7),
+        2 => now.saturating_add(r % w.max(1)),
+        3 => now
+            .saturating_add(w.saturating_mul(1 + r % 2))
+            .saturating_sub(r % 3),
+        4 => now.saturating_sub(r % w.max(1)),
+        5 => now.saturating_sub(r % 5),
+        6 => now.saturating_add(r % 100_000),
+        _ => r % (MAX_SAFE + 1),
+    };
+    t.min(MAX_SAFE)
+}
+
+fn cost(config: &PolicyConfig, kind: u8, r: u64) -> u64 {
+    let cap = if config.policy.has_burst() {
+        config.effective_burst()
+    } else {
+        config.limit
+    };
+    match kind {
+        0 => 0,
+        1 => 1,
+        2 => cap,
+        3 => cap.saturating_add(1).min(MAX_SAFE),
+        4 => r % (cap.saturating_add(1)),
+        _ => r % 4,
+    }
+}
+
+#[test]
+fn random_traces_decide_as_the_memory_store_does() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let rt = common::runtime();
+    let mut runner = TestRunner::new(Config {
+        cases: 300,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    runner
+        .run(&trace(), |t| {
+            let memory = MemoryStore::for_config(&t.config, Default::default()).unwrap();
+            let redis = rt.block_on(common::store(&url, t.config, "prop"));
+            let mut now = t.start_ms;
+            for (i, &(key, time_kind, time_r, cost_kind, cost_r)) in t.steps.iter().enumerate() {
+                now = next_time(now, t.config.window_ms, time_kind, time_r);
+                let cost = cost(&t.config, cost_kind, cost_r);
+                let expected = memory.decide(key, now, cost).unwrap();
+                let actual = rt
+                    .block_on(redis.decide(key, Some(now), cost))
+                    .map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
+                prop_assert_eq!(
+                    actual,
+                    expected,
+                    "step {} key {} now {} cost {}",
+                    i,
+                    key,
+                    now,
+                    cost
+                );
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
+}
+
+/// The brief's bound, explicitly: wall-clock time, a limit of 10^9 and a
+/// window of one year, where every product passes 2^53.
+#[test]
+fn wall_clock_with_a_billion_per_year_is_exact() {
+    let server = RedisServer::start();
+    let rt = common::runtime();
+    for policy in PolicyKind::ALL {
+        let config = PolicyConfig::new(policy, 1_000_000_000, YEAR_MS);
+        let memory = MemoryStore::for_config(&config, Default::default()).unwrap();
+        let redis = rt.block_on(common::store(&server.url(), config, "bound"));
+        let mut now = WALL_CLOCK_MS;
+        for (dt, cost) in [
+            (0, 999_999_999),
+            (1, 2),
+            (7, 1),
+            (YEAR_MS - 3, 500_000_000),
+            (YEAR_MS / 2 + 1, 999_999_999),
+            (13, 0),
+            (1, 1_000_000_000),
+            (YEAR_MS * 2, 1_000_000_000),
+            (31, 1),
+        ] {
+            now += dt;
+            let expected = memory.decide(9, now, cost).unwrap();
+            let actual = rt.block_on(redis.decide(9, Some(now), cost)).unwrap();
+            assert_eq!(actual, expected, "{config} at {now} cost {cost}");
+        }
+    }
+}
