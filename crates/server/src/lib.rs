@@ -76,7 +76,7 @@ use tokio::task::JoinHandle;
 
 pub use config::{Config, ConfigFileError, ConfigSource, ServerSettings};
 pub use service::Service;
-pub use store::{BuiltLimiter, MemoryFactory, StoreFactory, StoreUrl};
+pub use store::{BuiltLimiter, MemoryFactory, RedisFactory, StoreFactory, StoreUrl};
 
 /// How to run the server.
 #[derive(Debug, Clone)]
@@ -114,10 +114,10 @@ pub fn factory_for(
                 shards: 0,
             },
         })),
-        StoreUrl::Redis(url) | StoreUrl::RedisCluster(url) => anyhow::bail!(
-            "the Redis store ({url}) is not available in this build of ratewarden serve; \
-             use --store memory"
-        ),
+        StoreUrl::Redis(url) | StoreUrl::RedisCluster(url) => Ok(Arc::new(store::RedisFactory {
+            url: url.clone(),
+            timeout_ms: settings.store_timeout_ms,
+        })),
     }
 }
 
@@ -160,11 +160,7 @@ impl Running {
 pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     let config = options.config.load()?;
     let factory = factory_for(&options.store, &config.server)?;
-    let service = Arc::new(Service::with_config(
-        config,
-        options.config.clone(),
-        factory,
-    )?);
+    let service = Arc::new(Service::with_config(config, options.config.clone(), factory).await?);
     let http_listener = TcpListener::bind(options.http)
         .await
         .with_context(|| format!("cannot listen for HTTP on {}", options.http))?;
@@ -253,10 +249,8 @@ pub async fn run_until_signal(running: Running) -> anyhow::Result<()> {
         tokio::select! {
             _ = hangup.recv() => {
                 tracing::info!("SIGHUP: reloading the configuration");
-                let service = Arc::clone(&running.service);
-                // Building limiters may block on a networked store; keep it
-                // off the request threads.
-                let _ = tokio::task::spawn_blocking(move || service.reload()).await;
+                // The outcome is logged and counted by `reload` itself.
+                let _ = running.service.reload().await;
             }
             _ = terminate.recv() => {
                 tracing::info!("SIGTERM: shutting down");

@@ -9,7 +9,8 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use ratewarden_core::{KeyHash, Limiter, LocalLimiter, MemoryOptions};
+use anyhow::Context as _;
+use ratewarden_core::{FailurePolicy, KeyHash, Limiter, LocalLimiter, MemoryOptions};
 
 use crate::config::{Config, DescriptorSpec, RuleSpec};
 use crate::metrics::{Metrics, RuleMetrics};
@@ -109,7 +110,7 @@ const SEP: char = '\u{1f}';
 impl RuleSet {
     /// Compiles `config`, building a limiter with `factory` for each rule
     /// unless `previous` has one for the same identity and policy.
-    pub fn build(
+    pub async fn build(
         config: Config,
         factory: &dyn StoreFactory,
         previous: Option<&RuleSet>,
@@ -118,28 +119,54 @@ impl RuleSet {
         let old: HashMap<&str, &Arc<Rule>> = previous
             .map(|p| p.all.iter().map(|r| (r.id.as_str(), r)).collect())
             .unwrap_or_default();
+        let local_failover = config.server.failure_policy == FailurePolicy::Local;
+        let mut limiters = HashMap::new();
+        for (id, spec) in rule_ids(&config) {
+            let parts = match old.get(id.as_str()) {
+                Some(o) if o.spec.policy == spec.policy => {
+                    (Arc::clone(&o.limiter), o.local.clone(), o.failover.clone())
+                }
+                _ => {
+                    let built = factory.build(&id, &spec.policy).await.with_context(|| {
+                        format!("cannot make the limiter of rule {:?}", spec.name)
+                    })?;
+                    // A networked store under the `local` failure policy
+                    // needs an in-memory twin to decide while it is away;
+                    // the memory store is its own.
+                    let failover = match (&built.local, local_failover) {
+                        (None, true) => Some(LocalLimiter::new(
+                            spec.policy,
+                            MemoryOptions {
+                                max_keys: config.server.max_keys,
+                                shards: 0,
+                            },
+                        )?),
+                        _ => None,
+                    };
+                    (built.limiter, built.local, failover)
+                }
+            };
+            limiters.insert(id, parts);
+        }
         let mut b = Builder {
-            factory,
-            old,
+            limiters,
             metrics,
             all: Vec::new(),
-            local_failover: config.server.failure_policy == ratewarden_core::FailurePolicy::Local,
-            max_keys: config.server.max_keys,
         };
         let keys = config
             .keys
             .as_ref()
-            .map(|spec| b.rule("keys".to_owned(), spec))
-            .transpose()?;
+            .map(|spec| b.rule("keys".to_owned(), spec));
         let fallback = config
             .fallback
             .as_ref()
-            .map(|spec| b.rule("fallback".to_owned(), spec))
-            .transpose()?;
+            .map(|spec| b.rule("fallback".to_owned(), spec));
         let mut domains = HashMap::with_capacity(config.domains.len());
         for d in &config.domains {
-            let id = format!("domain{SEP}{}", d.domain);
-            domains.insert(d.domain.clone(), b.level(&id, &d.descriptors)?);
+            domains.insert(
+                d.domain.clone(),
+                b.level(&domain_id(&d.domain), &d.descriptors),
+            );
         }
         let all = b.all;
         Ok(RuleSet {
@@ -228,77 +255,86 @@ fn walk<'a>(mut level: &'a Level, entries: &[(String, String)]) -> Option<&'a Ar
     node?.rule.as_ref()
 }
 
+fn domain_id(domain: &str) -> String {
+    format!("domain{SEP}{domain}")
+}
+
+fn node_id(parent_id: &str, node: &DescriptorSpec) -> String {
+    match &node.value {
+        Some(v) => format!("{parent_id}{SEP}{}{SEP}={v}", node.key),
+        None => format!("{parent_id}{SEP}{}{SEP}*", node.key),
+    }
+}
+
+/// Every rule of `config` with its identity.
+fn rule_ids(config: &Config) -> Vec<(String, &RuleSpec)> {
+    fn walk<'a>(
+        parent_id: &str,
+        nodes: &'a [DescriptorSpec],
+        out: &mut Vec<(String, &'a RuleSpec)>,
+    ) {
+        for n in nodes {
+            let id = node_id(parent_id, n);
+            if let Some(spec) = &n.rule {
+                out.push((id.clone(), spec));
+            }
+            walk(&id, &n.children, out);
+        }
+    }
+    let mut out = Vec::new();
+    if let Some(spec) = &config.keys {
+        out.push(("keys".to_owned(), spec));
+    }
+    if let Some(spec) = &config.fallback {
+        out.push(("fallback".to_owned(), spec));
+    }
+    for d in &config.domains {
+        walk(&domain_id(&d.domain), &d.descriptors, &mut out);
+    }
+    out
+}
+
+type LimiterParts = (Arc<dyn Limiter>, Option<LocalLimiter>, Option<LocalLimiter>);
+
 struct Builder<'a> {
-    factory: &'a dyn StoreFactory,
-    old: HashMap<&'a str, &'a Arc<Rule>>,
+    limiters: HashMap<String, LimiterParts>,
     metrics: &'a Metrics,
     all: Vec<Arc<Rule>>,
-    local_failover: bool,
-    max_keys: usize,
 }
 
 impl Builder<'_> {
-    fn rule(&mut self, id: String, spec: &RuleSpec) -> anyhow::Result<Arc<Rule>> {
+    fn rule(&mut self, id: String, spec: &RuleSpec) -> Arc<Rule> {
+        let (limiter, local, failover) = self
+            .limiters
+            .get(&id)
+            .cloned()
+            .expect("every rule's limiter was built before the tree");
         let metrics = self.metrics.rule(&spec.name);
-        let rule = match self.old.get(id.as_str()) {
-            Some(old) if old.spec.policy == spec.policy => Rule {
-                id,
-                spec: spec.clone(),
-                limiter: Arc::clone(&old.limiter),
-                local: old.local.clone(),
-                failover: old.failover.clone(),
-                metrics,
-            },
-            _ => {
-                let built = self.factory.build(&id, &spec.policy)?;
-                // A networked store under the `local` failure policy needs
-                // an in-memory twin to decide while it is away; the memory
-                // store is its own.
-                let failover = match (&built.local, self.local_failover) {
-                    (None, true) => Some(LocalLimiter::new(
-                        spec.policy,
-                        MemoryOptions {
-                            max_keys: self.max_keys,
-                            shards: 0,
-                        },
-                    )?),
-                    _ => None,
-                };
-                Rule {
-                    id,
-                    spec: spec.clone(),
-                    limiter: built.limiter,
-                    local: built.local,
-                    failover,
-                    metrics,
-                }
-            }
-        };
-        let rule = Arc::new(rule);
+        let rule = Arc::new(Rule {
+            id,
+            spec: spec.clone(),
+            limiter,
+            local,
+            failover,
+            metrics,
+        });
         self.all.push(Arc::clone(&rule));
-        Ok(rule)
+        rule
     }
 
-    fn level(&mut self, parent_id: &str, nodes: &[DescriptorSpec]) -> anyhow::Result<Level> {
+    fn level(&mut self, parent_id: &str, nodes: &[DescriptorSpec]) -> Level {
         let mut level = Level::default();
         for n in nodes {
-            let id = match &n.value {
-                Some(v) => format!("{parent_id}{SEP}{}{SEP}={v}", n.key),
-                None => format!("{parent_id}{SEP}{}{SEP}*", n.key),
-            };
-            let rule = n
-                .rule
-                .as_ref()
-                .map(|spec| self.rule(id.clone(), spec))
-                .transpose()?;
-            let children = self.level(&id, &n.children)?;
+            let id = node_id(parent_id, n);
+            let rule = n.rule.as_ref().map(|spec| self.rule(id.clone(), spec));
+            let children = self.level(&id, &n.children);
             let node = Node { rule, children };
             match &n.value {
                 Some(v) => level.exact.insert((n.key.clone(), v.clone()), node),
                 None => level.any.insert(n.key.clone(), node),
             };
         }
-        Ok(level)
+        level
     }
 }
 
@@ -307,12 +343,24 @@ mod tests {
     use super::*;
     use crate::store::MemoryFactory;
 
-    fn set(text: &str) -> RuleSet {
-        let config = Config::parse(text, "t.toml").unwrap();
+    fn build(config: Config, previous: Option<&RuleSet>, metrics: &Metrics) -> RuleSet {
         let factory = MemoryFactory {
             options: MemoryOptions::default(),
         };
-        RuleSet::build(config, &factory, None, &Metrics::default()).unwrap()
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        runtime
+            .block_on(RuleSet::build(config, &factory, previous, metrics))
+            .unwrap()
+    }
+
+    fn set(text: &str) -> RuleSet {
+        build(
+            Config::parse(text, "t.toml").unwrap(),
+            None,
+            &Metrics::default(),
+        )
     }
 
     fn entries(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
@@ -409,20 +457,14 @@ window_ms = 1000
 
     #[test]
     fn reload_keeps_limiters_of_unchanged_rules() {
-        let factory = MemoryFactory {
-            options: MemoryOptions::default(),
-        };
         let metrics = Metrics::default();
-        let first =
-            RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics).unwrap();
+        let first = build(Config::parse(TREE, "t").unwrap(), None, &metrics);
         let changed = TREE.replace("limit = 50", "limit = 60");
-        let second = RuleSet::build(
+        let second = build(
             Config::parse(&changed, "t").unwrap(),
-            &factory,
             Some(&first),
             &metrics,
-        )
-        .unwrap();
+        );
         let find = |s: &RuleSet, name: &str| {
             s.rules()
                 .iter()
@@ -447,10 +489,7 @@ window_ms = 1000
 
     #[test]
     fn the_reference_covers_every_domain() {
-        let factory = MemoryFactory {
-            options: MemoryOptions::default(),
-        };
-        let s = RuleSet::build(Config::reference(), &factory, None, &Metrics::default()).unwrap();
+        let s = build(Config::reference(), None, &Metrics::default());
         assert!(s.check_domain("anything").is_ok());
         let m = s
             .match_descriptor("anything", &entries(&[("a", "b")]), KeyHash::Mix32)

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use parking_lot::Mutex;
 use ratewarden_core::{Decision, FailurePolicy, StoreError, StoreErrorKind, MAX_SAFE};
 
 use crate::config::{ConfigSource, ServerSettings};
@@ -72,7 +71,7 @@ pub struct Service {
     factory: Arc<dyn StoreFactory>,
     /// The metrics of every rule and interface.
     pub metrics: Arc<Metrics>,
-    reload_lock: Mutex<()>,
+    reload_lock: tokio::sync::Mutex<()>,
     started: Instant,
     last_error_log_ms: AtomicU64,
 }
@@ -89,21 +88,21 @@ impl std::fmt::Debug for Service {
 impl Service {
     /// Builds the service from an already loaded configuration; `source`
     /// is where reloads read from.
-    pub fn with_config(
+    pub async fn with_config(
         config: crate::config::Config,
         source: ConfigSource,
         factory: Arc<dyn StoreFactory>,
     ) -> anyhow::Result<Self> {
         let metrics = Arc::new(Metrics::default());
         let settings = config.server.clone();
-        let rules = RuleSet::build(config, factory.as_ref(), None, &metrics)?;
+        let rules = RuleSet::build(config, factory.as_ref(), None, &metrics).await?;
         Ok(Service {
             rules: ArcSwap::from_pointee(rules),
             settings,
             source,
             factory,
             metrics,
-            reload_lock: Mutex::new(()),
+            reload_lock: tokio::sync::Mutex::new(()),
             started: Instant::now(),
             last_error_log_ms: AtomicU64::new(0),
         })
@@ -128,9 +127,9 @@ impl Service {
     /// finish on the rules they started with; rules whose identity and
     /// policy are unchanged keep their limiters, and so their counts. On an
     /// error the rules in force stay, and the error is returned.
-    pub fn reload(&self) -> Result<(), String> {
-        let _one_at_a_time = self.reload_lock.lock();
-        let result = (|| {
+    pub async fn reload(&self) -> Result<(), String> {
+        let _one_at_a_time = self.reload_lock.lock().await;
+        let result = async {
             let config = self.source.load().map_err(|e| e.to_string())?;
             if config.server != self.settings {
                 tracing::warn!(
@@ -138,13 +137,14 @@ impl Service {
                 );
             }
             let current = self.rules.load_full();
-            let rules =
-                RuleSet::build(config, self.factory.as_ref(), Some(&current), &self.metrics)
-                    .map_err(|e| format!("{e:#}"))?;
+            let rules = RuleSet::build(config, self.factory.as_ref(), Some(&current), &self.metrics)
+                .await
+                .map_err(|e| format!("{e:#}"))?;
             let count = rules.rules().len();
             self.rules.store(Arc::new(rules));
-            Ok(count)
-        })();
+            Ok::<_, String>(count)
+        }
+        .await;
         self.metrics.reload(result.is_ok());
         match result {
             Ok(count) => {
@@ -449,12 +449,14 @@ mod tests {
     use crate::store::MemoryFactory;
     use ratewarden_core::MemoryOptions;
 
-    fn service(text: &str) -> Service {
+    async fn service(text: &str) -> Service {
         let config = Config::parse(text, "t.toml").unwrap();
         let factory = Arc::new(MemoryFactory {
             options: MemoryOptions::default(),
         });
-        Service::with_config(config, ConfigSource { path: None }, factory).unwrap()
+        Service::with_config(config, ConfigSource { path: None }, factory)
+            .await
+            .unwrap()
     }
 
     fn d(entries: &[(&str, &str)], cost: u64) -> DescriptorRequest {
@@ -487,7 +489,7 @@ shadow = true
 
     #[tokio::test]
     async fn a_refused_descriptor_consumes_nothing_from_the_others() {
-        let s = service(TWO);
+        let s = service(TWO).await;
         for _ in 0..2 {
             let out = s
                 .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
@@ -511,7 +513,7 @@ shadow = true
 
     #[tokio::test]
     async fn shadow_rules_count_but_never_refuse() {
-        let s = service(TWO);
+        let s = service(TWO).await;
         for i in 0..3 {
             let out = s
                 .check_descriptors("api", &[d(&[("s", "z")], 1)])
@@ -524,7 +526,7 @@ shadow = true
 
     #[tokio::test]
     async fn unmatched_descriptors_are_unlimited_and_bad_input_is_named() {
-        let s = service(TWO);
+        let s = service(TWO).await;
         let out = s
             .check_descriptors("api", &[d(&[("nope", "x")], 5)])
             .await

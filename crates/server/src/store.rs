@@ -7,7 +7,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use ratewarden_core::{Limiter, LocalLimiter, MemoryOptions, PolicyConfig};
+use ratewarden_core::{BoxFuture, Limiter, LocalLimiter, MemoryOptions, PolicyConfig};
 
 /// A limiter made for one rule.
 #[derive(Clone)]
@@ -35,7 +35,11 @@ pub trait StoreFactory: Send + Sync {
     /// A limiter for `config`. `rule_id` is the rule's identity: a store
     /// that shares one key space between rules can use it as a prefix, but
     /// keys reaching the limiter already include it in their hash.
-    fn build(&self, rule_id: &str, config: &PolicyConfig) -> anyhow::Result<BuiltLimiter>;
+    fn build<'a>(
+        &'a self,
+        rule_id: &'a str,
+        config: &'a PolicyConfig,
+    ) -> BoxFuture<'a, anyhow::Result<BuiltLimiter>>;
 }
 
 /// The embedded in-memory store: one sharded table per rule, bounded to
@@ -51,11 +55,75 @@ impl StoreFactory for MemoryFactory {
         format!("memory (at most {} keys per rule)", self.options.max_keys)
     }
 
-    fn build(&self, _rule_id: &str, config: &PolicyConfig) -> anyhow::Result<BuiltLimiter> {
-        let local = LocalLimiter::new(*config, self.options)?;
-        Ok(BuiltLimiter {
-            limiter: Arc::new(local.clone()),
-            local: Some(local),
+    fn build<'a>(
+        &'a self,
+        _rule_id: &'a str,
+        config: &'a PolicyConfig,
+    ) -> BoxFuture<'a, anyhow::Result<BuiltLimiter>> {
+        let built = LocalLimiter::new(*config, self.options)
+            .map(|local| BuiltLimiter {
+                limiter: Arc::new(local.clone()),
+                local: Some(local),
+            })
+            .map_err(anyhow::Error::from);
+        Box::pin(std::future::ready(built))
+    }
+}
+
+/// Redis (one node, or a cluster): one connection and one Lua script per
+/// rule. Decisions read Redis `TIME`, so every server process on one Redis
+/// shares one clock.
+#[derive(Debug, Clone)]
+pub struct RedisFactory {
+    /// `redis://host:port[/db]` or `redis-cluster://host:port,host:port`.
+    pub url: String,
+    /// The longest one call may take, in ms.
+    pub timeout_ms: u64,
+}
+
+/// A rule's limiter on Redis. Failures are returned, not answered here: the
+/// server applies its failure policy and counts them.
+struct RedisRuleLimiter {
+    store: ratewarden_redis::RedisStore,
+}
+
+impl Limiter for RedisRuleLimiter {
+    fn config(&self) -> &PolicyConfig {
+        self.store.config()
+    }
+
+    fn check(
+        &self,
+        key: u64,
+        cost: u64,
+    ) -> BoxFuture<'_, Result<ratewarden_core::Decision, ratewarden_core::StoreError>> {
+        Box::pin(self.store.decide(key, None, cost))
+    }
+}
+
+impl StoreFactory for RedisFactory {
+    fn describe(&self) -> String {
+        self.url.clone()
+    }
+
+    fn build<'a>(
+        &'a self,
+        rule_id: &'a str,
+        config: &'a PolicyConfig,
+    ) -> BoxFuture<'a, anyhow::Result<BuiltLimiter>> {
+        Box::pin(async move {
+            let options = ratewarden_redis::RedisOptions {
+                // Each rule gets its own key space: its identity, hashed to
+                // keep key names short, is part of every key name.
+                prefix: format!("ratewarden:{:016x}", ratewarden_core::xxh3_64(rule_id)),
+                timeout_ms: self.timeout_ms,
+                ..Default::default()
+            };
+            let store = ratewarden_redis::RedisStore::connect(&self.url, *config, options).await?;
+            Ok(BuiltLimiter {
+                limiter: Arc::new(RedisRuleLimiter { store }),
+                local: None,
+            })
         })
     }
 }
