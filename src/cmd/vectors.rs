@@ -16,7 +16,9 @@ use ratewarden_core::{mix32, Decision, MemoryOptions, MemoryStore};
 /// Arguments of `ratewarden vectors`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The store to run the vectors on: `memory` (the embedded store).
+    /// The store to run the vectors on: `memory` (the embedded store),
+    /// `redis://HOST:PORT[/DB]` or `redis-cluster://HOST:PORT[,HOST:PORT...]`
+    /// (each case under its own fresh key prefix).
     #[arg(long, default_value = "memory")]
     pub store: StoreArg,
     /// Vector files, or directories searched (recursively) for `*.json`.
@@ -29,6 +31,8 @@ pub struct Args {
 pub enum StoreArg {
     /// The embedded in-memory store.
     Memory,
+    /// Redis or Redis Cluster at this URL.
+    Redis(String),
 }
 
 impl FromStr for StoreArg {
@@ -37,7 +41,13 @@ impl FromStr for StoreArg {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "memory" => Ok(StoreArg::Memory),
-            other => Err(format!("unknown store {other:?}; use memory")),
+            url if url.starts_with("redis://") || url.starts_with("redis-cluster://") => {
+                Ok(StoreArg::Redis(url.to_owned()))
+            }
+            other => Err(format!(
+                "unknown store {other:?}; use memory, redis://HOST:PORT[/DB] or \
+                 redis-cluster://HOST:PORT[,HOST:PORT...]"
+            )),
         }
     }
 }
@@ -46,6 +56,7 @@ impl fmt::Display for StoreArg {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             StoreArg::Memory => f.write_str("memory"),
+            StoreArg::Redis(url) => f.write_str(url),
         }
     }
 }
@@ -76,10 +87,82 @@ impl CaseRunner for MemoryRunner {
     }
 }
 
+/// Runs cases on Redis, each under a fresh prefix, with the vectors' own
+/// times passed to the scripts.
+struct RedisRunner {
+    url: String,
+    runtime: tokio::runtime::Runtime,
+    /// Unique per run: the process id and the start time.
+    run_id: String,
+    cases_run: u64,
+}
+
+impl CaseRunner for RedisRunner {
+    fn run(&mut self, case: &Case) -> CaseOutcome {
+        self.cases_run += 1;
+        let options = ratewarden_redis::RedisOptions {
+            prefix: format!("ratewarden-vectors:{}:{}", self.run_id, self.cases_run),
+            // Generous: conformance is checked here, not latency.
+            timeout_ms: 10_000,
+            // The vectors' times are not Redis's: keep every key for the
+            // run (an hour at most) instead of expiring it by Redis's clock.
+            ttl_grace_ms: 3_600_000,
+            ..Default::default()
+        };
+        let rt = &self.runtime;
+        match rt.block_on(ratewarden_redis::RedisStore::connect(
+            &self.url,
+            case.config,
+            options,
+        )) {
+            Ok(store) => vectors::run_case(case, |key, now_ms, cost| {
+                rt.block_on(store.decide(key, Some(now_ms), cost))
+            }),
+            Err(error) => CaseOutcome::StoreFailed { step: 0, error },
+        }
+    }
+}
+
 /// Runs the command.
 pub fn run(args: Args) -> ExitCode {
     let mut runner: Box<dyn CaseRunner> = match args.store {
         StoreArg::Memory => Box::new(MemoryRunner),
+        StoreArg::Redis(url) => {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("cannot start the async runtime: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let started = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            let run_id = format!("{}-{started}", std::process::id());
+            // An unreachable store is a store that cannot be used (exit 2),
+            // not a failure of every case.
+            let probe = ratewarden_redis::RedisOptions {
+                timeout_ms: 10_000,
+                ..Default::default()
+            };
+            if let Err(e) = runtime.block_on(ratewarden_redis::RedisStore::connect(
+                &url,
+                ratewarden_core::REFERENCE,
+                probe,
+            )) {
+                eprintln!("{url}: {e}");
+                return ExitCode::from(2);
+            }
+            Box::new(RedisRunner {
+                url,
+                runtime,
+                run_id,
+                cases_run: 0,
+            })
+        }
     };
     let mut files = Vec::new();
     let mut malformed = 0usize;

@@ -178,7 +178,10 @@ local function wload(v, name)
     end
     a[#a + 1] = n
   end
-  if #a == 0 or a[#a] == 0 or #a > 6 then corrupt('field ' .. name .. ' is malformed (' .. v .. ')') end
+  local _, commas = string.gsub(v, ',', ',')
+  if #a == 0 or commas ~= #a - 1 or a[#a] == 0 or #a > 6 then
+    corrupt('field ' .. name .. ' is malformed (' .. v .. ')')
+  end
   return a
 end
 

@@ -1,0 +1,315 @@
+//! Failures: a killed, a frozen and a script-flushed Redis, and corrupted
+//! state. Every call returns within its timeout (plus a margin for a
+//! loaded machine) with a typed error, the failure policy answers, and
+//! calls succeed again once Redis is back.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ratewarden_core::{
+    FailurePolicy, ManualClock, MemoryOptions, PolicyConfig, PolicyKind, StoreErrorKind, REFERENCE,
+};
+use ratewarden_redis::test_support::RedisServer;
+use ratewarden_redis::{RedisLimiter, RedisOptions, RedisStore, RedisTime};
+
+const TIMEOUT_MS: u64 = 200;
+/// Scheduling slack on a busy 2-core machine; a call that hung would blow
+/// far past it.
+const MARGIN: Duration = Duration::from_millis(800);
+
+fn options(tag: &str) -> RedisOptions {
+    RedisOptions {
+        prefix: common::fresh_prefix(tag),
+        timeout_ms: TIMEOUT_MS,
+        ..RedisOptions::default()
+    }
+}
+
+async fn limiter(server: &RedisServer, policy: FailurePolicy) -> RedisLimiter {
+    let store = RedisStore::connect(&server.url(), REFERENCE, options("fault"))
+        .await
+        .expect("connect");
+    RedisLimiter::new(store, RedisTime::Server, policy, MemoryOptions::default()).unwrap()
+}
+
+/// Calls until `deadline`, from 4 tasks; returns (calls answered by Redis,
+/// calls answered by the failure policy), checking every call's duration.
+async fn load(limiter: &RedisLimiter, until: Instant) -> (u64, u64) {
+    let mut tasks = Vec::new();
+    for t in 0..4u64 {
+        let limiter = limiter.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut ok, mut failed) = (0, 0);
+            let mut i = 0u64;
+            while Instant::now() < until {
+                let started = Instant::now();
+                let checked = limiter
+                    .check_detailed(t * 1_000_000 + i, 1)
+                    .await
+                    .expect("transient failures are answered");
+                let took = started.elapsed();
+                assert!(
+                    took <= Duration::from_millis(TIMEOUT_MS) + MARGIN,
+                    "a call took {took:?}"
+                );
+                match checked.failure {
+                    None => ok += 1,
+                    Some(e) => {
+                        assert!(
+                            matches!(
+                                e.kind(),
+                                StoreErrorKind::Timeout | StoreErrorKind::ConnectionDropped
+                            ),
+                            "untyped failure: {e}"
+                        );
+                        failed += 1;
+                    }
+                }
+                i += 1;
+                // Bounded rate: the loop is about behaviour, not throughput.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            (ok, failed)
+        }));
+    }
+    let mut total = (0, 0);
+    for t in tasks {
+        let (ok, failed) = t.await.expect("load task");
+        total.0 += ok;
+        total.1 += failed;
+    }
+    total
+}
+
+/// Waits (bounded) until a call is answered by Redis again.
+async fn until_redis_answers(limiter: &RedisLimiter) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let checked = limiter.check_detailed(42, 1).await.expect("answered");
+        if checked.failure.is_none() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Redis did not answer again within 10 s: {:?}",
+            checked.failure
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[test]
+fn sigkill_under_load_applies_the_failure_policy_then_recovers() {
+    let rt = common::runtime();
+    for policy in [
+        FailurePolicy::FailOpen,
+        FailurePolicy::FailClosed,
+        FailurePolicy::Local,
+    ] {
+        let mut server = RedisServer::start();
+        let limiter = rt.block_on(limiter(&server, policy));
+        let before = rt.block_on(load(&limiter, Instant::now() + Duration::from_millis(300)));
+        assert!(
+            before.0 > 0 && before.1 == 0,
+            "{policy}: healthy Redis answered {before:?}"
+        );
+
+        server.kill();
+        let during = rt.block_on(load(&limiter, Instant::now() + Duration::from_millis(600)));
+        assert!(
+            during.1 > 0 && during.0 == 0,
+            "{policy}: dead Redis answered {during:?}"
+        );
+        let counts = limiter.failure_counts();
+        let applied = match policy {
+            FailurePolicy::FailOpen => counts.failed_open,
+            FailurePolicy::FailClosed => counts.failed_closed,
+            FailurePolicy::Local => counts.decided_locally,
+        };
+        assert_eq!(applied, during.1, "{policy}: {counts:?}");
+        assert_eq!(
+            counts.timeouts + counts.connection_dropped,
+            during.1,
+            "{policy}: {counts:?}"
+        );
+
+        server.restart();
+        rt.block_on(until_redis_answers(&limiter));
+        let after = rt.block_on(load(&limiter, Instant::now() + Duration::from_millis(300)));
+        assert!(
+            after.0 > 0 && after.1 == 0,
+            "{policy}: restarted Redis answered {after:?}"
+        );
+        assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
+    }
+}
+
+#[test]
+fn the_failure_policies_decide_as_documented() {
+    let rt = common::runtime();
+    let mut server = RedisServer::start();
+    let open = rt.block_on(limiter(&server, FailurePolicy::FailOpen));
+    let closed = rt.block_on(limiter(&server, FailurePolicy::FailClosed));
+    // A clock that stands still: the local budget cannot refill while the
+    // test counts it.
+    let local = rt.block_on(async {
+        let store = RedisStore::connect(&server.url(), REFERENCE, options("fault"))
+            .await
+            .expect("connect");
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        RedisLimiter::new(
+            store,
+            RedisTime::Caller(clock),
+            FailurePolicy::Local,
+            MemoryOptions::default(),
+        )
+        .unwrap()
+    });
+    server.kill();
+    rt.block_on(async {
+        let d = open.check_detailed(1, 1).await.unwrap();
+        assert!(d.decision.allowed && d.failure.is_some());
+        let d = closed.check_detailed(1, 1).await.unwrap();
+        assert!(!d.decision.allowed && d.decision.retry_after_ms == Some(1000));
+        // The local limiter enforces the same configuration alone.
+        let admitted = {
+            let mut n = 0;
+            for _ in 0..150 {
+                if local.check_detailed(1, 1).await.unwrap().decision.allowed {
+                    n += 1;
+                }
+            }
+            n
+        };
+        assert_eq!(admitted, REFERENCE.limit);
+    });
+}
+
+#[test]
+fn sigstop_never_blocks_a_call_past_the_timeout() {
+    let rt = common::runtime();
+    let server = RedisServer::start();
+    let limiter = rt.block_on(limiter(&server, FailurePolicy::FailClosed));
+    rt.block_on(until_redis_answers(&limiter));
+    server.pause();
+    // Three times the timeout frozen; the load runs a little longer so that
+    // calls straddle the thaw.
+    let frozen = Duration::from_millis(3 * TIMEOUT_MS);
+    let load_until = Instant::now() + frozen + Duration::from_millis(300);
+    let handle = {
+        let limiter = limiter.clone();
+        rt.spawn(async move { load(&limiter, load_until).await })
+    };
+    std::thread::sleep(frozen);
+    server.resume();
+    let (ok, failed) = rt.block_on(handle).expect("load task");
+    assert!(
+        failed > 0,
+        "no call noticed the frozen server ({ok} answered)"
+    );
+    assert!(
+        limiter.failure_counts().timeouts > 0,
+        "{:?}",
+        limiter.failure_counts()
+    );
+    // After the thaw nothing stays blocked: calls are answered by Redis.
+    rt.block_on(until_redis_answers(&limiter));
+    let after = rt.block_on(load(&limiter, Instant::now() + Duration::from_millis(200)));
+    assert!(after.0 > 0 && after.1 == 0, "{after:?}");
+}
+
+#[test]
+fn script_flush_is_survived_by_single_calls_and_batches() {
+    let rt = common::runtime();
+    let server = RedisServer::start();
+    rt.block_on(async {
+        let store = common::store(&server.url(), REFERENCE, "flush").await;
+        assert!(store.decide(1, Some(5_000), 1).await.unwrap().allowed);
+        assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+        assert_eq!(store.decide(1, Some(5_000), 1).await.unwrap().remaining, 98);
+        assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+        let results = store
+            .decide_many(&[(1, 1), (2, 5), (1, 1)], Some(5_000))
+            .await
+            .unwrap();
+        let remaining: Vec<u64> = results.into_iter().map(|r| r.unwrap().remaining).collect();
+        assert_eq!(remaining, vec![97, 95, 96]);
+    });
+    assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
+}
+
+#[test]
+fn corrupt_state_is_a_typed_error_never_an_admit() {
+    let rt = common::runtime();
+    let server = RedisServer::start();
+    rt.block_on(async {
+        for policy in PolicyKind::ALL {
+            let config = PolicyConfig::new(policy, 10, 1000);
+            let store = common::store(&server.url(), config, "corrupt").await;
+            let limiter = RedisLimiter::new(
+                store.clone(),
+                RedisTime::Server,
+                FailurePolicy::FailOpen,
+                MemoryOptions::default(),
+            )
+            .unwrap();
+            let name = store.key_name(7);
+            let hash_fields: &[&[&str]] = match policy {
+                PolicyKind::FixedWindow => {
+                    &[&["w", "0", "c", "x"], &["w", "-1", "c", "0"], &["c", "1"]]
+                }
+                PolicyKind::SlidingWindowCounter => {
+                    &[&["w", "0", "p", "1.5", "c", "0"], &["w", "0", "p", "0"]]
+                }
+                PolicyKind::TokenBucket => &[
+                    &["l", "abc", "t", "0"],
+                    &["l", "1,2,0", "t", "0"],
+                    &["t", "5"],
+                ],
+                PolicyKind::Gcra => &[&["a", "nan"], &["a", "1e300"], &["a", "1,,"]],
+                PolicyKind::SlidingLog => &[],
+            };
+            let mut setups: Vec<Vec<String>> = hash_fields
+                .iter()
+                .map(|f| {
+                    let mut c = vec!["HSET".to_owned(), name.clone()];
+                    c.extend(f.iter().map(|s| s.to_string()));
+                    c
+                })
+                .collect();
+            // The wrong Redis type for the policy.
+            if policy == PolicyKind::SlidingLog {
+                setups.push(vec!["HSET".into(), name.clone(), "used".into(), "1".into()]);
+                setups.push(vec!["SET".into(), name.clone(), "not a log".into()]);
+            } else {
+                setups.push(vec!["SET".into(), name.clone(), "5".into()]);
+                setups.push(vec!["RPUSH".into(), name.clone(), "5".into()]);
+            }
+            for setup in setups {
+                server.cli(&["DEL", &name]);
+                let args: Vec<&str> = setup.iter().map(String::as_str).collect();
+                server.cli(&args);
+                server.cli(&["PEXPIRE", &name, "60000"]);
+                let err = store
+                    .decide(7, Some(5_000), 1)
+                    .await
+                    .expect_err(&format!("{policy} {setup:?}"));
+                assert_eq!(
+                    err.kind(),
+                    StoreErrorKind::CorruptState,
+                    "{policy} {setup:?}: {err}"
+                );
+                // Even failing open, corrupt state is an error, not an admit.
+                let err = limiter
+                    .check_detailed(7, 1)
+                    .await
+                    .expect_err("corrupt state is not failed open");
+                assert_eq!(err.kind(), StoreErrorKind::CorruptState);
+            }
+            server.cli(&["DEL", &name]);
+        }
+    });
+    assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
+}

@@ -1,0 +1,64 @@
+//! `ratewarden vectors --store redis://...` and `redis-cluster://...`: the
+//! project's vectors pass on a real Redis node and a real cluster, and an
+//! unreachable store is reported as unusable (exit 2).
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use ratewarden_redis::test_support::{free_port, RedisCluster, RedisServer};
+
+fn vectors(store: &str) -> Output {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+        .args([
+            "vectors",
+            "--store",
+            store,
+            root.join("vectors").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap()
+}
+
+fn assert_all_pass(out: &Output) {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last = stdout.lines().last().unwrap_or_default();
+    let passed: usize = last
+        .strip_suffix(" passed, 0 failed")
+        .expect(last)
+        .parse()
+        .unwrap();
+    assert!(passed > 100, "{last}");
+}
+
+#[test]
+fn vectors_pass_on_a_redis_node() {
+    let server = RedisServer::start();
+    assert_all_pass(&vectors(&server.url()));
+    assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
+}
+
+#[test]
+fn vectors_pass_on_a_redis_cluster() {
+    let cluster = RedisCluster::start();
+    assert_all_pass(&vectors(&cluster.url()));
+    assert_eq!(cluster.keys_without_ttl(), Vec::<String>::new());
+}
+
+#[test]
+fn an_unreachable_redis_is_an_unusable_store() {
+    // A port nothing listens on.
+    let out = vectors(&format!("redis://127.0.0.1:{}", free_port(false)));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("127.0.0.1"));
+}
