@@ -446,14 +446,11 @@ fn check_string(what: &str, s: &str) -> Result<(), BadRequest> {
 mod tests {
     use super::*;
     use crate::config::Config;
-    use crate::store::MemoryFactory;
-    use ratewarden_core::MemoryOptions;
+    use crate::store::StoreUrl;
 
     async fn service(text: &str) -> Service {
         let config = Config::parse(text, "t.toml").unwrap();
-        let factory = Arc::new(MemoryFactory {
-            options: MemoryOptions::default(),
-        });
+        let factory = crate::factory_for(&StoreUrl::Memory, &config.server).unwrap();
         Service::with_config(config, ConfigSource { path: None }, factory)
             .await
             .unwrap()
@@ -557,5 +554,45 @@ shadow = true
             .0
             .contains("cost"));
         assert!(s.check_key("k", 1).await.unwrap_err().0.contains("[keys]"));
+    }
+
+    #[tokio::test]
+    async fn housekeeping_forgets_idle_keys() {
+        let s = service("[keys]\npolicy = \"fixed-window\"\nlimit = 5\nwindow_ms = 1\n").await;
+        for i in 0..10 {
+            s.check_key(&format!("k{i}"), 1).await.unwrap();
+        }
+        assert_eq!(s.keys_tracked(), vec![("keys".to_owned(), 10)]);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(s.housekeeping(), 10);
+        assert_eq!(s.keys_tracked(), vec![("keys".to_owned(), 0)]);
+    }
+
+    #[tokio::test]
+    async fn a_full_store_gets_the_failure_policy() {
+        for (policy, allowed) in [("open", true), ("closed", false)] {
+            let text = format!(
+                "[server]\nmax_keys = 1\nfailure_policy = \"{policy}\"\n[keys]\nlimit = 5\nwindow_ms = 3600000\n"
+            );
+            let s = service(&text).await;
+            let mut failed = 0;
+            for i in 0..200 {
+                let o = s.check_key(&format!("k{i}"), 1).await.unwrap();
+                if o.by_failure_policy {
+                    failed += 1;
+                    assert_eq!(o.decision.allowed, allowed, "{policy}");
+                    assert_eq!(o.allowed, allowed, "{policy}");
+                    if !allowed {
+                        assert_eq!(o.decision.retry_after_ms, Some(1000));
+                    }
+                }
+            }
+            // At most one key per shard fits; 200 keys overflow them.
+            assert!(failed > 0, "{policy}");
+            let text = s.metrics.render(&[]);
+            assert!(text.contains(&format!(
+                "ratewarden_store_errors_total{{rule=\"keys\",kind=\"capacity_exhausted\"}} {failed}\n"
+            )), "{text}");
+        }
     }
 }
