@@ -248,3 +248,63 @@ async fn failure_count(
         .parse()
         .unwrap()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn descriptors_on_redis_cluster_admit_exactly_the_limit() {
+    let cluster = ratewarden_redis::test_support::RedisCluster::start();
+    let config = "[server]\nstore_timeout_ms = 5000\n\n[[domains]]\ndomain = \"edge\"\n\n\
+                  [[domains.descriptors]]\nkey = \"remote_address\"\nlimit = 100\nwindow_ms = 3600000\n\n\
+                  [[domains.descriptors]]\nkey = \"path\"\nlimit = 30\nwindow_ms = 3600000\n";
+    let serve = Serve::start(&cluster.url(), config);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let request = |address: &str, path: Option<&str>| {
+        let mut descriptors =
+            vec![json!({"entries": [{"key": "remote_address", "value": address}]})];
+        if let Some(p) = path {
+            descriptors.push(json!({"entries": [{"key": "path", "value": p}]}));
+        }
+        json!({"domain": "edge", "descriptors": descriptors})
+    };
+    let mut admitted = 0;
+    for _ in 0..150 {
+        let r = client
+            .post(serve.url())
+            .json(&request("10.0.0.1", None))
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let body: Value = r.json().await.unwrap();
+        assert!(body.get("failure_policy").is_none(), "{body}");
+        if status == 200 {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 100);
+    // Two descriptors: the path's 30 run out first, and the refused
+    // requests take nothing from the address's count.
+    let mut admitted = 0;
+    for _ in 0..50 {
+        let r = client
+            .post(serve.url())
+            .json(&request("10.0.0.2", Some("/a")))
+            .send()
+            .await
+            .unwrap();
+        if r.status().as_u16() == 200 {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 30);
+    let r = client
+        .post(serve.url())
+        .json(&request("10.0.0.2", None))
+        .send()
+        .await
+        .unwrap();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["remaining"], 69, "{body}");
+}
