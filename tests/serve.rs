@@ -791,3 +791,27 @@ async fn the_example_configuration_serves() {
     assert_eq!(body["remaining"], 99);
     server.stop();
 }
+
+#[test]
+fn a_client_that_never_finishes_its_headers_is_disconnected() {
+    use std::io::{Read, Write};
+    let server = Server::start(&[]);
+    let mut stream = std::net::TcpStream::connect(server.http).unwrap();
+    stream
+        .write_all(b"POST /v1/check HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    // The server closes the connection after its 10 s header-read timeout;
+    // the read below is bounded well past that.
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let started = Instant::now();
+    let mut buf = Vec::new();
+    let result = stream.read_to_end(&mut buf);
+    assert!(
+        result.is_ok(),
+        "the server closed the connection: {result:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
+    server.stop();
+}

@@ -53,13 +53,14 @@ pub fn run(args: Args) -> ExitCode {
         }
     };
     let result = runtime.block_on(async {
-        let running = ratewarden_server::start(options).await?;
-        // Tests and scripts read this line to learn the ports.
-        println!(
-            "ratewarden serve: HTTP on http://{}/v1/check, gRPC on {}",
-            running.http_addr, running.grpc_addr
-        );
-        ratewarden_server::run_until_signal(running).await
+        ratewarden_server::serve_until_signal(options, |running| {
+            // Tests and scripts read this line to learn the ports.
+            println!(
+                "ratewarden serve: HTTP on http://{}/v1/check, gRPC on {}",
+                running.http_addr, running.grpc_addr
+            );
+        })
+        .await
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,7 +1,7 @@
 //! The HTTP JSON interface: `POST /v1/check`, `GET /healthz`, `GET /metrics`.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -10,11 +10,73 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use ratewarden_core::MAX_SAFE;
 use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
 
 use crate::metrics::Api;
 use crate::service::{BadRequest, DescriptorOutcome, DescriptorRequest, Service};
+
+/// The longest a client may take to send a request's headers (and the
+/// longest an idle keep-alive connection is kept), so connections that
+/// send nothing cannot pile up.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves `app` on `listener` until `stop` turns true, then stops accepting
+/// and lets every open connection finish the request it is on.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    // Each connection task holds a sender; when all are gone, every
+    // connection has finished.
+    let (open_tx, mut open_rx) = mpsc::channel::<()>(1);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => Some(accepted),
+            _ = stop.wait_for(|s| *s) => None,
+        };
+        let stream = match accepted {
+            None => break,
+            Some(Ok((stream, _))) => stream,
+            Some(Err(e)) => {
+                // Out of file descriptors, mostly: wait a little rather than
+                // spin on the error.
+                tracing::warn!("cannot accept an HTTP connection: {e}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(app.clone());
+        let mut conn_stop = stop.clone();
+        let open = open_tx.clone();
+        tokio::spawn(async move {
+            let _open = open;
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT);
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            let stopping = tokio::select! {
+                _ = conn.as_mut() => false,
+                _ = conn_stop.wait_for(|s| *s) => true,
+            };
+            if stopping {
+                conn.as_mut().graceful_shutdown();
+                let _ = conn.await;
+            }
+        });
+    }
+    drop(open_tx);
+    let _ = open_rx.recv().await;
+    Ok(())
+}
 
 /// The largest request body read, in bytes.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;

@@ -5,7 +5,7 @@
 //! rule decides through an `Arc<dyn Limiter>` made by a [`StoreFactory`], so
 //! the embedded memory store and networked stores are interchangeable. The
 //! `ratewarden serve` command is a thin wrapper around [`start`] and
-//! [`run_until_signal`].
+//! [`serve_until_signal`].
 #![forbid(unsafe_code)]
 
 pub mod config;
@@ -173,12 +173,9 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
 
     let mut tasks = Vec::new();
     let app = http::router(Arc::clone(&service));
-    let mut http_stop = stop.clone();
+    let http_stop = stop.clone();
     tasks.push(tokio::spawn(async move {
-        axum::serve(http_listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = http_stop.wait_for(|s| *s).await;
-            })
+        http::serve(http_listener, app, http_stop)
             .await
             .context("the HTTP server failed")
     }));
@@ -237,14 +234,21 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     })
 }
 
-/// Serves until SIGTERM or SIGINT, reloading the configuration on SIGHUP,
-/// then shuts down gracefully.
+/// Starts the server and serves until SIGTERM or SIGINT, reloading the
+/// configuration on SIGHUP, then shuts down gracefully. `on_listening` runs
+/// once both interfaces listen; the signal handlers are in place before it
+/// runs, so a signal sent as soon as the addresses are known is handled.
 #[cfg(unix)]
-pub async fn run_until_signal(running: Running) -> anyhow::Result<()> {
+pub async fn serve_until_signal(
+    options: ServeOptions,
+    on_listening: impl FnOnce(&Running),
+) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut hangup = signal(SignalKind::hangup())?;
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
+    let running = start(options).await?;
+    on_listening(&running);
     loop {
         tokio::select! {
             _ = hangup.recv() => {
