@@ -815,3 +815,35 @@ fn a_client_that_never_finishes_its_headers_is_disconnected() {
     assert!(started.elapsed() < Duration::from_secs(30));
     server.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn descriptor_answers_list_every_descriptor_and_key_answers_none() {
+    let file = ConfigFile::new(LONG_WINDOW);
+    let server = Server::start(&["--config", file.path()]);
+    let client = client();
+    let body = json!({"domain": "edge", "descriptors": [
+        {"entries": [{"key": "unconfigured", "value": "x"}]},
+        {"entries": [{"key": "path", "value": "/login"}]},
+    ]});
+    let (status, headers, body) = post(&client, &server.url(), body).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        body["rule"], "login",
+        "the limited descriptor speaks for the request"
+    );
+    let listed = body["descriptors"].as_array().unwrap();
+    assert_eq!(listed.len(), 2);
+    assert_eq!(listed[0]["rule"], Value::Null);
+    assert_eq!(listed[0]["allowed"], true);
+    assert_eq!(listed[1]["remaining"], 1);
+    assert_eq!(headers["ratelimit-policy"], "\"login\";q=2;w=3600");
+    let body = json!({"domain": "edge", "descriptors": [{"entries": [{"key": "unconfigured", "value": "x"}]}]});
+    let (status, headers, body) = post(&client, &server.url(), body).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["rule"], Value::Null);
+    assert_eq!(body["descriptors"].as_array().unwrap().len(), 1);
+    assert!(headers.get("ratelimit").is_none());
+    let (_, _, body) = post(&client, &server.url(), json!({"key": "k"})).await;
+    assert!(body.get("descriptors").is_none());
+    server.stop();
+}

@@ -247,6 +247,7 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
         Ok(c) => c,
         Err(m) => return bad(StatusCode::BAD_REQUEST, m),
     };
+    let listed = request.key.is_none();
     let outcomes = match (request.key, request.domain, request.descriptors) {
         (Some(key), None, None) => service.check_key(&key, cost).await.map(|o| vec![o]),
         (None, Some(domain), Some(descriptors)) => {
@@ -269,7 +270,7 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
         Ok(o) => o,
         Err(BadRequest(m)) => return bad(StatusCode::BAD_REQUEST, m),
     };
-    respond(outcomes)
+    respond(outcomes, listed)
 }
 
 /// The descriptor that speaks for the request: the first refusal, else the
@@ -286,7 +287,9 @@ fn deciding(outcomes: &[DescriptorOutcome]) -> usize {
         .map_or(0, |(i, _)| i)
 }
 
-fn respond(outcomes: Vec<DescriptorOutcome>) -> Response {
+/// The answer; `listed` adds every descriptor's decision (for descriptor
+/// requests).
+fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
     let allowed = outcomes.iter().all(|o| o.allowed);
     let main = &outcomes[deciding(&outcomes)];
     let mut headers = HeaderMap::new();
@@ -323,8 +326,7 @@ fn respond(outcomes: Vec<DescriptorOutcome>) -> Response {
     }
     let body = CheckResponse {
         decision: decision_json(main),
-        descriptors: (outcomes.len() > 1 || main.rule.as_ref().is_some_and(|r| r.id != "keys"))
-            .then(|| outcomes.iter().map(decision_json).collect()),
+        descriptors: listed.then(|| outcomes.iter().map(decision_json).collect()),
     };
     let status = if allowed {
         StatusCode::OK
