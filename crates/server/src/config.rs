@@ -186,6 +186,16 @@ impl Config {
     }
 
     /// Validates configuration text; `source` names it in errors.
+    ///
+    /// ```
+    /// use ratewarden_server::Config;
+    /// let config = Config::parse("[keys]\nlimit = 10\nunit = \"minute\"\n", "inline.toml").unwrap();
+    /// assert_eq!(config.keys.unwrap().policy.window_ms, 60_000);
+    ///
+    /// let err = Config::parse("[keys]\nlimit = 10\nunit = \"fortnight\"\n", "inline.toml").unwrap_err();
+    /// assert_eq!(err.line, Some(3));
+    /// assert!(err.to_string().starts_with("inline.toml:3:8: keys.unit: unknown unit \"fortnight\""));
+    /// ```
     pub fn parse(text: &str, source: &str) -> Result<Self, ConfigFileError> {
         let lines = LineIndex::new(text);
         let raw: RawConfig = toml::from_str(text)
