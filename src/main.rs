@@ -21,6 +21,9 @@ enum Command {
     Vectors(cmd::vectors::Args),
     /// Run the rate-limit service: HTTP JSON and Envoy RLS v3 gRPC.
     Serve(cmd::serve::Args),
+    /// Measure the Redis store: pipelined decisions/s, round trips and
+    /// server CPU per policy, beside redis-benchmark on the same server.
+    BenchRedis(cmd::bench_redis::Args),
 }
 
 fn main() -> ExitCode {
@@ -28,5 +31,6 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Vectors(args) => cmd::vectors::run(args),
         Command::Serve(args) => cmd::serve::run(args),
+        Command::BenchRedis(args) => cmd::bench_redis::run(args),
     }
 }

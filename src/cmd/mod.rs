@@ -1,4 +1,5 @@
 //! One module per subcommand.
 
+pub mod bench_redis;
 pub mod serve;
 pub mod vectors;

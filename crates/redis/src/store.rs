@@ -361,37 +361,44 @@ impl RedisStore {
         cost: u64,
     ) -> Result<Decision, StoreError> {
         Self::check(now_ms, cost)?;
-        let cmd = self.eval_cmd(key, now_ms, cost);
         let timeout = Duration::from_millis(self.inner.options.timeout_ms);
-        let call = async {
-            let mut conn = self.inner.conn.clone();
-            // Server errors arrive as values; extract_error makes them errors.
-            let value = match conn
-                .req_packed_command(&cmd)
-                .await
-                .and_then(Value::extract_error)
-            {
-                Err(e) if e.kind() == ErrorKind::NoScriptError => {
-                    // The script cache was flushed (or a node restarted):
-                    // load it again and repeat; the failed EVALSHA ran nothing.
-                    self.inner
-                        .script
-                        .prepare_invoke()
-                        .load_async(&mut conn)
-                        .await
-                        .map_err(map_error)?;
-                    conn.req_packed_command(&cmd)
-                        .await
-                        .and_then(Value::extract_error)
-                }
-                other => other,
-            }
-            .map_err(map_error)?;
-            parse_reply(value)
-        };
-        tokio::time::timeout(timeout, call)
+        tokio::time::timeout(timeout, self.call_one(key, now_ms, cost))
             .await
             .map_err(|_| self.timed_out())?
+    }
+
+    /// One script call, without the timeout.
+    async fn call_one(
+        &self,
+        key: u64,
+        now_ms: Option<u64>,
+        cost: u64,
+    ) -> Result<Decision, StoreError> {
+        let cmd = self.eval_cmd(key, now_ms, cost);
+        let mut conn = self.inner.conn.clone();
+        // Server errors arrive as values; extract_error makes them errors.
+        let value = match conn
+            .req_packed_command(&cmd)
+            .await
+            .and_then(Value::extract_error)
+        {
+            Err(e) if e.kind() == ErrorKind::NoScriptError => {
+                // The script cache was flushed (or a node restarted): load
+                // it again and repeat; the failed EVALSHA ran nothing.
+                self.inner
+                    .script
+                    .prepare_invoke()
+                    .load_async(&mut conn)
+                    .await
+                    .map_err(map_error)?;
+                conn.req_packed_command(&cmd)
+                    .await
+                    .and_then(Value::extract_error)
+            }
+            other => other,
+        }
+        .map_err(map_error)?;
+        parse_reply(value)
     }
 
     /// Decides many `(key, cost)` requests in one round trip: their
@@ -400,7 +407,9 @@ impl RedisStore {
     ///
     /// The outer error is for the whole batch (too large, timed out,
     /// connection lost: then any subset may have been applied); the inner
-    /// results are per request. At most [`MAX_BATCH`] requests.
+    /// results are per request. At most [`MAX_BATCH`] requests. On a
+    /// cluster the keys are sent at once, each key's requests in turn,
+    /// rather than as one pipeline (a pipeline may not cross slots).
     pub async fn decide_many(
         &self,
         requests: &[(u64, u64)],
@@ -419,6 +428,42 @@ impl RedisStore {
             Self::check(now_ms, cost)?;
         }
         let timeout = Duration::from_millis(self.inner.options.timeout_ms);
+        if let Conn::Cluster(_) = self.inner.conn {
+            // A cluster pipeline may not cross slots: the keys go out at
+            // once instead (the cluster connection pipelines them on each
+            // node's connection), and each key's requests one after the
+            // other, so that they are decided in order.
+            let mut by_key: std::collections::HashMap<u64, Vec<usize>> = Default::default();
+            for (i, &(key, _)) in requests.iter().enumerate() {
+                by_key.entry(key).or_default().push(i);
+            }
+            let groups = by_key.into_values().map(|indices| async move {
+                let mut out = Vec::with_capacity(indices.len());
+                for i in indices {
+                    let (key, cost) = requests[i];
+                    out.push((i, self.call_one(key, now_ms, cost).await));
+                }
+                out
+            });
+            let all = tokio::time::timeout(timeout, futures_util::future::join_all(groups))
+                .await
+                .map_err(|_| self.timed_out())?;
+            let mut results: Vec<Option<Result<Decision, StoreError>>> = vec![None; requests.len()];
+            for (i, r) in all.into_iter().flatten() {
+                results[i] = Some(r);
+            }
+            return Ok(results
+                .into_iter()
+                .map(|r| {
+                    r.unwrap_or_else(|| {
+                        Err(StoreError::new(
+                            StoreErrorKind::Backend,
+                            "request left undecided",
+                        ))
+                    })
+                })
+                .collect());
+        }
         let call = async {
             let mut conn = self.inner.conn.clone();
             let mut results: Vec<Option<Result<Decision, StoreError>>> = vec![None; requests.len()];

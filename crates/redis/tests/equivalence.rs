@@ -162,3 +162,41 @@ fn wall_clock_with_a_billion_per_year_is_exact() {
         }
     }
 }
+
+/// Waits past 2^53 ms come back as limbs and saturate as the core's do;
+/// every policy at the edges of SPEC's range matches the memory store.
+#[test]
+fn extreme_configurations_match_including_waits_past_2_pow_53() {
+    let server = RedisServer::start();
+    let rt = common::runtime();
+    let configs = [
+        PolicyConfig::new(PolicyKind::TokenBucket, 1, MAX_SAFE).with_burst(MAX_SAFE),
+        PolicyConfig::new(PolicyKind::Gcra, 1, MAX_SAFE).with_burst(MAX_SAFE),
+        PolicyConfig::new(PolicyKind::TokenBucket, 0, 1000).with_burst(2),
+        PolicyConfig::new(PolicyKind::Gcra, 0, 1000).with_burst(2),
+        PolicyConfig::new(PolicyKind::SlidingWindowCounter, MAX_SAFE, MAX_SAFE),
+        PolicyConfig::new(PolicyKind::FixedWindow, MAX_SAFE, MAX_SAFE),
+        PolicyConfig::new(PolicyKind::SlidingLog, MAX_SAFE, MAX_SAFE),
+    ];
+    let mut saw_saturated = false;
+    for config in configs {
+        let memory = MemoryStore::for_config(&config, Default::default()).unwrap();
+        let redis = rt.block_on(common::store(&server.url(), config, "edge"));
+        for (now, cost) in [
+            (0, MAX_SAFE),
+            (0, MAX_SAFE),
+            (0, 1),
+            (MAX_SAFE - 1, 1),
+            (MAX_SAFE, MAX_SAFE),
+            (1, 2),
+            (MAX_SAFE, 0),
+        ] {
+            let expected = memory.decide(1, now, cost).unwrap();
+            let actual = rt.block_on(redis.decide(1, Some(now), cost)).unwrap();
+            assert_eq!(actual, expected, "{config} at {now} cost {cost}");
+            saw_saturated |= actual.retry_after_ms == Some(u64::MAX);
+        }
+    }
+    assert!(saw_saturated, "no wait past u64::MAX was exercised");
+    assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
+}

@@ -15,7 +15,8 @@ end
 
 -- Clock regression: a request from before the recorded window is decided
 -- at its start, so a clock that steps back never resets it.
-local now = math.max(NOW, start)
+local now = NOW
+if start > now then now = start end
 local window = now - fmod(now, W)
 if window ~= start then
   current = 0
@@ -37,8 +38,9 @@ end
 
 -- Forgettable one window after its start.
 local ttl = ttl_after(start - NOW, W)
-save(existed, ttl, function(px)
-  redis.call('HSET', key, 'w', string.format('%.0f', start), 'c', string.format('%.0f', current))
+local px = keep_for(existed, ttl)
+if px then
+  redis.call('HSET', key, 'w', start, 'c', current)
   redis.call('PEXPIRE', key, px)
-end)
+end
 return result

@@ -31,7 +31,7 @@ if cap < TWO53 and now_scaled < TWO53 - cap and (not existed or not string.find(
     end
     result = reply(0, (room - fmod(room, W)) / W, retry)
   end
-  tat_out = string.format('%.0f', tat)
+  tat_out = tat
   if tat <= now_scaled then
     ttl = 0
   elseif LIMIT == 0 then
@@ -42,6 +42,9 @@ if cap < TWO53 and now_scaled < TWO53 - cap and (not existed or not string.find(
     ttl = ttl_after(at - NOW, 0)
   end
 else
+  local X = widelib()
+  local wide, wfits, wnum, wcmp, wadd, wsub = X.wide, X.wfits, X.wnum, X.wcmp, X.wadd, X.wsub
+  local wmul, wdivmod, wdivceil, wstore, wload = X.wmul, X.wdivmod, X.wdivceil, X.wstore, X.wload
   local wcap = wmul(wide(BURST), wide(W))
   local wnow = wmul(wide(NOW), wide(LIMIT))
   local tat = {}
@@ -74,8 +77,9 @@ else
     if wfits(at) then ttl = ttl_after(wnum(at) - NOW, 0) else ttl = MAX_TTL end
   end
 end
-save(existed, ttl, function(px)
+local px = keep_for(existed, ttl)
+if px then
   redis.call('HSET', key, 'a', tat_out)
   redis.call('PEXPIRE', key, px)
-end)
+end
 return result

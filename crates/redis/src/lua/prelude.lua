@@ -18,12 +18,6 @@ local TWO53 = 9007199254740992
 local fmod = math.fmod
 local floor = math.floor
 
--- 2^k for k = 0 .. 23, for the bit-by-bit division.
-local POW2 = {}
-do
-  local p = 1
-  for k = 0, 23 do POW2[k] = p; p = p * 2 end
-end
 
 local function corrupt(what)
   error({ err = 'RATEWARDEN_CORRUPT ' .. what .. ' under key ' .. KEYS[1] })
@@ -32,157 +26,168 @@ end
 -- An integer in 0 .. 2^53 - 1 read from the store, or a corrupt-state error.
 local function int_field(v, name)
   local n = tonumber(v)
-  if n == nil or n < 0 or n >= TWO53 or n ~= floor(n) then
+  -- n % 1 is exact for doubles (n - floor(n)); an operator, not a call.
+  if n == nil or n < 0 or n >= TWO53 or n % 1 ~= 0 then
     corrupt('field ' .. name .. ' is not an integer in 0..2^53-1 (' .. tostring(v) .. ')')
   end
   return n
 end
 
--- A plain number (0 <= n < 2^53) as a wide number.
-local function wide(n)
-  local a, i = {}, 0
-  while n > 0 do
-    local r = fmod(n, B)
-    i = i + 1
-    a[i] = r
-    n = (n - r) / B
-  end
-  return a
-end
-
--- Whether a wide number is below 2^53 (then wnum is exact).
-local function wfits(a)
-  return #a <= 2 or (#a == 3 and a[3] < 32)
-end
-
-local function wnum(a)
-  local n = 0
-  for i = #a, 1, -1 do n = n * B + a[i] end
-  return n
-end
-
-local function wtrim(a)
-  local i = #a
-  while i > 0 and a[i] == 0 do a[i] = nil; i = i - 1 end
-  return a
-end
-
-local function wcmp(a, b)
-  if #a ~= #b then return (#a < #b) and -1 or 1 end
-  for i = #a, 1, -1 do
-    if a[i] ~= b[i] then return (a[i] < b[i]) and -1 or 1 end
-  end
-  return 0
-end
-
-local function wadd(a, b)
-  local c, carry = {}, 0
-  local n = math.max(#a, #b)
-  for i = 1, n do
-    local s = (a[i] or 0) + (b[i] or 0) + carry
-    if s >= B then c[i] = s - B; carry = 1 else c[i] = s; carry = 0 end
-  end
-  if carry > 0 then c[n + 1] = carry end
-  return c
-end
-
--- a - b for a >= b.
-local function wsub(a, b)
-  local c, borrow = {}, 0
-  for i = 1, #a do
-    local s = a[i] - (b[i] or 0) - borrow
-    if s < 0 then c[i] = s + B; borrow = 1 else c[i] = s; borrow = 0 end
-  end
-  return wtrim(c)
-end
-
-local function wmul(a, b)
-  local na, nb = #a, #b
-  if na == 0 or nb == 0 then return {} end
-  local c = {}
-  for i = 1, na + nb do c[i] = 0 end
-  for i = 1, na do
-    local carry, ai = 0, a[i]
-    for j = 1, nb do
-      -- At most (B-1) + (B-1)^2 + (B-1) = B^2 - 1: exact, and carry < B.
-      local t = c[i + j - 1] + ai * b[j] + carry
-      local r = fmod(t, B)
-      c[i + j - 1] = r
-      carry = (t - r) / B
+-- The wide-number helpers, built only when a call needs them: creating
+-- a dozen closures on every call would cost the fast path for nothing.
+local function widelib()
+  -- A plain number (0 <= n < 2^53) as a wide number.
+  local function wide(n)
+    local a, i = {}, 0
+    while n > 0 do
+      local r = fmod(n, B)
+      i = i + 1
+      a[i] = r
+      n = (n - r) / B
     end
-    c[i + nb] = carry
+    return a
   end
-  return wtrim(c)
-end
 
--- floor(a / d) and a mod d for a plain divisor 1 <= d < 2^53. With a small
--- divisor a limb at a time; otherwise bit by bit, written so that the
--- remainder r < d never doubles past 2^53: 2r + bit >= d is tested as
--- r + bit >= d - r.
-local function wdivmod(a, d)
-  local q, r = {}, 0
-  if d < 536870912 then
+  -- Whether a wide number is below 2^53 (then wnum is exact).
+  local function wfits(a)
+    return #a <= 2 or (#a == 3 and a[3] < 32)
+  end
+
+  local function wnum(a)
+    local n = 0
+    for i = #a, 1, -1 do n = n * B + a[i] end
+    return n
+  end
+
+  local function wtrim(a)
+    local i = #a
+    while i > 0 and a[i] == 0 do a[i] = nil; i = i - 1 end
+    return a
+  end
+
+  local function wcmp(a, b)
+    if #a ~= #b then return (#a < #b) and -1 or 1 end
     for i = #a, 1, -1 do
-      local t = r * B + a[i]
-      r = fmod(t, d)
-      q[i] = (t - r) / d
+      if a[i] ~= b[i] then return (a[i] < b[i]) and -1 or 1 end
+    end
+    return 0
+  end
+
+  local function wadd(a, b)
+    local c, carry = {}, 0
+    local n = math.max(#a, #b)
+    for i = 1, n do
+      local s = (a[i] or 0) + (b[i] or 0) + carry
+      if s >= B then c[i] = s - B; carry = 1 else c[i] = s; carry = 0 end
+    end
+    if carry > 0 then c[n + 1] = carry end
+    return c
+  end
+
+  -- a - b for a >= b.
+  local function wsub(a, b)
+    local c, borrow = {}, 0
+    for i = 1, #a do
+      local s = a[i] - (b[i] or 0) - borrow
+      if s < 0 then c[i] = s + B; borrow = 1 else c[i] = s; borrow = 0 end
+    end
+    return wtrim(c)
+  end
+
+  local function wmul(a, b)
+    local na, nb = #a, #b
+    if na == 0 or nb == 0 then return {} end
+    local c = {}
+    for i = 1, na + nb do c[i] = 0 end
+    for i = 1, na do
+      local carry, ai = 0, a[i]
+      for j = 1, nb do
+        -- At most (B-1) + (B-1)^2 + (B-1) = B^2 - 1: exact, and carry < B.
+        local t = c[i + j - 1] + ai * b[j] + carry
+        local r = fmod(t, B)
+        c[i + j - 1] = r
+        carry = (t - r) / B
+      end
+      c[i + nb] = carry
+    end
+    return wtrim(c)
+  end
+
+  -- floor(a / d) and a mod d for a plain divisor 1 <= d < 2^53. With a small
+  -- divisor a limb at a time; otherwise bit by bit, written so that the
+  -- remainder r < d never doubles past 2^53: 2r + bit >= d is tested as
+  -- r + bit >= d - r.
+  local function wdivmod(a, d)
+    local q, r = {}, 0
+    if d < 536870912 then
+      for i = #a, 1, -1 do
+        local t = r * B + a[i]
+        r = fmod(t, d)
+        q[i] = (t - r) / d
+      end
+      return wtrim(q), r
+    end
+    for i = #a, 1, -1 do
+      local limb, ql, p = a[i], 0, 8388608
+      for _ = 23, 0, -1 do
+        local bit = 0
+        if limb >= p then bit = 1; limb = limb - p end
+        local t = d - r
+        if r + bit >= t then
+          r = r + bit - t
+          ql = ql + ql + 1
+        else
+          r = r + r + bit
+          ql = ql + ql
+        end
+        p = p / 2
+      end
+      q[i] = ql
     end
     return wtrim(q), r
   end
-  for i = #a, 1, -1 do
-    local limb, ql = a[i], 0
-    for k = 23, 0, -1 do
-      local p, bit = POW2[k], 0
-      if limb >= p then bit = 1; limb = limb - p end
-      local t = d - r
-      if r + bit >= t then
-        r = r + bit - t
-        ql = ql + ql + 1
-      else
-        r = r + r + bit
-        ql = ql + ql
-      end
-    end
-    q[i] = ql
-  end
-  return wtrim(q), r
-end
 
-local function wdivceil(a, d)
-  local q, r = wdivmod(a, d)
-  if r > 0 then q = wadd(q, { 1 }) end
-  return q
+  local function wdivceil(a, d)
+    local q, r = wdivmod(a, d)
+    if r > 0 then q = wadd(q, { 1 }) end
+    return q
+  end
+
+  -- A wide number as stored: a plain decimal below 2^53, limbs otherwise.
+  local function wstore(a)
+    if wfits(a) then return string.format('%.0f', wnum(a)) end
+    return table.concat(a, ',')
+  end
+
+  local function wload(v, name)
+    if not string.find(v, ',', 1, true) then return wide(int_field(v, name)) end
+    local a = {}
+    for limb in string.gmatch(v, '[^,]+') do
+      local n = tonumber(limb)
+      if n == nil or n < 0 or n >= B or n ~= floor(n) then
+        corrupt('field ' .. name .. ' has a bad limb (' .. v .. ')')
+      end
+      a[#a + 1] = n
+    end
+    local _, commas = string.gsub(v, ',', ',')
+    if #a == 0 or commas ~= #a - 1 or a[#a] == 0 or #a > 6 then
+      corrupt('field ' .. name .. ' is malformed (' .. v .. ')')
+    end
+    return a
+  end
+  return {
+    wide = wide, wfits = wfits, wnum = wnum, wcmp = wcmp, wadd = wadd, wsub = wsub,
+    wmul = wmul, wdivmod = wdivmod, wdivceil = wdivceil, wstore = wstore, wload = wload,
+  }
 end
 
 -- floor(a * b / c) for plain a, b, c when the quotient is below 2^53.
 local function muldiv(a, b, c)
   local p = a * b
   if p < TWO53 then return (p - fmod(p, c)) / c end
-  local q = wdivmod(wmul(wide(a), wide(b)), c)
-  return wnum(q)
-end
-
--- A wide number as stored: a plain decimal below 2^53, limbs otherwise.
-local function wstore(a)
-  if wfits(a) then return string.format('%.0f', wnum(a)) end
-  return table.concat(a, ',')
-end
-
-local function wload(v, name)
-  if not string.find(v, ',', 1, true) then return wide(int_field(v, name)) end
-  local a = {}
-  for limb in string.gmatch(v, '[^,]+') do
-    local n = tonumber(limb)
-    if n == nil or n < 0 or n >= B or n ~= floor(n) then
-      corrupt('field ' .. name .. ' has a bad limb (' .. v .. ')')
-    end
-    a[#a + 1] = n
-  end
-  local _, commas = string.gsub(v, ',', ',')
-  if #a == 0 or commas ~= #a - 1 or a[#a] == 0 or #a > 6 then
-    corrupt('field ' .. name .. ' is malformed (' .. v .. ')')
-  end
-  return a
+  local X = widelib()
+  local q = X.wdivmod(X.wmul(X.wide(a), X.wide(b)), c)
+  return X.wnum(q)
 end
 
 -- d + x + y as a plain number or a wide one, for plain d in (-2^53, 2^53)
@@ -198,7 +203,8 @@ local function dsum(d, x, y)
     d, x = s, 0
   end
   if d + x + y < TWO53 then return d + x + y end
-  return wadd(wadd(wide(d), wide(x)), wide(y))
+  local X = widelib()
+  return X.wadd(X.wadd(X.wide(d), X.wide(x)), X.wide(y))
 end
 
 local LIMIT = tonumber(ARGV[1])
@@ -223,18 +229,20 @@ local function ttl_after(d, x)
   return t
 end
 
--- Writes the key's state with its TTL: `ttl` ms until forgetting it can
--- change no decision, plus the grace. A key forgettable already lives only
--- for the grace (and is deleted when there is none).
-local function save(existed, ttl, write)
+-- The PX to write the key's state with: `ttl` ms until forgetting it can
+-- change no decision, plus the grace; nil when the key is not to be kept
+-- (already forgettable and no grace: it is deleted if it exists).
+-- Numbers below 2^53 are passed to redis.call as they are: Redis writes
+-- them as plain integers.
+local function keep_for(existed, ttl)
   if ttl <= 0 then
     if GRACE == 0 then
       if existed then redis.call('DEL', KEYS[1]) end
-      return
+      return nil
     end
     ttl = 0
   end
-  write(ttl + GRACE)
+  return ttl + GRACE
 end
 
 local function reply(allowed, remaining, retry)

@@ -77,9 +77,10 @@ if kept > 0 or tail ~= '' then
   if tail == '' then newest_kept = entry(last) end
   ttl = ttl_after(newest_kept - NOW, W)
 end
-save(existed, ttl, function(px)
+local px = keep_for(existed, ttl)
+if px then
   local body = ''
   if kept > 0 then body = string.sub(s, 9 + (first - 1) * 16, 8 + last * 16) end
   redis.call('SET', key, struct.pack('>d', used) .. body .. tail, 'PX', px)
-end)
+end
 return result

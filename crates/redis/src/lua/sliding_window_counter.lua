@@ -18,7 +18,8 @@ end
 
 -- Clock regression: decided at the recorded window start, never rolling
 -- the windows back.
-local now = math.max(NOW, start)
+local now = NOW
+if start > now then now = start end
 local window = now - fmod(now, W)
 if window ~= start then
   -- Only the window just before this one carries. window > start here, so
@@ -35,17 +36,16 @@ local estimate = carried + current
 local left = 0
 if estimate < LIMIT then left = LIMIT - estimate end
 
--- The smallest elapsed at which previous * (W - e) div W <= need, for
--- previous > need.
-local function first_elapsed(prev, need)
-  return muldiv(W, prev - need - 1, prev) + 1
-end
-
 local result
 if COST <= left and estimate <= LIMIT then
   current = current + COST
   result = reply(1, left - COST, 0)
 elseif COST <= LIMIT then
+  -- The smallest elapsed at which previous * (W - e) div W <= need, for
+  -- previous > need.
+  local function first_elapsed(prev, need)
+    return muldiv(W, prev - need - 1, prev) + 1
+  end
   -- The earliest admission: later in this window, else in the next (where
   -- current becomes previous), else two windows on. As windows + e ms
   -- after this window's start.
@@ -77,8 +77,9 @@ elseif COST <= LIMIT then
     retry = dsum(window - NOW, span, 0)
   else
     -- Only with windows near 2^53 ms: add the (then non-negative) offset.
+    local X = widelib()
     local d = window - NOW
-    if d >= 0 then retry = wadd(span, wide(d)) else retry = wsub(span, wide(-d)) end
+    if d >= 0 then retry = X.wadd(span, X.wide(d)) else retry = X.wsub(span, X.wide(-d)) end
   end
   result = reply(0, left, retry)
 else
@@ -89,9 +90,9 @@ end
 local ttl = MAX_TTL
 local two = dsum(0, W, W)
 if type(two) == 'number' then ttl = ttl_after(start - NOW, two) end
-save(existed, ttl, function(px)
-  redis.call('HSET', key, 'w', string.format('%.0f', start), 'p', string.format('%.0f', previous),
-    'c', string.format('%.0f', current))
+local px = keep_for(existed, ttl)
+if px then
+  redis.call('HSET', key, 'w', start, 'p', previous, 'c', current)
   redis.call('PEXPIRE', key, px)
-end)
+end
 return result

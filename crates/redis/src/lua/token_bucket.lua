@@ -44,7 +44,7 @@ if cap < TWO53 then
     end
     result = reply(0, (level - fmod(level, W)) / W, retry)
   end
-  level_out = string.format('%.0f', level)
+  level_out = level
   if level >= cap then
     ttl = 0
   elseif LIMIT == 0 then
@@ -57,6 +57,9 @@ if cap < TWO53 then
   end
 else
   -- Wide path: the level needs more than 53 bits.
+  local X = widelib()
+  local wide, wfits, wnum, wcmp, wadd, wsub = X.wide, X.wfits, X.wnum, X.wcmp, X.wadd, X.wsub
+  local wmul, wdivmod, wdivceil, wstore, wload = X.wmul, X.wdivmod, X.wdivceil, X.wstore, X.wload
   local wcap = wmul(wide(BURST), wide(W))
   local level = wcap
   if existed then level = wload(v[1], 'l') end
@@ -85,8 +88,9 @@ else
   end
 end
 -- The level is refilled (and last moved) on every request, as in the core.
-save(existed, ttl, function(px)
-  redis.call('HSET', key, 'l', level_out, 't', string.format('%.0f', now))
+local px = keep_for(existed, ttl)
+if px then
+  redis.call('HSET', key, 'l', level_out, 't', now)
   redis.call('PEXPIRE', key, px)
-end)
+end
 return result
