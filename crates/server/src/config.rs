@@ -198,14 +198,50 @@ impl Config {
     /// ```
     pub fn parse(text: &str, source: &str) -> Result<Self, ConfigFileError> {
         let lines = LineIndex::new(text);
-        let raw: RawConfig = toml::from_str(text)
-            .map_err(|e| lines.error(source, e.span(), "", e.message().trim()))?;
+        let raw: RawConfig = toml::from_str(text).map_err(|e| {
+            let field = e
+                .span()
+                .map(|span| field_at(text, span.start))
+                .unwrap_or_default();
+            lines.error(source, e.span(), field, e.message().trim())
+        })?;
         let mut v = Validator {
             source,
             lines: &lines,
             nodes: 0,
         };
         v.config(raw)
+    }
+}
+
+/// The dotted name of the `key = value` line holding `offset`, under the
+/// nearest table header above it (`keys.limit`,
+/// `domains.descriptors.window_ms`); empty when the line is not one. The
+/// parser's own messages name the type problem; this names the field.
+fn field_at(text: &str, offset: usize) -> String {
+    let offset = offset.min(text.len());
+    let line_start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let line = text[line_start..].lines().next().unwrap_or("");
+    let Some((key, _)) = line.split_once('=') else {
+        return String::new();
+    };
+    let key = key.trim();
+    if key.is_empty()
+        || !key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    {
+        return String::new();
+    }
+    let table = text[..line_start]
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('['))
+        .map(|l| l.trim_matches(|c| c == '[' || c == ']').trim().to_owned());
+    match table {
+        Some(t) if !t.is_empty() => format!("{t}.{key}"),
+        _ => key.to_owned(),
     }
 }
 
@@ -726,11 +762,11 @@ shadow = true
         assert_eq!((e.line, e.field.as_str()), (Some(4), "keys.burst"));
 
         let e = parse_err("[keys]\nlimit = 1.5\nwindow_ms = 10\n");
-        assert_eq!(e.line, Some(2));
+        assert_eq!((e.line, e.field.as_str()), (Some(2), "keys.limit"));
         assert!(e.message.contains("float"), "{e}");
 
         let e = parse_err("[keys]\nlimt = 5\n");
-        assert_eq!(e.line, Some(2));
+        assert_eq!((e.line, e.field.as_str()), (Some(2), "keys.limt"));
         assert!(e.message.contains("limt"), "{e}");
 
         let e = parse_err("[keys]\nlimit = 5\n");
@@ -779,5 +815,28 @@ mod example {
         assert_eq!(login.rule.as_ref().unwrap().name, "login-per-user");
         assert!(c.domains[0].descriptors[3].rule.as_ref().unwrap().shadow);
         assert!(c.fallback.is_none());
+    }
+}
+
+#[cfg(test)]
+mod field_names {
+    use super::*;
+
+    #[test]
+    fn type_errors_name_the_field_under_its_table() {
+        let text =
+            "[[domains]]\ndomain = \"a\"\n[[domains.descriptors]]\nkey = \"k\"\nlimit = \"ten\"\n";
+        let e = Config::parse(text, "t.toml").unwrap_err();
+        assert_eq!(
+            (e.line, e.field.as_str()),
+            (Some(5), "domains.descriptors.limit")
+        );
+        assert!(
+            e.to_string()
+                .starts_with("t.toml:5:9: domains.descriptors.limit: invalid type"),
+            "{e}"
+        );
+        assert_eq!(field_at("shadow = 1\n", 9), "shadow");
+        assert_eq!(field_at("[keys\n", 2), "");
     }
 }
