@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod measure;
 
 /// Exact, portable rate limiting.
 #[derive(Parser)]
@@ -24,6 +25,13 @@ enum Command {
     /// Measure the Redis store: pipelined decisions/s, round trips and
     /// server CPU per policy, beside redis-benchmark on the same server.
     BenchRedis(cmd::bench_redis::Args),
+    /// Measure speed, memory and accuracy of every policy, beside governor.
+    Bench(cmd::bench::Args),
+    /// Draw how policies answer a traffic shape (SVG chart, CSV series).
+    Simulate(cmd::simulate::Args),
+    /// Measure one contender's memory in a fresh process (used by `bench`).
+    #[command(hide = true)]
+    BenchMemory(cmd::bench::MemoryArgs),
 }
 
 fn main() -> ExitCode {
@@ -32,5 +40,8 @@ fn main() -> ExitCode {
         Command::Vectors(args) => cmd::vectors::run(args),
         Command::Serve(args) => cmd::serve::run(args),
         Command::BenchRedis(args) => cmd::bench_redis::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
+        Command::Simulate(args) => cmd::simulate::run(args),
+        Command::BenchMemory(args) => cmd::bench::run_memory(args),
     }
 }

@@ -1,6 +1,6 @@
 //! `fixed-window`: one count per aligned window.
 
-use super::Policy;
+use super::{window_start, Policy};
 use crate::registry::{check_limit, check_window};
 use crate::{ConfigError, Decision};
 
@@ -43,11 +43,12 @@ impl Policy for FixedWindow {
         }
     }
 
+    #[inline]
     fn decide(&self, s: &mut FixedWindowState, now_ms: u64, cost: u64) -> Decision {
         // Clock regression: a request from before the recorded window is
         // decided at its start, so a clock that steps back never resets it.
         let now = now_ms.max(s.window_start_ms);
-        let window = now - now % self.window_ms;
+        let window = window_start(now, s.window_start_ms, self.window_ms);
         if window != s.window_start_ms {
             s.current = 0;
             s.window_start_ms = window;

@@ -1,7 +1,7 @@
 //! `gcra`: the token bucket held as one integer, the theoretical arrival
 //! time.
 
-use super::{Policy, Wide};
+use super::{Divisor, Policy, Wide};
 use crate::decision::saturate_ms;
 use crate::registry::{check_burst, check_limit, check_window};
 use crate::{ConfigError, Decision};
@@ -20,6 +20,9 @@ pub struct Gcra {
     limit: u64,
     window_ms: u64,
     burst: u64,
+    /// `window_ms` and `limit` as divisors, for `remaining` and the wait.
+    per_window: Divisor,
+    per_limit: Divisor,
 }
 
 /// A key's theoretical arrival time.
@@ -43,6 +46,8 @@ impl Gcra {
             limit,
             window_ms,
             burst,
+            per_window: Divisor::new(window_ms),
+            per_limit: Divisor::new(limit),
         })
     }
 
@@ -59,6 +64,7 @@ impl Policy for Gcra {
         GcraState::default()
     }
 
+    #[inline]
     fn decide(&self, s: &mut GcraState, now_ms: u64, cost: u64) -> Decision {
         let w = u128::from(self.window_ms);
         let capacity = u128::from(self.burst) * w;
@@ -69,11 +75,11 @@ impl Policy for Gcra {
         let need = u128::from(cost) * w;
         if spent + need <= capacity {
             s.tat = Wide::new(base + need);
-            return Decision::admitted(((capacity - spent - need) / w) as u64);
+            return Decision::admitted(self.per_window.div(capacity - spent - need) as u64);
         }
-        let remaining = (capacity.saturating_sub(spent) / w) as u64;
+        let remaining = self.per_window.div(capacity.saturating_sub(spent)) as u64;
         let retry = (cost <= self.burst && self.limit > 0)
-            .then(|| saturate_ms((spent + need - capacity).div_ceil(u128::from(self.limit))));
+            .then(|| saturate_ms(self.per_limit.div_ceil(spent + need - capacity)));
         Decision::refused(retry, remaining)
     }
 

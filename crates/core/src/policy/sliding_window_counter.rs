@@ -1,7 +1,7 @@
 //! `sliding-window-counter`: the current and previous aligned windows, the
 //! previous one fading out linearly as the current one fills.
 
-use super::{mul_div, Policy};
+use super::{mul_div, window_start, Divisor, Policy};
 use crate::registry::{check_limit, check_window};
 use crate::{ConfigError, Decision};
 
@@ -15,6 +15,8 @@ use crate::{ConfigError, Decision};
 pub struct SlidingWindowCounter {
     limit: u64,
     window_ms: u64,
+    /// `window_ms` as a divisor, for the carried share.
+    per_window: Divisor,
 }
 
 /// A key's two windows.
@@ -36,13 +38,18 @@ impl SlidingWindowCounter {
     pub fn new(limit: u64, window_ms: u64) -> Result<Self, ConfigError> {
         check_limit(limit)?;
         check_window(window_ms)?;
-        Ok(SlidingWindowCounter { limit, window_ms })
+        Ok(SlidingWindowCounter {
+            limit,
+            window_ms,
+            per_window: Divisor::new(window_ms),
+        })
     }
 
     /// `previous * (W - elapsed) div W`.
     #[inline]
     fn carried(&self, previous: u64, elapsed: u64) -> u64 {
-        mul_div(previous, self.window_ms - elapsed, self.window_ms)
+        self.per_window
+            .div(u128::from(previous) * u128::from(self.window_ms - elapsed)) as u64
     }
 
     /// The smallest `elapsed` at which `carried(previous, elapsed) <= need`,
@@ -97,11 +104,12 @@ impl Policy for SlidingWindowCounter {
         }
     }
 
+    #[inline]
     fn decide(&self, s: &mut SlidingWindowCounterState, now_ms: u64, cost: u64) -> Decision {
         // Clock regression: decided at the recorded window start, never
         // rolling the windows back.
         let now = now_ms.max(s.window_start_ms);
-        let window = now - now % self.window_ms;
+        let window = window_start(now, s.window_start_ms, self.window_ms);
         if window != s.window_start_ms {
             // Only the window just before this one carries; a gap of two
             // windows or more has left the trailing window entirely.

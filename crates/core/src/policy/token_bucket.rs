@@ -1,7 +1,7 @@
 //! `token-bucket`: a bucket of `burst` tokens refilled continuously at
 //! `limit` per `window_ms`.
 
-use super::{Policy, Wide};
+use super::{Divisor, Policy, Wide};
 use crate::decision::saturate_ms;
 use crate::registry::{check_burst, check_limit, check_window};
 use crate::{ConfigError, Decision};
@@ -17,6 +17,9 @@ pub struct TokenBucket {
     limit: u64,
     window_ms: u64,
     burst: u64,
+    /// `window_ms` and `limit` as divisors, for `remaining` and the wait.
+    per_window: Divisor,
+    per_limit: Divisor,
 }
 
 /// A key's bucket.
@@ -41,6 +44,8 @@ impl TokenBucket {
             limit,
             window_ms,
             burst,
+            per_window: Divisor::new(window_ms),
+            per_limit: Divisor::new(limit),
         })
     }
 
@@ -64,6 +69,7 @@ impl Policy for TokenBucket {
         }
     }
 
+    #[inline]
     fn decide(&self, s: &mut TokenBucketState, now_ms: u64, cost: u64) -> Decision {
         // Clock regression: decided at the last refill, so a clock that
         // steps back never refills the bucket twice.
@@ -76,14 +82,14 @@ impl Policy for TokenBucket {
         if level >= need {
             level -= need;
             s.level = Wide::new(level);
-            return Decision::admitted((level / w) as u64);
+            return Decision::admitted(self.per_window.div(level) as u64);
         }
         s.level = Wide::new(level);
         let retry = (cost <= self.burst && self.limit > 0).then(|| {
-            let wait = (need - level).div_ceil(u128::from(self.limit));
+            let wait = self.per_limit.div_ceil(need - level);
             saturate_ms(wait + u128::from(now - now_ms))
         });
-        Decision::refused(retry, (level / w) as u64)
+        Decision::refused(retry, self.per_window.div(level) as u64)
     }
 
     fn is_forgettable(&self, s: &TokenBucketState, now_ms: u64) -> bool {

@@ -1,0 +1,271 @@
+//! `ratewarden simulate`: drives policies with a traffic shape and draws
+//! offered and admitted rates and the trailing-window count in one chart.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, ensure, Context, Result};
+use plotters::prelude::*;
+use ratewarden_core::{PolicyConfig, PolicyKind};
+
+use crate::measure::accuracy::{decisions, series, Point};
+use crate::measure::contender_policy;
+use crate::measure::shapes::{Shape, ShapeParams};
+
+/// The longest traffic a simulation generates: one hour.
+const MAX_DURATION_MS: u64 = 3_600_000;
+/// The most time buckets in a chart.
+const MAX_BUCKETS: u64 = 20_000;
+
+/// Arguments of `ratewarden simulate`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Policies to compare, by registry name, separated by commas.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub policy: Vec<String>,
+    /// The traffic shape: steady-0.8x, steady-2x, boundary-attack,
+    /// poisson-bursts or heavy-tail-keys.
+    #[arg(long)]
+    pub shape: String,
+    /// Requests admitted per window.
+    #[arg(long, default_value_t = 100)]
+    pub limit: u64,
+    /// The window, in ms.
+    #[arg(long, default_value_t = 1000)]
+    pub window_ms: u64,
+    /// How long the traffic lasts, in ms.
+    #[arg(long, default_value_t = 10_000)]
+    pub duration_ms: u64,
+    /// The traffic's random seed.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// The width of one time bucket of the chart, in ms [default: a
+    /// twentieth of the window].
+    #[arg(long)]
+    pub bucket_ms: Option<u64>,
+    /// Where to write the chart (SVG).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Where to write the series as CSV.
+    #[arg(long)]
+    pub csv: Option<PathBuf>,
+}
+
+/// One policy's run.
+struct Run {
+    kind: PolicyKind,
+    points: Vec<Point>,
+}
+
+fn simulate(args: &Args) -> Result<()> {
+    let shape: Shape = args.shape.parse().map_err(anyhow::Error::msg)?;
+    let mut kinds = Vec::new();
+    for name in &args.policy {
+        let kind = contender_policy(name.trim())?;
+        // Validate the configuration as a user would write it.
+        PolicyConfig::new(kind, args.limit, args.window_ms)
+            .build()
+            .with_context(|| format!("--limit {} --window-ms {}", args.limit, args.window_ms))?;
+        if !kinds.contains(&kind) {
+            kinds.push(kind);
+        }
+    }
+    ensure!(
+        (1..=MAX_DURATION_MS).contains(&args.duration_ms),
+        "--duration-ms must be between 1 and {MAX_DURATION_MS} (one hour), not {}",
+        args.duration_ms
+    );
+    let bucket_ms = args.bucket_ms.unwrap_or((args.window_ms / 20).max(1));
+    ensure!(bucket_ms >= 1, "--bucket-ms must be at least 1");
+    ensure!(
+        args.duration_ms.div_ceil(bucket_ms) <= MAX_BUCKETS,
+        "--duration-ms / --bucket-ms gives more than {MAX_BUCKETS} buckets; raise --bucket-ms"
+    );
+    let params = ShapeParams {
+        limit: args.limit,
+        window_ms: args.window_ms,
+        duration_ms: args.duration_ms,
+        seed: args.seed,
+    };
+    let requests = shape.generate(&params);
+    let mut runs = Vec::new();
+    for kind in kinds {
+        let admitted = decisions(kind, args.limit, args.window_ms, &requests)?;
+        let points = series(
+            &requests,
+            &admitted,
+            args.window_ms,
+            args.duration_ms,
+            bucket_ms,
+        );
+        runs.push(Run { kind, points });
+    }
+    draw(&args.out, shape, args, bucket_ms, &runs)?;
+    if let Some(csv) = &args.csv {
+        write_csv(csv, args, &runs)?;
+    }
+    Ok(())
+}
+
+const PALETTE: [RGBColor; 5] = [
+    RGBColor(0xd6, 0x27, 0x28),
+    RGBColor(0x1f, 0x77, 0xb4),
+    RGBColor(0x2c, 0xa0, 0x2c),
+    RGBColor(0x94, 0x67, 0xbd),
+    RGBColor(0xff, 0x7f, 0x0e),
+];
+
+fn draw(out: &Path, shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<()> {
+    let points = || runs.iter().flat_map(|r| r.points.iter());
+    // Headroom above the highest line keeps the legend clear of the data.
+    let rate_top = points()
+        .map(|p| p.offered_per_sec.max(p.admitted_per_sec))
+        .fold(1.0, f64::max)
+        * 1.7;
+    let count_top = points()
+        .map(|p| p.trailing_count as f64)
+        .fold(args.limit as f64, f64::max)
+        .max(1.0)
+        * 1.9;
+    let end_ms = args.duration_ms as f64;
+    let root = SVGBackend::new(out, (1200, 720)).into_drawing_area();
+    let result = (|| -> Result<(), Box<dyn std::error::Error>> {
+        root.fill(&WHITE)?;
+        let caption = format!(
+            "{}: limit {} per {} ms, seed {}; rates in {} ms buckets",
+            shape, args.limit, args.window_ms, args.seed, bucket_ms
+        );
+        let mut chart = ChartBuilder::on(&root)
+            .caption(caption, ("sans-serif", 22))
+            .margin(15)
+            .x_label_area_size(50)
+            .y_label_area_size(80)
+            .right_y_label_area_size(80)
+            .build_cartesian_2d(0f64..end_ms, 0f64..rate_top)?
+            .set_secondary_coord(0f64..end_ms, 0f64..count_top);
+        chart
+            .configure_mesh()
+            .x_desc("time (ms)")
+            .y_desc("offered and admitted rate (requests/s), solid")
+            .label_style(("sans-serif", 15))
+            .draw()?;
+        chart
+            .configure_secondary_axes()
+            .y_desc(format!(
+                "admitted in the trailing {} ms (requests), dashed",
+                args.window_ms
+            ))
+            .label_style(("sans-serif", 15))
+            .draw()?;
+        let grey = RGBColor(0x99, 0x99, 0x99);
+        if let Some(first) = runs.first() {
+            chart
+                .draw_series(LineSeries::new(
+                    first
+                        .points
+                        .iter()
+                        .map(|p| (p.start_ms as f64, p.offered_per_sec)),
+                    grey.stroke_width(1),
+                ))?
+                .label("offered rate")
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 20, y)], grey.stroke_width(1))
+                });
+        }
+        let limit = args.limit as f64;
+        chart
+            .draw_secondary_series(DashedLineSeries::new(
+                [(0.0, limit), (end_ms, limit)],
+                3,
+                3,
+                BLACK.stroke_width(2),
+            ))?
+            .label(format!("limit: {} per {} ms", args.limit, args.window_ms))
+            .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(2)));
+        for (i, run) in runs.iter().enumerate() {
+            let color = PALETTE[i % PALETTE.len()];
+            // Earlier policies are drawn wider, so a policy that decides
+            // exactly like another still shows under it.
+            let width = 2 * (runs.len() - i) as u32;
+            chart
+                .draw_series(LineSeries::new(
+                    run.points
+                        .iter()
+                        .map(|p| (p.start_ms as f64, p.admitted_per_sec)),
+                    color.stroke_width(width),
+                ))?
+                .label(format!("{}: admitted rate", run.kind))
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 20, y)], color.stroke_width(3))
+                });
+            chart
+                .draw_secondary_series(DashedLineSeries::new(
+                    run.points
+                        .iter()
+                        .map(|p| (p.start_ms as f64, p.trailing_count as f64)),
+                    8,
+                    4,
+                    color.stroke_width(width),
+                ))?
+                .label(format!(
+                    "{}: admitted in trailing window, busiest key",
+                    run.kind
+                ))
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 7, y)], color.stroke_width(3))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 14))
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()?;
+        root.present()?;
+        Ok(())
+    })();
+    if let Err(e) = result {
+        bail!("drawing {}: {e}", out.display());
+    }
+    Ok(())
+}
+
+fn write_csv(path: &Path, args: &Args, runs: &[Run]) -> Result<()> {
+    let file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let mut w = std::io::BufWriter::new(file);
+    writeln!(
+        w,
+        "policy,start_ms,offered_per_sec,admitted_per_sec,trailing_count,limit"
+    )?;
+    for run in runs {
+        for p in &run.points {
+            writeln!(
+                w,
+                "{},{},{},{},{},{}",
+                run.kind,
+                p.start_ms,
+                p.offered_per_sec,
+                p.admitted_per_sec,
+                p.trailing_count,
+                args.limit
+            )?;
+        }
+    }
+    w.flush()
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// Runs `ratewarden simulate`.
+pub fn run(args: Args) -> ExitCode {
+    match simulate(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ratewarden simulate: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,282 @@
+//! Seeded, reproducible traffic shapes for the accuracy table and
+//! `ratewarden simulate`.
+//!
+//! A shape is a list of requests `(key, at_ms)`, each of cost 1, sorted by
+//! time. The same shape, parameters and seed give the same list on every
+//! run of the same build: the generator is `rand`'s seeded `StdRng`, and the
+//! floating-point draws only place requests in time; every decision made on
+//! them stays integer-only.
+
+use std::fmt;
+use std::str::FromStr;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Exp, Pareto, Poisson};
+
+/// The traffic shapes, by their names on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Shape {
+    /// One key, Poisson arrivals at 0.8 times the limit.
+    Steady08,
+    /// One key, Poisson arrivals at twice the limit.
+    Steady2,
+    /// One key: a full budget in the last millisecond before a window edge
+    /// and again in the first millisecond after it, every fourth window.
+    BoundaryAttack,
+    /// One key: bursts arriving as a Poisson process (one per window on
+    /// average), each a Poisson-sized number of requests spread over a
+    /// twentieth of the window.
+    PoissonBursts,
+    /// 10,000 keys, each a Poisson process whose rate is drawn from a Pareto
+    /// distribution (a few keys far above the limit, most far below).
+    HeavyTailKeys,
+}
+
+/// The parameters every shape is generated from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShapeParams {
+    /// The policy limit the shape is scaled to, per `window_ms`.
+    pub limit: u64,
+    /// The policy window the shape is scaled to.
+    pub window_ms: u64,
+    /// How long the traffic lasts; requests fall in `0..duration_ms`.
+    pub duration_ms: u64,
+    /// The random seed.
+    pub seed: u64,
+}
+
+/// One request of cost 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request {
+    /// The key the request is made for.
+    pub key: u64,
+    /// When the request is made.
+    pub at_ms: u64,
+}
+
+/// The number of keys of [`Shape::HeavyTailKeys`].
+pub const HEAVY_TAIL_KEYS: u64 = 10_000;
+
+impl Shape {
+    /// Every shape, in the table's order.
+    pub const ALL: [Shape; 5] = [
+        Shape::Steady08,
+        Shape::Steady2,
+        Shape::BoundaryAttack,
+        Shape::PoissonBursts,
+        Shape::HeavyTailKeys,
+    ];
+
+    /// The shape's name on the command line and in the table.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Shape::Steady08 => "steady-0.8x",
+            Shape::Steady2 => "steady-2x",
+            Shape::BoundaryAttack => "boundary-attack",
+            Shape::PoissonBursts => "poisson-bursts",
+            Shape::HeavyTailKeys => "heavy-tail-keys",
+        }
+    }
+
+    /// Generates the shape's requests, sorted by time (ties keep the order
+    /// they were generated in, so the list is fully determined by the seed).
+    pub fn generate(self, p: &ShapeParams) -> Vec<Request> {
+        let mut rng = StdRng::seed_from_u64(p.seed);
+        // Rates are in requests per millisecond.
+        let limit_rate = p.limit as f64 / p.window_ms as f64;
+        let mut out = match self {
+            Shape::Steady08 => poisson_process(&mut rng, 0, 0.8 * limit_rate, 0, p.duration_ms),
+            Shape::Steady2 => poisson_process(&mut rng, 0, 2.0 * limit_rate, 0, p.duration_ms),
+            Shape::BoundaryAttack => boundary_attack(p),
+            Shape::PoissonBursts => poisson_bursts(&mut rng, p, limit_rate),
+            Shape::HeavyTailKeys => heavy_tail_keys(&mut rng, p, limit_rate),
+        };
+        out.sort_by_key(|r| r.at_ms);
+        out
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Shape {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<Self, String> {
+        Shape::ALL
+            .into_iter()
+            .find(|s| s.name() == name)
+            .ok_or_else(|| {
+                let known: Vec<&str> = Shape::ALL.iter().map(|s| s.name()).collect();
+                format!(
+                    "unknown shape `{name}`; choose one of: {}",
+                    known.join(", ")
+                )
+            })
+    }
+}
+
+/// Poisson arrivals for `key` at `rate_per_ms` in `start_ms..end_ms`.
+fn poisson_process(
+    rng: &mut StdRng,
+    key: u64,
+    rate_per_ms: f64,
+    start_ms: u64,
+    end_ms: u64,
+) -> Vec<Request> {
+    let mut out = Vec::new();
+    if rate_per_ms <= 0.0 || !rate_per_ms.is_finite() {
+        return out;
+    }
+    let gap = Exp::new(rate_per_ms).expect("a positive, finite rate");
+    let mut t = start_ms as f64;
+    loop {
+        t += gap.sample(rng);
+        if t >= end_ms as f64 {
+            return out;
+        }
+        out.push(Request {
+            key,
+            at_ms: t as u64,
+        });
+    }
+}
+
+/// `limit` requests at the last millisecond before the edge of windows
+/// 1, 5, 9, ... and `limit` more at the edge itself: a fixed window admits
+/// both, twice the limit within two milliseconds. Four windows between
+/// attacks let every policy recover fully before the next one.
+fn boundary_attack(p: &ShapeParams) -> Vec<Request> {
+    let mut out = Vec::new();
+    let period = p.window_ms.saturating_mul(4);
+    let mut edge = p.window_ms;
+    while edge < p.duration_ms {
+        for at_ms in [edge - 1, edge] {
+            out.extend((0..p.limit).map(|_| Request { key: 0, at_ms }));
+        }
+        edge = edge.saturating_add(period);
+    }
+    out
+}
+
+/// Bursts start as a Poisson process, one per window on average; a burst
+/// holds a Poisson-distributed number of requests (mean 0.6 times the
+/// limit) placed uniformly over a twentieth of the window.
+fn poisson_bursts(rng: &mut StdRng, p: &ShapeParams, limit_rate: f64) -> Vec<Request> {
+    let starts = poisson_process(rng, 0, limit_rate / p.limit.max(1) as f64, 0, p.duration_ms);
+    let size = Poisson::new((0.6 * p.limit as f64).max(0.1)).expect("a positive mean");
+    let spread_ms = (p.window_ms / 20).max(1);
+    let mut out = Vec::new();
+    for start in starts {
+        let n = size.sample(rng) as u64;
+        for _ in 0..n {
+            let at_ms = start.at_ms + rng.random_range(0..spread_ms);
+            if at_ms < p.duration_ms {
+                out.push(Request { key: 0, at_ms });
+            }
+        }
+    }
+    out
+}
+
+/// Each key's rate is Pareto-distributed with shape 1.16 (the "80/20"
+/// shape) and scale a hundredth of the limit's rate, capped at five times
+/// the limit so one key cannot dominate the run's length.
+fn heavy_tail_keys(rng: &mut StdRng, p: &ShapeParams, limit_rate: f64) -> Vec<Request> {
+    let rates = Pareto::new(0.01 * limit_rate, 1.16).expect("positive scale and shape");
+    let mut out = Vec::new();
+    for key in 0..HEAVY_TAIL_KEYS {
+        let rate = rates.sample(rng).min(5.0 * limit_rate);
+        out.extend(poisson_process(rng, key, rate, 0, p.duration_ms));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(seed: u64) -> ShapeParams {
+        ShapeParams {
+            limit: 100,
+            window_ms: 1000,
+            duration_ms: 20_000,
+            seed,
+        }
+    }
+
+    #[test]
+    fn shapes_are_reproducible_from_the_seed_and_differ_between_seeds() {
+        for shape in Shape::ALL {
+            let a = shape.generate(&params(7));
+            assert_eq!(a, shape.generate(&params(7)), "{shape}");
+            if shape != Shape::BoundaryAttack {
+                assert_ne!(a, shape.generate(&params(8)), "{shape}");
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_are_sorted_and_inside_the_duration() {
+        for shape in Shape::ALL {
+            let requests = shape.generate(&params(1));
+            assert!(!requests.is_empty(), "{shape}");
+            assert!(
+                requests.windows(2).all(|w| w[0].at_ms <= w[1].at_ms),
+                "{shape}"
+            );
+            assert!(requests.iter().all(|r| r.at_ms < 20_000), "{shape}");
+        }
+    }
+
+    #[test]
+    fn steady_rates_are_near_their_multiple_of_the_limit() {
+        // 20 windows of 100: 1600 and 4000 expected; a Poisson count's
+        // standard deviation is its square root (40 and 63).
+        let slow = Shape::Steady08.generate(&params(3)).len();
+        let fast = Shape::Steady2.generate(&params(3)).len();
+        assert!((1400..1800).contains(&slow), "{slow}");
+        assert!((3700..4300).contains(&fast), "{fast}");
+    }
+
+    #[test]
+    fn boundary_attack_puts_a_full_budget_either_side_of_an_edge() {
+        let requests = Shape::BoundaryAttack.generate(&params(0));
+        let at = |t| requests.iter().filter(|r| r.at_ms == t).count();
+        assert_eq!((at(999), at(1000)), (100, 100));
+        assert_eq!((at(4999), at(5000)), (100, 100));
+        assert_eq!(requests.len(), 5 * 200);
+    }
+
+    #[test]
+    fn heavy_tail_keys_spread_over_many_keys_with_a_heavy_tail() {
+        let requests = Shape::HeavyTailKeys.generate(&params(5));
+        let mut per_key = std::collections::HashMap::new();
+        for r in &requests {
+            *per_key.entry(r.key).or_insert(0u64) += 1;
+        }
+        assert!(per_key.len() > 5_000 && per_key.keys().all(|&k| k < HEAVY_TAIL_KEYS));
+        let mut counts: Vec<u64> = per_key.into_values().collect();
+        counts.sort_unstable();
+        let median = counts[counts.len() / 2];
+        let top = *counts.last().unwrap();
+        // The busiest key is capped at five times the limit over 20 s.
+        assert!(
+            top > 50 * median && top <= 11_000,
+            "median {median}, top {top}"
+        );
+    }
+
+    #[test]
+    fn unknown_shapes_are_refused_with_the_known_names() {
+        let err = "sawtooth".parse::<Shape>().unwrap_err();
+        assert!(
+            err.contains("sawtooth") && err.contains("boundary-attack"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,333 @@
+//! Speed workloads: the in-memory store, governor's keyed GCRA and a bare
+//! hash map, on the same pre-generated key sequences and threads.
+//!
+//! Time source: every contender takes a supplied time, read from a shared
+//! atomic counter of milliseconds on each decision (the store through
+//! `now_ms`, governor through its `FakeRelativeClock`, the bare map through
+//! `now_ms`). The first thread advances it by 1 ms every 4,096 decisions, so
+//! windows roll over during a run without a system clock call in the loop.
+
+use std::cell::RefCell;
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use governor::clock::FakeRelativeClock;
+use governor::middleware::NoOpMiddleware;
+use governor::nanos::Nanos;
+use governor::state::keyed::DashMapStateStore;
+use governor::{Quota, RateLimiter};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Zipf};
+use ratewarden_core::policy::Policy;
+use ratewarden_core::{MemoryOptions, MemoryStore};
+use rustc_hash::FxHashMap;
+
+/// Decisions between two 1 ms steps of the supplied time.
+const DECISIONS_PER_MS: usize = 4096;
+
+/// Something that decides one request of cost 1 per call.
+pub trait Contender {
+    /// Decides a request for `key`; true when admitted.
+    fn check(&self, key: u64) -> bool;
+    /// Moves the supplied time on by 1 ms.
+    fn tick(&self);
+    /// Keys held now.
+    fn entries_tracked(&self) -> usize;
+}
+
+/// The in-memory store under one policy, with the supplied time.
+pub struct Store<P: Policy> {
+    store: MemoryStore<P>,
+    now_ms: AtomicU64,
+}
+
+impl<P: Policy> Store<P> {
+    /// A store for `policy` holding up to `max_keys` keys, its time at 1 ms.
+    pub fn new(policy: P, max_keys: usize) -> Self {
+        let options = MemoryOptions {
+            max_keys,
+            shards: 0,
+        };
+        Store {
+            store: MemoryStore::new(policy, options),
+            now_ms: AtomicU64::new(1),
+        }
+    }
+}
+
+impl<P: Policy> Contender for Store<P> {
+    #[inline]
+    fn check(&self, key: u64) -> bool {
+        match self
+            .store
+            .decide(key, self.now_ms.load(Ordering::Relaxed), 1)
+        {
+            Ok(d) => d.allowed,
+            // The runs stay far below `max_keys`, so an error is a bug in
+            // the run itself: stop loudly rather than time it.
+            Err(e) => panic!("the benchmark's store failed: {e}"),
+        }
+    }
+
+    fn tick(&self) {
+        self.now_ms.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn entries_tracked(&self) -> usize {
+        self.store.entries_tracked()
+    }
+}
+
+/// governor's keyed GCRA limiter (its default `DashMap` store and hasher)
+/// with the same quota, on its `FakeRelativeClock`.
+pub struct Governor {
+    limiter: RateLimiter<u64, DashMapStateStore<u64>, FakeRelativeClock, NoOpMiddleware<Nanos>>,
+    clock: FakeRelativeClock,
+}
+
+impl Governor {
+    /// `limit` per `window_ms` with a burst of `limit`, as `gcra` is
+    /// configured in the reference.
+    pub fn new(limit: u32, window_ms: u64) -> Result<Self> {
+        let Some(burst) = NonZeroU32::new(limit) else {
+            bail!("governor needs a limit of at least 1")
+        };
+        let period = Duration::from_millis(window_ms) / limit;
+        let Some(quota) = Quota::with_period(period) else {
+            bail!("governor needs a non-zero period")
+        };
+        let clock = FakeRelativeClock::default();
+        clock.advance(Duration::from_millis(1));
+        let limiter = RateLimiter::new(
+            quota.allow_burst(burst),
+            DashMapStateStore::default(),
+            clock.clone(),
+        );
+        Ok(Governor { limiter, clock })
+    }
+}
+
+impl Contender for Governor {
+    #[inline]
+    fn check(&self, key: u64) -> bool {
+        self.limiter.check_key(&key).is_ok()
+    }
+
+    fn tick(&self) {
+        self.clock.advance(Duration::from_millis(1));
+    }
+
+    fn entries_tracked(&self) -> usize {
+        self.limiter.len()
+    }
+}
+
+/// The floor: a bare single-threaded `HashMap<u64, (u64, u32, u32)>` with
+/// FxHash running the `sliding-window-counter` formula, with no locks, no
+/// input checks, no capacity bound and no retry time.
+pub struct Baseline {
+    map: RefCell<FxHashMap<u64, (u64, u32, u32)>>,
+    now_ms: std::cell::Cell<u64>,
+    limit: u64,
+    window_ms: u64,
+}
+
+impl Baseline {
+    /// `limit` per `window_ms`.
+    pub fn new(limit: u64, window_ms: u64) -> Self {
+        Baseline {
+            map: RefCell::default(),
+            now_ms: std::cell::Cell::new(1),
+            limit,
+            window_ms,
+        }
+    }
+}
+
+impl Contender for Baseline {
+    #[inline]
+    fn check(&self, key: u64) -> bool {
+        let now = self.now_ms.get();
+        let w = self.window_ms;
+        let mut map = self.map.borrow_mut();
+        let e = map.entry(key).or_insert_with(|| (now - now % w, 0, 0));
+        // The floor should be as fast as the formula allows: most requests
+        // fall in the recorded window, which needs no division to find.
+        if now - e.0 >= w {
+            let window = now - now % w;
+            e.1 = if window == e.0 + w { e.2 } else { 0 };
+            e.2 = 0;
+            e.0 = window;
+        }
+        let weight = w - (now - e.0);
+        // 32-bit division when the operands fit (they do in the reference
+        // configuration), as the store's policies do.
+        let carried = match (u32::try_from(u64::from(e.1) * weight), u32::try_from(w)) {
+            (Ok(n), Ok(d)) => u64::from(n / d),
+            _ => u64::from(e.1) * weight / w,
+        };
+        if carried + u64::from(e.2) < self.limit {
+            e.2 += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn tick(&self) {
+        self.now_ms.set(self.now_ms.get() + 1);
+    }
+
+    fn entries_tracked(&self) -> usize {
+        self.map.borrow().len()
+    }
+}
+
+/// `n` distinct, well-spread keys: a bijective mix of `0..n`, so the same
+/// `n` always gives the same keys.
+pub fn key_set(n: usize) -> Vec<u64> {
+    (0..n as u64).map(splitmix64).collect()
+}
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// `len` keys drawn uniformly from `keys`.
+pub fn uniform_sequence(keys: &[u64], len: usize, seed: u64) -> Vec<u64> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..len)
+        .map(|_| keys[rng.random_range(0..keys.len())])
+        .collect()
+}
+
+/// `len` keys drawn from `keys` by Zipf's law with exponent `s` (rank 1 is
+/// `keys[0]`).
+pub fn zipf_sequence(keys: &[u64], len: usize, s: f64, seed: u64) -> Vec<u64> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let zipf = Zipf::new(keys.len() as f64, s).expect("a non-empty key set and s >= 0");
+    (0..len)
+        .map(|_| keys[(zipf.sample(&mut rng) as usize - 1).min(keys.len() - 1)])
+        .collect()
+}
+
+/// Decides every key once, untimed, so a later run finds them all.
+pub fn insert_all<C: Contender>(c: &C, keys: &[u64]) {
+    for &k in keys {
+        black_box(c.check(k));
+    }
+}
+
+/// Runs `sequence` once on one thread and returns nanoseconds per decision.
+pub fn run_single<C: Contender>(c: &C, sequence: &[u64]) -> f64 {
+    let start = Instant::now();
+    for (i, &key) in sequence.iter().enumerate() {
+        if i % DECISIONS_PER_MS == 0 {
+            c.tick();
+        }
+        black_box(c.check(black_box(key)));
+    }
+    start.elapsed().as_nanos() as f64 / sequence.len().max(1) as f64
+}
+
+/// Runs one sequence per thread at once and returns wall-clock
+/// nanoseconds per decision over all threads (so decisions per second is
+/// the aggregate throughput).
+pub fn run_threads<C: Contender + Sync>(c: &C, sequences: &[Vec<u64>]) -> f64 {
+    let total: usize = sequences.iter().map(Vec::len).sum();
+    let barrier = std::sync::Barrier::new(sequences.len() + 1);
+    let start = std::thread::scope(|scope| {
+        for (t, sequence) in sequences.iter().enumerate() {
+            let barrier = &barrier;
+            scope.spawn(move || {
+                barrier.wait();
+                for (i, &key) in sequence.iter().enumerate() {
+                    if t == 0 && i % DECISIONS_PER_MS == 0 {
+                        c.tick();
+                    }
+                    black_box(c.check(black_box(key)));
+                }
+            });
+        }
+        barrier.wait();
+        Instant::now()
+    });
+    start.elapsed().as_nanos() as f64 / total.max(1) as f64
+}
+
+/// The median of `values` (the mean of the middle two for an even count).
+pub fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => values[n / 2],
+        _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ratewarden_core::SlidingWindowCounter;
+
+    #[test]
+    fn key_sets_are_distinct_and_sequences_reproducible() {
+        let keys = key_set(10_000);
+        let distinct: std::collections::HashSet<_> = keys.iter().collect();
+        assert_eq!(distinct.len(), 10_000);
+        assert_eq!(
+            uniform_sequence(&keys, 100, 1),
+            uniform_sequence(&keys, 100, 1)
+        );
+        let zipf = zipf_sequence(&keys, 10_000, 1.0, 2);
+        assert_eq!(zipf, zipf_sequence(&keys, 10_000, 1.0, 2));
+        // Rank 1 takes about 1 / H(10,000) ~ 10% of a Zipf(1.0) draw.
+        let top = zipf.iter().filter(|&&k| k == keys[0]).count();
+        assert!((700..1400).contains(&top), "{top}");
+    }
+
+    #[test]
+    fn contenders_agree_on_a_fresh_key_budget() {
+        // All three admit exactly the limit for a key at one instant.
+        let store = Store::new(SlidingWindowCounter::new(100, 1000).unwrap(), 1 << 10);
+        let governor = Governor::new(100, 1000).unwrap();
+        let baseline = Baseline::new(100, 1000);
+        for c in [&store as &dyn Contender, &governor, &baseline] {
+            let admitted = (0..150).filter(|_| c.check(42)).count();
+            assert_eq!(admitted, 100);
+            assert_eq!(c.entries_tracked(), 1);
+        }
+    }
+
+    #[test]
+    fn the_baseline_runs_the_window_counter_formula() {
+        let baseline = Baseline::new(10, 10);
+        let policy = SlidingWindowCounter::new(10, 10).unwrap();
+        let mut state = policy.new_state(1);
+        for step in 0..200 {
+            for _ in 0..3 {
+                let now = baseline.now_ms.get();
+                assert_eq!(
+                    baseline.check(5),
+                    policy.decide(&mut state, now, 1).allowed,
+                    "{step}"
+                );
+            }
+            baseline.tick();
+        }
+    }
+
+    #[test]
+    fn medians() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
+}

@@ -1,0 +1,230 @@
+//! `ratewarden bench` and `ratewarden simulate` as a user runs them: the
+//! real binary, small sizes, outputs parsed back.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn ratewarden(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+        .args(args)
+        .output()
+        .expect("the ratewarden binary runs")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ratewarden-measure-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+#[test]
+fn bench_json_rows_parse_with_the_named_fields() {
+    let out = ratewarden(&[
+        "bench",
+        "--json",
+        "--keys",
+        "2000",
+        "--decisions",
+        "4000",
+        "--reps",
+        "1",
+        "--threads",
+        "2",
+        "--accuracy-duration-ms",
+        "2000",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let find = |policy: &str, workload: &str| {
+        rows.iter()
+            .find(|r| r["policy"] == policy && r["workload"] == workload)
+            .unwrap_or_else(|| panic!("no row {policy} / {workload}"))
+    };
+    for policy in [
+        "fixed-window",
+        "sliding-window-counter",
+        "sliding-log",
+        "token-bucket",
+        "gcra",
+        "governor",
+    ] {
+        for workload in ["hot-key", "uniform-1m", "zipf-1m", "uniform-1m-threads"] {
+            let row = find(policy, workload);
+            assert!(row["ns_per_decision"].as_f64().unwrap() > 0.0, "{row}");
+            assert!(row["decisions_per_sec"].as_f64().unwrap() > 0.0, "{row}");
+            assert_eq!(row["time_source"], "supplied", "{row}");
+        }
+        let uniform = find(policy, "uniform-1m");
+        assert_eq!(uniform["entries_tracked"], 2000, "{uniform}");
+        assert!(uniform["bytes_per_key"].is_number(), "{uniform}");
+        assert_eq!(find(policy, "hot-key")["entries_tracked"], 1);
+        assert_eq!(find(policy, "uniform-1m-threads")["threads"], 2);
+    }
+    for workload in ["hot-key", "uniform-1m", "zipf-1m"] {
+        assert!(find("baseline-hashmap", workload)["ns_per_decision"].is_number());
+    }
+    for shape in [
+        "steady-0.8x",
+        "steady-2x",
+        "boundary-attack",
+        "poisson-bursts",
+        "heavy-tail-keys",
+    ] {
+        let exact = find("sliding-log", shape);
+        assert_eq!(exact["false_admit_pct"], 0.0, "{exact}");
+        assert_eq!(exact["false_reject_pct"], 0.0, "{exact}");
+        assert!(
+            exact["max_in_window_ratio"].as_f64().unwrap() <= 1.0,
+            "{exact}"
+        );
+        assert!(find("sliding-window-counter", shape)["false_admit_pct"].is_number());
+    }
+    assert_eq!(
+        find("fixed-window", "boundary-attack")["max_in_window_ratio"],
+        2.0
+    );
+    assert!(rows
+        .iter()
+        .any(|r| r["workload"] == "target" && r["met"].is_boolean()));
+}
+
+#[test]
+fn simulate_writes_an_svg_chart_and_the_csv_series() {
+    let (svg, csv) = (scratch("attack.svg"), scratch("attack.csv"));
+    let out = ratewarden(&[
+        "simulate",
+        "--policy",
+        "fixed-window,sliding-window-counter,sliding-log",
+        "--shape",
+        "boundary-attack",
+        "--duration-ms",
+        "6000",
+        "--out",
+        svg.to_str().unwrap(),
+        "--csv",
+        csv.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let chart = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        chart.starts_with("<svg") && chart.trim_end().ends_with("</svg>"),
+        "not an SVG document"
+    );
+    for text in [
+        "time (ms)",
+        "requests/s",
+        "fixed-window: admitted rate",
+        "sliding-log",
+        "limit: 100 per 1000 ms",
+    ] {
+        assert!(chart.contains(text), "the chart lacks `{text}`");
+    }
+    let series = std::fs::read_to_string(&csv).unwrap();
+    let mut lines = series.lines();
+    assert_eq!(
+        lines.next(),
+        Some("policy,start_ms,offered_per_sec,admitted_per_sec,trailing_count,limit")
+    );
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    // Three policies, 6000 ms in 50 ms buckets.
+    assert_eq!(rows.len(), 3 * 120);
+    let peak = |policy: &str| {
+        rows.iter()
+            .filter(|r| r[0] == policy)
+            .map(|r| r[4].parse::<u64>().unwrap())
+            .max()
+            .unwrap()
+    };
+    assert_eq!(
+        (
+            peak("fixed-window"),
+            peak("sliding-window-counter"),
+            peak("sliding-log")
+        ),
+        (200, 100, 100)
+    );
+    std::fs::remove_file(svg).ok();
+    std::fs::remove_file(csv).ok();
+}
+
+fn fails_with(args: &[&str], words: &[&str]) {
+    let out = ratewarden(args);
+    assert!(!out.status.success(), "{args:?} succeeded");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for word in words {
+        assert!(stderr.contains(word), "{args:?}: `{word}` not in: {stderr}");
+    }
+}
+
+#[test]
+fn bad_arguments_exit_non_zero_with_a_clear_message() {
+    let svg = scratch("never.svg");
+    let svg = svg.to_str().unwrap();
+    fails_with(
+        &[
+            "simulate",
+            "--policy",
+            "leaky-bucket",
+            "--shape",
+            "steady-2x",
+            "--out",
+            svg,
+        ],
+        &["unknown policy `leaky-bucket`", "sliding-window-counter"],
+    );
+    fails_with(
+        &[
+            "simulate", "--policy", "gcra", "--shape", "sawtooth", "--out", svg,
+        ],
+        &["unknown shape `sawtooth`", "boundary-attack"],
+    );
+    fails_with(
+        &[
+            "simulate",
+            "--policy",
+            "gcra",
+            "--shape",
+            "steady-2x",
+            "--window-ms",
+            "0",
+            "--out",
+            svg,
+        ],
+        &["window_ms is 0", "at least 1 ms"],
+    );
+    fails_with(
+        &[
+            "simulate",
+            "--policy",
+            "gcra",
+            "--shape",
+            "steady-2x",
+            "--duration-ms",
+            "0",
+            "--out",
+            svg,
+        ],
+        &["--duration-ms"],
+    );
+    fails_with(&["bench", "--reps", "0"], &["--reps must be at least 1"]);
+    fails_with(
+        &["bench", "--accuracy-duration-ms", "10"],
+        &["--accuracy-duration-ms"],
+    );
+    assert!(
+        !std::path::Path::new(svg).exists(),
+        "a failed run left a chart behind"
+    );
+}
