@@ -22,9 +22,6 @@ enum Command {
     Vectors(cmd::vectors::Args),
     /// Run the rate-limit service: HTTP JSON and Envoy RLS v3 gRPC.
     Serve(cmd::serve::Args),
-    /// Measure the Redis store: pipelined decisions/s, round trips and
-    /// server CPU per policy, beside redis-benchmark on the same server.
-    BenchRedis(cmd::bench_redis::Args),
     /// Measure speed, memory and accuracy of every policy, beside governor.
     Bench(cmd::bench::Args),
     /// Draw how policies answer a traffic shape (SVG chart, CSV series).
@@ -32,6 +29,9 @@ enum Command {
     /// Measure one contender's memory in a fresh process (used by `bench`).
     #[command(hide = true)]
     BenchMemory(cmd::bench::MemoryArgs),
+    /// Measure the Redis store: pipelined decisions/s, round trips and
+    /// server CPU per policy, beside redis-benchmark on the same server.
+    BenchRedis(cmd::bench_redis::Args),
 }
 
 fn main() -> ExitCode {
@@ -39,9 +39,9 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Vectors(args) => cmd::vectors::run(args),
         Command::Serve(args) => cmd::serve::run(args),
-        Command::BenchRedis(args) => cmd::bench_redis::run(args),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Simulate(args) => cmd::simulate::run(args),
         Command::BenchMemory(args) => cmd::bench::run_memory(args),
+        Command::BenchRedis(args) => cmd::bench_redis::run(args),
     }
 }

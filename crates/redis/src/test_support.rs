@@ -53,22 +53,31 @@ pub struct RedisServer {
 impl RedisServer {
     /// Starts a node on a free port and waits until it answers PING.
     pub fn start() -> RedisServer {
-        Self::start_on(free_port(false), false)
+        Self::start_fresh(false)
     }
 
-    fn start_on(port: u16, cluster: bool) -> RedisServer {
-        let dir = tempfile::tempdir().expect("temporary directory");
-        let mut server = RedisServer {
-            port,
-            child: None,
-            dir,
-            cluster,
-        };
-        server.spawn();
-        server
+    /// Starts a node on a port found free, trying another port when a
+    /// concurrent test took that one first.
+    fn start_fresh(cluster: bool) -> RedisServer {
+        for _ in 0..5 {
+            let dir = tempfile::tempdir().expect("temporary directory");
+            let mut server = RedisServer {
+                port: free_port(cluster),
+                child: None,
+                dir,
+                cluster,
+            };
+            if server.spawn() {
+                return server;
+            }
+        }
+        panic!("redis-server could not start on a free port in 5 tries");
     }
 
-    fn spawn(&mut self) {
+    /// Starts the process and waits until it answers PING; false when the
+    /// process exits first (its port was taken), so that a PING answered
+    /// by some other server on that port never counts.
+    fn spawn(&mut self) -> bool {
         let mut cmd = Command::new("redis-server");
         cmd.args([
             "--port",
@@ -91,14 +100,24 @@ impl RedisServer {
                 "nodes.conf",
             ]);
         }
-        self.child = Some(cmd.spawn().expect("start redis-server (is it installed?)"));
+        let mut child = cmd.spawn().expect("start redis-server (is it installed?)");
+        let exited = |c: &mut Child| c.try_wait().ok().flatten().is_some();
         let deadline = Instant::now() + START_TIMEOUT;
         while Instant::now() < deadline {
+            if exited(&mut child) {
+                return false;
+            }
             if raw_command(self.port, "PING").is_some_and(|r| r.starts_with("+PONG")) {
-                return;
+                if exited(&mut child) {
+                    return false;
+                }
+                self.child = Some(child);
+                return true;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+        let _ = child.kill();
+        let _ = child.wait();
         panic!(
             "redis-server on port {} did not answer within {START_TIMEOUT:?}",
             self.port
@@ -131,7 +150,11 @@ impl RedisServer {
     /// Starts the server again on the same port (with empty data).
     pub fn restart(&mut self) {
         self.kill();
-        self.spawn();
+        assert!(
+            self.spawn(),
+            "redis-server could not start again on port {}",
+            self.port
+        );
     }
 
     /// Freezes the server (SIGSTOP): connections stay open, nothing answers.
@@ -212,17 +235,14 @@ impl RedisCluster {
     /// `redis-cli --cluster create`, and waits until every node reports
     /// `cluster_state:ok`.
     pub fn start() -> RedisCluster {
-        let mut ports = Vec::new();
-        while ports.len() < 3 {
-            let p = free_port(true);
-            if !ports.contains(&p) {
-                ports.push(p);
+        let mut nodes: Vec<RedisServer> = Vec::new();
+        while nodes.len() < 3 {
+            let node = RedisServer::start_fresh(true);
+            if nodes.iter().all(|n| n.port != node.port) {
+                nodes.push(node);
             }
         }
-        let nodes: Vec<RedisServer> = ports
-            .iter()
-            .map(|&p| RedisServer::start_on(p, true))
-            .collect();
+        let ports: Vec<u16> = nodes.iter().map(|n| n.port).collect();
         let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
         let out = Command::new("redis-cli")
             .args(["--cluster", "create"])
