@@ -20,6 +20,8 @@ struct Cli {
 enum Command {
     /// Run conformance vector files against a store.
     Vectors(cmd::vectors::Args),
+    /// Run the rate-limit service: HTTP JSON and Envoy RLS v3 gRPC.
+    Serve(cmd::serve::Args),
     /// Measure speed, memory and accuracy of every policy, beside governor.
     Bench(cmd::bench::Args),
     /// Draw how policies answer a traffic shape (SVG chart, CSV series).
@@ -36,6 +38,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Vectors(args) => cmd::vectors::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Simulate(args) => cmd::simulate::run(args),
         Command::BenchMemory(args) => cmd::bench::run_memory(args),

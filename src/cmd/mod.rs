@@ -2,5 +2,6 @@
 
 pub mod bench;
 pub mod bench_redis;
+pub mod serve;
 pub mod simulate;
 pub mod vectors;

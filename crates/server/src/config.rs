@@ -1,0 +1,842 @@
+//! The configuration file: TOML, validated once on load.
+//!
+//! TOML rather than YAML because its types are explicit (no value silently
+//! turns into a boolean or a float, as YAML's `no` and `1e3` do), it is the
+//! format Rust tools already use, and the `toml` crate reports the byte span
+//! of every value, so each error names the file, the line and the field.
+//!
+//! The shape follows envoyproxy/ratelimit's: a domain holds a tree of
+//! descriptors, each with a `key`, an optional `value` (absent: any value,
+//! each value counted on its own) and optionally a limit and nested
+//! descriptors. See `docs/serve.md` and `examples/ratewarden.toml`.
+
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use ratewarden_core::{FailurePolicy, KeyHash, PolicyConfig, PolicyKind, MAX_SAFE, REFERENCE};
+use serde::Deserialize;
+use toml::Spanned;
+
+/// The most descriptor nodes a configuration may hold, over all domains.
+pub const MAX_RULE_NODES: usize = 100_000;
+
+/// The deepest a descriptor tree may nest.
+pub const MAX_DEPTH: usize = 16;
+
+/// The largest configuration file read, in bytes.
+pub const MAX_FILE_BYTES: u64 = 16 << 20;
+
+/// A configuration that failed to load, with where and what to change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigFileError {
+    /// The file, or `<inline>` for text not read from a file.
+    pub file: String,
+    /// 1-based line of the offending value, when known.
+    pub line: Option<usize>,
+    /// 1-based column of the offending value, when known.
+    pub column: Option<usize>,
+    /// The field, as a dotted path (`domains[0].descriptors[1].limit`).
+    pub field: String,
+    /// What is wrong and what to change.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigFileError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.file)?;
+        if let Some(line) = self.line {
+            write!(f, ":{line}")?;
+            if let Some(column) = self.column {
+                write!(f, ":{column}")?;
+            }
+        }
+        if self.field.is_empty() {
+            write!(f, ": {}", self.message)
+        } else {
+            write!(f, ": {}: {}", self.field, self.message)
+        }
+    }
+}
+
+impl std::error::Error for ConfigFileError {}
+
+/// Server-wide settings: read once at start; a reload that changes them is
+/// logged and they take effect at the next start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerSettings {
+    /// How descriptor values become integer keys.
+    pub key_hash: KeyHash,
+    /// What a failing store's requests get.
+    pub failure_policy: FailurePolicy,
+    /// The longest one store call may take before it counts as failed.
+    pub store_timeout_ms: u64,
+    /// The most keys each rule's in-memory store holds.
+    pub max_keys: usize,
+    /// How often idle keys are forgotten.
+    pub housekeeping_interval_ms: u64,
+    /// How many keys one housekeeping pass looks at, per rule.
+    pub housekeeping_max_scanned: usize,
+}
+
+impl Default for ServerSettings {
+    fn default() -> Self {
+        ServerSettings {
+            key_hash: KeyHash::Mix32,
+            failure_policy: FailurePolicy::FailClosed,
+            store_timeout_ms: 100,
+            max_keys: 1 << 22,
+            housekeeping_interval_ms: 1000,
+            housekeeping_max_scanned: 65_536,
+        }
+    }
+}
+
+/// One limit: a policy configuration, a display name and the shadow flag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleSpec {
+    /// The name shown in responses, headers and metrics.
+    pub name: String,
+    /// The policy and its numbers.
+    pub policy: PolicyConfig,
+    /// Decide and count, but never refuse.
+    pub shadow: bool,
+}
+
+/// A node of a domain's descriptor tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DescriptorSpec {
+    /// The entry key this node matches.
+    pub key: String,
+    /// The entry value it matches; `None` matches any value.
+    pub value: Option<String>,
+    /// The limit applied when a descriptor's entries end at this node.
+    pub rule: Option<RuleSpec>,
+    /// Nodes matching the next entry.
+    pub children: Vec<DescriptorSpec>,
+}
+
+/// A domain and its descriptor tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DomainSpec {
+    /// The domain name, as Envoy sends it.
+    pub domain: String,
+    /// The top-level nodes, matching a descriptor's first entry.
+    pub descriptors: Vec<DescriptorSpec>,
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Where it was read from, for messages.
+    pub source: String,
+    /// Server-wide settings.
+    pub server: ServerSettings,
+    /// The rule for HTTP `{"key": ...}` requests; `None` refuses them as bad
+    /// requests.
+    pub keys: Option<RuleSpec>,
+    /// The rule for any descriptor no configured rule matches, in any
+    /// domain; `None` leaves such descriptors unlimited and unknown domains
+    /// an error.
+    pub fallback: Option<RuleSpec>,
+    /// The configured domains.
+    pub domains: Vec<DomainSpec>,
+}
+
+impl Config {
+    /// The configuration with no file: every key and every descriptor is
+    /// limited by the reference configuration (sliding-window-counter, 100
+    /// per 1000 ms).
+    pub fn reference() -> Self {
+        let rule = |name: &str| RuleSpec {
+            name: name.to_owned(),
+            policy: REFERENCE,
+            shadow: false,
+        };
+        Config {
+            source: "<built-in reference>".to_owned(),
+            server: ServerSettings::default(),
+            keys: Some(rule("keys")),
+            fallback: Some(rule("fallback")),
+            domains: Vec::new(),
+        }
+    }
+
+    /// Reads and validates a configuration file.
+    pub fn load(path: &Path) -> Result<Self, ConfigFileError> {
+        let file = path.display().to_string();
+        let whole = |message: String| ConfigFileError {
+            file: file.clone(),
+            line: None,
+            column: None,
+            field: String::new(),
+            message,
+        };
+        let meta =
+            std::fs::metadata(path).map_err(|e| whole(format!("cannot read the file: {e}")))?;
+        if meta.len() > MAX_FILE_BYTES {
+            return Err(whole(format!(
+                "the file has {} bytes, more than the {MAX_FILE_BYTES} allowed; split or shorten it",
+                meta.len()
+            )));
+        }
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| whole(format!("cannot read the file: {e}")))?;
+        Self::parse(&text, &file)
+    }
+
+    /// Validates configuration text; `source` names it in errors.
+    ///
+    /// ```
+    /// use ratewarden_server::Config;
+    /// let config = Config::parse("[keys]\nlimit = 10\nunit = \"minute\"\n", "inline.toml").unwrap();
+    /// assert_eq!(config.keys.unwrap().policy.window_ms, 60_000);
+    ///
+    /// let err = Config::parse("[keys]\nlimit = 10\nunit = \"fortnight\"\n", "inline.toml").unwrap_err();
+    /// assert_eq!(err.line, Some(3));
+    /// assert!(err.to_string().starts_with("inline.toml:3:8: keys.unit: unknown unit \"fortnight\""));
+    /// ```
+    pub fn parse(text: &str, source: &str) -> Result<Self, ConfigFileError> {
+        let lines = LineIndex::new(text);
+        let raw: RawConfig = toml::from_str(text).map_err(|e| {
+            let field = e
+                .span()
+                .map(|span| field_at(text, span.start))
+                .unwrap_or_default();
+            lines.error(source, e.span(), field, e.message().trim())
+        })?;
+        let mut v = Validator {
+            source,
+            lines: &lines,
+            nodes: 0,
+        };
+        v.config(raw)
+    }
+}
+
+/// The dotted name of the `key = value` line holding `offset`, under the
+/// nearest table header above it (`keys.limit`,
+/// `domains.descriptors.window_ms`); empty when the line is not one. The
+/// parser's own messages name the type problem; this names the field.
+fn field_at(text: &str, offset: usize) -> String {
+    let offset = offset.min(text.len());
+    let line_start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let line = text[line_start..].lines().next().unwrap_or("");
+    let Some((key, _)) = line.split_once('=') else {
+        return String::new();
+    };
+    let key = key.trim();
+    if key.is_empty()
+        || !key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    {
+        return String::new();
+    }
+    let table = text[..line_start]
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('['))
+        .map(|l| l.trim_matches(|c| c == '[' || c == ']').trim().to_owned());
+    match table {
+        Some(t) if !t.is_empty() => format!("{t}.{key}"),
+        _ => key.to_owned(),
+    }
+}
+
+/// Which hash a key string goes through, by its configuration name.
+fn parse_key_hash(name: &str) -> Result<KeyHash, String> {
+    match name {
+        "mix32" => Ok(KeyHash::Mix32),
+        "xxh3-64" => Ok(KeyHash::Xxh3_64),
+        other => Err(format!("unknown key hash {other:?}; use mix32 or xxh3-64")),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    server: Option<RawServer>,
+    keys: Option<Spanned<RawRule>>,
+    fallback: Option<Spanned<RawRule>>,
+    #[serde(default)]
+    domains: Vec<Spanned<RawDomain>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    key_hash: Option<Spanned<String>>,
+    failure_policy: Option<Spanned<String>>,
+    store_timeout_ms: Option<Spanned<i64>>,
+    max_keys: Option<Spanned<i64>>,
+    housekeeping_interval_ms: Option<Spanned<i64>>,
+    housekeeping_max_scanned: Option<Spanned<i64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    name: Option<Spanned<String>>,
+    policy: Option<Spanned<String>>,
+    limit: Option<Spanned<i64>>,
+    window_ms: Option<Spanned<i64>>,
+    unit: Option<Spanned<String>>,
+    burst: Option<Spanned<i64>>,
+    shadow: Option<Spanned<bool>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDomain {
+    domain: Spanned<String>,
+    #[serde(default)]
+    descriptors: Vec<Spanned<RawDescriptor>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDescriptor {
+    key: Spanned<String>,
+    value: Option<Spanned<String>>,
+    #[serde(default)]
+    descriptors: Vec<Spanned<RawDescriptor>>,
+    // The rule's fields sit on the node itself, as in a flattened table;
+    // serde's `flatten` would lose the spans, so they are repeated here.
+    name: Option<Spanned<String>>,
+    policy: Option<Spanned<String>>,
+    limit: Option<Spanned<i64>>,
+    window_ms: Option<Spanned<i64>>,
+    unit: Option<Spanned<String>>,
+    burst: Option<Spanned<i64>>,
+    shadow: Option<Spanned<bool>>,
+}
+
+impl RawDescriptor {
+    fn take_rule(&mut self) -> Option<RawRule> {
+        let any = self.name.is_some()
+            || self.policy.is_some()
+            || self.limit.is_some()
+            || self.window_ms.is_some()
+            || self.unit.is_some()
+            || self.burst.is_some()
+            || self.shadow.is_some();
+        any.then(|| RawRule {
+            name: self.name.take(),
+            policy: self.policy.take(),
+            limit: self.limit.take(),
+            window_ms: self.window_ms.take(),
+            unit: self.unit.take(),
+            burst: self.burst.take(),
+            shadow: self.shadow.take(),
+        })
+    }
+}
+
+/// Byte offsets to 1-based lines and columns.
+struct LineIndex {
+    starts: Vec<usize>,
+}
+
+impl LineIndex {
+    fn new(text: &str) -> Self {
+        let mut starts = vec![0];
+        starts.extend(text.match_indices('\n').map(|(i, _)| i + 1));
+        LineIndex { starts }
+    }
+
+    fn position(&self, offset: usize) -> (usize, usize) {
+        let line = self.starts.partition_point(|&s| s <= offset).max(1);
+        (line, offset - self.starts[line - 1] + 1)
+    }
+
+    fn error(
+        &self,
+        source: &str,
+        span: Option<Range<usize>>,
+        field: impl Into<String>,
+        message: impl Into<String>,
+    ) -> ConfigFileError {
+        let position = span.map(|s| self.position(s.start));
+        ConfigFileError {
+            file: source.to_owned(),
+            line: position.map(|p| p.0),
+            column: position.map(|p| p.1),
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+struct Validator<'a> {
+    source: &'a str,
+    lines: &'a LineIndex,
+    nodes: usize,
+}
+
+impl Validator<'_> {
+    fn err(&self, span: Range<usize>, field: &str, message: impl Into<String>) -> ConfigFileError {
+        self.lines.error(self.source, Some(span), field, message)
+    }
+
+    fn config(&mut self, raw: RawConfig) -> Result<Config, ConfigFileError> {
+        let server = match raw.server {
+            Some(s) => self.server(s)?,
+            None => ServerSettings::default(),
+        };
+        let keys = raw.keys.map(|r| self.rule(r, "keys", "keys")).transpose()?;
+        let fallback = raw
+            .fallback
+            .map(|r| self.rule(r, "fallback", "fallback"))
+            .transpose()?;
+        let mut domains: Vec<DomainSpec> = Vec::with_capacity(raw.domains.len());
+        for (i, raw_domain) in raw.domains.into_iter().enumerate() {
+            let field = format!("domains[{i}]");
+            let span = raw_domain.span();
+            let raw_domain = raw_domain.into_inner();
+            let name_span = raw_domain.domain.span();
+            let name = raw_domain.domain.into_inner();
+            if name.is_empty() {
+                return Err(self.err(
+                    name_span,
+                    &format!("{field}.domain"),
+                    "the domain is empty; name it",
+                ));
+            }
+            if domains.iter().any(|d| d.domain == name) {
+                return Err(self.err(
+                    span,
+                    &format!("{field}.domain"),
+                    format!("domain {name:?} is configured twice; merge the two into one"),
+                ));
+            }
+            let descriptors = self.descriptors(raw_domain.descriptors, &field, &name, 1)?;
+            domains.push(DomainSpec {
+                domain: name,
+                descriptors,
+            });
+        }
+        Ok(Config {
+            source: self.source.to_owned(),
+            server,
+            keys,
+            fallback,
+            domains,
+        })
+    }
+
+    fn server(&mut self, raw: RawServer) -> Result<ServerSettings, ConfigFileError> {
+        let mut s = ServerSettings::default();
+        if let Some(v) = raw.key_hash {
+            s.key_hash = parse_key_hash(v.get_ref())
+                .map_err(|m| self.err(v.span(), "server.key_hash", m))?;
+        }
+        if let Some(v) = raw.failure_policy {
+            s.failure_policy = v
+                .get_ref()
+                .parse()
+                .map_err(|m: String| self.err(v.span(), "server.failure_policy", m))?;
+        }
+        if let Some(v) = raw.store_timeout_ms {
+            s.store_timeout_ms = self.positive(&v, "server.store_timeout_ms", 3_600_000)?;
+        }
+        if let Some(v) = raw.max_keys {
+            s.max_keys = self.positive(&v, "server.max_keys", 1 << 32)? as usize;
+        }
+        if let Some(v) = raw.housekeeping_interval_ms {
+            s.housekeeping_interval_ms =
+                self.positive(&v, "server.housekeeping_interval_ms", 86_400_000)?;
+        }
+        if let Some(v) = raw.housekeeping_max_scanned {
+            s.housekeeping_max_scanned =
+                self.positive(&v, "server.housekeeping_max_scanned", 1 << 32)? as usize;
+        }
+        Ok(s)
+    }
+
+    fn positive(&self, v: &Spanned<i64>, field: &str, max: u64) -> Result<u64, ConfigFileError> {
+        let n = *v.get_ref();
+        if n < 1 || n as u64 > max {
+            return Err(self.err(
+                v.span(),
+                field,
+                format!("{n} is out of range; use a whole number from 1 to {max}"),
+            ));
+        }
+        Ok(n as u64)
+    }
+
+    fn number(&self, v: &Spanned<i64>, field: &str) -> Result<u64, ConfigFileError> {
+        let n = *v.get_ref();
+        if n < 0 || n as u64 > MAX_SAFE {
+            return Err(self.err(
+                v.span(),
+                field,
+                format!("{n} is out of range; use a whole number from 0 to {MAX_SAFE} (2^53 - 1)"),
+            ));
+        }
+        Ok(n as u64)
+    }
+
+    fn rule(
+        &mut self,
+        raw: Spanned<RawRule>,
+        field: &str,
+        default_name: &str,
+    ) -> Result<RuleSpec, ConfigFileError> {
+        let span = raw.span();
+        self.rule_fields(raw.into_inner(), span, field, default_name)
+    }
+
+    fn rule_fields(
+        &mut self,
+        raw: RawRule,
+        span: Range<usize>,
+        field: &str,
+        default_name: &str,
+    ) -> Result<RuleSpec, ConfigFileError> {
+        let f = |name: &str| format!("{field}.{name}");
+        let name = match raw.name {
+            Some(n) if n.get_ref().is_empty() => {
+                return Err(self.err(
+                    n.span(),
+                    &f("name"),
+                    "the name is empty; remove it or name the rule",
+                ))
+            }
+            Some(n) => n.into_inner(),
+            None => default_name.to_owned(),
+        };
+        let kind = match raw.policy {
+            Some(p) => p
+                .get_ref()
+                .parse::<PolicyKind>()
+                .map_err(|e| self.err(p.span(), &f("policy"), e.to_string()))?,
+            None => REFERENCE.policy,
+        };
+        let Some(limit) = raw.limit else {
+            return Err(self.err(
+                span,
+                &f("limit"),
+                "the rule has no limit; add limit = <permits per window>",
+            ));
+        };
+        let limit = self.number(&limit, &f("limit"))?;
+        let window_ms = match (raw.window_ms, raw.unit) {
+            (Some(w), None) => {
+                let w_ms = self.number(&w, &f("window_ms"))?;
+                if w_ms == 0 {
+                    return Err(self.err(w.span(), &f("window_ms"), "a window must last at least 1 ms; set window_ms to 1 or more"));
+                }
+                w_ms
+            }
+            (None, Some(u)) => unit_ms(u.get_ref()).map_err(|m| self.err(u.span(), &f("unit"), m))?,
+            (Some(w), Some(_)) => {
+                return Err(self.err(w.span(), &f("window_ms"), "both window_ms and unit are given; keep one"))
+            }
+            (None, None) => {
+                return Err(self.err(
+                    span,
+                    &f("window_ms"),
+                    "the rule has no window; add window_ms = <ms> or unit = \"second\" (or minute, hour, day)",
+                ))
+            }
+        };
+        let mut policy = PolicyConfig::new(kind, limit, window_ms);
+        if let Some(b) = raw.burst {
+            policy = policy.with_burst(self.number(&b, &f("burst"))?);
+            if !kind.has_burst() {
+                return Err(self.err(
+                    b.span(),
+                    &f("burst"),
+                    format!("{kind} has no bucket; remove burst, or use token-bucket or gcra"),
+                ));
+            }
+        }
+        policy
+            .build()
+            .map_err(|e| self.err(span.clone(), field, e.to_string()))?;
+        let shadow = raw.shadow.is_some_and(|s| s.into_inner());
+        Ok(RuleSpec {
+            name,
+            policy,
+            shadow,
+        })
+    }
+
+    fn descriptors(
+        &mut self,
+        raw: Vec<Spanned<RawDescriptor>>,
+        parent_field: &str,
+        parent_name: &str,
+        depth: usize,
+    ) -> Result<Vec<DescriptorSpec>, ConfigFileError> {
+        let mut out: Vec<DescriptorSpec> = Vec::with_capacity(raw.len());
+        for (i, node) in raw.into_iter().enumerate() {
+            let field = format!("{parent_field}.descriptors[{i}]");
+            let span = node.span();
+            if depth > MAX_DEPTH {
+                return Err(self.err(
+                    span,
+                    &field,
+                    format!("descriptors nest deeper than {MAX_DEPTH} levels; flatten them"),
+                ));
+            }
+            self.nodes += 1;
+            if self.nodes > MAX_RULE_NODES {
+                return Err(self.err(
+                    span,
+                    &field,
+                    format!("more than {MAX_RULE_NODES} descriptors; split the configuration"),
+                ));
+            }
+            let mut node = node.into_inner();
+            let key_span = node.key.span();
+            let key = node.key.get_ref().clone();
+            if key.is_empty() {
+                return Err(self.err(
+                    key_span,
+                    &format!("{field}.key"),
+                    "the key is empty; every descriptor entry has a key",
+                ));
+            }
+            let value = node.value.take().map(|v| v.into_inner());
+            if out.iter().any(|d| d.key == key && d.value == value) {
+                let what = match &value {
+                    Some(v) => format!("key {key:?} with value {v:?}"),
+                    None => format!("key {key:?} with any value"),
+                };
+                return Err(self.err(
+                    span,
+                    &field,
+                    format!("{what} appears twice at this level; merge the two"),
+                ));
+            }
+            let path = match &value {
+                Some(v) => format!("{parent_name}.{key}_{v}"),
+                None => format!("{parent_name}.{key}"),
+            };
+            let rule = match node.take_rule() {
+                Some(r) => Some(self.rule_fields(r, span.clone(), &field, &path)?),
+                None => None,
+            };
+            let children_raw = std::mem::take(&mut node.descriptors);
+            if rule.is_none() && children_raw.is_empty() {
+                return Err(self.err(
+                    span,
+                    &field,
+                    "the descriptor has neither a limit nor nested descriptors; add limit and window_ms, or remove it",
+                ));
+            }
+            let children = self.descriptors(children_raw, &field, &path, depth + 1)?;
+            out.push(DescriptorSpec {
+                key,
+                value,
+                rule,
+                children,
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// The length of a named unit, as envoyproxy/ratelimit names them.
+fn unit_ms(unit: &str) -> Result<u64, String> {
+    match unit {
+        "second" => Ok(1000),
+        "minute" => Ok(60_000),
+        "hour" => Ok(3_600_000),
+        "day" => Ok(86_400_000),
+        "week" => Ok(7 * 86_400_000),
+        other => Err(format!(
+            "unknown unit {other:?}; use second, minute, hour, day or week (or window_ms for any length)"
+        )),
+    }
+}
+
+/// The path of a configuration file given on the command line, kept for
+/// reloads.
+#[derive(Debug, Clone)]
+pub struct ConfigSource {
+    /// The file, or `None` for the built-in reference configuration.
+    pub path: Option<PathBuf>,
+}
+
+impl ConfigSource {
+    /// Loads the configuration afresh.
+    pub fn load(&self) -> Result<Config, ConfigFileError> {
+        match &self.path {
+            Some(p) => Config::load(p),
+            None => Ok(Config::reference()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_err(text: &str) -> ConfigFileError {
+        Config::parse(text, "test.toml").unwrap_err()
+    }
+
+    #[test]
+    fn the_reference_limits_keys_and_everything_else() {
+        let c = Config::reference();
+        assert_eq!(c.keys.unwrap().policy, REFERENCE);
+        assert_eq!(c.fallback.unwrap().policy, REFERENCE);
+    }
+
+    #[test]
+    fn a_nested_tree_loads() {
+        let c = Config::parse(
+            r#"
+[server]
+key_hash = "xxh3-64"
+failure_policy = "open"
+
+[keys]
+limit = 10
+unit = "minute"
+
+[[domains]]
+domain = "api"
+
+[[domains.descriptors]]
+key = "remote_address"
+limit = 5
+window_ms = 1000
+
+[[domains.descriptors]]
+key = "path"
+value = "/login"
+
+[[domains.descriptors.descriptors]]
+key = "user"
+policy = "token-bucket"
+limit = 3
+window_ms = 60000
+burst = 6
+shadow = true
+"#,
+            "t.toml",
+        )
+        .unwrap();
+        assert_eq!(c.server.key_hash, KeyHash::Xxh3_64);
+        assert_eq!(c.server.failure_policy, FailurePolicy::FailOpen);
+        assert_eq!(c.keys.unwrap().policy.window_ms, 60_000);
+        let d = &c.domains[0];
+        assert_eq!(d.descriptors.len(), 2);
+        assert_eq!(
+            d.descriptors[0].rule.as_ref().unwrap().name,
+            "api.remote_address"
+        );
+        let login = &d.descriptors[1];
+        assert!(login.rule.is_none());
+        let user = login.children[0].rule.as_ref().unwrap();
+        assert_eq!(user.name, "api.path_/login.user");
+        assert!(user.shadow);
+        assert_eq!(user.policy.burst, Some(6));
+    }
+
+    #[test]
+    fn errors_name_the_file_line_and_field() {
+        let e = parse_err("[[domains]]\ndomain = \"api\"\n[[domains.descriptors]]\nkey = \"a\"\nlimit = -5\nwindow_ms = 10\n");
+        assert_eq!((e.file.as_str(), e.line), ("test.toml", Some(5)));
+        assert_eq!(e.field, "domains[0].descriptors[0].limit");
+        assert!(
+            e.to_string()
+                .starts_with("test.toml:5:9: domains[0].descriptors[0].limit: -5 is out of range"),
+            "{e}"
+        );
+
+        let e = parse_err("[keys]\nlimit = 5\nwindow_ms = 0\n");
+        assert_eq!((e.line, e.field.as_str()), (Some(3), "keys.window_ms"));
+
+        let e = parse_err("[keys]\nlimit = 5\nwindow_ms = 10\npolicy = \"leaky\"\n");
+        assert_eq!((e.line, e.field.as_str()), (Some(4), "keys.policy"));
+        assert!(e.message.contains("sliding-window-counter"), "{e}");
+
+        let e = parse_err("[keys]\nlimit = 5\nwindow_ms = 10\nburst = 7\n");
+        assert_eq!((e.line, e.field.as_str()), (Some(4), "keys.burst"));
+
+        let e = parse_err("[keys]\nlimit = 1.5\nwindow_ms = 10\n");
+        assert_eq!((e.line, e.field.as_str()), (Some(2), "keys.limit"));
+        assert!(e.message.contains("float"), "{e}");
+
+        let e = parse_err("[keys]\nlimt = 5\n");
+        assert_eq!((e.line, e.field.as_str()), (Some(2), "keys.limt"));
+        assert!(e.message.contains("limt"), "{e}");
+
+        let e = parse_err("[keys]\nlimit = 5\n");
+        assert!(e.message.contains("no window"), "{e}");
+
+        let e = parse_err("[[domains]]\ndomain = \"a\"\n[[domains.descriptors]]\nkey = \"k\"\n");
+        assert!(e.message.contains("neither a limit nor nested"), "{e}");
+
+        let e = parse_err("[[domains]]\ndomain = \"a\"\n[[domains]]\ndomain = \"a\"\n");
+        assert_eq!(e.line, Some(3));
+        assert!(e.message.contains("twice"), "{e}");
+
+        let e = parse_err("[server]\nfailure_policy = \"maybe\"\n");
+        assert_eq!(
+            (e.line, e.field.as_str()),
+            (Some(2), "server.failure_policy")
+        );
+
+        let e = parse_err("[keys]\nlimit = 9007199254740992\nunit = \"second\"\n");
+        assert_eq!(e.field, "keys.limit");
+    }
+
+    #[test]
+    fn missing_files_are_named() {
+        let e = Config::load(Path::new("/nonexistent/ratewarden.toml")).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("/nonexistent/ratewarden.toml: cannot read the file"),
+            "{e}"
+        );
+    }
+}
+
+#[cfg(test)]
+mod example {
+    use super::*;
+
+    #[test]
+    fn the_documented_example_loads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/ratewarden.toml");
+        let c = Config::load(&path).unwrap();
+        assert_eq!(c.keys.as_ref().unwrap().policy, REFERENCE);
+        assert_eq!(c.domains[0].domain, "api");
+        assert_eq!(c.domains[0].descriptors.len(), 4);
+        let login = &c.domains[0].descriptors[2].children[0];
+        assert_eq!(login.rule.as_ref().unwrap().name, "login-per-user");
+        assert!(c.domains[0].descriptors[3].rule.as_ref().unwrap().shadow);
+        assert!(c.fallback.is_none());
+    }
+}
+
+#[cfg(test)]
+mod field_names {
+    use super::*;
+
+    #[test]
+    fn type_errors_name_the_field_under_its_table() {
+        let text =
+            "[[domains]]\ndomain = \"a\"\n[[domains.descriptors]]\nkey = \"k\"\nlimit = \"ten\"\n";
+        let e = Config::parse(text, "t.toml").unwrap_err();
+        assert_eq!(
+            (e.line, e.field.as_str()),
+            (Some(5), "domains.descriptors.limit")
+        );
+        assert!(
+            e.to_string()
+                .starts_with("t.toml:5:9: domains.descriptors.limit: invalid type"),
+            "{e}"
+        );
+        assert_eq!(field_at("shadow = 1\n", 9), "shadow");
+        assert_eq!(field_at("[keys\n", 2), "");
+    }
+}

@@ -1,0 +1,144 @@
+//! Envoy's rate-limit service, `envoy.service.ratelimit.v3.RateLimitService`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tonic::{Request, Response, Status};
+
+use crate::metrics::Api;
+use crate::proto::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use crate::proto::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
+use crate::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use crate::service::{DescriptorOutcome, DescriptorRequest, Service};
+
+/// The largest gRPC request decoded, in bytes.
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
+
+/// The service, sharing `service`.
+pub fn server(service: Arc<Service>) -> RateLimitServiceServer<Rls> {
+    RateLimitServiceServer::new(Rls { service }).max_decoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// The `ShouldRateLimit` implementation.
+#[derive(Debug, Clone)]
+pub struct Rls {
+    service: Arc<Service>,
+}
+
+#[tonic::async_trait]
+impl RateLimitService for Rls {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let started = Instant::now();
+        let result = self.decide(request.into_inner()).await;
+        if result.is_err() {
+            self.service.metrics.bad_request(Api::Grpc);
+        }
+        self.service.metrics.latency(Api::Grpc, started.elapsed());
+        result.map(Response::new)
+    }
+}
+
+impl Rls {
+    async fn decide(&self, request: RateLimitRequest) -> Result<RateLimitResponse, Status> {
+        // Envoy sends 0 when it means "one hit".
+        let request_cost = u64::from(request.hits_addend.max(1));
+        let descriptors: Vec<DescriptorRequest> = request
+            .descriptors
+            .into_iter()
+            .map(|d| DescriptorRequest {
+                entries: d.entries.into_iter().map(|e| (e.key, e.value)).collect(),
+                // A descriptor's own hits_addend, when set, overrides the
+                // request's.
+                cost: d.hits_addend.map_or(request_cost, |h| h),
+            })
+            .collect();
+        let outcomes = self
+            .service
+            .check_descriptors(&request.domain, &descriptors)
+            .await
+            .map_err(|e| Status::invalid_argument(e.0))?;
+        let overall = if outcomes.iter().all(|o| o.allowed) {
+            Code::Ok
+        } else {
+            Code::OverLimit
+        };
+        Ok(RateLimitResponse {
+            overall_code: overall as i32,
+            statuses: outcomes.iter().map(status).collect(),
+            ..Default::default()
+        })
+    }
+}
+
+fn status(o: &DescriptorOutcome) -> DescriptorStatus {
+    let Some(rule) = &o.rule else {
+        return DescriptorStatus {
+            code: Code::Ok as i32,
+            ..Default::default()
+        };
+    };
+    let policy = &rule.spec.policy;
+    let refused = !o.allowed;
+    DescriptorStatus {
+        code: if refused { Code::OverLimit } else { Code::Ok } as i32,
+        current_limit: Some(RateLimit {
+            name: rule.spec.name.clone(),
+            requests_per_unit: u32::try_from(policy.limit).unwrap_or(u32::MAX),
+            unit: unit_of(policy.window_ms) as i32,
+        }),
+        limit_remaining: u32::try_from(o.decision.remaining).unwrap_or(u32::MAX),
+        duration_until_reset: if refused {
+            o.decision.retry_after_ms.map(duration)
+        } else {
+            None
+        },
+        quota: None,
+    }
+}
+
+/// Envoy's unit for a window, when the window is exactly one; `UNKNOWN`
+/// otherwise (the window is then only in the rule's configuration).
+fn unit_of(window_ms: u64) -> Unit {
+    match window_ms {
+        1000 => Unit::Second,
+        60_000 => Unit::Minute,
+        3_600_000 => Unit::Hour,
+        86_400_000 => Unit::Day,
+        604_800_000 => Unit::Week,
+        _ => Unit::Unknown,
+    }
+}
+
+fn duration(ms: u64) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: i64::try_from(ms / 1000).unwrap_or(i64::MAX),
+        nanos: ((ms % 1000) * 1_000_000) as i32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_map_to_envoy_units() {
+        assert_eq!(unit_of(1000), Unit::Second);
+        assert_eq!(unit_of(60_000), Unit::Minute);
+        assert_eq!(unit_of(1500), Unit::Unknown);
+        assert_eq!(
+            duration(1500),
+            prost_types::Duration {
+                seconds: 1,
+                nanos: 500_000_000
+            }
+        );
+    }
+}

@@ -1,0 +1,402 @@
+//! The HTTP JSON interface: `POST /v1/check`, `GET /healthz`, `GET /metrics`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use ratewarden_core::MAX_SAFE;
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+
+use crate::metrics::Api;
+use crate::service::{BadRequest, DescriptorOutcome, DescriptorRequest, Service};
+
+/// The longest a client may take to send a request's headers (and the
+/// longest an idle keep-alive connection is kept), so connections that
+/// send nothing cannot pile up.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves `app` on `listener` until `stop` turns true, then stops accepting
+/// and lets every open connection finish the request it is on.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    // Each connection task holds a sender; when all are gone, every
+    // connection has finished.
+    let (open_tx, mut open_rx) = mpsc::channel::<()>(1);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => Some(accepted),
+            _ = stop.wait_for(|s| *s) => None,
+        };
+        let stream = match accepted {
+            None => break,
+            Some(Ok((stream, _))) => stream,
+            Some(Err(e)) => {
+                // Out of file descriptors, mostly: wait a little rather than
+                // spin on the error.
+                tracing::warn!("cannot accept an HTTP connection: {e}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(app.clone());
+        let mut conn_stop = stop.clone();
+        let open = open_tx.clone();
+        tokio::spawn(async move {
+            let _open = open;
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT);
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            let stopping = tokio::select! {
+                _ = conn.as_mut() => false,
+                _ = conn_stop.wait_for(|s| *s) => true,
+            };
+            if stopping {
+                conn.as_mut().graceful_shutdown();
+                let _ = conn.await;
+            }
+        });
+    }
+    drop(open_tx);
+    let _ = open_rx.recv().await;
+    Ok(())
+}
+
+/// The largest request body read, in bytes.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// The routes, sharing `service`.
+pub fn router(service: Arc<Service>) -> Router {
+    Router::new()
+        .route("/v1/check", post(check))
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(service)
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn metrics(State(service): State<Arc<Service>>) -> Response {
+    let text = service.metrics.render(&service.keys_tracked());
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CheckRequest {
+    key: Option<String>,
+    domain: Option<String>,
+    descriptors: Option<Vec<DescriptorJson>>,
+    cost: Option<serde_json::Number>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DescriptorJson {
+    entries: Vec<EntryJson>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EntryJson {
+    key: String,
+    value: String,
+}
+
+/// One decision as JSON.
+#[derive(Serialize)]
+struct DecisionJson {
+    allowed: bool,
+    retry_after_ms: Option<u64>,
+    remaining: Option<u64>,
+    limit: Option<u64>,
+    window_ms: Option<u64>,
+    policy: Option<&'static str>,
+    rule: Option<String>,
+    shadow: bool,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    failure_policy: bool,
+}
+
+#[derive(Serialize)]
+struct CheckResponse {
+    #[serde(flatten)]
+    decision: DecisionJson,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    descriptors: Option<Vec<DecisionJson>>,
+}
+
+#[derive(Serialize)]
+struct ErrorJson {
+    error: String,
+}
+
+fn bad(status: StatusCode, message: impl Into<String>) -> Response {
+    (
+        status,
+        axum::Json(ErrorJson {
+            error: message.into(),
+        }),
+    )
+        .into_response()
+}
+
+fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
+    match &o.rule {
+        Some(rule) => DecisionJson {
+            allowed: o.allowed,
+            retry_after_ms: if o.allowed {
+                Some(0)
+            } else {
+                o.decision.retry_after_ms
+            },
+            remaining: Some(o.decision.remaining),
+            limit: Some(rule.spec.policy.limit),
+            window_ms: Some(rule.spec.policy.window_ms),
+            policy: Some(rule.spec.policy.policy.name()),
+            rule: Some(rule.spec.name.clone()),
+            shadow: rule.spec.shadow,
+            failure_policy: o.by_failure_policy,
+        },
+        None => DecisionJson {
+            allowed: true,
+            retry_after_ms: Some(0),
+            remaining: None,
+            limit: None,
+            window_ms: None,
+            policy: None,
+            rule: None,
+            shadow: false,
+            failure_policy: false,
+        },
+    }
+}
+
+/// Reads `cost`: a whole number from 0 to 2^53 - 1, 1 when absent.
+fn parse_cost(cost: Option<serde_json::Number>) -> Result<u64, String> {
+    let Some(n) = cost else { return Ok(1) };
+    match n.as_u64() {
+        Some(c) if c <= MAX_SAFE => Ok(c),
+        _ => Err(format!("cost is {n}: it must be a whole number from 0 to {MAX_SAFE} (2^53 - 1), written without a fraction or exponent")),
+    }
+}
+
+async fn check(
+    State(service): State<Arc<Service>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let started = Instant::now();
+    let response = decide(&service, body).await;
+    if response.status().is_client_error() {
+        service.metrics.bad_request(Api::Http);
+    }
+    service.metrics.latency(Api::Http, started.elapsed());
+    response
+}
+
+async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+            return bad(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the request body is larger than {MAX_BODY_BYTES} bytes; send fewer or shorter descriptors"),
+            )
+        }
+        Err(e) => return bad(StatusCode::BAD_REQUEST, format!("the request body could not be read: {e}")),
+    };
+    let request: CheckRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return bad(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "malformed JSON: {e}; send {{\"key\": \"...\", \"cost\": 1}} or \
+                     {{\"domain\": \"...\", \"descriptors\": [{{\"entries\": [{{\"key\": \"...\", \"value\": \"...\"}}]}}]}}"
+                ),
+            )
+        }
+    };
+    let cost = match parse_cost(request.cost) {
+        Ok(c) => c,
+        Err(m) => return bad(StatusCode::BAD_REQUEST, m),
+    };
+    let listed = request.key.is_none();
+    let outcomes = match (request.key, request.domain, request.descriptors) {
+        (Some(key), None, None) => service.check_key(&key, cost).await.map(|o| vec![o]),
+        (None, Some(domain), Some(descriptors)) => {
+            let descriptors: Vec<DescriptorRequest> = descriptors
+                .into_iter()
+                .map(|d| DescriptorRequest { entries: d.entries.into_iter().map(|e| (e.key, e.value)).collect(), cost })
+                .collect();
+            service.check_descriptors(&domain, &descriptors).await
+        }
+        (Some(_), _, _) => Err(BadRequest(
+            "key is given together with domain or descriptors; send either a key or a domain with descriptors".into(),
+        )),
+        (None, Some(_), None) => Err(BadRequest("descriptors is missing; a domain needs descriptors".into())),
+        (None, None, Some(_)) => Err(BadRequest("domain is missing; descriptors belong to a domain".into())),
+        (None, None, None) => Err(BadRequest(
+            "key is missing; send {\"key\": \"...\", \"cost\": 1} or {\"domain\": \"...\", \"descriptors\": [...]}".into(),
+        )),
+    };
+    let outcomes = match outcomes {
+        Ok(o) => o,
+        Err(BadRequest(m)) => return bad(StatusCode::BAD_REQUEST, m),
+    };
+    respond(outcomes, listed)
+}
+
+/// The descriptor that speaks for the request: the first refusal, else the
+/// enforcing descriptor with the least remaining, else the first.
+fn deciding(outcomes: &[DescriptorOutcome]) -> usize {
+    if let Some(i) = outcomes.iter().position(|o| !o.allowed) {
+        return i;
+    }
+    outcomes
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| o.rule.as_ref().is_some_and(|r| !r.spec.shadow))
+        .min_by_key(|(_, o)| o.decision.remaining)
+        .map_or(0, |(i, _)| i)
+}
+
+/// The answer; `listed` adds every descriptor's decision (for descriptor
+/// requests).
+fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
+    let allowed = outcomes.iter().all(|o| o.allowed);
+    let main = &outcomes[deciding(&outcomes)];
+    let mut headers = HeaderMap::new();
+    let mut policies = Vec::new();
+    let mut states = Vec::new();
+    for o in &outcomes {
+        let Some(rule) = &o.rule else { continue };
+        if rule.spec.shadow {
+            continue;
+        }
+        let name = sf_string(&rule.spec.name);
+        let window_s = rule.spec.policy.window_ms.div_ceil(1000);
+        policies.push(format!("{name};q={};w={window_s}", rule.spec.policy.limit));
+        let mut state = format!("{name};r={}", o.decision.remaining);
+        if !o.allowed {
+            if let Some(ms) = o.decision.retry_after_ms {
+                state.push_str(&format!(";t={}", retry_after_s(ms)));
+            }
+        }
+        states.push(state);
+    }
+    if !policies.is_empty() {
+        if let Ok(v) = HeaderValue::from_str(&policies.join(", ")) {
+            headers.insert("ratelimit-policy", v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&states.join(", ")) {
+            headers.insert("ratelimit", v);
+        }
+    }
+    if !allowed {
+        if let Some(ms) = main.decision.retry_after_ms {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s(ms)));
+        }
+    }
+    let body = CheckResponse {
+        decision: decision_json(main),
+        descriptors: listed.then(|| outcomes.iter().map(decision_json).collect()),
+    };
+    let status = if allowed {
+        StatusCode::OK
+    } else {
+        StatusCode::TOO_MANY_REQUESTS
+    };
+    (status, headers, axum::Json(body)).into_response()
+}
+
+/// Whole seconds, rounded up, at least 1.
+fn retry_after_s(ms: u64) -> u64 {
+    ms.div_ceil(1000).max(1)
+}
+
+/// A structured-field string (RFC 8941): printable ASCII, with `"` and `\`
+/// escaped; other characters become `?` so the header stays valid.
+fn sf_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => out.push('?'),
+        }
+    }
+    out.push('"');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn costs_must_be_whole_and_in_range() {
+        let n = |s: &str| Some(serde_json::from_str::<serde_json::Number>(s).unwrap());
+        assert_eq!(parse_cost(None), Ok(1));
+        assert_eq!(parse_cost(n("0")), Ok(0));
+        assert_eq!(parse_cost(n("9007199254740991")), Ok(MAX_SAFE));
+        for bad in [
+            "-1",
+            "1.5",
+            "1.0",
+            "9007199254740992",
+            "1e3",
+            "18446744073709551616",
+        ] {
+            let e = parse_cost(n(bad)).unwrap_err();
+            assert!(
+                e.contains("whole number from 0 to 9007199254740991"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn retry_after_rounds_up_to_at_least_a_second() {
+        assert_eq!(retry_after_s(1), 1);
+        assert_eq!(retry_after_s(1000), 1);
+        assert_eq!(retry_after_s(1001), 2);
+        assert_eq!(retry_after_s(0), 1);
+    }
+
+    #[test]
+    fn names_become_valid_structured_strings() {
+        assert_eq!(sf_string("api.path_/login"), "\"api.path_/login\"");
+        assert_eq!(sf_string("a\"b\\c\u{e9}"), "\"a\\\"b\\\\c?\"");
+    }
+}

@@ -1,0 +1,272 @@
+//! The ratewarden rate-limit service: HTTP JSON and Envoy's RLS v3 gRPC
+//! over any store.
+//!
+//! A configuration (see [`config`]) maps keys and descriptors to rules; each
+//! rule decides through an `Arc<dyn Limiter>` made by a [`StoreFactory`], so
+//! the embedded memory store and networked stores are interchangeable. The
+//! `ratewarden serve` command is a thin wrapper around [`start`] and
+//! [`serve_until_signal`].
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod grpc;
+pub mod http;
+pub mod metrics;
+pub mod rules;
+pub mod service;
+pub mod store;
+
+/// The Envoy API types, generated from the `.proto` files under `proto/`.
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+pub mod proto {
+    /// `envoy.*` packages.
+    pub mod envoy {
+        /// `envoy.config.*`.
+        pub mod config {
+            /// `envoy.config.core.*`.
+            pub mod core {
+                /// `envoy.config.core.v3`.
+                pub mod v3 {
+                    tonic::include_proto!("envoy.config.core.v3");
+                }
+            }
+        }
+        /// `envoy.type.*`.
+        pub mod r#type {
+            /// `envoy.type.v3`.
+            pub mod v3 {
+                tonic::include_proto!("envoy.r#type.v3");
+            }
+        }
+        /// `envoy.extensions.*`.
+        pub mod extensions {
+            /// `envoy.extensions.common.*`.
+            pub mod common {
+                /// `envoy.extensions.common.ratelimit.*`.
+                pub mod ratelimit {
+                    /// `envoy.extensions.common.ratelimit.v3`.
+                    pub mod v3 {
+                        tonic::include_proto!("envoy.extensions.common.ratelimit.v3");
+                    }
+                }
+            }
+        }
+        /// `envoy.service.*`.
+        pub mod service {
+            /// `envoy.service.ratelimit.*`.
+            pub mod ratelimit {
+                /// `envoy.service.ratelimit.v3`.
+                pub mod v3 {
+                    tonic::include_proto!("envoy.service.ratelimit.v3");
+                }
+            }
+        }
+    }
+}
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use ratewarden_core::MemoryOptions;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub use config::{Config, ConfigFileError, ConfigSource, ServerSettings};
+pub use service::Service;
+pub use store::{BuiltLimiter, MemoryFactory, RedisFactory, StoreFactory, StoreUrl};
+
+/// How to run the server.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// The configuration file, or none for the reference configuration.
+    pub config: ConfigSource,
+    /// The store.
+    pub store: StoreUrl,
+    /// Where HTTP listens (port 0 picks a free one).
+    pub http: SocketAddr,
+    /// Where gRPC listens (port 0 picks a free one).
+    pub grpc: SocketAddr,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        ServeOptions {
+            config: ConfigSource { path: None },
+            store: StoreUrl::Memory,
+            http: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            grpc: SocketAddr::from(([127, 0, 0, 1], 8081)),
+        }
+    }
+}
+
+/// The factory for a store named on the command line.
+pub fn factory_for(
+    store: &StoreUrl,
+    settings: &ServerSettings,
+) -> anyhow::Result<Arc<dyn StoreFactory>> {
+    match store {
+        StoreUrl::Memory => Ok(Arc::new(MemoryFactory {
+            options: MemoryOptions {
+                max_keys: settings.max_keys,
+                shards: 0,
+            },
+        })),
+        StoreUrl::Redis(url) | StoreUrl::RedisCluster(url) => Ok(Arc::new(store::RedisFactory {
+            url: url.clone(),
+            timeout_ms: settings.store_timeout_ms,
+        })),
+    }
+}
+
+/// A running server.
+#[derive(Debug)]
+pub struct Running {
+    /// Where HTTP listens.
+    pub http_addr: SocketAddr,
+    /// Where gRPC listens.
+    pub grpc_addr: SocketAddr,
+    /// The shared state, for reloads and inspection.
+    pub service: Arc<Service>,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Running {
+    /// Stops accepting connections, lets requests in flight finish (at most
+    /// `grace`), and returns when both interfaces have stopped.
+    pub async fn shutdown(self, grace: Duration) -> anyhow::Result<()> {
+        let _ = self.shutdown.send(true);
+        let all = async {
+            for task in self.tasks {
+                task.await.context("a server task panicked")??;
+            }
+            anyhow::Ok(())
+        };
+        match tokio::time::timeout(grace, all).await {
+            Ok(result) => result,
+            Err(_) => anyhow::bail!(
+                "requests still in flight after {} ms; stopping anyway",
+                grace.as_millis()
+            ),
+        }
+    }
+}
+
+/// Loads the configuration, builds the store and starts both interfaces and
+/// the housekeeping timer.
+pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
+    let config = options.config.load()?;
+    let factory = factory_for(&options.store, &config.server)?;
+    let service = Arc::new(Service::with_config(config, options.config.clone(), factory).await?);
+    let http_listener = TcpListener::bind(options.http)
+        .await
+        .with_context(|| format!("cannot listen for HTTP on {}", options.http))?;
+    let grpc_listener = TcpListener::bind(options.grpc)
+        .await
+        .with_context(|| format!("cannot listen for gRPC on {}", options.grpc))?;
+    let http_addr = http_listener.local_addr()?;
+    let grpc_addr = grpc_listener.local_addr()?;
+    let (shutdown, stop) = watch::channel(false);
+
+    let mut tasks = Vec::new();
+    let app = http::router(Arc::clone(&service));
+    let http_stop = stop.clone();
+    tasks.push(tokio::spawn(async move {
+        http::serve(http_listener, app, http_stop)
+            .await
+            .context("the HTTP server failed")
+    }));
+
+    let rls = grpc::server(Arc::clone(&service));
+    let mut grpc_stop = stop.clone();
+    tasks.push(tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            // Every call has an end: Envoy's own timeout is shorter, and a
+            // client that never finishes must not hold a task forever.
+            .timeout(Duration::from_secs(10))
+            .concurrency_limit_per_connection(1024)
+            .add_service(rls)
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+                async move {
+                    let _ = grpc_stop.wait_for(|s| *s).await;
+                },
+            )
+            .await
+            .context("the gRPC server failed")
+    }));
+
+    let keeper = Arc::clone(&service);
+    let mut keeper_stop = stop;
+    tasks.push(tokio::spawn(async move {
+        let period = Duration::from_millis(keeper.settings().housekeeping_interval_ms);
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    let forgotten = keeper.housekeeping();
+                    if forgotten > 0 {
+                        tracing::debug!(forgotten, "idle keys forgotten");
+                    }
+                }
+                _ = keeper_stop.wait_for(|s| *s) => return Ok(()),
+            }
+        }
+    }));
+
+    tracing::info!(
+        http = %http_addr,
+        grpc = %grpc_addr,
+        store = %service.store_description(),
+        config = %service.rules().config.source,
+        "ratewarden serve is listening"
+    );
+    Ok(Running {
+        http_addr,
+        grpc_addr,
+        service,
+        shutdown,
+        tasks,
+    })
+}
+
+/// Starts the server and serves until SIGTERM or SIGINT, reloading the
+/// configuration on SIGHUP, then shuts down gracefully. `on_listening` runs
+/// once both interfaces listen; the signal handlers are in place before it
+/// runs, so a signal sent as soon as the addresses are known is handled.
+#[cfg(unix)]
+pub async fn serve_until_signal(
+    options: ServeOptions,
+    on_listening: impl FnOnce(&Running),
+) -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut hangup = signal(SignalKind::hangup())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let running = start(options).await?;
+    on_listening(&running);
+    loop {
+        tokio::select! {
+            _ = hangup.recv() => {
+                tracing::info!("SIGHUP: reloading the configuration");
+                // The outcome is logged and counted by `reload` itself.
+                let _ = running.service.reload().await;
+            }
+            _ = terminate.recv() => {
+                tracing::info!("SIGTERM: shutting down");
+                break;
+            }
+            _ = interrupt.recv() => {
+                tracing::info!("SIGINT: shutting down");
+                break;
+            }
+        }
+    }
+    running.shutdown(Duration::from_secs(30)).await?;
+    tracing::info!("stopped");
+    Ok(())
+}

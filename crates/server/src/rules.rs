@@ -1,0 +1,516 @@
+//! The configuration compiled for matching: descriptor trees of rules, each
+//! rule with its limiter.
+//!
+//! A reload builds a new [`RuleSet`] and keeps the limiter (and so the
+//! counts) of every rule whose identity and policy configuration are
+//! unchanged; only new or changed rules start from empty counts.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use ratewarden_core::{FailurePolicy, KeyHash, Limiter, LocalLimiter, MemoryOptions};
+
+use crate::config::{Config, DescriptorSpec, RuleSpec};
+use crate::metrics::{Metrics, RuleMetrics};
+use crate::store::StoreFactory;
+
+/// One configured limit, ready to decide.
+pub struct Rule {
+    /// The rule's identity: its place in the configuration. Counts are
+    /// keyed by it, so two rules never share a count.
+    pub id: String,
+    /// Name, policy and shadow flag.
+    pub spec: RuleSpec,
+    /// The limiter on the configured store.
+    pub limiter: Arc<dyn Limiter>,
+    /// The in-memory limiter behind `limiter`, when it is one (for
+    /// housekeeping).
+    pub local: Option<LocalLimiter>,
+    /// The limiter that decides while the store fails, under the `local`
+    /// failure policy on a networked store.
+    pub failover: Option<LocalLimiter>,
+    /// The rule's counters.
+    pub metrics: Arc<RuleMetrics>,
+}
+
+impl fmt::Debug for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Rule")
+            .field("id", &self.id)
+            .field("spec", &self.spec)
+            .finish()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Level {
+    exact: HashMap<(String, String), Node>,
+    any: HashMap<String, Node>,
+}
+
+#[derive(Debug)]
+struct Node {
+    rule: Option<Arc<Rule>>,
+    children: Level,
+}
+
+/// A compiled configuration.
+#[derive(Debug)]
+pub struct RuleSet {
+    /// The configuration it was compiled from.
+    pub config: Config,
+    keys: Option<Arc<Rule>>,
+    fallback: Option<Arc<Rule>>,
+    domains: HashMap<String, Level>,
+    all: Vec<Arc<Rule>>,
+}
+
+/// What a descriptor matched.
+#[derive(Debug, Clone)]
+pub struct Matched {
+    /// The rule.
+    pub rule: Arc<Rule>,
+    /// The integer key of the count: the rule identity and the descriptor's
+    /// values, hashed together.
+    pub key: u64,
+}
+
+/// Why a request cannot be matched at all.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MatchError {
+    /// The domain is not configured and no fallback rule exists.
+    UnknownDomain(String),
+    /// A `key` request, but the configuration has no `[keys]` rule.
+    NoKeysRule,
+}
+
+impl fmt::Display for MatchError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MatchError::UnknownDomain(d) => write!(
+                f,
+                "unknown domain {d:?}: the configuration has no [[domains]] entry for it and no [fallback] rule"
+            ),
+            MatchError::NoKeysRule => f.write_str(
+                "the configuration has no [keys] rule for key requests; send domain and descriptors, \
+                 or add a [keys] table to the configuration",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for MatchError {}
+
+/// Separates the parts hashed into a count key; it cannot occur in a rule
+/// identity's generated parts, so distinct parts give distinct strings.
+const SEP: char = '\u{1f}';
+
+impl RuleSet {
+    /// Compiles `config`, building a limiter with `factory` for each rule
+    /// unless `previous` has one for the same identity and policy.
+    pub async fn build(
+        config: Config,
+        factory: &dyn StoreFactory,
+        previous: Option<&RuleSet>,
+        metrics: &Metrics,
+    ) -> anyhow::Result<RuleSet> {
+        let old: HashMap<&str, &Arc<Rule>> = previous
+            .map(|p| p.all.iter().map(|r| (r.id.as_str(), r)).collect())
+            .unwrap_or_default();
+        let local_failover = config.server.failure_policy == FailurePolicy::Local;
+        let mut limiters = HashMap::new();
+        for (id, spec) in rule_ids(&config) {
+            let parts = match old.get(id.as_str()) {
+                Some(o) if o.spec.policy == spec.policy => {
+                    (Arc::clone(&o.limiter), o.local.clone(), o.failover.clone())
+                }
+                _ => {
+                    let built = factory.build(&id, &spec.policy).await.with_context(|| {
+                        format!("cannot make the limiter of rule {:?}", spec.name)
+                    })?;
+                    // A networked store under the `local` failure policy
+                    // needs an in-memory twin to decide while it is away;
+                    // the memory store is its own.
+                    let failover = match (&built.local, local_failover) {
+                        (None, true) => Some(LocalLimiter::new(
+                            spec.policy,
+                            MemoryOptions {
+                                max_keys: config.server.max_keys,
+                                shards: 0,
+                            },
+                        )?),
+                        _ => None,
+                    };
+                    (built.limiter, built.local, failover)
+                }
+            };
+            limiters.insert(id, parts);
+        }
+        let mut b = Builder {
+            limiters,
+            metrics,
+            all: Vec::new(),
+        };
+        let keys = config
+            .keys
+            .as_ref()
+            .map(|spec| b.rule("keys".to_owned(), spec));
+        let fallback = config
+            .fallback
+            .as_ref()
+            .map(|spec| b.rule("fallback".to_owned(), spec));
+        let mut domains = HashMap::with_capacity(config.domains.len());
+        for d in &config.domains {
+            domains.insert(
+                d.domain.clone(),
+                b.level(&domain_id(&d.domain), &d.descriptors),
+            );
+        }
+        let all = b.all;
+        Ok(RuleSet {
+            config,
+            keys,
+            fallback,
+            domains,
+            all,
+        })
+    }
+
+    /// Every rule, for housekeeping and metrics.
+    pub fn rules(&self) -> &[Arc<Rule>] {
+        &self.all
+    }
+
+    /// Whether the domain is configured, or a fallback rule covers it.
+    pub fn check_domain(&self, domain: &str) -> Result<(), MatchError> {
+        if self.domains.contains_key(domain) || self.fallback.is_some() {
+            Ok(())
+        } else {
+            Err(MatchError::UnknownDomain(domain.to_owned()))
+        }
+    }
+
+    /// The rule and count key for a `key` request.
+    pub fn match_key(&self, key: &str, hash: KeyHash) -> Result<Matched, MatchError> {
+        let rule = self.keys.as_ref().ok_or(MatchError::NoKeysRule)?;
+        Ok(Matched {
+            rule: Arc::clone(rule),
+            key: hash.hash(&format!("{}{SEP}{key}", rule.id)),
+        })
+    }
+
+    /// The rule a descriptor's entries match, as envoyproxy/ratelimit
+    /// matches them: entry by entry down the domain's tree, a node with the
+    /// entry's key and value first, else the node with the key and any
+    /// value; the rule is the one on the node the last entry reaches. A
+    /// descriptor no rule matches falls to the fallback rule, if any.
+    pub fn match_descriptor(
+        &self,
+        domain: &str,
+        entries: &[(String, String)],
+        hash: KeyHash,
+    ) -> Option<Matched> {
+        if let Some(level) = self.domains.get(domain) {
+            if let Some(rule) = walk(level, entries) {
+                let mut s = rule.id.clone();
+                for (_, v) in entries {
+                    s.push(SEP);
+                    s.push_str(v);
+                }
+                return Some(Matched {
+                    rule: Arc::clone(rule),
+                    key: hash.hash(&s),
+                });
+            }
+        }
+        let rule = self.fallback.as_ref()?;
+        let mut s = format!("{}{SEP}{domain}", rule.id);
+        for (k, v) in entries {
+            s.push(SEP);
+            s.push_str(k);
+            s.push(SEP);
+            s.push_str(v);
+        }
+        Some(Matched {
+            rule: Arc::clone(rule),
+            key: hash.hash(&s),
+        })
+    }
+}
+
+fn walk<'a>(mut level: &'a Level, entries: &[(String, String)]) -> Option<&'a Arc<Rule>> {
+    let mut node = None;
+    for (k, v) in entries {
+        // The lookup by (key, value) needs owned strings in the tuple; the
+        // clone is of two short strings per entry.
+        let found = level
+            .exact
+            .get(&(k.clone(), v.clone()))
+            .or_else(|| level.any.get(k))?;
+        level = &found.children;
+        node = Some(found);
+    }
+    node?.rule.as_ref()
+}
+
+fn domain_id(domain: &str) -> String {
+    format!("domain{SEP}{domain}")
+}
+
+fn node_id(parent_id: &str, node: &DescriptorSpec) -> String {
+    match &node.value {
+        Some(v) => format!("{parent_id}{SEP}{}{SEP}={v}", node.key),
+        None => format!("{parent_id}{SEP}{}{SEP}*", node.key),
+    }
+}
+
+/// Every rule of `config` with its identity.
+fn rule_ids(config: &Config) -> Vec<(String, &RuleSpec)> {
+    fn walk<'a>(
+        parent_id: &str,
+        nodes: &'a [DescriptorSpec],
+        out: &mut Vec<(String, &'a RuleSpec)>,
+    ) {
+        for n in nodes {
+            let id = node_id(parent_id, n);
+            if let Some(spec) = &n.rule {
+                out.push((id.clone(), spec));
+            }
+            walk(&id, &n.children, out);
+        }
+    }
+    let mut out = Vec::new();
+    if let Some(spec) = &config.keys {
+        out.push(("keys".to_owned(), spec));
+    }
+    if let Some(spec) = &config.fallback {
+        out.push(("fallback".to_owned(), spec));
+    }
+    for d in &config.domains {
+        walk(&domain_id(&d.domain), &d.descriptors, &mut out);
+    }
+    out
+}
+
+type LimiterParts = (Arc<dyn Limiter>, Option<LocalLimiter>, Option<LocalLimiter>);
+
+struct Builder<'a> {
+    limiters: HashMap<String, LimiterParts>,
+    metrics: &'a Metrics,
+    all: Vec<Arc<Rule>>,
+}
+
+impl Builder<'_> {
+    fn rule(&mut self, id: String, spec: &RuleSpec) -> Arc<Rule> {
+        let (limiter, local, failover) = self
+            .limiters
+            .get(&id)
+            .cloned()
+            .expect("every rule's limiter was built before the tree");
+        let metrics = self.metrics.rule(&spec.name);
+        let rule = Arc::new(Rule {
+            id,
+            spec: spec.clone(),
+            limiter,
+            local,
+            failover,
+            metrics,
+        });
+        self.all.push(Arc::clone(&rule));
+        rule
+    }
+
+    fn level(&mut self, parent_id: &str, nodes: &[DescriptorSpec]) -> Level {
+        let mut level = Level::default();
+        for n in nodes {
+            let id = node_id(parent_id, n);
+            let rule = n.rule.as_ref().map(|spec| self.rule(id.clone(), spec));
+            let children = self.level(&id, &n.children);
+            let node = Node { rule, children };
+            match &n.value {
+                Some(v) => level.exact.insert((n.key.clone(), v.clone()), node),
+                None => level.any.insert(n.key.clone(), node),
+            };
+        }
+        level
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryFactory;
+
+    fn build(config: Config, previous: Option<&RuleSet>, metrics: &Metrics) -> RuleSet {
+        let factory = MemoryFactory {
+            options: MemoryOptions::default(),
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        runtime
+            .block_on(RuleSet::build(config, &factory, previous, metrics))
+            .unwrap()
+    }
+
+    fn set(text: &str) -> RuleSet {
+        build(
+            Config::parse(text, "t.toml").unwrap(),
+            None,
+            &Metrics::default(),
+        )
+    }
+
+    fn entries(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    const TREE: &str = r#"
+[[domains]]
+domain = "api"
+
+[[domains.descriptors]]
+key = "remote_address"
+limit = 5
+window_ms = 1000
+
+[[domains.descriptors]]
+key = "path"
+limit = 50
+window_ms = 1000
+
+[[domains.descriptors]]
+key = "path"
+value = "/login"
+limit = 2
+window_ms = 1000
+
+[[domains.descriptors.descriptors]]
+key = "user"
+name = "login-per-user"
+limit = 1
+window_ms = 1000
+"#;
+
+    #[test]
+    fn descriptors_match_value_before_any_value_and_nest() {
+        let s = set(TREE);
+        let name = |e: &[(&str, &str)]| {
+            s.match_descriptor("api", &entries(e), KeyHash::Mix32)
+                .map(|m| m.rule.spec.name.clone())
+        };
+        assert_eq!(
+            name(&[("remote_address", "1.2.3.4")]).as_deref(),
+            Some("api.remote_address")
+        );
+        assert_eq!(name(&[("path", "/other")]).as_deref(), Some("api.path"));
+        assert_eq!(
+            name(&[("path", "/login")]).as_deref(),
+            Some("api.path_/login")
+        );
+        assert_eq!(
+            name(&[("path", "/login"), ("user", "ann")]).as_deref(),
+            Some("login-per-user")
+        );
+        // A nested descriptor reached through the any-value node: none
+        // configured there, so no rule.
+        assert_eq!(name(&[("path", "/other"), ("user", "ann")]), None);
+        assert_eq!(name(&[("unknown", "x")]), None);
+        assert_eq!(name(&[("remote_address", "1.2.3.4"), ("extra", "x")]), None);
+        assert!(s.check_domain("api").is_ok());
+        assert_eq!(
+            s.check_domain("web"),
+            Err(MatchError::UnknownDomain("web".into()))
+        );
+        assert_eq!(
+            s.match_key("k", KeyHash::Mix32).unwrap_err(),
+            MatchError::NoKeysRule
+        );
+    }
+
+    #[test]
+    fn different_values_and_rules_get_different_keys() {
+        let s = set(TREE);
+        let key = |e: &[(&str, &str)]| {
+            s.match_descriptor("api", &entries(e), KeyHash::Xxh3_64)
+                .unwrap()
+                .key
+        };
+        assert_ne!(
+            key(&[("remote_address", "a")]),
+            key(&[("remote_address", "b")])
+        );
+        assert_eq!(
+            key(&[("remote_address", "a")]),
+            key(&[("remote_address", "a")])
+        );
+        assert_ne!(
+            key(&[("path", "/login")]),
+            key(&[("path", "/login"), ("user", "/login")])
+        );
+    }
+
+    #[test]
+    fn reload_keeps_limiters_of_unchanged_rules() {
+        let metrics = Metrics::default();
+        let first = build(Config::parse(TREE, "t").unwrap(), None, &metrics);
+        let changed = TREE.replace("limit = 50", "limit = 60");
+        let second = build(
+            Config::parse(&changed, "t").unwrap(),
+            Some(&first),
+            &metrics,
+        );
+        let find = |s: &RuleSet, name: &str| {
+            s.rules()
+                .iter()
+                .find(|r| r.spec.name == name)
+                .unwrap()
+                .limiter
+                .clone()
+        };
+        assert!(Arc::ptr_eq(
+            &find(&first, "api.remote_address"),
+            &find(&second, "api.remote_address")
+        ));
+        assert!(Arc::ptr_eq(
+            &find(&first, "login-per-user"),
+            &find(&second, "login-per-user")
+        ));
+        assert!(!Arc::ptr_eq(
+            &find(&first, "api.path"),
+            &find(&second, "api.path")
+        ));
+    }
+
+    #[test]
+    fn the_reference_covers_every_domain() {
+        let s = build(Config::reference(), None, &Metrics::default());
+        assert!(s.check_domain("anything").is_ok());
+        let m = s
+            .match_descriptor("anything", &entries(&[("a", "b")]), KeyHash::Mix32)
+            .unwrap();
+        assert_eq!(m.rule.spec.name, "fallback");
+        let a = s
+            .match_descriptor("d1", &entries(&[("a", "b")]), KeyHash::Xxh3_64)
+            .unwrap()
+            .key;
+        let b = s
+            .match_descriptor("d2", &entries(&[("a", "b")]), KeyHash::Xxh3_64)
+            .unwrap()
+            .key;
+        assert_ne!(a, b);
+        assert_eq!(
+            s.match_key("user:1", KeyHash::Mix32)
+                .unwrap()
+                .rule
+                .spec
+                .name,
+            "keys"
+        );
+    }
+}

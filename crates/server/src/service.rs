@@ -1,0 +1,601 @@
+//! The decisions behind both interfaces: matching, the store call with its
+//! timeout and failure policy, several descriptors in one request, reloads
+//! and housekeeping.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use ratewarden_core::{Decision, FailurePolicy, StoreError, StoreErrorKind, MAX_SAFE};
+
+use crate::config::{ConfigSource, ServerSettings};
+use crate::metrics::{Metrics, Outcome};
+use crate::rules::{MatchError, Matched, Rule, RuleSet};
+use crate::store::StoreFactory;
+
+/// The most descriptors one request may carry.
+pub const MAX_DESCRIPTORS: usize = 64;
+
+/// The most entries one descriptor may carry.
+pub const MAX_ENTRIES: usize = 32;
+
+/// The longest key, domain, entry key or entry value, in bytes.
+pub const MAX_STRING_BYTES: usize = 4096;
+
+/// One descriptor of a request, as both interfaces deliver it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DescriptorRequest {
+    /// The entries, in order.
+    pub entries: Vec<(String, String)>,
+    /// What the descriptor costs.
+    pub cost: u64,
+}
+
+/// What one descriptor got.
+#[derive(Debug, Clone)]
+pub struct DescriptorOutcome {
+    /// The rule it matched, if any; `None` is unlimited.
+    pub rule: Option<Arc<Rule>>,
+    /// The decision by the rule's policy (for a shadow rule, what it would
+    /// have been); admitted with nothing known when no rule matched.
+    pub decision: Decision,
+    /// Whether the descriptor lets the request through: the decision,
+    /// except that shadow rules and unmatched descriptors always do.
+    pub allowed: bool,
+    /// Whether the store failed and the failure policy decided.
+    pub by_failure_policy: bool,
+}
+
+/// A request that cannot be decided, with what to change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadRequest(pub String);
+
+impl std::fmt::Display for BadRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<MatchError> for BadRequest {
+    fn from(e: MatchError) -> Self {
+        BadRequest(e.to_string())
+    }
+}
+
+/// The shared state of a running server.
+pub struct Service {
+    rules: ArcSwap<RuleSet>,
+    settings: ServerSettings,
+    source: ConfigSource,
+    factory: Arc<dyn StoreFactory>,
+    /// The metrics of every rule and interface.
+    pub metrics: Arc<Metrics>,
+    reload_lock: tokio::sync::Mutex<()>,
+    started: Instant,
+    last_error_log_ms: AtomicU64,
+}
+
+impl std::fmt::Debug for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Service")
+            .field("settings", &self.settings)
+            .field("store", &self.factory.describe())
+            .finish()
+    }
+}
+
+impl Service {
+    /// Builds the service from an already loaded configuration; `source`
+    /// is where reloads read from.
+    pub async fn with_config(
+        config: crate::config::Config,
+        source: ConfigSource,
+        factory: Arc<dyn StoreFactory>,
+    ) -> anyhow::Result<Self> {
+        let metrics = Arc::new(Metrics::default());
+        let settings = config.server.clone();
+        let rules = RuleSet::build(config, factory.as_ref(), None, &metrics).await?;
+        Ok(Service {
+            rules: ArcSwap::from_pointee(rules),
+            settings,
+            source,
+            factory,
+            metrics,
+            reload_lock: tokio::sync::Mutex::new(()),
+            started: Instant::now(),
+            last_error_log_ms: AtomicU64::new(0),
+        })
+    }
+
+    /// The settings the server started with.
+    pub fn settings(&self) -> &ServerSettings {
+        &self.settings
+    }
+
+    /// The rules in force now.
+    pub fn rules(&self) -> Arc<RuleSet> {
+        self.rules.load_full()
+    }
+
+    /// The store's description, for logs.
+    pub fn store_description(&self) -> String {
+        self.factory.describe()
+    }
+
+    /// Reads the configuration again and swaps it in. Requests in flight
+    /// finish on the rules they started with; rules whose identity and
+    /// policy are unchanged keep their limiters, and so their counts. On an
+    /// error the rules in force stay, and the error is returned.
+    pub async fn reload(&self) -> Result<(), String> {
+        let _one_at_a_time = self.reload_lock.lock().await;
+        let result = async {
+            let mut config = self.source.load().map_err(|e| e.to_string())?;
+            if config.server != self.settings {
+                // The running server keeps its settings (limiters are built
+                // with them too); the file's apply at the next start.
+                config.server = self.settings.clone();
+                tracing::warn!(
+                    "the [server] settings changed; they take effect at the next start, not on reload"
+                );
+            }
+            let current = self.rules.load_full();
+            let rules = RuleSet::build(config, self.factory.as_ref(), Some(&current), &self.metrics)
+                .await
+                .map_err(|e| format!("{e:#}"))?;
+            let count = rules.rules().len();
+            self.rules.store(Arc::new(rules));
+            Ok::<_, String>(count)
+        }
+        .await;
+        self.metrics.reload(result.is_ok());
+        match result {
+            Ok(count) => {
+                tracing::info!(rules = count, "configuration reloaded");
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(
+                    "configuration reload failed, keeping the previous configuration: {e}"
+                );
+                Err(e)
+            }
+        }
+    }
+
+    /// Forgets idle keys of every in-memory store, at most
+    /// `housekeeping_max_scanned` keys looked at per rule.
+    pub fn housekeeping(&self) -> usize {
+        let rules = self.rules.load_full();
+        let mut forgotten = 0;
+        for rule in rules.rules() {
+            for local in rule.local.iter().chain(rule.failover.iter()) {
+                let now_ms = local.clock().now_ms();
+                forgotten += local
+                    .store()
+                    .forget_idle(now_ms, self.settings.housekeeping_max_scanned)
+                    .forgotten;
+            }
+        }
+        self.metrics.forgotten(forgotten);
+        forgotten
+    }
+
+    /// Keys held per rule in memory, for `/metrics`.
+    pub fn keys_tracked(&self) -> Vec<(String, usize)> {
+        self.rules
+            .load()
+            .rules()
+            .iter()
+            .filter_map(|r| {
+                r.local
+                    .as_ref()
+                    .map(|l| (r.spec.name.clone(), l.store().entries_tracked()))
+            })
+            .collect()
+    }
+
+    /// Decides a `key` request.
+    pub async fn check_key(&self, key: &str, cost: u64) -> Result<DescriptorOutcome, BadRequest> {
+        check_string("key", key)?;
+        check_cost(cost)?;
+        let rules = self.rules.load_full();
+        let matched = rules.match_key(key, self.settings.key_hash)?;
+        let decision = self.take(&matched, cost).await;
+        Ok(self.finish(Some(matched.rule), decision, false))
+    }
+
+    /// Decides a request of several descriptors in `domain`.
+    ///
+    /// With more than one enforcing (matched, not shadow) descriptor, every
+    /// one is first checked at cost 0, which records nothing. If any would
+    /// refuse, only those are decided for real (a refusal changes no count)
+    /// and the others consume nothing. Otherwise each is taken in turn. A
+    /// concurrent request on the same keys between the check and the take
+    /// can still make a later descriptor refuse after earlier ones took
+    /// their cost; that is counted in `ratewarden_partial_consumptions_total`.
+    pub async fn check_descriptors(
+        &self,
+        domain: &str,
+        descriptors: &[DescriptorRequest],
+    ) -> Result<Vec<DescriptorOutcome>, BadRequest> {
+        if domain.is_empty() {
+            return Err(BadRequest(
+                "domain is empty; name the domain the descriptors belong to".into(),
+            ));
+        }
+        check_string("domain", domain)?;
+        if descriptors.is_empty() {
+            return Err(BadRequest(
+                "descriptors is empty; send at least one descriptor".into(),
+            ));
+        }
+        if descriptors.len() > MAX_DESCRIPTORS {
+            return Err(BadRequest(format!(
+                "{} descriptors sent; at most {MAX_DESCRIPTORS} are allowed in one request",
+                descriptors.len()
+            )));
+        }
+        for (i, d) in descriptors.iter().enumerate() {
+            if d.entries.is_empty() {
+                return Err(BadRequest(format!(
+                    "descriptors[{i}] has no entries; give at least one key and value"
+                )));
+            }
+            if d.entries.len() > MAX_ENTRIES {
+                return Err(BadRequest(format!(
+                    "descriptors[{i}] has {} entries; at most {MAX_ENTRIES} are allowed",
+                    d.entries.len()
+                )));
+            }
+            for (j, (k, v)) in d.entries.iter().enumerate() {
+                if k.is_empty() {
+                    return Err(BadRequest(format!(
+                        "descriptors[{i}].entries[{j}].key is empty; every entry needs a key"
+                    )));
+                }
+                check_string("entry key", k)?;
+                check_string("entry value", v)?;
+            }
+            check_cost(d.cost)?;
+        }
+        let rules = self.rules.load_full();
+        rules.check_domain(domain)?;
+        let matched: Vec<Option<Matched>> = descriptors
+            .iter()
+            .map(|d| rules.match_descriptor(domain, &d.entries, self.settings.key_hash))
+            .collect();
+        let enforcing: Vec<usize> = (0..matched.len())
+            .filter(|&i| matched[i].as_ref().is_some_and(|m| !m.rule.spec.shadow))
+            .collect();
+
+        let mut decided: Vec<Option<(Decision, bool)>> = vec![None; matched.len()];
+        if enforcing.len() > 1 {
+            let mut peeks: Vec<Option<Decision>> = vec![None; matched.len()];
+            let mut blocked = Vec::new();
+            for &i in &enforcing {
+                let m = matched[i]
+                    .as_ref()
+                    .expect("enforcing descriptors matched a rule");
+                match self.call(m, 0).await {
+                    Ok(d) if d.allowed && d.remaining >= descriptors[i].cost => peeks[i] = Some(d),
+                    // A refusal, or a failing store, is decided for real
+                    // below: the failure policy applies there.
+                    _ => blocked.push(i),
+                }
+            }
+            for &i in &blocked {
+                let m = matched[i]
+                    .as_ref()
+                    .expect("blocked descriptors matched a rule");
+                decided[i] = Some(self.take(m, descriptors[i].cost).await);
+            }
+            if blocked
+                .iter()
+                .any(|&i| decided[i].is_some_and(|(d, _)| !d.allowed))
+            {
+                for &i in &enforcing {
+                    if decided[i].is_none() {
+                        decided[i] = peeks[i].map(|d| (d, false));
+                    }
+                }
+            }
+        }
+        let refused_already = enforcing
+            .iter()
+            .any(|&i| decided[i].is_some_and(|(d, _)| !d.allowed));
+        let mut consumed = false;
+        for (i, m) in matched.iter().enumerate() {
+            let Some(m) = m else { continue };
+            if decided[i].is_some() {
+                consumed |= descriptors[i].cost > 0 && decided[i].is_some_and(|(d, _)| d.allowed);
+                continue;
+            }
+            let shadow = m.rule.spec.shadow;
+            if refused_already && !shadow {
+                continue;
+            }
+            let (d, failed) = self.take(m, descriptors[i].cost).await;
+            if !shadow && !d.allowed && consumed {
+                self.metrics.partial_consumption();
+            }
+            consumed |= !shadow && d.allowed && descriptors[i].cost > 0;
+            decided[i] = Some((d, failed));
+        }
+        Ok(matched
+            .into_iter()
+            .zip(decided)
+            .map(|(m, d)| match (m, d) {
+                (Some(m), Some((decision, failed))) => {
+                    self.finish(Some(m.rule), (decision, failed), false)
+                }
+                _ => self.finish(None, (Decision::admitted(0), false), true),
+            })
+            .collect())
+    }
+
+    fn finish(
+        &self,
+        rule: Option<Arc<Rule>>,
+        (decision, failed): (Decision, bool),
+        unmatched: bool,
+    ) -> DescriptorOutcome {
+        let allowed = match &rule {
+            Some(r) => {
+                let outcome = match (decision.allowed, r.spec.shadow) {
+                    (true, _) => Outcome::Allowed,
+                    (false, true) => Outcome::ShadowRefused,
+                    (false, false) => Outcome::Refused,
+                };
+                r.metrics.record(outcome);
+                decision.allowed || r.spec.shadow
+            }
+            None => {
+                debug_assert!(unmatched);
+                true
+            }
+        };
+        DescriptorOutcome {
+            rule,
+            decision,
+            allowed,
+            by_failure_policy: failed,
+        }
+    }
+
+    /// One store call, bounded by the store timeout.
+    async fn call(&self, m: &Matched, cost: u64) -> Result<Decision, StoreError> {
+        let timeout = Duration::from_millis(self.settings.store_timeout_ms);
+        match tokio::time::timeout(timeout, m.rule.limiter.check(m.key, cost)).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                format!(
+                    "no answer within store_timeout_ms = {}",
+                    self.settings.store_timeout_ms
+                ),
+            )),
+        }
+    }
+
+    /// Decides a descriptor for real; a failing store's request goes to the
+    /// failure policy. The flag says whether the failure policy decided.
+    async fn take(&self, m: &Matched, cost: u64) -> (Decision, bool) {
+        match self.call(m, cost).await {
+            Ok(d) => (d, false),
+            Err(e) => {
+                m.rule.metrics.store_error(e.kind());
+                let policy = self.settings.failure_policy;
+                let decision = match policy {
+                    // Nothing is known of the budget: report none left, so a
+                    // client that reads `remaining` slows down.
+                    FailurePolicy::FailOpen => Decision::admitted(0),
+                    // Retry within a second (or the window, when
+                    // shorter): the store may be back by then.
+                    FailurePolicy::FailClosed => {
+                        Decision::refused(Some(m.rule.spec.policy.window_ms.clamp(1, 1000)), 0)
+                    }
+                    FailurePolicy::Local => {
+                        let local = m.rule.failover.as_ref().or(m.rule.local.as_ref());
+                        match local.map(|l| l.check_now(m.key, cost)) {
+                            Some(Ok(d)) => d,
+                            _ => Decision::refused(None, 0),
+                        }
+                    }
+                };
+                self.metrics.failure_decision(policy, decision.allowed);
+                self.log_store_error(&m.rule, &e, policy);
+                (decision, true)
+            }
+        }
+    }
+
+    /// Logs a store failure, at most one line a second: a store that is
+    /// down fails every request, and the metrics count them all.
+    fn log_store_error(&self, rule: &Rule, e: &StoreError, policy: FailurePolicy) {
+        let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let last = self.last_error_log_ms.load(Ordering::Relaxed);
+        if (now_ms >= last + 1000 || last == 0)
+            && self
+                .last_error_log_ms
+                .compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(rule = %rule.spec.name, failure_policy = %policy, "store failed: {e}");
+        }
+    }
+}
+
+fn check_cost(cost: u64) -> Result<(), BadRequest> {
+    if cost > MAX_SAFE {
+        return Err(BadRequest(format!(
+            "cost is {cost}, above the largest allowed 9007199254740991 (2^53 - 1); send a smaller cost"
+        )));
+    }
+    Ok(())
+}
+
+fn check_string(what: &str, s: &str) -> Result<(), BadRequest> {
+    if s.len() > MAX_STRING_BYTES {
+        return Err(BadRequest(format!(
+            "{what} is {} bytes long; at most {MAX_STRING_BYTES} bytes are allowed",
+            s.len()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::store::StoreUrl;
+
+    async fn service(text: &str) -> Service {
+        let config = Config::parse(text, "t.toml").unwrap();
+        let factory = crate::factory_for(&StoreUrl::Memory, &config.server).unwrap();
+        Service::with_config(config, ConfigSource { path: None }, factory)
+            .await
+            .unwrap()
+    }
+
+    fn d(entries: &[(&str, &str)], cost: u64) -> DescriptorRequest {
+        DescriptorRequest {
+            entries: entries
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            cost,
+        }
+    }
+
+    const TWO: &str = r#"
+[[domains]]
+domain = "api"
+[[domains.descriptors]]
+key = "a"
+limit = 10
+window_ms = 3600000
+[[domains.descriptors]]
+key = "b"
+limit = 2
+window_ms = 3600000
+[[domains.descriptors]]
+key = "s"
+limit = 1
+window_ms = 3600000
+shadow = true
+"#;
+
+    #[tokio::test]
+    async fn a_refused_descriptor_consumes_nothing_from_the_others() {
+        let s = service(TWO).await;
+        for _ in 0..2 {
+            let out = s
+                .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
+                .await
+                .unwrap();
+            assert!(out.iter().all(|o| o.allowed));
+        }
+        let out = s
+            .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
+            .await
+            .unwrap();
+        assert!(out[0].allowed);
+        assert!(!out[1].allowed);
+        // "a" still has 8 left: the refused request took nothing from it.
+        let alone = s
+            .check_descriptors("api", &[d(&[("a", "x")], 0)])
+            .await
+            .unwrap();
+        assert_eq!(alone[0].decision.remaining, 8);
+    }
+
+    #[tokio::test]
+    async fn shadow_rules_count_but_never_refuse() {
+        let s = service(TWO).await;
+        for i in 0..3 {
+            let out = s
+                .check_descriptors("api", &[d(&[("s", "z")], 1)])
+                .await
+                .unwrap();
+            assert!(out[0].allowed);
+            assert_eq!(out[0].decision.allowed, i == 0);
+        }
+    }
+
+    #[tokio::test]
+    async fn unmatched_descriptors_are_unlimited_and_bad_input_is_named() {
+        let s = service(TWO).await;
+        let out = s
+            .check_descriptors("api", &[d(&[("nope", "x")], 5)])
+            .await
+            .unwrap();
+        assert!(out[0].allowed && out[0].rule.is_none());
+        assert!(s
+            .check_descriptors("web", &[d(&[("a", "x")], 1)])
+            .await
+            .unwrap_err()
+            .0
+            .contains("unknown domain"));
+        assert!(s
+            .check_descriptors("api", &[])
+            .await
+            .unwrap_err()
+            .0
+            .contains("descriptors is empty"));
+        assert!(s
+            .check_descriptors("api", &[d(&[], 1)])
+            .await
+            .unwrap_err()
+            .0
+            .contains("no entries"));
+        assert!(s
+            .check_descriptors("api", &[d(&[("a", "x")], MAX_SAFE + 1)])
+            .await
+            .unwrap_err()
+            .0
+            .contains("cost"));
+        assert!(s.check_key("k", 1).await.unwrap_err().0.contains("[keys]"));
+    }
+
+    #[tokio::test]
+    async fn housekeeping_forgets_idle_keys() {
+        let s = service("[keys]\npolicy = \"fixed-window\"\nlimit = 5\nwindow_ms = 1\n").await;
+        for i in 0..10 {
+            s.check_key(&format!("k{i}"), 1).await.unwrap();
+        }
+        assert_eq!(s.keys_tracked(), vec![("keys".to_owned(), 10)]);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(s.housekeeping(), 10);
+        assert_eq!(s.keys_tracked(), vec![("keys".to_owned(), 0)]);
+    }
+
+    #[tokio::test]
+    async fn a_full_store_gets_the_failure_policy() {
+        for (policy, allowed) in [("open", true), ("closed", false)] {
+            let text = format!(
+                "[server]\nmax_keys = 1\nfailure_policy = \"{policy}\"\n[keys]\nlimit = 5\nwindow_ms = 3600000\n"
+            );
+            let s = service(&text).await;
+            let mut failed = 0;
+            for i in 0..200 {
+                let o = s.check_key(&format!("k{i}"), 1).await.unwrap();
+                if o.by_failure_policy {
+                    failed += 1;
+                    assert_eq!(o.decision.allowed, allowed, "{policy}");
+                    assert_eq!(o.allowed, allowed, "{policy}");
+                    if !allowed {
+                        assert_eq!(o.decision.retry_after_ms, Some(1000));
+                    }
+                }
+            }
+            // At most one key per shard fits; 200 keys overflow them.
+            assert!(failed > 0, "{policy}");
+            let text = s.metrics.render(&[]);
+            assert!(text.contains(&format!(
+                "ratewarden_store_errors_total{{rule=\"keys\",kind=\"capacity_exhausted\"}} {failed}\n"
+            )), "{text}");
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! Where counts live: a factory that makes one limiter per rule.
+//!
+//! The server only ever holds `Arc<dyn Limiter>`, so a store is pluggable by
+//! writing a [`StoreFactory`]. The embedded store is [`MemoryFactory`]; a
+//! networked store provides its own factory.
+
+use std::fmt;
+use std::sync::Arc;
+
+use ratewarden_core::{BoxFuture, Limiter, LocalLimiter, MemoryOptions, PolicyConfig};
+
+/// A limiter made for one rule.
+#[derive(Clone)]
+pub struct BuiltLimiter {
+    /// The limiter every request of the rule goes through.
+    pub limiter: Arc<dyn Limiter>,
+    /// The in-memory limiter behind it, when it is one, so the server's
+    /// housekeeping timer can forget its idle keys.
+    pub local: Option<LocalLimiter>,
+}
+
+impl fmt::Debug for BuiltLimiter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BuiltLimiter")
+            .field("config", self.limiter.config())
+            .finish()
+    }
+}
+
+/// Makes the limiter for each rule.
+pub trait StoreFactory: Send + Sync {
+    /// A short description for logs (`memory`, `redis://host:port`).
+    fn describe(&self) -> String;
+
+    /// A limiter for `config`. `rule_id` is the rule's identity: a store
+    /// that shares one key space between rules can use it as a prefix, but
+    /// keys reaching the limiter already include it in their hash.
+    fn build<'a>(
+        &'a self,
+        rule_id: &'a str,
+        config: &'a PolicyConfig,
+    ) -> BoxFuture<'a, anyhow::Result<BuiltLimiter>>;
+}
+
+/// The embedded in-memory store: one sharded table per rule, bounded to
+/// `max_keys` keys.
+#[derive(Debug, Clone, Copy)]
+pub struct MemoryFactory {
+    /// Options of every rule's store.
+    pub options: MemoryOptions,
+}
+
+impl StoreFactory for MemoryFactory {
+    fn describe(&self) -> String {
+        format!("memory (at most {} keys per rule)", self.options.max_keys)
+    }
+
+    fn build<'a>(
+        &'a self,
+        _rule_id: &'a str,
+        config: &'a PolicyConfig,
+    ) -> BoxFuture<'a, anyhow::Result<BuiltLimiter>> {
+        let built = LocalLimiter::new(*config, self.options)
+            .map(|local| BuiltLimiter {
+                limiter: Arc::new(local.clone()),
+                local: Some(local),
+            })
+            .map_err(anyhow::Error::from);
+        Box::pin(std::future::ready(built))
+    }
+}
+
+/// Redis (one node, or a cluster): one connection and one Lua script per
+/// rule. Decisions read Redis `TIME`, so every server process on one Redis
+/// shares one clock.
+#[derive(Debug, Clone)]
+pub struct RedisFactory {
+    /// `redis://host:port[/db]` or `redis-cluster://host:port,host:port`.
+    pub url: String,
+    /// The longest one call may take, in ms.
+    pub timeout_ms: u64,
+}
+
+/// A rule's limiter on Redis. Failures are returned, not answered here: the
+/// server applies its failure policy and counts them.
+struct RedisRuleLimiter {
+    store: ratewarden_redis::RedisStore,
+}
+
+impl Limiter for RedisRuleLimiter {
+    fn config(&self) -> &PolicyConfig {
+        self.store.config()
+    }
+
+    fn check(
+        &self,
+        key: u64,
+        cost: u64,
+    ) -> BoxFuture<'_, Result<ratewarden_core::Decision, ratewarden_core::StoreError>> {
+        Box::pin(self.store.decide(key, None, cost))
+    }
+}
+
+impl StoreFactory for RedisFactory {
+    fn describe(&self) -> String {
+        self.url.clone()
+    }
+
+    fn build<'a>(
+        &'a self,
+        rule_id: &'a str,
+        config: &'a PolicyConfig,
+    ) -> BoxFuture<'a, anyhow::Result<BuiltLimiter>> {
+        Box::pin(async move {
+            let options = ratewarden_redis::RedisOptions {
+                // Each rule gets its own key space: its identity, hashed to
+                // keep key names short, is part of every key name.
+                prefix: format!("ratewarden:{:016x}", ratewarden_core::xxh3_64(rule_id)),
+                timeout_ms: self.timeout_ms,
+                ..Default::default()
+            };
+            let store = ratewarden_redis::RedisStore::connect(&self.url, *config, options).await?;
+            Ok(BuiltLimiter {
+                limiter: Arc::new(RedisRuleLimiter { store }),
+                local: None,
+            })
+        })
+    }
+}
+
+/// What `--store` names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreUrl {
+    /// The embedded in-memory store.
+    Memory,
+    /// A single Redis server, `redis://host:port/db`.
+    Redis(String),
+    /// A Redis Cluster, `redis-cluster://host:port,host:port`.
+    RedisCluster(String),
+}
+
+impl std::str::FromStr for StoreUrl {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "memory" {
+            Ok(StoreUrl::Memory)
+        } else if s.starts_with("redis://") || s.starts_with("rediss://") {
+            Ok(StoreUrl::Redis(s.to_owned()))
+        } else if s.starts_with("redis-cluster://") {
+            Ok(StoreUrl::RedisCluster(s.to_owned()))
+        } else {
+            Err(format!(
+                "unknown store {s:?}; use memory, redis://host:port or redis-cluster://host:port,host:port"
+            ))
+        }
+    }
+}

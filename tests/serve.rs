@@ -1,0 +1,849 @@
+//! End-to-end tests of `ratewarden serve`: the real binary on loopback
+//! ports, a real HTTP client and a real gRPC client.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use ratewarden_server::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use ratewarden_server::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use ratewarden_server::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use ratewarden_server::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use ratewarden_server::proto::envoy::service::ratelimit::v3::{
+    RateLimitRequest, RateLimitResponse,
+};
+use serde_json::{json, Value};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ratewarden");
+
+/// A `ratewarden serve` process, stopped when dropped.
+struct Server {
+    child: Child,
+    http: SocketAddr,
+    grpc: SocketAddr,
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(BIN)
+            .arg("serve")
+            .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the ratewarden binary starts");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("serve prints where it listens");
+        // "ratewarden serve: HTTP on http://ADDR/v1/check, gRPC on ADDR"
+        let http = line
+            .split("http://")
+            .nth(1)
+            .and_then(|s| s.split('/').next())
+            .expect(&line);
+        let grpc = line.trim().rsplit(' ').next().expect(&line);
+        Server {
+            child,
+            http: http.parse().expect(&line),
+            grpc: grpc.parse().expect(&line),
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}/v1/check", self.http)
+    }
+
+    fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .args(["-s", name, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Sends SIGTERM and waits (bounded) for a clean exit.
+    fn stop(mut self) {
+        self.signal("TERM");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "serve exits cleanly on SIGTERM: {status}");
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "serve did not stop within 20 s of SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    async fn grpc(&self) -> RateLimitServiceClient<tonic::transport::Channel> {
+        RateLimitServiceClient::connect(format!("http://{}", self.grpc))
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A configuration file in a fresh temporary directory.
+struct ConfigFile {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl ConfigFile {
+    fn new(text: &str) -> ConfigFile {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "ratewarden-serve-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ratewarden.toml");
+        std::fs::write(&path, text).unwrap();
+        ConfigFile { dir, path }
+    }
+
+    fn write(&self, text: &str) {
+        // Write then rename, so a reload never reads half a file.
+        let tmp = self.dir.join("next.toml");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, &self.path).unwrap();
+    }
+
+    fn path(&self) -> &str {
+        self.path.to_str().unwrap()
+    }
+}
+
+impl Drop for ConfigFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap()
+}
+
+async fn post(
+    client: &reqwest::Client,
+    url: &str,
+    body: Value,
+) -> (u16, reqwest::header::HeaderMap, Value) {
+    let response = client.post(url).json(&body).send().await.unwrap();
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body: Value = response.json().await.unwrap();
+    (status, headers, body)
+}
+
+fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: k.to_string(),
+                value: v.to_string(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+async fn should(
+    client: &mut RateLimitServiceClient<tonic::transport::Channel>,
+    domain: &str,
+    descriptors: Vec<RateLimitDescriptor>,
+    hits: u32,
+) -> RateLimitResponse {
+    client
+        .should_rate_limit(RateLimitRequest {
+            domain: domain.into(),
+            descriptors,
+            hits_addend: hits,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// Sends `n` requests for one key from `clients` concurrent clients and
+/// counts the admitted ones; every answer must be 200 or 429.
+async fn admitted(url: &str, key: &str, n: usize, clients: usize) -> usize {
+    let client = client();
+    let next = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let (client, url, key, next) = (
+            client.clone(),
+            url.to_owned(),
+            key.to_owned(),
+            Arc::clone(&next),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut ok = 0;
+            while next.fetch_add(1, Ordering::Relaxed) < n as u64 {
+                let r = client
+                    .post(&url)
+                    .json(&json!({"key": key}))
+                    .send()
+                    .await
+                    .unwrap();
+                match r.status().as_u16() {
+                    200 => ok += 1,
+                    429 => {}
+                    other => panic!("unexpected status {other}"),
+                }
+            }
+            ok
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.unwrap();
+    }
+    total
+}
+
+const LONG_WINDOW: &str = r#"
+[keys]
+limit = 100
+window_ms = 3600000
+
+[[domains]]
+domain = "edge"
+
+[[domains.descriptors]]
+key = "remote_address"
+name = "per-address"
+limit = 100
+window_ms = 3600000
+
+[[domains.descriptors]]
+key = "path"
+value = "/login"
+name = "login"
+limit = 2
+window_ms = 3600000
+
+[[domains.descriptors.descriptors]]
+key = "user"
+name = "login-per-user"
+policy = "token-bucket"
+limit = 1
+window_ms = 3600000
+burst = 3
+
+[[domains.descriptors]]
+key = "path"
+name = "any-path"
+policy = "fixed-window"
+limit = 7
+window_ms = 3600000
+
+[[domains.descriptors]]
+key = "plan"
+value = "trial"
+name = "trial"
+limit = 1
+window_ms = 3600000
+shadow = true
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reference_rule_admits_exactly_100_of_150_within_one_window() {
+    let file = ConfigFile::new(LONG_WINDOW);
+    let server = Server::start(&["--config", file.path()]);
+    assert_eq!(admitted(&server.url(), "user:42", 150, 8).await, 100);
+    // The same over gRPC, on a descriptor with the same numbers.
+    let mut grpc = server.grpc().await;
+    let mut ok = 0;
+    for _ in 0..150 {
+        let r = should(
+            &mut grpc,
+            "edge",
+            vec![descriptor(&[("remote_address", "10.0.0.1")])],
+            0,
+        )
+        .await;
+        if r.overall_code == Code::Ok as i32 {
+            ok += 1;
+        }
+    }
+    assert_eq!(ok, 100);
+    server.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_arguments_every_key_gets_the_reference_configuration() {
+    let server = Server::start(&[]);
+    let client = client();
+    // The default window is 1000 ms, aligned to the clock: start just after
+    // a window begins so 150 quick requests fit in one window. A run that
+    // still crosses a window edge (a very slow machine) is repeated on a new
+    // key, a bounded number of times.
+    let mut verdict = None;
+    for attempt in 0..5 {
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        tokio::time::sleep(Duration::from_millis(1000 - now_ms % 1000 + 5)).await;
+        let window = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+            / 1000;
+        let n = admitted(&server.url(), &format!("default:{attempt}"), 150, 8).await;
+        let after = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+            / 1000;
+        if window == after {
+            verdict = Some(n);
+            break;
+        }
+    }
+    assert_eq!(
+        verdict,
+        Some(100),
+        "150 requests never fitted in one 1000 ms window"
+    );
+    // Descriptors of any domain are limited the same way.
+    let (status, headers, body) = post(
+        &client,
+        &server.url(),
+        json!({"domain": "any", "descriptors": [{"entries": [{"key": "k", "value": "v"}]}]}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(body["rule"], "fallback");
+    assert_eq!(body["limit"], 100);
+    assert_eq!(body["policy"], "sliding-window-counter");
+    assert_eq!(headers["ratelimit-policy"], "\"fallback\";q=100;w=1");
+    let mut grpc = server.grpc().await;
+    let r = should(&mut grpc, "other", vec![descriptor(&[("a", "b")])], 0).await;
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    assert_eq!(
+        r.statuses[0]
+            .current_limit
+            .as_ref()
+            .unwrap()
+            .requests_per_unit,
+        100
+    );
+    assert_eq!(r.statuses[0].limit_remaining, 99);
+    server.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_answers_carry_the_decision_and_the_ratelimit_headers() {
+    let file = ConfigFile::new(LONG_WINDOW);
+    let server = Server::start(&["--config", file.path()]);
+    let client = client();
+    let (status, headers, body) =
+        post(&client, &server.url(), json!({"key": "h", "cost": 60})).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["allowed"], true);
+    assert_eq!(body["remaining"], 40);
+    assert_eq!(body["retry_after_ms"], 0);
+    assert_eq!(body["rule"], "keys");
+    assert_eq!(headers["ratelimit-policy"], "\"keys\";q=100;w=3600");
+    assert_eq!(headers["ratelimit"], "\"keys\";r=40");
+    assert!(headers.get("retry-after").is_none());
+
+    let (status, headers, body) =
+        post(&client, &server.url(), json!({"key": "h", "cost": 41})).await;
+    assert_eq!(status, 429);
+    assert_eq!(body["allowed"], false);
+    assert_eq!(body["remaining"], 40);
+    let retry_ms = body["retry_after_ms"].as_u64().unwrap();
+    assert!(retry_ms > 0);
+    let retry_s = retry_ms.div_ceil(1000).to_string();
+    assert_eq!(headers["retry-after"], retry_s.as_str());
+    assert_eq!(
+        headers["ratelimit"],
+        format!("\"keys\";r=40;t={retry_s}").as_str()
+    );
+
+    // A cost above the limit can never be admitted: no wait is given.
+    let (status, headers, body) =
+        post(&client, &server.url(), json!({"key": "h2", "cost": 101})).await;
+    assert_eq!(status, 429);
+    assert_eq!(body["retry_after_ms"], Value::Null);
+    assert!(headers.get("retry-after").is_none());
+
+    let health = client
+        .get(format!("http://{}/healthz", server.http))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status().as_u16(), 200);
+    let metrics = client
+        .get(format!("http://{}/metrics", server.http))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("ratewarden_decisions_total{rule=\"keys\",outcome=\"allowed\"} 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("ratewarden_decisions_total{rule=\"keys\",outcome=\"refused\"} 2\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("ratewarden_request_duration_seconds_count{api=\"http\"} 3\n"),
+        "{metrics}"
+    );
+    server.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn descriptors_match_as_configured() {
+    let file = ConfigFile::new(LONG_WINDOW);
+    let server = Server::start(&["--config", file.path()]);
+    let mut grpc = server.grpc().await;
+    let name = |r: &RateLimitResponse, i: usize| {
+        r.statuses[i].current_limit.as_ref().map(|l| l.name.clone())
+    };
+
+    let r = should(
+        &mut grpc,
+        "edge",
+        vec![
+            descriptor(&[("remote_address", "10.1.1.1")]),
+            descriptor(&[("path", "/login")]),
+            descriptor(&[("path", "/login"), ("user", "ann")]),
+            descriptor(&[("path", "/docs")]),
+            descriptor(&[("unconfigured", "x")]),
+            descriptor(&[("path", "/docs"), ("user", "ann")]),
+        ],
+        1,
+    )
+    .await;
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    assert_eq!(name(&r, 0).as_deref(), Some("per-address"));
+    assert_eq!(name(&r, 1).as_deref(), Some("login"));
+    assert_eq!(name(&r, 2).as_deref(), Some("login-per-user"));
+    assert_eq!(name(&r, 3).as_deref(), Some("any-path"));
+    assert_eq!(
+        name(&r, 4),
+        None,
+        "a descriptor no rule matches is unlimited"
+    );
+    assert_eq!(
+        name(&r, 5),
+        None,
+        "nested entries under the any-value path have no rule"
+    );
+    assert_eq!(r.statuses[1].limit_remaining, 1);
+    assert_eq!(r.statuses[2].limit_remaining, 2);
+    assert_eq!(r.statuses[3].limit_remaining, 6);
+    assert_eq!(
+        r.statuses[0]
+            .current_limit
+            .as_ref()
+            .unwrap()
+            .requests_per_unit,
+        100
+    );
+
+    // Each value of an any-value node has its own count.
+    let r = should(&mut grpc, "edge", vec![descriptor(&[("path", "/a")])], 7).await;
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    let r = should(&mut grpc, "edge", vec![descriptor(&[("path", "/a")])], 1).await;
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    assert_eq!(r.statuses[0].code, Code::OverLimit as i32);
+    assert!(r.statuses[0].duration_until_reset.is_some());
+    let r = should(&mut grpc, "edge", vec![descriptor(&[("path", "/b")])], 7).await;
+    assert_eq!(r.overall_code, Code::Ok as i32);
+
+    // Refused on one descriptor, the request takes nothing from the other:
+    // "login" has 1 left; asking 2 is refused and "per-address" keeps its 99.
+    let both = vec![
+        descriptor(&[("remote_address", "10.1.1.1")]),
+        descriptor(&[("path", "/login")]),
+    ];
+    let r = should(&mut grpc, "edge", both.clone(), 2).await;
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    assert_eq!(r.statuses[0].code, Code::Ok as i32);
+    assert_eq!(r.statuses[1].code, Code::OverLimit as i32);
+    let r = should(
+        &mut grpc,
+        "edge",
+        vec![descriptor(&[("remote_address", "10.1.1.1")])],
+        1,
+    )
+    .await;
+    assert_eq!(r.statuses[0].limit_remaining, 98);
+
+    // A descriptor's own hits_addend overrides the request's.
+    let mut d = descriptor(&[("remote_address", "10.9.9.9")]);
+    d.hits_addend = Some(10);
+    let r = should(&mut grpc, "edge", vec![d], 1).await;
+    assert_eq!(r.statuses[0].limit_remaining, 90);
+
+    // The HTTP interface matches the same way.
+    let (status, _, body) = post(
+        &client(),
+        &server.url(),
+        json!({"domain": "edge", "descriptors": [{"entries": [{"key": "path", "value": "/login"}, {"key": "user", "value": "bob"}]}]}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(body["rule"], "login-per-user");
+    assert_eq!(body["policy"], "token-bucket");
+    assert_eq!(body["remaining"], 2);
+    server.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_rules_count_but_never_refuse() {
+    let file = ConfigFile::new(LONG_WINDOW);
+    let server = Server::start(&["--config", file.path()]);
+    let mut grpc = server.grpc().await;
+    for _ in 0..5 {
+        let r = should(&mut grpc, "edge", vec![descriptor(&[("plan", "trial")])], 1).await;
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        assert_eq!(r.statuses[0].code, Code::Ok as i32);
+    }
+    let client = client();
+    let body = json!({"domain": "edge", "descriptors": [{"entries": [{"key": "plan", "value": "trial"}]}]});
+    let (status, headers, body) = post(&client, &server.url(), body).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["allowed"], true);
+    assert_eq!(body["shadow"], true);
+    assert!(
+        headers.get("ratelimit").is_none(),
+        "shadow rules are not advertised"
+    );
+    let metrics = client
+        .get(format!("http://{}/metrics", server.http))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("ratewarden_decisions_total{rule=\"trial\",outcome=\"allowed\"} 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics
+            .contains("ratewarden_decisions_total{rule=\"trial\",outcome=\"shadow_refused\"} 5\n"),
+        "{metrics}"
+    );
+    server.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
+    let file = ConfigFile::new(LONG_WINDOW);
+    let server = Server::start(&["--config", file.path()]);
+    let client = client();
+    let url = server.url();
+    let raw = |body: &'static str| {
+        let client = client.clone();
+        let url = url.clone();
+        async move {
+            let r = client
+                .post(&url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.text().await.unwrap())
+        }
+    };
+    let cases: &[(&str, u16, &str)] = &[
+        ("{\"key\": ", 400, "malformed JSON"),
+        ("not json", 400, "malformed JSON"),
+        ("{}", 400, "key is missing"),
+        ("{\"cost\": 1}", 400, "key is missing"),
+        ("{\"key\": \"k\", \"cost\": -1}", 400, "cost is -1"),
+        ("{\"key\": \"k\", \"cost\": 1.5}", 400, "cost is 1.5"),
+        ("{\"key\": \"k\", \"cost\": 9007199254740992}", 400, "cost is 9007199254740992"),
+        ("{\"key\": \"k\", \"cost\": \"1\"}", 400, "malformed JSON"),
+        ("{\"key\": \"k\", \"kost\": 1}", 400, "unknown field `kost`"),
+        ("{\"domain\": \"nowhere\", \"descriptors\": [{\"entries\": [{\"key\": \"a\", \"value\": \"b\"}]}]}", 400, "unknown domain \\\"nowhere\\\""),
+        ("{\"domain\": \"edge\"}", 400, "descriptors is missing"),
+        ("{\"domain\": \"edge\", \"descriptors\": []}", 400, "descriptors is empty"),
+        ("{\"domain\": \"edge\", \"descriptors\": [{\"entries\": []}]}", 400, "no entries"),
+        ("{\"key\": \"k\", \"domain\": \"edge\"}", 400, "either a key or a domain"),
+    ];
+    for (body, status, needle) in cases {
+        let (got, text) = raw(body).await;
+        assert_eq!(got, *status, "{body} -> {text}");
+        assert!(text.contains(needle), "{body} -> {text}");
+    }
+    let huge = format!("{{\"key\": \"{}\"}}", "x".repeat(100_000));
+    let r = client.post(&url).body(huge).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 413);
+    assert!(r.text().await.unwrap().contains("larger than 65536 bytes"));
+    let long_key = format!("{{\"key\": \"{}\"}}", "x".repeat(5000));
+    let r = client.post(&url).body(long_key).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    assert!(r.text().await.unwrap().contains("at most 4096 bytes"));
+
+    let mut grpc = server.grpc().await;
+    let bad = [
+        RateLimitRequest {
+            domain: String::new(),
+            descriptors: vec![descriptor(&[("a", "b")])],
+            hits_addend: 1,
+        },
+        RateLimitRequest {
+            domain: "nowhere".into(),
+            descriptors: vec![descriptor(&[("a", "b")])],
+            hits_addend: 1,
+        },
+        RateLimitRequest {
+            domain: "edge".into(),
+            descriptors: vec![],
+            hits_addend: 1,
+        },
+        RateLimitRequest {
+            domain: "edge".into(),
+            descriptors: vec![descriptor(&[])],
+            hits_addend: 1,
+        },
+    ];
+    for request in bad {
+        let status = grpc.should_rate_limit(request.clone()).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{request:?}");
+        assert!(!status.message().is_empty());
+    }
+    // The server is still well after all of that.
+    let (status, _, _) = post(&client, &url, json!({"key": "fine"})).await;
+    assert_eq!(status, 200);
+    server.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_under_load_loses_no_request_and_resets_no_count() {
+    let rules = |extra_limit: u64| {
+        format!(
+            "[keys]\nlimit = 300\nwindow_ms = 3600000\n\n[[domains]]\ndomain = \"d\"\n\
+             [[domains.descriptors]]\nkey = \"k\"\nlimit = {extra_limit}\nwindow_ms = 3600000\n"
+        )
+    };
+    let file = ConfigFile::new(&rules(1));
+    let server = Server::start(&["--config", file.path()]);
+    let url = server.url();
+    // The load runs until the reloads are done (and at most 100,000
+    // requests), so every reload happens while requests are in flight.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sent = Arc::new(AtomicU64::new(0));
+    let mut load = Vec::new();
+    for _ in 0..16 {
+        let (client, url, stop, sent) =
+            (client(), url.clone(), Arc::clone(&stop), Arc::clone(&sent));
+        load.push(tokio::spawn(async move {
+            let mut ok = 0;
+            while !stop.load(Ordering::Relaxed) && sent.fetch_add(1, Ordering::Relaxed) < 100_000 {
+                let r = client
+                    .post(&url)
+                    .json(&json!({"key": "steady"}))
+                    .send()
+                    .await
+                    .unwrap();
+                match r.status().as_u16() {
+                    200 => ok += 1,
+                    429 => {}
+                    other => panic!("unexpected status {other}"),
+                }
+            }
+            ok
+        }));
+    }
+    // Reload repeatedly while the load runs: a changed rule beside the
+    // steady one, a broken file (kept out), and the first file again.
+    let client = client();
+    let reloads = |client: reqwest::Client, http: SocketAddr| async move {
+        let text = client
+            .get(format!("http://{http}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let count = |result: &str| {
+            let prefix = format!("ratewarden_config_reloads_total{{result=\"{result}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&prefix))
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        };
+        (count("ok"), count("failed"))
+    };
+    for i in 0..6u64 {
+        if i == 3 {
+            file.write("[keys]\nlimit = \"many\"\n");
+        } else {
+            file.write(&rules(2 + i));
+        }
+        let before = reloads(client.clone(), server.http).await;
+        server.signal("HUP");
+        // Signals sent close together may merge into one: wait for this
+        // reload to be done before the next (bounded).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while reloads(client.clone(), server.http).await == before {
+            assert!(Instant::now() < deadline, "no reload within 10 s of SIGHUP");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut total = 0;
+    for task in load {
+        total += tokio::time::timeout(Duration::from_secs(60), task)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    assert!(
+        sent.load(Ordering::Relaxed) > 300,
+        "the load outlasted the limit"
+    );
+    assert_eq!(
+        total, 300,
+        "reloads must neither lose requests nor reset the count"
+    );
+    assert_eq!(reloads(client.clone(), server.http).await, (5, 1));
+    let (status, _, body) = post(&client, &url, json!({"key": "steady"})).await;
+    assert_eq!((status, body["remaining"].as_u64()), (429, Some(0)));
+    server.stop();
+}
+
+#[test]
+fn bad_configurations_and_stores_stop_serve_with_a_message() {
+    let run = |args: &[&str]| {
+        let out = Command::new(BIN)
+            .arg("serve")
+            .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let file = ConfigFile::new("[keys]\nlimit = 10\nwindow_ms = 0\n");
+    let (ok, stderr) = run(&["--config", file.path()]);
+    assert!(!ok);
+    assert!(
+        stderr.contains(&format!("{}:3:13: keys.window_ms", file.path())),
+        "{stderr}"
+    );
+    // Nothing listens on port 1: a store that cannot be reached at start is
+    // an error, not a server that refuses everything.
+    let (ok, stderr) = run(&["--store", "redis://127.0.0.1:1"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("cannot make the limiter of rule \"keys\""),
+        "{stderr}"
+    );
+    let (ok, stderr) = run(&["--store", "mongodb://x"]);
+    assert!(!ok);
+    assert!(stderr.contains("unknown store"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_configuration_serves() {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/ratewarden.toml");
+    let server = Server::start(&["--config", example.to_str().unwrap()]);
+    let (status, _, body) = post(&client(), &server.url(), json!({"key": "user:1"})).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["remaining"], 99);
+    server.stop();
+}
+
+#[test]
+fn a_client_that_never_finishes_its_headers_is_disconnected() {
+    use std::io::{Read, Write};
+    let server = Server::start(&[]);
+    let mut stream = std::net::TcpStream::connect(server.http).unwrap();
+    stream
+        .write_all(b"POST /v1/check HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    // The server closes the connection after its 10 s header-read timeout;
+    // the read below is bounded well past that.
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let started = Instant::now();
+    let mut buf = Vec::new();
+    let result = stream.read_to_end(&mut buf);
+    assert!(
+        result.is_ok(),
+        "the server closed the connection: {result:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
+    server.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn descriptor_answers_list_every_descriptor_and_key_answers_none() {
+    let file = ConfigFile::new(LONG_WINDOW);
+    let server = Server::start(&["--config", file.path()]);
+    let client = client();
+    let body = json!({"domain": "edge", "descriptors": [
+        {"entries": [{"key": "unconfigured", "value": "x"}]},
+        {"entries": [{"key": "path", "value": "/login"}]},
+    ]});
+    let (status, headers, body) = post(&client, &server.url(), body).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        body["rule"], "login",
+        "the limited descriptor speaks for the request"
+    );
+    let listed = body["descriptors"].as_array().unwrap();
+    assert_eq!(listed.len(), 2);
+    assert_eq!(listed[0]["rule"], Value::Null);
+    assert_eq!(listed[0]["allowed"], true);
+    assert_eq!(listed[1]["remaining"], 1);
+    assert_eq!(headers["ratelimit-policy"], "\"login\";q=2;w=3600");
+    let body = json!({"domain": "edge", "descriptors": [{"entries": [{"key": "unconfigured", "value": "x"}]}]});
+    let (status, headers, body) = post(&client, &server.url(), body).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["rule"], Value::Null);
+    assert_eq!(body["descriptors"].as_array().unwrap().len(), 1);
+    assert!(headers.get("ratelimit").is_none());
+    let (_, _, body) = post(&client, &server.url(), json!({"key": "k"})).await;
+    assert!(body.get("descriptors").is_none());
+    server.stop();
+}

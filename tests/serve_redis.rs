@@ -1,0 +1,310 @@
+//! End-to-end tests of `ratewarden serve --store redis://`: real
+//! `redis-server` processes on free loopback ports, the real binary, a real
+//! HTTP client.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ratewarden_redis::test_support::RedisServer;
+use serde_json::{json, Value};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ratewarden");
+
+/// A `ratewarden serve` process, killed when dropped.
+struct Serve {
+    child: Child,
+    http: SocketAddr,
+    _dir: tempdir::Dir,
+}
+
+mod tempdir {
+    /// A directory removed when dropped.
+    pub struct Dir(pub std::path::PathBuf);
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+impl Serve {
+    fn start(store: &str, config: &str) -> Serve {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "ratewarden-serve-redis-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ratewarden.toml");
+        std::fs::write(&path, config).unwrap();
+        let mut child = Command::new(BIN)
+            .args([
+                "serve",
+                "--http",
+                "127.0.0.1:0",
+                "--grpc",
+                "127.0.0.1:0",
+                "--store",
+                store,
+            ])
+            .arg("--config")
+            .arg(&path)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("serve prints where it listens");
+        let http = line
+            .split("http://")
+            .nth(1)
+            .and_then(|s| s.split('/').next())
+            .expect(&line);
+        Serve {
+            child,
+            http: http.parse().expect(&line),
+            _dir: tempdir::Dir(dir),
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}/v1/check", self.http)
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn check(client: &reqwest::Client, url: &str, key: &str) -> (u16, Value) {
+    let r = client
+        .post(url)
+        .json(&json!({"key": key}))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_servers_on_one_redis_admit_no_more_than_the_limit() {
+    let redis = RedisServer::start();
+    // A generous store timeout: this test is about the count, not failures.
+    let config = "[server]\nstore_timeout_ms = 5000\n\n[keys]\nlimit = 100\nwindow_ms = 3600000\n";
+    let a = Serve::start(&redis.url(), config);
+    let b = Serve::start(&redis.url(), config);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let url = if i % 2 == 0 { a.url() } else { b.url() };
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut admitted = 0;
+            for _ in 0..5 {
+                let (status, body) = check(&client, &url, "shared").await;
+                assert!(
+                    body.get("failure_policy").is_none(),
+                    "the store failed: {body}"
+                );
+                match status {
+                    200 => admitted += 1,
+                    429 => {}
+                    other => panic!("unexpected status {other}: {body}"),
+                }
+            }
+            admitted
+        }));
+    }
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap();
+    }
+    // 320 requests for one key with a limit of 100 in one (hour-long)
+    // window: Redis decides each atomically, so exactly 100 pass.
+    assert_eq!(admitted, 100);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_under_load_gets_the_failure_policy_then_recovers() {
+    for (policy, allowed_while_down) in [("open", true), ("closed", false), ("local", true)] {
+        let mut redis = RedisServer::start();
+        let config = format!(
+            "[server]\nfailure_policy = \"{policy}\"\nstore_timeout_ms = 200\n\n\
+             [keys]\nlimit = 1000\nwindow_ms = 3600000\n"
+        );
+        let serve = Serve::start(&redis.url(), &config);
+        // Every answer comes within the client's bound, whatever Redis does.
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        let (status, body) = check(&client, &serve.url(), "k").await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["remaining"], 999);
+
+        // Load from 8 clients runs across the kill: every request gets an
+        // answer (200 or 429), none an error.
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut load = Vec::new();
+        for _ in 0..8 {
+            let (client, url, stop) = (client.clone(), serve.url(), Arc::clone(&stop));
+            load.push(tokio::spawn(async move {
+                let mut answered = 0u32;
+                while !stop.load(Ordering::Relaxed) && answered < 100_000 {
+                    let (status, body) = check(&client, &url, "load").await;
+                    assert!(status == 200 || status == 429, "{status}: {body}");
+                    answered += 1;
+                }
+                answered
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        redis.kill();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        stop.store(true, Ordering::Relaxed);
+        for task in load {
+            assert!(task.await.unwrap() > 0);
+        }
+        let before = failure_count(&client, serve.http, policy, allowed_while_down).await;
+        for _ in 0..20 {
+            let (status, body) = check(&client, &serve.url(), "k").await;
+            assert_eq!(body["failure_policy"], true, "{policy}: {body}");
+            assert_eq!(body["allowed"], allowed_while_down, "{policy}: {body}");
+            assert_eq!(
+                status,
+                if allowed_while_down { 200 } else { 429 },
+                "{policy}: {body}"
+            );
+        }
+        let after = failure_count(&client, serve.http, policy, allowed_while_down).await;
+        assert_eq!(after - before, 20, "{policy}: each failure is counted");
+
+        // Back again (with empty data, as after a crash): answers come from
+        // Redis once the connection is re-established.
+        redis.restart();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let (status, body) = check(&client, &serve.url(), "k").await;
+            if body.get("failure_policy").is_none() {
+                assert_eq!(status, 200, "{body}");
+                assert_eq!(
+                    body["remaining"], 999,
+                    "a fresh Redis has a fresh count: {body}"
+                );
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{policy}: no recovery within 20 s of the restart"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// `ratewarden_failure_policy_decisions_total` for one policy and outcome.
+async fn failure_count(
+    client: &reqwest::Client,
+    http: SocketAddr,
+    policy: &str,
+    allowed: bool,
+) -> u64 {
+    let text = client
+        .get(format!("http://{http}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let outcome = if allowed { "allowed" } else { "refused" };
+    let prefix = format!(
+        "ratewarden_failure_policy_decisions_total{{policy=\"{policy}\",outcome=\"{outcome}\"}} "
+    );
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn descriptors_on_redis_cluster_admit_exactly_the_limit() {
+    let cluster = ratewarden_redis::test_support::RedisCluster::start();
+    let config = "[server]\nstore_timeout_ms = 5000\n\n[[domains]]\ndomain = \"edge\"\n\n\
+                  [[domains.descriptors]]\nkey = \"remote_address\"\nlimit = 100\nwindow_ms = 3600000\n\n\
+                  [[domains.descriptors]]\nkey = \"path\"\nlimit = 30\nwindow_ms = 3600000\n";
+    let serve = Serve::start(&cluster.url(), config);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let request = |address: &str, path: Option<&str>| {
+        let mut descriptors =
+            vec![json!({"entries": [{"key": "remote_address", "value": address}]})];
+        if let Some(p) = path {
+            descriptors.push(json!({"entries": [{"key": "path", "value": p}]}));
+        }
+        json!({"domain": "edge", "descriptors": descriptors})
+    };
+    let mut admitted = 0;
+    for _ in 0..150 {
+        let r = client
+            .post(serve.url())
+            .json(&request("10.0.0.1", None))
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let body: Value = r.json().await.unwrap();
+        assert!(body.get("failure_policy").is_none(), "{body}");
+        if status == 200 {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 100);
+    // Two descriptors: the path's 30 run out first, and the refused
+    // requests take nothing from the address's count.
+    let mut admitted = 0;
+    for _ in 0..50 {
+        let r = client
+            .post(serve.url())
+            .json(&request("10.0.0.2", Some("/a")))
+            .send()
+            .await
+            .unwrap();
+        if r.status().as_u16() == 200 {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 30);
+    let r = client
+        .post(serve.url())
+        .json(&request("10.0.0.2", None))
+        .send()
+        .await
+        .unwrap();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["remaining"], 69, "{body}");
+}
