@@ -220,6 +220,13 @@ fn bad_arguments_exit_non_zero_with_a_clear_message() {
     );
     fails_with(&["bench", "--reps", "0"], &["--reps must be at least 1"]);
     fails_with(
+        &["bench", "--store", "etcd://127.0.0.1:2379"],
+        &[
+            "unknown store \"etcd://127.0.0.1:2379\"",
+            "redis://HOST:PORT",
+        ],
+    );
+    fails_with(
         &["bench", "--accuracy-duration-ms", "10"],
         &["--accuracy-duration-ms"],
     );

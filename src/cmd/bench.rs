@@ -22,6 +22,12 @@ use crate::measure::{Row, REFERENCE_LIMIT, REFERENCE_WINDOW_MS};
 /// Arguments of `ratewarden bench`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
+    /// The store to measure: `memory` (every policy beside governor and a
+    /// bare hash map) or `redis://HOST:PORT` (pipelined decisions per second
+    /// and round trips per policy beside redis-benchmark, as
+    /// `ratewarden bench-redis` measures with its default sizes).
+    #[arg(long, default_value = "memory")]
+    pub store: String,
     /// A shorter run (fewer decisions and repetitions, shorter traffic)
     /// that finishes within a minute on two cores.
     #[arg(long)]
@@ -557,6 +563,18 @@ fn bench(args: &Args) -> Result<()> {
 
 /// Runs `ratewarden bench`.
 pub fn run(args: Args) -> ExitCode {
+    if args.store != "memory" {
+        if args.store.starts_with("redis://") {
+            return super::bench_redis::run(super::bench_redis::Args::defaults(
+                args.store, args.quick,
+            ));
+        }
+        eprintln!(
+            "ratewarden bench: unknown store {:?}; use memory or redis://HOST:PORT",
+            args.store
+        );
+        return ExitCode::from(2);
+    }
     match bench(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -42,6 +42,22 @@ pub struct Args {
     pub round_trips: usize,
 }
 
+impl Args {
+    /// The default sizes, as the command line gives them, for `store`;
+    /// `quick` divides the work by ten.
+    pub fn defaults(store: String, quick: bool) -> Self {
+        let scale = if quick { 10 } else { 1 };
+        Args {
+            store,
+            requests: 200_000 / scale,
+            pipeline: 16,
+            connections: 4,
+            keys: 10_000,
+            round_trips: 5_000 / scale as usize,
+        }
+    }
+}
+
 /// One policy's figures.
 struct PolicyFigures {
     policy: PolicyKind,
