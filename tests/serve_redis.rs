@@ -2,94 +2,37 @@
 //! `redis-server` processes on free loopback ports, the real binary, a real
 //! HTTP client.
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ratewarden_redis::test_support::RedisServer;
 use serde_json::{json, Value};
 
-const BIN: &str = env!("CARGO_BIN_EXE_ratewarden");
+mod common;
 
-/// A `ratewarden serve` process, killed when dropped.
+use common::{ConfigFile, Server};
+
+/// A `ratewarden serve` process on `store` with the rules in `config`,
+/// killed when dropped.
 struct Serve {
-    child: Child,
-    http: SocketAddr,
-    _dir: tempdir::Dir,
-}
-
-mod tempdir {
-    /// A directory removed when dropped.
-    pub struct Dir(pub std::path::PathBuf);
-
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+    server: Server,
+    _config: ConfigFile,
 }
 
 impl Serve {
     fn start(store: &str, config: &str) -> Serve {
-        static N: AtomicU64 = AtomicU64::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "ratewarden-serve-redis-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("ratewarden.toml");
-        std::fs::write(&path, config).unwrap();
-        let mut child = Command::new(BIN)
-            .args([
-                "serve",
-                "--http",
-                "127.0.0.1:0",
-                "--grpc",
-                "127.0.0.1:0",
-                "--store",
-                store,
-            ])
-            .arg("--config")
-            .arg(&path)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let line = rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("serve prints where it listens");
-        let http = line
-            .split("http://")
-            .nth(1)
-            .and_then(|s| s.split('/').next())
-            .expect(&line);
+        let file = ConfigFile::new(config);
+        let server = Server::start(&["--store", store, "--config", file.path()]);
         Serve {
-            child,
-            http: http.parse().expect(&line),
-            _dir: tempdir::Dir(dir),
+            server,
+            _config: file,
         }
     }
 
     fn url(&self) -> String {
-        format!("http://{}/v1/check", self.http)
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.server.url()
     }
 }
 
@@ -186,7 +129,7 @@ async fn redis_killed_under_load_gets_the_failure_policy_then_recovers() {
         for task in load {
             assert!(task.await.unwrap() > 0);
         }
-        let before = failure_count(&client, serve.http, policy, allowed_while_down).await;
+        let before = failure_count(&client, serve.server.http, policy, allowed_while_down).await;
         for _ in 0..20 {
             let (status, body) = check(&client, &serve.url(), "k").await;
             assert_eq!(body["failure_policy"], true, "{policy}: {body}");
@@ -197,7 +140,7 @@ async fn redis_killed_under_load_gets_the_failure_policy_then_recovers() {
                 "{policy}: {body}"
             );
         }
-        let after = failure_count(&client, serve.http, policy, allowed_while_down).await;
+        let after = failure_count(&client, serve.server.http, policy, allowed_while_down).await;
         assert_eq!(after - before, 20, "{policy}: each failure is counted");
 
         // Back again (with empty data, as after a crash): answers come from

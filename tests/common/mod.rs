@@ -1,0 +1,138 @@
+//! Test support for the end-to-end tests of `ratewarden serve`: the real
+//! binary on loopback ports, and configuration files in temporary
+//! directories.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use ratewarden_server::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_ratewarden");
+
+/// A `ratewarden serve` process, stopped when dropped.
+pub struct Server {
+    pub child: Child,
+    pub http: SocketAddr,
+    pub grpc: SocketAddr,
+}
+
+impl Server {
+    pub fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(BIN)
+            .arg("serve")
+            .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the ratewarden binary starts");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("serve prints where it listens");
+        // "ratewarden serve: HTTP on http://ADDR/v1/check, gRPC on ADDR"
+        let http = line
+            .split("http://")
+            .nth(1)
+            .and_then(|s| s.split('/').next())
+            .expect(&line);
+        let grpc = line.trim().rsplit(' ').next().expect(&line);
+        Server {
+            child,
+            http: http.parse().expect(&line),
+            grpc: grpc.parse().expect(&line),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}/v1/check", self.http)
+    }
+
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .args(["-s", name, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Sends SIGTERM and waits (bounded) for a clean exit.
+    pub fn stop(mut self) {
+        self.signal("TERM");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "serve exits cleanly on SIGTERM: {status}");
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "serve did not stop within 20 s of SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub async fn grpc(&self) -> RateLimitServiceClient<tonic::transport::Channel> {
+        RateLimitServiceClient::connect(format!("http://{}", self.grpc))
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A configuration file in a fresh temporary directory.
+pub struct ConfigFile {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl ConfigFile {
+    pub fn new(text: &str) -> ConfigFile {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "ratewarden-serve-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ratewarden.toml");
+        std::fs::write(&path, text).unwrap();
+        ConfigFile { dir, path }
+    }
+
+    pub fn write(&self, text: &str) {
+        // Write then rename, so a reload never reads half a file.
+        let tmp = self.dir.join("next.toml");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, &self.path).unwrap();
+    }
+
+    pub fn path(&self) -> &str {
+        self.path.to_str().unwrap()
+    }
+}
+
+impl Drop for ConfigFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
