@@ -119,3 +119,21 @@ fn an_unknown_store_is_refused() {
         stderr(&out)
     );
 }
+
+#[test]
+fn a_wrong_mix32_value_is_named_and_fails_without_counting_as_a_case() {
+    let path = scratch(
+        "mix32.json",
+        r#"{"mix32": [{"input": "hello", "output": 613153351}, {"input": "hello", "output": 1}],
+            "cases": []}"#,
+    );
+    let out = ratewarden(&["vectors", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = stdout(&out);
+    assert!(
+        text.contains("mix32.json mix32[1] \"hello\": expected 1, got 613153351"),
+        "{text}"
+    );
+    assert!(text.contains("mix32 values: 1 matched, 1 differ"), "{text}");
+    assert_eq!(text.lines().last(), Some("0 passed, 0 failed"));
+}

@@ -172,7 +172,7 @@ pub fn run(args: Args) -> ExitCode {
             malformed += 1;
         }
     }
-    let (mut passed, mut failed) = (0usize, 0usize);
+    let mut tally = Tally::default();
     for path in &files {
         let file = match std::fs::read_to_string(path)
             .map_err(|e| e.to_string())
@@ -185,14 +185,19 @@ pub fn run(args: Args) -> ExitCode {
                 continue;
             }
         };
-        let (p, f) = run_file(path, &file, runner.as_mut());
-        passed += p;
-        failed += f;
+        run_file(path, &file, runner.as_mut(), &mut tally);
     }
-    println!("{passed} passed, {failed} failed");
+    if tally.mix32_matched + tally.mix32_differ > 0 {
+        println!(
+            "mix32 values: {} matched, {} differ",
+            tally.mix32_matched, tally.mix32_differ
+        );
+    }
+    // The closing line counts cases only; mix32 values have their own line.
+    println!("{} passed, {} failed", tally.passed, tally.failed);
     if malformed > 0 {
         ExitCode::from(2)
-    } else if failed > 0 {
+    } else if tally.failed > 0 || tally.mix32_differ > 0 {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
@@ -222,16 +227,23 @@ fn collect(path: &Path, out: &mut Vec<PathBuf>) -> Result<(), String> {
     Ok(())
 }
 
-/// Runs every mix32 value and case of one file; prints each failure and
-/// returns (passed, failed), counting cases and mix32 values.
-fn run_file(path: &Path, file: &VectorFile, runner: &mut dyn CaseRunner) -> (usize, usize) {
-    let (mut passed, mut failed) = (0, 0);
+/// What the files so far gave.
+#[derive(Default)]
+struct Tally {
+    passed: usize,
+    failed: usize,
+    mix32_matched: usize,
+    mix32_differ: usize,
+}
+
+/// Runs every mix32 value and case of one file, printing each failure.
+fn run_file(path: &Path, file: &VectorFile, runner: &mut dyn CaseRunner, tally: &mut Tally) {
     for (i, m) in file.mix32.iter().enumerate() {
         let actual = mix32(&m.input);
         if actual == m.output {
-            passed += 1;
+            tally.mix32_matched += 1;
         } else {
-            failed += 1;
+            tally.mix32_differ += 1;
             println!(
                 "FAIL {} mix32[{i}] {:?}: expected {}, got {actual}",
                 path.display(),
@@ -242,13 +254,13 @@ fn run_file(path: &Path, file: &VectorFile, runner: &mut dyn CaseRunner) -> (usi
     }
     for (i, case) in file.cases.iter().enumerate() {
         match runner.run(case) {
-            CaseOutcome::Passed => passed += 1,
+            CaseOutcome::Passed => tally.passed += 1,
             CaseOutcome::Mismatch {
                 step,
                 expected,
                 actual,
             } => {
-                failed += 1;
+                tally.failed += 1;
                 let s = &case.steps[step];
                 println!(
                     "FAIL {} case {i} ({:?}, {}): step {step} (key {}, now_ms {}, cost {}): expected {}, got {}",
@@ -263,7 +275,7 @@ fn run_file(path: &Path, file: &VectorFile, runner: &mut dyn CaseRunner) -> (usi
                 );
             }
             CaseOutcome::StoreFailed { step, error } => {
-                failed += 1;
+                tally.failed += 1;
                 println!(
                     "FAIL {} case {i} ({:?}, {}): step {step}: store error: {error}",
                     path.display(),
@@ -273,7 +285,6 @@ fn run_file(path: &Path, file: &VectorFile, runner: &mut dyn CaseRunner) -> (usi
             }
         }
     }
-    (passed, failed)
 }
 
 fn show_expected(e: &Expected) -> String {
