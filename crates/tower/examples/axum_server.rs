@@ -2,7 +2,7 @@
 //! (sliding-window-counter, 100 requests per second) per client IP.
 //!
 //! ```text
-//! cargo run -p ratewarden-tower --example axum_server -- --addr 127.0.0.1:3000
+//! cargo run --example axum_server -- --addr 127.0.0.1:3000
 //! curl -i http://127.0.0.1:3000/
 //! ```
 //!
