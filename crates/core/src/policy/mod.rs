@@ -45,6 +45,45 @@ pub trait Policy: Send + Sync + 'static {
 
     /// The configured window, in ms.
     fn window_ms(&self) -> u64;
+
+    /// `state` packed into 64 bits, when every field fits exactly in the
+    /// layout this policy chose at construction; `None` otherwise.
+    ///
+    /// A store may keep packed states (16 bytes per key with the key) and
+    /// decide by unpacking, deciding and packing again; when a state does
+    /// not fit it keeps the wide state instead, so decisions are the same
+    /// either way. The default packs nothing.
+    #[inline]
+    fn pack(&self, _state: &Self::State) -> Option<u64> {
+        None
+    }
+
+    /// The state [`Policy::pack`] packed into `packed`. Only values that
+    /// `pack` returned are valid; the default (for policies that pack
+    /// nothing, so it is never called with one) gives a new key's state.
+    #[inline]
+    fn unpack(&self, _packed: u64) -> Self::State {
+        self.new_state(0)
+    }
+}
+
+/// Bits needed to hold every value up to `max` (0 for 0).
+#[inline]
+pub(crate) const fn bits_for(max: u128) -> u32 {
+    128 - max.leading_zeros()
+}
+
+/// The exclusive bound on a time field given `used` bits of a 64-bit word
+/// for counts: `2^(64 - used)`, or 0 when no bits are left (nothing packs).
+#[inline]
+pub(crate) const fn time_bound(used: u32) -> u64 {
+    if used >= 64 {
+        0
+    } else if used == 0 {
+        u64::MAX
+    } else {
+        1u64 << (64 - used)
+    }
 }
 
 /// `a * b / c`, floored, in 128 bits: exact for all 64-bit inputs when the
@@ -203,6 +242,8 @@ mod tests {
     /// its memory per key.
     #[test]
     fn state_sizes_are_as_documented() {
+        // The memory store keeps these packed into 8 bytes when they fit
+        // (see `Policy::pack`); these are the wide forms.
         assert_eq!(size_of::<FixedWindowState>(), 16);
         assert_eq!(size_of::<SlidingWindowCounterState>(), 24);
         assert_eq!(size_of::<TokenBucketState>(), 24);
