@@ -251,6 +251,32 @@ mod tests {
         assert_eq!(size_of::<SlidingLogState>(), 40);
         assert_eq!(std::mem::align_of::<TokenBucketState>(), 8);
     }
+
+    /// The memory store keeps 16 bytes per key (key and packed state) for
+    /// the reference configuration at wall-clock times: every state of
+    /// the four packing policies round-trips through 64 bits there.
+    #[test]
+    fn reference_states_pack_at_wall_clock_times() {
+        fn round_trips<P: Policy>(p: &P, now_ms: u64)
+        where
+            P::State: PartialEq,
+        {
+            let mut s = p.new_state(now_ms);
+            for step in 0..300 {
+                p.decide(&mut s, now_ms + step * 7, 1);
+                let packed = p.pack(&s).expect("a reference state packs");
+                assert_eq!(p.unpack(packed), s);
+            }
+        }
+        // 2026 in ms since 1970 is about 2^40.7; the layouts reach 2^47
+        // (token-bucket) or more.
+        let now_ms = 1_800_000_000_000;
+        round_trips(&FixedWindow::new(100, 1000).unwrap(), now_ms);
+        round_trips(&SlidingWindowCounter::new(100, 1000).unwrap(), now_ms);
+        round_trips(&TokenBucket::new(100, 1000, None).unwrap(), now_ms);
+        round_trips(&Gcra::new(100, 1000, None).unwrap(), now_ms);
+        assert_eq!(size_of::<(u64, u64)>(), 16);
+    }
 }
 
 #[cfg(test)]
