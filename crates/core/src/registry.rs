@@ -308,6 +308,28 @@ impl Policy for AnyPolicy {
             AnyPolicy::Gcra(p) => p.window_ms(),
         }
     }
+
+    #[inline]
+    fn pack(&self, state: &AnyState) -> Option<u64> {
+        match (self, state) {
+            (AnyPolicy::FixedWindow(p), AnyState::FixedWindow(s)) => p.pack(s),
+            (AnyPolicy::SlidingWindowCounter(p), AnyState::SlidingWindowCounter(s)) => p.pack(s),
+            (AnyPolicy::TokenBucket(p), AnyState::TokenBucket(s)) => p.pack(s),
+            (AnyPolicy::Gcra(p), AnyState::Gcra(s)) => p.pack(s),
+            _ => None,
+        }
+    }
+
+    #[inline]
+    fn unpack(&self, packed: u64) -> AnyState {
+        match self {
+            AnyPolicy::FixedWindow(p) => AnyState::FixedWindow(p.unpack(packed)),
+            AnyPolicy::SlidingWindowCounter(p) => AnyState::SlidingWindowCounter(p.unpack(packed)),
+            AnyPolicy::SlidingLog(p) => AnyState::SlidingLog(p.unpack(packed)),
+            AnyPolicy::TokenBucket(p) => AnyState::TokenBucket(p.unpack(packed)),
+            AnyPolicy::Gcra(p) => AnyState::Gcra(p.unpack(packed)),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! `fixed-window`: one count per aligned window.
 
-use super::{window_start, Policy};
+use super::{bits_for, time_bound, window_start, Policy};
 use crate::registry::{check_limit, check_window};
 use crate::{ConfigError, Decision};
 
@@ -12,6 +12,10 @@ use crate::{ConfigError, Decision};
 pub struct FixedWindow {
     limit: u64,
     window_ms: u64,
+    /// Packed layout: the count in the low `count_bits` (enough for
+    /// `limit`), the window start above it, below `time_bound`.
+    count_bits: u32,
+    time_bound: u64,
 }
 
 /// A key's fixed window.
@@ -29,7 +33,13 @@ impl FixedWindow {
     pub fn new(limit: u64, window_ms: u64) -> Result<Self, ConfigError> {
         check_limit(limit)?;
         check_window(window_ms)?;
-        Ok(FixedWindow { limit, window_ms })
+        let count_bits = bits_for(u128::from(limit));
+        Ok(FixedWindow {
+            limit,
+            window_ms,
+            count_bits,
+            time_bound: time_bound(count_bits),
+        })
     }
 }
 
@@ -75,6 +85,20 @@ impl Policy for FixedWindow {
 
     fn window_ms(&self) -> u64 {
         self.window_ms
+    }
+
+    #[inline]
+    fn pack(&self, s: &FixedWindowState) -> Option<u64> {
+        (s.window_start_ms < self.time_bound && s.current >> self.count_bits == 0)
+            .then(|| (s.window_start_ms << self.count_bits) | s.current)
+    }
+
+    #[inline]
+    fn unpack(&self, packed: u64) -> FixedWindowState {
+        FixedWindowState {
+            window_start_ms: packed >> self.count_bits,
+            current: packed & ((1u64 << self.count_bits) - 1),
+        }
     }
 }
 

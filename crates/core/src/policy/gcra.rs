@@ -94,6 +94,18 @@ impl Policy for Gcra {
     fn window_ms(&self) -> u64 {
         self.window_ms
     }
+
+    #[inline]
+    fn pack(&self, s: &GcraState) -> Option<u64> {
+        u64::try_from(s.tat.get()).ok()
+    }
+
+    #[inline]
+    fn unpack(&self, packed: u64) -> GcraState {
+        GcraState {
+            tat: Wide::new(u128::from(packed)),
+        }
+    }
 }
 
 #[cfg(test)]

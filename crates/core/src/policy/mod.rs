@@ -45,6 +45,45 @@ pub trait Policy: Send + Sync + 'static {
 
     /// The configured window, in ms.
     fn window_ms(&self) -> u64;
+
+    /// `state` packed into 64 bits, when every field fits exactly in the
+    /// layout this policy chose at construction; `None` otherwise.
+    ///
+    /// A store may keep packed states (16 bytes per key with the key) and
+    /// decide by unpacking, deciding and packing again; when a state does
+    /// not fit it keeps the wide state instead, so decisions are the same
+    /// either way. The default packs nothing.
+    #[inline]
+    fn pack(&self, _state: &Self::State) -> Option<u64> {
+        None
+    }
+
+    /// The state [`Policy::pack`] packed into `packed`. Only values that
+    /// `pack` returned are valid; the default (for policies that pack
+    /// nothing, so it is never called with one) gives a new key's state.
+    #[inline]
+    fn unpack(&self, _packed: u64) -> Self::State {
+        self.new_state(0)
+    }
+}
+
+/// Bits needed to hold every value up to `max` (0 for 0).
+#[inline]
+pub(crate) const fn bits_for(max: u128) -> u32 {
+    128 - max.leading_zeros()
+}
+
+/// The exclusive bound on a time field given `used` bits of a 64-bit word
+/// for counts: `2^(64 - used)`, or 0 when no bits are left (nothing packs).
+#[inline]
+pub(crate) const fn time_bound(used: u32) -> u64 {
+    if used >= 64 {
+        0
+    } else if used == 0 {
+        u64::MAX
+    } else {
+        1u64 << (64 - used)
+    }
 }
 
 /// `a * b / c`, floored, in 128 bits: exact for all 64-bit inputs when the
@@ -203,12 +242,40 @@ mod tests {
     /// its memory per key.
     #[test]
     fn state_sizes_are_as_documented() {
+        // The memory store keeps these packed into 8 bytes when they fit
+        // (see `Policy::pack`); these are the wide forms.
         assert_eq!(size_of::<FixedWindowState>(), 16);
         assert_eq!(size_of::<SlidingWindowCounterState>(), 24);
         assert_eq!(size_of::<TokenBucketState>(), 24);
         assert_eq!(size_of::<GcraState>(), 16);
         assert_eq!(size_of::<SlidingLogState>(), 40);
         assert_eq!(std::mem::align_of::<TokenBucketState>(), 8);
+    }
+
+    /// The memory store keeps 16 bytes per key (key and packed state) for
+    /// the reference configuration at wall-clock times: every state of
+    /// the four packing policies round-trips through 64 bits there.
+    #[test]
+    fn reference_states_pack_at_wall_clock_times() {
+        fn round_trips<P: Policy>(p: &P, now_ms: u64)
+        where
+            P::State: PartialEq,
+        {
+            let mut s = p.new_state(now_ms);
+            for step in 0..300 {
+                p.decide(&mut s, now_ms + step * 7, 1);
+                let packed = p.pack(&s).expect("a reference state packs");
+                assert_eq!(p.unpack(packed), s);
+            }
+        }
+        // 2026 in ms since 1970 is about 2^40.7; the layouts reach 2^47
+        // (token-bucket) or more.
+        let now_ms = 1_800_000_000_000;
+        round_trips(&FixedWindow::new(100, 1000).unwrap(), now_ms);
+        round_trips(&SlidingWindowCounter::new(100, 1000).unwrap(), now_ms);
+        round_trips(&TokenBucket::new(100, 1000, None).unwrap(), now_ms);
+        round_trips(&Gcra::new(100, 1000, None).unwrap(), now_ms);
+        assert_eq!(size_of::<(u64, u64)>(), 16);
     }
 }
 

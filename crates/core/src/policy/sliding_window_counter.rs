@@ -1,7 +1,7 @@
 //! `sliding-window-counter`: the current and previous aligned windows, the
 //! previous one fading out linearly as the current one fills.
 
-use super::{mul_div, window_start, Divisor, Policy};
+use super::{bits_for, mul_div, time_bound, window_start, Divisor, Policy};
 use crate::registry::{check_limit, check_window};
 use crate::{ConfigError, Decision};
 
@@ -17,6 +17,11 @@ pub struct SlidingWindowCounter {
     window_ms: u64,
     /// `window_ms` as a divisor, for the carried share.
     per_window: Divisor,
+    /// Packed layout: `current` in the low `count_bits`, `previous` in the
+    /// next `count_bits` (both enough for `limit`), the window start above
+    /// them, below `time_bound`.
+    count_bits: u32,
+    time_bound: u64,
 }
 
 /// A key's two windows.
@@ -42,6 +47,8 @@ impl SlidingWindowCounter {
             limit,
             window_ms,
             per_window: Divisor::new(window_ms),
+            count_bits: bits_for(u128::from(limit)),
+            time_bound: time_bound(2 * bits_for(u128::from(limit))),
         })
     }
 
@@ -143,6 +150,29 @@ impl Policy for SlidingWindowCounter {
 
     fn window_ms(&self) -> u64 {
         self.window_ms
+    }
+
+    #[inline]
+    fn pack(&self, s: &SlidingWindowCounterState) -> Option<u64> {
+        let b = self.count_bits;
+        (s.window_start_ms < self.time_bound && s.previous >> b == 0 && s.current >> b == 0).then(
+            || {
+                // `time_bound` is non-zero only when 2 b < 64, so every
+                // shift is below 64.
+                (s.window_start_ms << (2 * b)) | (s.previous << b) | s.current
+            },
+        )
+    }
+
+    #[inline]
+    fn unpack(&self, packed: u64) -> SlidingWindowCounterState {
+        let b = self.count_bits;
+        let mask = (1u64 << b) - 1;
+        SlidingWindowCounterState {
+            window_start_ms: packed >> (2 * b),
+            previous: (packed >> b) & mask,
+            current: packed & mask,
+        }
     }
 }
 

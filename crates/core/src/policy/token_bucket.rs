@@ -1,7 +1,7 @@
 //! `token-bucket`: a bucket of `burst` tokens refilled continuously at
 //! `limit` per `window_ms`.
 
-use super::{Divisor, Policy, Wide};
+use super::{bits_for, time_bound, Divisor, Policy, Wide};
 use crate::decision::saturate_ms;
 use crate::registry::{check_burst, check_limit, check_window};
 use crate::{ConfigError, Decision};
@@ -20,6 +20,10 @@ pub struct TokenBucket {
     /// `window_ms` and `limit` as divisors, for `remaining` and the wait.
     per_window: Divisor,
     per_limit: Divisor,
+    /// Packed layout: the level in the low `level_bits` (enough for the
+    /// capacity), the last refill time above it, below `time_bound`.
+    level_bits: u32,
+    time_bound: u64,
 }
 
 /// A key's bucket.
@@ -40,7 +44,10 @@ impl TokenBucket {
         check_window(window_ms)?;
         let burst = burst.unwrap_or(limit);
         check_burst(burst)?;
+        let level_bits = bits_for(u128::from(burst) * u128::from(window_ms));
         Ok(TokenBucket {
+            level_bits,
+            time_bound: time_bound(level_bits),
             limit,
             window_ms,
             burst,
@@ -103,6 +110,22 @@ impl Policy for TokenBucket {
 
     fn window_ms(&self) -> u64 {
         self.window_ms
+    }
+
+    #[inline]
+    fn pack(&self, s: &TokenBucketState) -> Option<u64> {
+        let level = s.level.get();
+        // `time_bound` is non-zero only when `level_bits < 64`.
+        (s.last_ms < self.time_bound && level >> self.level_bits == 0)
+            .then(|| (s.last_ms << self.level_bits) | level as u64)
+    }
+
+    #[inline]
+    fn unpack(&self, packed: u64) -> TokenBucketState {
+        TokenBucketState {
+            level: Wide::new(u128::from(packed & ((1u64 << self.level_bits) - 1))),
+            last_ms: packed >> self.level_bits,
+        }
     }
 }
 

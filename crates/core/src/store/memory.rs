@@ -7,12 +7,19 @@
 //! (foldhash): the bits pick the shard and the slot, and an attacker who
 //! chooses keys cannot predict which collide (no hash flooding).
 //!
-//! Memory per key: the table stores `(u64 key, state)`; state is 16 bytes
-//! for `fixed-window`, 24 for `sliding-window-counter` and `token-bucket`,
-//! 16 for `gcra`, and 40 plus 16 per log entry for `sliding-log`; SwissTable
-//! adds one control byte per slot and keeps its load factor between 7/16
-//! and 7/8, so a `sliding-window-counter` key costs about 33 to 75 bytes
-//! (`ratewarden bench` measures it).
+//! Memory per key: a shard keeps `(u64 key, u64 packed state)` pairs, 16
+//! bytes, while every state fits the 64-bit layout its policy chose from
+//! the configuration ([`Policy::pack`]): for the reference configuration
+//! (100 per 1000 ms) the window counters and buckets pack every time below
+//! 2^50 ms (35,000 years of wall-clock time). Decisions unpack, decide on
+//! the wide state and pack again, so they are the same either way. The
+//! first state of a shard that does not fit turns that shard, once, into a
+//! table of `(u64 key, state)` with the wide states: 24 bytes for
+//! `fixed-window` and `gcra`, 32 for `sliding-window-counter` and
+//! `token-bucket`, and 48 plus 16 per log entry for `sliding-log` (which
+//! never packs). SwissTable adds one control byte per slot and keeps its
+//! load factor between 7/16 and 7/8, so a packed key costs about 19 to 38
+//! bytes (`ratewarden bench` measures it).
 //!
 //! The store holds at most [`MemoryOptions::max_keys`] keys. It forgets
 //! keys only in [`MemoryStore::forget_idle`], an explicit call with a bound,
@@ -144,11 +151,27 @@ impl<S> Shard<S> {
 }
 
 struct ShardTable<S> {
-    entries: HashTable<(u64, S)>,
+    entries: Entries<S>,
     /// `now_ms` of the last sweep forced by a full shard: a full shard is
     /// swept at most once per millisecond, so a flood of new keys cannot
     /// turn every request into a scan.
     last_full_sweep_ms: Option<u64>,
+}
+
+/// A shard's keys: packed states while every one fits in 64 bits, wide
+/// states from the first one that does not (see the module's notes).
+enum Entries<S> {
+    Packed(HashTable<(u64, u64)>),
+    Wide(HashTable<(u64, S)>),
+}
+
+impl<S> Entries<S> {
+    fn len(&self) -> usize {
+        match self {
+            Entries::Packed(t) => t.len(),
+            Entries::Wide(t) => t.len(),
+        }
+    }
 }
 
 impl MemoryStore<AnyPolicy> {
@@ -170,6 +193,9 @@ impl<P: Policy> MemoryStore<P> {
         // At most 2^16 shards: the shard index is taken from hash bits 32..48.
         let shards = wanted.clamp(1, 1 << 16).next_power_of_two();
         let max_keys_per_shard = options.max_keys.div_ceil(shards).max(1);
+        // A policy that cannot pack even a new key's state (the log) starts
+        // wide rather than widening every shard on its first key.
+        let packs = policy.pack(&policy.new_state(0)).is_some();
         MemoryStore {
             inner: Arc::new(Inner {
                 policy,
@@ -177,7 +203,11 @@ impl<P: Policy> MemoryStore<P> {
                 shards: (0..shards)
                     .map(|_| Shard {
                         table: SpinMutex::new(ShardTable {
-                            entries: HashTable::new(),
+                            entries: if packs {
+                                Entries::Packed(HashTable::new())
+                            } else {
+                                Entries::Wide(HashTable::new())
+                            },
                             last_full_sweep_ms: None,
                         }),
                     })
@@ -216,9 +246,28 @@ impl<P: Policy> MemoryStore<P> {
         // Bits 32..48 pick the shard: SwissTable uses the low bits for the
         // slot and the top seven for its control bytes.
         let shard = &inner.shards[(hash >> 32) as usize & inner.shard_mask];
-        let mut table = shard.lock();
-        if let Some((_, state)) = table.entries.find_mut(hash, |e| e.0 == key) {
-            return Ok(inner.policy.decide(state, now_ms, cost));
+        let mut guard = shard.lock();
+        let table = &mut *guard;
+        let policy = &inner.policy;
+        match &mut table.entries {
+            Entries::Packed(entries) => {
+                if let Some(entry) = entries.find_mut(hash, |e| e.0 == key) {
+                    let mut state = policy.unpack(entry.1);
+                    let decision = policy.decide(&mut state, now_ms, cost);
+                    if let Some(packed) = policy.pack(&state) {
+                        entry.1 = packed;
+                    } else {
+                        inner.widen(&mut table.entries);
+                        inner.put(&mut table.entries, hash, key, state);
+                    }
+                    return Ok(decision);
+                }
+            }
+            Entries::Wide(entries) => {
+                if let Some((_, state)) = entries.find_mut(hash, |e| e.0 == key) {
+                    return Ok(policy.decide(state, now_ms, cost));
+                }
+            }
         }
         // A new key is stored even when its first request was a peek or a
         // refusal: that request still recorded a time, and a later request
@@ -226,7 +275,7 @@ impl<P: Policy> MemoryStore<P> {
         if table.entries.len() >= inner.max_keys_per_shard {
             if table.last_full_sweep_ms.is_none_or(|t| now_ms > t) {
                 table.last_full_sweep_ms = Some(now_ms);
-                inner.sweep(&mut table, now_ms);
+                inner.sweep(table, now_ms);
             }
             if table.entries.len() >= inner.max_keys_per_shard {
                 return Err(StoreError::new(
@@ -239,11 +288,9 @@ impl<P: Policy> MemoryStore<P> {
                 ));
             }
         }
-        let mut state = inner.policy.new_state(now_ms);
-        let decision = inner.policy.decide(&mut state, now_ms, cost);
-        table
-            .entries
-            .insert_unique(hash, (key, state), |e| inner.hasher.hash_one(e.0));
+        let mut state = policy.new_state(now_ms);
+        let decision = policy.decide(&mut state, now_ms, cost);
+        inner.put(&mut table.entries, hash, key, state);
         Ok(decision)
     }
 
@@ -281,16 +328,69 @@ impl<P: Policy> MemoryStore<P> {
 }
 
 impl<P: Policy> Inner<P> {
+    /// Stores `state` for `key` (new or known), packed when it fits and the
+    /// shard is still packed, else wide (widening the shard first).
+    fn put(&self, entries: &mut Entries<P::State>, hash: u64, key: u64, state: P::State) {
+        if let Entries::Packed(table) = entries {
+            if let Some(packed) = self.policy.pack(&state) {
+                match table.find_mut(hash, |e| e.0 == key) {
+                    Some(entry) => entry.1 = packed,
+                    None => {
+                        table.insert_unique(hash, (key, packed), |e| self.hasher.hash_one(e.0));
+                    }
+                }
+                return;
+            }
+            self.widen(entries);
+        }
+        if let Entries::Wide(table) = entries {
+            match table.find_mut(hash, |e| e.0 == key) {
+                Some(entry) => entry.1 = state,
+                None => {
+                    table.insert_unique(hash, (key, state), |e| self.hasher.hash_one(e.0));
+                }
+            }
+        }
+    }
+
+    /// Turns a packed shard into a wide one, once: every state is unpacked
+    /// exactly, so no decision changes. It costs one pass over the shard,
+    /// which holds at most `max_keys_per_shard` keys.
+    #[cold]
+    fn widen(&self, entries: &mut Entries<P::State>) {
+        if let Entries::Packed(table) = entries {
+            let mut wide = HashTable::with_capacity(table.len());
+            for (key, packed) in table.drain() {
+                wide.insert_unique(
+                    self.hasher.hash_one(key),
+                    (key, self.policy.unpack(packed)),
+                    |e| self.hasher.hash_one(e.0),
+                );
+            }
+            *entries = Entries::Wide(wide);
+        }
+    }
+
     fn sweep(&self, table: &mut ShardTable<P::State>, now_ms: u64) {
-        table
-            .entries
-            .retain(|(_, state)| !self.policy.is_forgettable(state, now_ms));
+        let policy = &self.policy;
+        let hasher = &self.hasher;
         // Give memory back after a large sweep, keeping room to grow.
-        let (len, capacity) = (table.entries.len(), table.entries.capacity());
-        if capacity > 64 && len * 4 < capacity {
-            table
-                .entries
-                .shrink_to(len * 2, |e| self.hasher.hash_one(e.0));
+        match &mut table.entries {
+            Entries::Packed(entries) => {
+                entries
+                    .retain(|(_, packed)| !policy.is_forgettable(&policy.unpack(*packed), now_ms));
+                let (len, capacity) = (entries.len(), entries.capacity());
+                if capacity > 64 && len * 4 < capacity {
+                    entries.shrink_to(len * 2, |e| hasher.hash_one(e.0));
+                }
+            }
+            Entries::Wide(entries) => {
+                entries.retain(|(_, state)| !policy.is_forgettable(state, now_ms));
+                let (len, capacity) = (entries.len(), entries.capacity());
+                if capacity > 64 && len * 4 < capacity {
+                    entries.shrink_to(len * 2, |e| hasher.hash_one(e.0));
+                }
+            }
         }
     }
 }
@@ -439,5 +539,73 @@ mod tests {
         // and takes the new one.
         assert!(store.decide(99, 1000, 1).unwrap().allowed);
         assert_eq!(store.entries_tracked(), 1);
+    }
+
+    /// Packed shards decide as the bare policy does, and a state that
+    /// stops fitting (a large count or a late time) widens its shard
+    /// without changing any decision, before or after.
+    #[test]
+    fn packed_and_widened_shards_decide_as_the_policy_does() {
+        use crate::registry::AnyState;
+        use std::collections::HashMap;
+        let configs = [
+            PolicyConfig::new(PolicyKind::FixedWindow, 100, 1000),
+            PolicyConfig::new(PolicyKind::SlidingWindowCounter, 100, 1000),
+            // 2 x 31 count bits leave 2 bits of time: widens at 4 ms.
+            PolicyConfig::new(PolicyKind::SlidingWindowCounter, 1 << 30, 3),
+            PolicyConfig::new(PolicyKind::FixedWindow, 1 << 40, 7),
+            PolicyConfig::new(PolicyKind::TokenBucket, 100, 1000),
+            PolicyConfig::new(PolicyKind::TokenBucket, 1 << 20, 1 << 30),
+            PolicyConfig::new(PolicyKind::Gcra, 100, 1000),
+            PolicyConfig::new(PolicyKind::Gcra, MAX_SAFE, 3),
+            PolicyConfig::new(PolicyKind::SlidingLog, 5, 10),
+        ];
+        for config in configs {
+            let options = MemoryOptions {
+                max_keys: 1 << 10,
+                shards: 4,
+            };
+            let store = MemoryStore::for_config(&config, options).unwrap();
+            let policy = config.build().unwrap();
+            let mut states: HashMap<u64, AnyState> = HashMap::new();
+            let mut now = 0u64;
+            let mut x = 0x2545_f491_4f6c_dd1d_u64;
+            for step in 0..4000 {
+                // A small xorshift walk: keys 0..40, time mostly forward
+                // with jumps past 2^50 ms late in the run, costs up to the
+                // limit and beyond.
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let key = x % 40;
+                now = match (x >> 8) % 16 {
+                    0 if step > 3000 => now.max(1 << 50) + (x >> 20) % 5000,
+                    1 => now.saturating_sub((x >> 20) % 50),
+                    _ => now + (x >> 20) % 7,
+                }
+                .min(MAX_SAFE);
+                let cost = match (x >> 12) % 4 {
+                    0 => (x >> 24) % (config.limit + 2),
+                    _ => (x >> 24) % 3,
+                };
+                let state = states.entry(key).or_insert_with(|| policy.new_state(now));
+                let expected = policy.decide(state, now, cost);
+                let real = store.decide(key, now, cost).unwrap();
+                assert_eq!(real, expected, "{config} step {step} key {key} at {now}");
+            }
+            assert_eq!(store.entries_tracked(), states.len());
+            // Every configuration met a state that did not fit, but those
+            // whose every state packs below 2^53 ms: `fixed-window` with 7
+            // count bits, `gcra` whose scaled time fits 64 bits.
+            let wide = store
+                .inner
+                .shards
+                .iter()
+                .filter(|s| matches!(s.lock().entries, Entries::Wide(_)))
+                .count();
+            let always_packs = config == PolicyConfig::new(PolicyKind::Gcra, 100, 1000)
+                || config == PolicyConfig::new(PolicyKind::FixedWindow, 100, 1000);
+            assert_eq!(wide == 0, always_packs, "{config}: {wide} wide shards");
+        }
     }
 }
