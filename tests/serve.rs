@@ -283,14 +283,7 @@ async fn http_answers_carry_the_decision_and_the_ratelimit_headers() {
         .await
         .unwrap();
     assert_eq!(health.status().as_u16(), 200);
-    let metrics = client
-        .get(format!("http://{}/metrics", server.http))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = common::metrics(&client, server.http).await;
     assert!(
         metrics.contains("ratewarden_decisions_total{rule=\"keys\",outcome=\"allowed\"} 1\n"),
         "{metrics}"
@@ -425,14 +418,7 @@ async fn shadow_rules_count_but_never_refuse() {
         headers.get("ratelimit").is_none(),
         "shadow rules are not advertised"
     );
-    let metrics = client
-        .get(format!("http://{}/metrics", server.http))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = common::metrics(&client, server.http).await;
     assert!(
         metrics.contains("ratewarden_decisions_total{rule=\"trial\",outcome=\"allowed\"} 1\n"),
         "{metrics}"
@@ -571,14 +557,7 @@ async fn a_reload_under_load_loses_no_request_and_resets_no_count() {
     // steady one, a broken file (kept out), and the first file again.
     let client = client();
     let reloads = |client: reqwest::Client, http: SocketAddr| async move {
-        let text = client
-            .get(format!("http://{http}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = common::metrics(&client, http).await;
         let count = |result: &str| {
             let prefix = format!("ratewarden_config_reloads_total{{result=\"{result}\"}} ");
             text.lines()

@@ -173,14 +173,7 @@ async fn failure_count(
     policy: &str,
     allowed: bool,
 ) -> u64 {
-    let text = client
-        .get(format!("http://{http}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = common::metrics(client, http).await;
     let outcome = if allowed { "allowed" } else { "refused" };
     let prefix = format!(
         "ratewarden_failure_policy_decisions_total{{policy=\"{policy}\",outcome=\"{outcome}\"}} "

@@ -136,3 +136,15 @@ impl Drop for ConfigFile {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// The service's `/metrics` page, as Prometheus would read it.
+pub async fn metrics(client: &reqwest::Client, http: SocketAddr) -> String {
+    client
+        .get(format!("http://{http}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
