@@ -1,6 +1,6 @@
 //! The embedded, concurrent in-memory store.
 //!
-//! Keys are spread over shards, each a SwissTable behind its own mutex, so
+//! Keys are spread over shards, each a hash table behind its own mutex, so
 //! threads deciding different keys rarely meet and a decision on one key is
 //! linearizable (its read-modify-write happens under the shard's lock). A
 //! key is hashed once, with a keyed, per-store randomly seeded hash
@@ -8,7 +8,9 @@
 //! chooses keys cannot predict which collide (no hash flooding).
 //!
 //! Memory per key: a shard keeps `(u64 key, u64 packed state)` pairs, 16
-//! bytes, while every state fits the 64-bit layout its policy chose from
+//! bytes, in a flat open-addressing table (`table.rs`) held between 9/16
+//! and 13/16 full, so a key costs 20 to 29 bytes, while every state fits
+//! the 64-bit layout its policy chose from
 //! the configuration ([`Policy::pack`]): for the reference configuration
 //! (100 per 1000 ms) the window counters and buckets pack every time below
 //! 2^50 ms (35,000 years of wall-clock time). Decisions unpack, decide on
@@ -17,9 +19,9 @@
 //! table of `(u64 key, state)` with the wide states: 24 bytes for
 //! `fixed-window` and `gcra`, 32 for `sliding-window-counter` and
 //! `token-bucket`, and 48 plus 16 per log entry for `sliding-log` (which
-//! never packs). SwissTable adds one control byte per slot and keeps its
-//! load factor between 7/16 and 7/8, so a packed key costs about 19 to 38
-//! bytes (`ratewarden bench` measures it).
+//! never packs), in a SwissTable, which adds one control byte per slot and
+//! keeps its load between 7/16 and 7/8. `ratewarden bench` measures the
+//! bytes per key.
 //!
 //! The store holds at most [`MemoryOptions::max_keys`] keys. It forgets
 //! keys only in [`MemoryStore::forget_idle`], an explicit call with a bound,
@@ -37,6 +39,7 @@ use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 use spin::mutex::{SpinMutex, SpinMutexGuard};
 
+use super::table::PackedTable;
 use super::Store;
 use crate::error::check_request;
 use crate::policy::Policy;
@@ -161,7 +164,7 @@ struct ShardTable<S> {
 /// A shard's keys: packed states while every one fits in 64 bits, wide
 /// states from the first one that does not (see the module's notes).
 enum Entries<S> {
-    Packed(HashTable<(u64, u64)>),
+    Packed(PackedTable),
     Wide(HashTable<(u64, S)>),
 }
 
@@ -204,7 +207,7 @@ impl<P: Policy> MemoryStore<P> {
                     .map(|_| Shard {
                         table: SpinMutex::new(ShardTable {
                             entries: if packs {
-                                Entries::Packed(HashTable::new())
+                                Entries::Packed(PackedTable::default())
                             } else {
                                 Entries::Wide(HashTable::new())
                             },
@@ -251,11 +254,11 @@ impl<P: Policy> MemoryStore<P> {
         let policy = &inner.policy;
         match &mut table.entries {
             Entries::Packed(entries) => {
-                if let Some(entry) = entries.find_mut(hash, |e| e.0 == key) {
-                    let mut state = policy.unpack(entry.1);
+                if let Some(entry) = entries.find_mut(packed_hash(hash), key) {
+                    let mut state = policy.unpack(*entry);
                     let decision = policy.decide(&mut state, now_ms, cost);
                     if let Some(packed) = policy.pack(&state) {
-                        entry.1 = packed;
+                        *entry = packed;
                     } else {
                         inner.widen(&mut table.entries);
                         inner.put(&mut table.entries, hash, key, state);
@@ -327,17 +330,28 @@ impl<P: Policy> MemoryStore<P> {
     }
 }
 
+/// The hash a packed table places a key by: the store's hash with the
+/// shard's bits (32..48, the same for every key of a shard) rotated to the
+/// bottom, because the table places keys by the high bits.
+#[inline]
+fn packed_hash(hash: u64) -> u64 {
+    hash.rotate_right(32)
+}
+
 impl<P: Policy> Inner<P> {
+    fn packed_hash_of(&self, key: u64) -> u64 {
+        packed_hash(self.hasher.hash_one(key))
+    }
+
     /// Stores `state` for `key` (new or known), packed when it fits and the
     /// shard is still packed, else wide (widening the shard first).
     fn put(&self, entries: &mut Entries<P::State>, hash: u64, key: u64, state: P::State) {
         if let Entries::Packed(table) = entries {
             if let Some(packed) = self.policy.pack(&state) {
-                match table.find_mut(hash, |e| e.0 == key) {
-                    Some(entry) => entry.1 = packed,
-                    None => {
-                        table.insert_unique(hash, (key, packed), |e| self.hasher.hash_one(e.0));
-                    }
+                let hash = packed_hash(hash);
+                match table.find_mut(hash, key) {
+                    Some(entry) => *entry = packed,
+                    None => table.insert_new(hash, key, packed, |k| self.packed_hash_of(k)),
                 }
                 return;
             }
@@ -376,14 +390,10 @@ impl<P: Policy> Inner<P> {
         let hasher = &self.hasher;
         // Give memory back after a large sweep, keeping room to grow.
         match &mut table.entries {
-            Entries::Packed(entries) => {
-                entries
-                    .retain(|(_, packed)| !policy.is_forgettable(&policy.unpack(*packed), now_ms));
-                let (len, capacity) = (entries.len(), entries.capacity());
-                if capacity > 64 && len * 4 < capacity {
-                    entries.shrink_to(len * 2, |e| hasher.hash_one(e.0));
-                }
-            }
+            Entries::Packed(entries) => entries.retain(
+                |packed| !policy.is_forgettable(&policy.unpack(packed), now_ms),
+                |k| self.packed_hash_of(k),
+            ),
             Entries::Wide(entries) => {
                 entries.retain(|(_, state)| !policy.is_forgettable(state, now_ms));
                 let (len, capacity) = (entries.len(), entries.capacity());

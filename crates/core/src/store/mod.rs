@@ -2,6 +2,7 @@
 //! read-modify-write per request; the decision itself is the policy's.
 
 pub mod memory;
+mod table;
 
 use crate::{Decision, StoreError};
 
