@@ -53,7 +53,7 @@ impl Policy for FixedWindow {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, s: &mut FixedWindowState, now_ms: u64, cost: u64) -> Decision {
         // Clock regression: a request from before the recorded window is
         // decided at its start, so a clock that steps back never resets it.

@@ -64,7 +64,7 @@ impl Policy for Gcra {
         GcraState::default()
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, s: &mut GcraState, now_ms: u64, cost: u64) -> Decision {
         let w = u128::from(self.window_ms);
         let capacity = u128::from(self.burst) * w;

@@ -111,7 +111,7 @@ impl Policy for SlidingWindowCounter {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, s: &mut SlidingWindowCounterState, now_ms: u64, cost: u64) -> Decision {
         // Clock regression: decided at the recorded window start, never
         // rolling the windows back.

@@ -76,7 +76,7 @@ impl Policy for TokenBucket {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, s: &mut TokenBucketState, now_ms: u64, cost: u64) -> Decision {
         // Clock regression: decided at the last refill, so a clock that
         // steps back never refills the bucket twice.

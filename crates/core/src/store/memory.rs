@@ -32,7 +32,7 @@
 //! [`StoreErrorKind::CapacityExhausted`] and is never silently admitted.
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use foldhash::fast::RandomState;
@@ -122,6 +122,83 @@ struct Inner<P: Policy> {
 #[repr(align(64))]
 struct Shard<S> {
     table: SpinMutex<ShardTable<S>>,
+    refused: RefusedKey,
+}
+
+/// The shard's most recently refused key and its packed state, readable
+/// without the lock.
+///
+/// A key over its limit is refused again and again, and a refusal usually
+/// leaves the state as it was (same window, nothing refilled). Such a
+/// refusal needs no write, so it needs no lock: a reader takes a consistent
+/// snapshot of the key's state here, decides on it, and if the decision is
+/// a refusal that leaves the state unchanged, that decision is exactly the
+/// one the locked path would have made at the instant of the snapshot
+/// (linearizable there). Anything else (an admission, a rolled window, a
+/// refilled bucket, a snapshot torn by a writer) goes through the lock.
+/// This spares the lock's atomic read-modify-write on the commonest request
+/// of an abusive client, and many threads refusing one key read a shared
+/// cache line instead of passing the lock's line between cores.
+///
+/// Coherence: only the shard's lock holder writes here, and it updates
+/// the entry whenever it changes the cached key's state, and clears it
+/// whenever states stop being packed or keys are forgotten. A seqlock with
+/// atomic fields (odd `seq` while written) gives readers consistent
+/// snapshots without any unsafe code.
+#[repr(align(64))]
+#[derive(Default)]
+struct RefusedKey {
+    seq: AtomicU64,
+    held: AtomicBool,
+    key: AtomicU64,
+    packed: AtomicU64,
+}
+
+impl RefusedKey {
+    /// The packed state of `key`, if it is the key held and no write was
+    /// in progress.
+    #[inline]
+    fn read(&self, key: u64) -> Option<u64> {
+        let before = self.seq.load(Ordering::Acquire);
+        let held = self.held.load(Ordering::Relaxed);
+        let cached_key = self.key.load(Ordering::Relaxed);
+        let packed = self.packed.load(Ordering::Relaxed);
+        // Orders the field reads before the second read of `seq` (the
+        // seqlock reader's protocol with atomic fields).
+        fence(Ordering::Acquire);
+        let unchanged = self.seq.load(Ordering::Relaxed) == before;
+        (unchanged && before & 1 == 0 && held && cached_key == key).then_some(packed)
+    }
+
+    /// Whether `key` is held; only for the lock holder, the only writer.
+    #[inline]
+    fn holds(&self, key: u64) -> bool {
+        self.held.load(Ordering::Relaxed) && self.key.load(Ordering::Relaxed) == key
+    }
+
+    /// Holds `key` with `packed`, or nothing; only for the lock holder.
+    fn write(&self, entry: Option<(u64, u64)>) {
+        let seq = self.seq.load(Ordering::Relaxed);
+        self.seq.store(seq.wrapping_add(1), Ordering::Relaxed);
+        // Orders the odd `seq` before the field writes.
+        fence(Ordering::Release);
+        match entry {
+            Some((key, packed)) => {
+                self.key.store(key, Ordering::Relaxed);
+                self.packed.store(packed, Ordering::Relaxed);
+                self.held.store(true, Ordering::Relaxed);
+            }
+            None => self.held.store(false, Ordering::Relaxed),
+        }
+        self.seq.store(seq.wrapping_add(2), Ordering::Release);
+    }
+
+    /// Drops the key held, if any; only for the lock holder.
+    fn clear(&self) {
+        if self.held.load(Ordering::Relaxed) {
+            self.write(None);
+        }
+    }
 }
 
 impl<S> Shard<S> {
@@ -205,6 +282,7 @@ impl<P: Policy> MemoryStore<P> {
                 hasher: RandomState::default(),
                 shards: (0..shards)
                     .map(|_| Shard {
+                        refused: RefusedKey::default(),
                         table: SpinMutex::new(ShardTable {
                             entries: if packs {
                                 Entries::Packed(PackedTable::default())
@@ -249,9 +327,18 @@ impl<P: Policy> MemoryStore<P> {
         // Bits 32..48 pick the shard: SwissTable uses the low bits for the
         // slot and the top seven for its control bytes.
         let shard = &inner.shards[(hash >> 32) as usize & inner.shard_mask];
+        let policy = &inner.policy;
+        // A refusal that changes nothing, decided without the lock (see
+        // `RefusedKey`).
+        if let Some(packed) = shard.refused.read(key) {
+            let mut state = policy.unpack(packed);
+            let decision = policy.decide(&mut state, now_ms, cost);
+            if !decision.allowed && policy.pack(&state) == Some(packed) {
+                return Ok(decision);
+            }
+        }
         let mut guard = shard.lock();
         let table = &mut *guard;
-        let policy = &inner.policy;
         match &mut table.entries {
             Entries::Packed(entries) => {
                 if let Some(entry) = entries.find_mut(packed_hash(hash), key) {
@@ -259,7 +346,13 @@ impl<P: Policy> MemoryStore<P> {
                     let decision = policy.decide(&mut state, now_ms, cost);
                     if let Some(packed) = policy.pack(&state) {
                         *entry = packed;
+                        // The refused key is held for the lock-free path;
+                        // the key held has its state kept up to date.
+                        if !decision.allowed || shard.refused.holds(key) {
+                            shard.refused.write(Some((key, packed)));
+                        }
                     } else {
+                        shard.refused.clear();
                         inner.widen(&mut table.entries);
                         inner.put(&mut table.entries, hash, key, state);
                     }
@@ -278,6 +371,7 @@ impl<P: Policy> MemoryStore<P> {
         if table.entries.len() >= inner.max_keys_per_shard {
             if table.last_full_sweep_ms.is_none_or(|t| now_ms > t) {
                 table.last_full_sweep_ms = Some(now_ms);
+                shard.refused.clear();
                 inner.sweep(table, now_ms);
             }
             if table.entries.len() >= inner.max_keys_per_shard {
@@ -294,6 +388,11 @@ impl<P: Policy> MemoryStore<P> {
         let mut state = policy.new_state(now_ms);
         let decision = policy.decide(&mut state, now_ms, cost);
         inner.put(&mut table.entries, hash, key, state);
+        if matches!(table.entries, Entries::Wide(_)) {
+            // The new key's state may have widened the shard: the held
+            // packed state must not outlive it.
+            shard.refused.clear();
+        }
         Ok(decision)
     }
 
@@ -317,7 +416,10 @@ impl<P: Policy> MemoryStore<P> {
         let mut done = Housekeeping::default();
         for _ in 0..inner.shards.len() {
             let index = inner.sweep_cursor.fetch_add(1, Ordering::Relaxed) & inner.shard_mask;
-            let mut table = inner.shards[index].lock();
+            let shard = &inner.shards[index];
+            let mut table = shard.lock();
+            // Forgotten keys must not stay readable without the lock.
+            shard.refused.clear();
             let before = table.entries.len();
             inner.sweep(&mut table, now_ms);
             done.scanned += before;
@@ -443,6 +545,90 @@ mod tests {
         });
         assert_eq!(admitted, 1000);
         assert_eq!(store.decide(9, 5, 0).unwrap().remaining, 0);
+    }
+
+    /// Refusals that change nothing are decided without the lock, from
+    /// the shard's refused key; with threads racing through window
+    /// rollovers, every window still admits exactly its limit, with the
+    /// `remaining` values of a serial history.
+    #[test]
+    fn lock_free_refusals_never_refuse_what_the_lock_would_admit() {
+        const LIMIT: u64 = 50;
+        const THREADS: usize = 4;
+        const ROUNDS: u64 = 300;
+        let store = MemoryStore::new(
+            FixedWindow::new(LIMIT, 10).unwrap(),
+            MemoryOptions::default(),
+        );
+        // Time moves on by 1 ms between rounds, when every thread waits at
+        // the barrier, so no thread decides with a time older than the
+        // store's (that would be decided in the later window, by the
+        // clock-regression rule, and blur the per-window count).
+        let barrier = std::sync::Barrier::new(THREADS);
+        let mut windows = vec![Vec::new(); (ROUNDS / 10) as usize];
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..THREADS)
+                .map(|_| {
+                    let (store, barrier) = (store.clone(), &barrier);
+                    scope.spawn(move || {
+                        let mut admitted = Vec::new();
+                        for now in 0..ROUNDS {
+                            barrier.wait();
+                            for _ in 0..400 {
+                                let d = store.decide(7, now, 1).unwrap();
+                                if d.allowed {
+                                    admitted.push((now / 10, d.remaining));
+                                }
+                            }
+                        }
+                        admitted
+                    })
+                })
+                .collect();
+            for h in handles {
+                for (window, remaining) in h.join().unwrap() {
+                    windows[window as usize].push(remaining);
+                }
+            }
+        });
+        let serial: Vec<u64> = (0..LIMIT).collect();
+        for (window, mut remaining) in windows.into_iter().enumerate() {
+            remaining.sort_unstable();
+            assert_eq!(remaining, serial, "window {window}");
+        }
+    }
+
+    /// A forgotten key must not stay readable without the lock: a request
+    /// from before the sweep (the clock stepped back) is then decided as
+    /// a new key's, as SPEC "Memory" allows, not on the old state.
+    #[test]
+    fn forgetting_a_refused_key_forgets_it_everywhere() {
+        let store = MemoryStore::new(FixedWindow::new(2, 10).unwrap(), MemoryOptions::default());
+        for _ in 0..2 {
+            assert!(store.decide(3, 5, 1).unwrap().allowed);
+        }
+        assert!(!store.decide(3, 5, 1).unwrap().allowed);
+        // Held now: refused again without the lock.
+        assert!(!store.decide(3, 6, 1).unwrap().allowed);
+        assert_eq!(store.forget_idle(10, usize::MAX).forgotten, 1);
+        assert!(store.decide(3, 6, 1).unwrap().allowed);
+    }
+
+    #[test]
+    fn the_refused_key_is_read_only_when_whole_and_held() {
+        let refused = RefusedKey::default();
+        assert_eq!(refused.read(1), None);
+        refused.write(Some((1, 42)));
+        assert_eq!(refused.read(1), Some(42));
+        assert_eq!(refused.read(2), None);
+        assert!(refused.holds(1) && !refused.holds(2));
+        // A write in progress (odd sequence) is never read.
+        refused.seq.fetch_add(1, Ordering::Relaxed);
+        assert_eq!(refused.read(1), None);
+        refused.seq.fetch_add(1, Ordering::Relaxed);
+        refused.clear();
+        assert_eq!(refused.read(1), None);
+        assert!(!refused.holds(1));
     }
 
     #[test]
