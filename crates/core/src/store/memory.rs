@@ -32,7 +32,7 @@
 //! [`StoreErrorKind::CapacityExhausted`] and is never silently admitted.
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use foldhash::fast::RandomState;
@@ -126,7 +126,7 @@ struct Shard<S> {
 }
 
 /// The shard's most recently refused key and its packed state, readable
-/// without the lock.
+/// without the lock, with the last refusal decided for it.
 ///
 /// A key over its limit is refused again and again, and a refusal usually
 /// leaves the state as it was (same window, nothing refilled). Such a
@@ -140,64 +140,132 @@ struct Shard<S> {
 /// of an abusive client, and many threads refusing one key read a shared
 /// cache line instead of passing the lock's line between cores.
 ///
-/// Coherence: only the shard's lock holder writes here, and it updates
-/// the entry whenever it changes the cached key's state, and clears it
-/// whenever states stop being packed or keys are forgotten. A seqlock with
-/// atomic fields (odd `seq` while written) gives readers consistent
-/// snapshots without any unsafe code.
+/// A flood repeats the same request within one millisecond: a decision is
+/// a pure function of (state, `now_ms`, cost), so the snapshot also carries
+/// the refusal last decided on this very state (the memo) with its
+/// `now_ms` and cost, and an identical request takes it as it is, without
+/// deciding again.
+///
+/// Coherence: only a holder of the shard's lock writes here. It updates
+/// the entry (dropping the memo) whenever it changes the held key's state,
+/// and clears it whenever states stop being packed or keys are forgotten;
+/// a memo is only written for the state it was decided on (checked by the
+/// sequence number under the lock). A seqlock with atomic fields (`seq`
+/// odd while written) gives readers consistent snapshots with no unsafe
+/// code.
 #[repr(align(64))]
 #[derive(Default)]
 struct RefusedKey {
     seq: AtomicU64,
-    held: AtomicBool,
+    /// [`HELD`], [`MEMO`] and [`MEMO_RETRY`] bits.
+    flags: AtomicU64,
     key: AtomicU64,
     packed: AtomicU64,
+    memo_now_ms: AtomicU64,
+    memo_cost: AtomicU64,
+    memo_retry_ms: AtomicU64,
+    memo_remaining: AtomicU64,
+}
+
+/// A key is held.
+const HELD: u64 = 1;
+/// The held key has a memo.
+const MEMO: u64 = 2;
+/// The memo's `retry_after_ms` is `Some(memo_retry_ms)`, not `None`.
+const MEMO_RETRY: u64 = 4;
+
+/// What a reader saw of the held key: its packed state, the sequence
+/// number it was read at, and the memo if it is for this very request.
+struct Snapshot {
+    seq: u64,
+    packed: u64,
+    memo: Option<Decision>,
 }
 
 impl RefusedKey {
-    /// The packed state of `key`, if it is the key held and no write was
-    /// in progress.
+    /// The held state of `key`, if it is the key held and no write was in
+    /// progress, with the memo when it was decided at `now_ms` for `cost`.
     #[inline]
-    fn read(&self, key: u64) -> Option<u64> {
-        let before = self.seq.load(Ordering::Acquire);
-        let held = self.held.load(Ordering::Relaxed);
-        let cached_key = self.key.load(Ordering::Relaxed);
+    fn read(&self, key: u64, now_ms: u64, cost: u64) -> Option<Snapshot> {
+        let seq = self.seq.load(Ordering::Acquire);
+        let flags = self.flags.load(Ordering::Relaxed);
+        let held_key = self.key.load(Ordering::Relaxed);
         let packed = self.packed.load(Ordering::Relaxed);
+        let memo_now_ms = self.memo_now_ms.load(Ordering::Relaxed);
+        let memo_cost = self.memo_cost.load(Ordering::Relaxed);
+        let memo_retry_ms = self.memo_retry_ms.load(Ordering::Relaxed);
+        let memo_remaining = self.memo_remaining.load(Ordering::Relaxed);
         // Orders the field reads before the second read of `seq` (the
         // seqlock reader's protocol with atomic fields).
         fence(Ordering::Acquire);
-        let unchanged = self.seq.load(Ordering::Relaxed) == before;
-        (unchanged && before & 1 == 0 && held && cached_key == key).then_some(packed)
+        if self.seq.load(Ordering::Relaxed) != seq
+            || seq & 1 != 0
+            || flags & HELD == 0
+            || held_key != key
+        {
+            return None;
+        }
+        let memo = (flags & MEMO != 0 && memo_now_ms == now_ms && memo_cost == cost).then(|| {
+            let retry = (flags & MEMO_RETRY != 0).then_some(memo_retry_ms);
+            Decision::refused(retry, memo_remaining)
+        });
+        Some(Snapshot { seq, packed, memo })
     }
 
-    /// Whether `key` is held; only for the lock holder, the only writer.
+    /// Whether `key` is held; only for a lock holder.
     #[inline]
     fn holds(&self, key: u64) -> bool {
-        self.held.load(Ordering::Relaxed) && self.key.load(Ordering::Relaxed) == key
+        self.flags.load(Ordering::Relaxed) & HELD != 0 && self.key.load(Ordering::Relaxed) == key
     }
 
-    /// Holds `key` with `packed`, or nothing; only for the lock holder.
-    fn write(&self, entry: Option<(u64, u64)>) {
+    /// Holds `key` with `packed` and no memo; only for a lock holder.
+    fn hold(&self, key: u64, packed: u64) {
+        self.write(|| {
+            self.key.store(key, Ordering::Relaxed);
+            self.packed.store(packed, Ordering::Relaxed);
+            self.flags.store(HELD, Ordering::Relaxed);
+        });
+    }
+
+    /// Adds the memo `refusal` of a request at `now_ms` for `cost`, decided
+    /// on the state read at sequence number `seq`, if nothing was written
+    /// since; only for a lock holder.
+    fn memoize(&self, seq: u64, now_ms: u64, cost: u64, refusal: &Decision) {
+        if self.seq.load(Ordering::Relaxed) != seq {
+            return;
+        }
+        self.write(|| {
+            self.memo_now_ms.store(now_ms, Ordering::Relaxed);
+            self.memo_cost.store(cost, Ordering::Relaxed);
+            self.memo_retry_ms
+                .store(refusal.retry_after_ms.unwrap_or(0), Ordering::Relaxed);
+            self.memo_remaining
+                .store(refusal.remaining, Ordering::Relaxed);
+            let retry = if refusal.retry_after_ms.is_some() {
+                MEMO_RETRY
+            } else {
+                0
+            };
+            self.flags.store(HELD | MEMO | retry, Ordering::Relaxed);
+        });
+    }
+
+    /// Drops the key held, if any; only for a lock holder.
+    fn clear(&self) {
+        if self.flags.load(Ordering::Relaxed) & HELD != 0 {
+            self.write(|| self.flags.store(0, Ordering::Relaxed));
+        }
+    }
+
+    /// Runs `fields` (relaxed stores) as one seqlock write.
+    #[inline]
+    fn write(&self, fields: impl FnOnce()) {
         let seq = self.seq.load(Ordering::Relaxed);
         self.seq.store(seq.wrapping_add(1), Ordering::Relaxed);
         // Orders the odd `seq` before the field writes.
         fence(Ordering::Release);
-        match entry {
-            Some((key, packed)) => {
-                self.key.store(key, Ordering::Relaxed);
-                self.packed.store(packed, Ordering::Relaxed);
-                self.held.store(true, Ordering::Relaxed);
-            }
-            None => self.held.store(false, Ordering::Relaxed),
-        }
+        fields();
         self.seq.store(seq.wrapping_add(2), Ordering::Release);
-    }
-
-    /// Drops the key held, if any; only for the lock holder.
-    fn clear(&self) {
-        if self.held.load(Ordering::Relaxed) {
-            self.write(None);
-        }
     }
 }
 
@@ -327,16 +395,62 @@ impl<P: Policy> MemoryStore<P> {
         // Bits 32..48 pick the shard: SwissTable uses the low bits for the
         // slot and the top seven for its control bytes.
         let shard = &inner.shards[(hash >> 32) as usize & inner.shard_mask];
-        let policy = &inner.policy;
         // A refusal that changes nothing, decided without the lock (see
-        // `RefusedKey`).
-        if let Some(packed) = shard.refused.read(key) {
-            let mut state = policy.unpack(packed);
-            let decision = policy.decide(&mut state, now_ms, cost);
-            if !decision.allowed && policy.pack(&state) == Some(packed) {
-                return Ok(decision);
-            }
+        // `RefusedKey`): taken from the memo when this very request was
+        // decided last, else decided on the snapshot.
+        match shard.refused.read(key, now_ms, cost) {
+            Some(Snapshot {
+                memo: Some(refusal),
+                ..
+            }) => Ok(refusal),
+            Some(snapshot) => self.decide_snapshot(shard, snapshot, hash, key, now_ms, cost),
+            None => self.decide_locked(shard, hash, key, now_ms, cost),
         }
+    }
+
+    /// Decides on the held key's snapshot, and returns that decision if it
+    /// is a refusal that leaves the state unchanged; otherwise (or when
+    /// the state does not pack) decides under the lock. Out of line, as
+    /// [`MemoryStore::decide_locked`] is, so that the memo's path stays a
+    /// small function.
+    #[inline(never)]
+    fn decide_snapshot(
+        &self,
+        shard: &Shard<P::State>,
+        snapshot: Snapshot,
+        hash: u64,
+        key: u64,
+        now_ms: u64,
+        cost: u64,
+    ) -> Result<Decision, StoreError> {
+        let policy = &self.inner.policy;
+        let mut state = policy.unpack(snapshot.packed);
+        let decision = policy.decide(&mut state, now_ms, cost);
+        if !decision.allowed && policy.pack(&state) == Some(snapshot.packed) {
+            // Memoized for the identical requests of a flood, when the
+            // lock is free: never waited for.
+            if let Some(_guard) = shard.table.try_lock() {
+                shard.refused.memoize(snapshot.seq, now_ms, cost, &decision);
+            }
+            return Ok(decision);
+        }
+        self.decide_locked(shard, hash, key, now_ms, cost)
+    }
+
+    /// [`MemoryStore::decide`] under the shard's lock: every request that
+    /// the lock-free path did not answer. Kept out of line so that the
+    /// lock-free path stays a small function.
+    #[inline(never)]
+    fn decide_locked(
+        &self,
+        shard: &Shard<P::State>,
+        hash: u64,
+        key: u64,
+        now_ms: u64,
+        cost: u64,
+    ) -> Result<Decision, StoreError> {
+        let inner = &*self.inner;
+        let policy = &inner.policy;
         let mut guard = shard.lock();
         let table = &mut *guard;
         match &mut table.entries {
@@ -349,7 +463,7 @@ impl<P: Policy> MemoryStore<P> {
                         // The refused key is held for the lock-free path;
                         // the key held has its state kept up to date.
                         if !decision.allowed || shard.refused.holds(key) {
-                            shard.refused.write(Some((key, packed)));
+                            shard.refused.hold(key, packed);
                         }
                     } else {
                         shard.refused.clear();
@@ -617,17 +731,33 @@ mod tests {
     #[test]
     fn the_refused_key_is_read_only_when_whole_and_held() {
         let refused = RefusedKey::default();
-        assert_eq!(refused.read(1), None);
-        refused.write(Some((1, 42)));
-        assert_eq!(refused.read(1), Some(42));
-        assert_eq!(refused.read(2), None);
+        assert!(refused.read(1, 0, 1).is_none());
+        refused.hold(1, 42);
+        let seen = refused.read(1, 0, 1).unwrap();
+        assert_eq!((seen.packed, seen.memo), (42, None));
+        assert!(refused.read(2, 0, 1).is_none());
         assert!(refused.holds(1) && !refused.holds(2));
+        // A memo answers only the request it was decided for.
+        let refusal = Decision::refused(Some(7), 3);
+        refused.memoize(seen.seq, 5, 1, &refusal);
+        assert_eq!(refused.read(1, 5, 1).unwrap().memo, Some(refusal));
+        assert_eq!(refused.read(1, 6, 1).unwrap().memo, None);
+        assert_eq!(refused.read(1, 5, 2).unwrap().memo, None);
+        let never = Decision::refused(None, 0);
+        let seq = refused.read(1, 5, 9).unwrap().seq;
+        refused.memoize(seq, 5, 9, &never);
+        assert_eq!(refused.read(1, 5, 9).unwrap().memo, Some(never));
+        // A memo for a state read before a later write is not written.
+        refused.hold(1, 43);
+        refused.memoize(seen.seq, 5, 1, &refusal);
+        let now_held = refused.read(1, 5, 1).unwrap();
+        assert_eq!((now_held.packed, now_held.memo), (43, None));
         // A write in progress (odd sequence) is never read.
         refused.seq.fetch_add(1, Ordering::Relaxed);
-        assert_eq!(refused.read(1), None);
+        assert!(refused.read(1, 5, 1).is_none());
         refused.seq.fetch_add(1, Ordering::Relaxed);
         refused.clear();
-        assert_eq!(refused.read(1), None);
+        assert!(refused.read(1, 5, 1).is_none());
         assert!(!refused.holds(1));
     }
 
