@@ -190,6 +190,11 @@ impl RefusedKey {
         let seq = self.seq.load(Ordering::Acquire);
         let flags = self.flags.load(Ordering::Relaxed);
         let held_key = self.key.load(Ordering::Relaxed);
+        // Most requests are for other keys: they leave here, having read
+        // two fields. Leaving early is always safe (the lock decides).
+        if flags & HELD == 0 || held_key != key {
+            return None;
+        }
         let packed = self.packed.load(Ordering::Relaxed);
         let memo_now_ms = self.memo_now_ms.load(Ordering::Relaxed);
         let memo_cost = self.memo_cost.load(Ordering::Relaxed);
@@ -198,11 +203,9 @@ impl RefusedKey {
         // Orders the field reads before the second read of `seq` (the
         // seqlock reader's protocol with atomic fields).
         fence(Ordering::Acquire);
-        if self.seq.load(Ordering::Relaxed) != seq
-            || seq & 1 != 0
-            || flags & HELD == 0
-            || held_key != key
-        {
+        // A torn or in-progress write: the flags and key read above may
+        // belong to it, so nothing read here is used.
+        if self.seq.load(Ordering::Relaxed) != seq || seq & 1 != 0 {
             return None;
         }
         let memo = (flags & MEMO != 0 && memo_now_ms == now_ms && memo_cost == cost).then(|| {
