@@ -56,7 +56,13 @@ fn bench_json_rows_parse_with_the_named_fields() {
         "gcra",
         "governor",
     ] {
-        for workload in ["hot-key", "uniform-1m", "zipf-1m", "uniform-1m-threads"] {
+        for workload in [
+            "hot-key",
+            "hot-key-every-ms",
+            "uniform-1m",
+            "zipf-1m",
+            "uniform-1m-threads",
+        ] {
             let row = find(policy, workload);
             assert!(row["ns_per_decision"].as_f64().unwrap() > 0.0, "{row}");
             assert!(row["decisions_per_sec"].as_f64().unwrap() > 0.0, "{row}");
@@ -66,9 +72,10 @@ fn bench_json_rows_parse_with_the_named_fields() {
         assert_eq!(uniform["entries_tracked"], 2000, "{uniform}");
         assert!(uniform["bytes_per_key"].is_number(), "{uniform}");
         assert_eq!(find(policy, "hot-key")["entries_tracked"], 1);
+        assert_eq!(find(policy, "hot-key-every-ms")["entries_tracked"], 1);
         assert_eq!(find(policy, "uniform-1m-threads")["threads"], 2);
     }
-    for workload in ["hot-key", "uniform-1m", "zipf-1m"] {
+    for workload in ["hot-key", "hot-key-every-ms", "uniform-1m", "zipf-1m"] {
         assert!(find("baseline-hashmap", workload)["ns_per_decision"].is_number());
     }
     for shape in [

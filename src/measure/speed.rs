@@ -26,8 +26,9 @@ use ratewarden_core::policy::Policy;
 use ratewarden_core::{MemoryOptions, MemoryStore};
 use rustc_hash::FxHashMap;
 
-/// Decisions between two 1 ms steps of the supplied time.
-const DECISIONS_PER_MS: usize = 4096;
+/// Decisions between two 1 ms steps of the supplied time, in every
+/// workload but `hot-key-every-ms` (which steps it on every decision).
+pub const DECISIONS_PER_MS: usize = 4096;
 
 /// Something that decides one request of cost 1 per call.
 pub trait Contender {
@@ -225,11 +226,14 @@ pub fn insert_all<C: Contender>(c: &C, keys: &[u64]) {
     }
 }
 
-/// Runs `sequence` once on one thread and returns nanoseconds per decision.
-pub fn run_single<C: Contender>(c: &C, sequence: &[u64]) -> f64 {
+/// Runs `sequence` once on one thread, moving the supplied time on by
+/// 1 ms every `decisions_per_ms` decisions, and returns nanoseconds per
+/// decision.
+pub fn run_single<C: Contender>(c: &C, sequence: &[u64], decisions_per_ms: usize) -> f64 {
+    let decisions_per_ms = decisions_per_ms.max(1);
     let start = Instant::now();
     for (i, &key) in sequence.iter().enumerate() {
-        if i % DECISIONS_PER_MS == 0 {
+        if i % decisions_per_ms == 0 {
             c.tick();
         }
         black_box(c.check(black_box(key)));

@@ -34,6 +34,16 @@ fn bench_store<S: Store>(c: &mut Criterion, name: &str, store: &S) {
             }
         })
     });
+    group.bench_function("hot-key-every-ms", |b| {
+        b.iter(|| {
+            // A new millisecond per decision: no request repeats the one
+            // before, so no refusal comes from the store's memo.
+            for _ in 0..BATCH {
+                now_ms += 1;
+                black_box(store.decide(black_box(7), now_ms, 1).ok());
+            }
+        })
+    });
     for i in 0..KEYS {
         store.decide(key(i), now_ms, 1).expect("room for every key");
     }
