@@ -395,8 +395,9 @@ impl<P: Policy> MemoryStore<P> {
         }
         let inner = &*self.inner;
         let hash = inner.hasher.hash_one(key);
-        // Bits 32..48 pick the shard: SwissTable uses the low bits for the
-        // slot and the top seven for its control bytes.
+        // Bits 32..48 pick the shard: a wide shard's SwissTable uses the
+        // low bits for the slot and the top seven for its control bytes,
+        // and a packed shard's table all but these (see `packed_hash`).
         let shard = &inner.shards[(hash >> 32) as usize & inner.shard_mask];
         // A refusal that changes nothing, decided without the lock (see
         // `RefusedKey`): taken from the memo when this very request was
