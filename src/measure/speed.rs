@@ -4,8 +4,9 @@
 //! Time source: every contender takes a supplied time, read from a shared
 //! atomic counter of milliseconds on each decision (the store through
 //! `now_ms`, governor through its `FakeRelativeClock`, the bare map through
-//! `now_ms`). The first thread advances it by 1 ms every 4,096 decisions, so
-//! windows roll over during a run without a system clock call in the loop.
+//! `now_ms`). The first thread advances it by 1 ms every 4,096 decisions
+//! (every decision, in `hot-key-every-ms`), so windows roll over during a
+//! run without a system clock call in the loop.
 
 use std::cell::RefCell;
 use std::hint::black_box;
