@@ -566,7 +566,7 @@ pub fn run(args: Args) -> ExitCode {
     if args.store != "memory" {
         if args.store.starts_with("redis://") {
             return super::bench_redis::run(super::bench_redis::Args::defaults(
-                args.store, args.quick,
+                args.store, args.quick, args.json,
             ));
         }
         eprintln!(

@@ -308,6 +308,20 @@ impl RedisStore {
         self.inner.script.get_hash()
     }
 
+    /// The script's arguments (`ARGV`) for one request of `cost`, by
+    /// `now_ms` or, with `None`, by Redis `TIME`: what `EVALSHA` takes after
+    /// the script's SHA, `1` and the key's name. For tools that drive the
+    /// script themselves, such as the benchmark's `redis-benchmark` runs.
+    pub fn script_args(&self, cost: u64, now_ms: Option<u64>) -> Vec<String> {
+        let o = &self.inner.options;
+        let mut args = self.inner.config_args.to_vec();
+        args.push(cost.to_string());
+        args.push(now_ms.map_or(String::new(), |n| n.to_string()));
+        args.push(o.ttl_grace_ms.to_string());
+        args.push(o.max_ttl_ms.to_string());
+        args
+    }
+
     fn eval_cmd(&self, key: u64, now_ms: Option<u64>, cost: u64) -> Cmd {
         let o = &self.inner.options;
         let mut cmd = redis::cmd("EVALSHA");
