@@ -270,8 +270,10 @@ fn run_inner(args: &Args) -> Result<(), String> {
     }
     let started = Instant::now();
     let (host, port) = host_port(&args.store)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // One client thread, as redis-benchmark has: on a small machine a
+    // second worker thread only takes a core from the server it measures,
+    // and hands every reply across threads.
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the async runtime: {e}"))?;
