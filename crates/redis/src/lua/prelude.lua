@@ -48,7 +48,6 @@ local L
 local function lib()
   if L then return L end
   local B = 16777216
-  local floor = math.floor
 
   local function corrupt(what)
     error({ err = 'RATEWARDEN_CORRUPT ' .. what .. ' under key ' .. KEYS[1] })
