@@ -269,6 +269,7 @@ fn run_inner(args: &Args) -> Result<(), String> {
         ));
     }
     let started = Instant::now();
+    let load_at_start = super::bench::load_average();
     let (host, port) = host_port(&args.store)?;
     // One client thread, as redis-benchmark has: on a small machine a
     // second worker thread only takes a core from the server it measures,
@@ -382,11 +383,17 @@ fn run_inner(args: &Args) -> Result<(), String> {
     }
     let verdict = Verdict::of(&rounds).ok_or("a round gave no figure")?;
     let elapsed_s = started.elapsed().as_secs_f64();
+    let load_at_end = super::bench::load_average();
 
     if args.json {
         print_json(&figures, minimal_rate, incr, &rounds, &verdict, elapsed_s);
+        println!(
+            "{}",
+            json!({ "load_average_at_start": load_at_start, "load_average_at_end": load_at_end })
+        );
         return Ok(());
     }
+    println!("machine: {}", super::bench::machine(&load_at_start));
     println!(
         "Redis at {}: {} requests per measurement, pipeline {}, {} connections, {} keys; \
          reference numbers ({} per {} ms); {} rounds",
@@ -467,7 +474,7 @@ fn run_inner(args: &Args) -> Result<(), String> {
         THROUGHPUT_SHARE_AT_LEAST * 100.0,
         met(verdict.throughput_met())
     );
-    println!("run took {elapsed_s:.0} s");
+    println!("run took {elapsed_s:.0} s; load average at end {load_at_end}");
     Ok(())
 }
 
