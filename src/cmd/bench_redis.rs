@@ -30,6 +30,10 @@ const CPU_RATIO_AT_MOST: f64 = 1.2;
 const THROUGHPUT_SHARE_AT_LEAST: f64 = 0.8;
 /// The most rounds a run may take: each lasts seconds.
 const MAX_ROUNDS: usize = 50;
+/// Each round measures both scripts in this many slices of `--requests /
+/// SLICES` requests, alternating A B B A ..., so that load that comes and
+/// goes on a shared machine falls on both scripts alike.
+const SLICES: u64 = 4;
 
 /// Arguments of `ratewarden bench-redis`.
 #[derive(clap::Args)]
@@ -109,6 +113,32 @@ struct PolicyFigures {
     round_trip_us_p50: f64,
     round_trip_us_p99: f64,
     server_usec_per_call: Option<f64>,
+}
+
+/// Sums over a round's slices of one script's measurements.
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    requests: f64,
+    seconds: f64,
+    calls: f64,
+    usec: f64,
+}
+
+impl Tally {
+    fn add(&mut self, requests: f64, seconds: f64, calls: f64, usec: f64) {
+        self.requests += requests;
+        self.seconds += seconds;
+        self.calls += calls;
+        self.usec += usec;
+    }
+
+    fn per_s(&self) -> f64 {
+        self.requests / self.seconds
+    }
+
+    fn usec_per_call(&self) -> f64 {
+        self.usec / self.calls
+    }
 }
 
 /// One round's figures for the two targets, all taken back to back.
@@ -197,10 +227,12 @@ pub fn run(args: Args) -> ExitCode {
 /// scripts shares: the server, the client sizes and the prepared commands.
 struct Drivers<'a> {
     args: &'a Args,
-    plan: &'a Plan,
     runtime: &'a tokio::runtime::Runtime,
     admin: redis::Connection,
-    /// `redis-benchmark`'s host, port, request count, connections, pipeline.
+    /// Requests per slice, for each script and driver.
+    slice_requests: u64,
+    /// `redis-benchmark`'s host, port, request count (one slice's),
+    /// connections, pipeline.
     common: Vec<String>,
     /// `redis-benchmark`'s arguments for `EVALSHA` of the minimal script.
     minimal_args: Vec<String>,
@@ -211,37 +243,62 @@ struct Drivers<'a> {
 }
 
 impl Drivers<'_> {
-    /// redis-benchmark on `extra`, with the server's `usec_per_call` of
-    /// `EVALSHA` over exactly that run.
-    fn redis_benchmark_evalsha(&mut self, extra: &[String]) -> Result<(f64, f64), String> {
+    /// redis-benchmark on `extra`, added to `tally` with the server's
+    /// `EVALSHA` statistics over exactly that run.
+    fn redis_benchmark_evalsha(
+        &mut self,
+        extra: &[String],
+        tally: &mut Tally,
+    ) -> Result<(), String> {
         reset_stats(&mut self.admin)?;
         let rate = redis_benchmark(&self.common, extra)?;
-        let usec = usec_per_call(&mut self.admin, "evalsha")?
+        let (calls, usec) = commandstat(&mut self.admin, "evalsha")?
             .ok_or("INFO commandstats has no evalsha after redis-benchmark ran it")?;
-        Ok((rate, usec))
+        let n = self.slice_requests as f64;
+        tally.add(n, n / rate, calls, usec);
+        Ok(())
     }
 
-    /// One round: the minimal script and ours back to back, in the given
-    /// order.
-    fn round(&mut self, minimal_first: bool) -> Result<Round, String> {
-        let mut minimal = None;
-        if minimal_first {
-            minimal = Some(self.redis_benchmark_evalsha(&self.minimal_args.clone())?);
-        }
-        let (_, ours_usec) = self.redis_benchmark_evalsha(&self.ours_args.clone())?;
-        let ours_client =
+    /// One slice of the minimal script, driven by redis-benchmark.
+    fn minimal(&mut self, tally: &mut Tally) -> Result<(), String> {
+        let extra = self.minimal_args.clone();
+        self.redis_benchmark_evalsha(&extra, tally)
+    }
+
+    /// One slice of ours: driven by redis-benchmark for the server's CPU,
+    /// then through this client for throughput.
+    fn ours(&mut self, cpu: &mut Tally, client: &mut Tally) -> Result<(), String> {
+        let extra = self.ours_args.clone();
+        self.redis_benchmark_evalsha(&extra, cpu)?;
+        let (done, seconds) =
             self.runtime
-                .block_on(pipelined(&self.ours_stores, self.args, self.plan))?;
-        let (minimal_rate, minimal_usec) = match minimal {
-            Some(m) => m,
-            None => self.redis_benchmark_evalsha(&self.minimal_args.clone())?,
-        };
+                .block_on(pipelined(&self.ours_stores, self.args, self.slice_requests))?;
+        client.add(done as f64, seconds, 0.0, 0.0);
+        Ok(())
+    }
+
+    /// One round: the minimal script and ours in alternating slices,
+    /// starting with the minimal one or with ours.
+    fn round(&mut self, minimal_first: bool) -> Result<Round, String> {
+        let (mut minimal, mut cpu, mut client) = Default::default();
+        for slice in 0..SLICES {
+            let minimal_now = (slice % 2 == 0) == minimal_first;
+            if minimal_now {
+                self.minimal(&mut minimal)?;
+            }
+            self.ours(&mut cpu, &mut client)?;
+            if !minimal_now {
+                self.minimal(&mut minimal)?;
+            }
+        }
+        let minimal: Tally = minimal;
+        let (cpu, client): (Tally, Tally) = (cpu, client);
         Ok(Round {
             minimal_first,
-            minimal_per_s: minimal_rate,
-            minimal_usec_per_call: minimal_usec,
-            ours_usec_per_call: ours_usec,
-            ours_client_per_s: ours_client,
+            minimal_per_s: minimal.per_s(),
+            minimal_usec_per_call: minimal.usec_per_call(),
+            ours_usec_per_call: cpu.usec_per_call(),
+            ours_client_per_s: client.per_s(),
         })
     }
 }
@@ -291,7 +348,8 @@ fn run_inner(args: &Args) -> Result<(), String> {
             runtime.block_on(connect_all(&args.store, config, &prefix, args.connections))?;
         let (p50, p99) = runtime.block_on(round_trips(&stores[0], plan.round_trips, args.keys))?;
         reset_stats(&mut admin)?;
-        let rate = runtime.block_on(pipelined(&stores, args, &plan))?;
+        let (done, seconds) = runtime.block_on(pipelined(&stores, args, plan.requests))?;
+        let rate = done as f64 / seconds;
         let usec = usec_per_call(&mut admin, "evalsha")?;
         figures.push(PolicyFigures {
             policy,
@@ -312,6 +370,24 @@ fn run_inner(args: &Args) -> Result<(), String> {
     let minimal_rate =
         runtime.block_on(pipelined_minimal(&args.store, &sha, &prefix, args, &plan))?;
     let minimal_usec = usec_per_call(&mut admin, "evalsha")?;
+    let slice_requests = (plan.requests / SLICES).max(1);
+    let common_with = |n: u64| -> Vec<String> {
+        [
+            "-h",
+            host.as_str(),
+            "-p",
+            port.as_str(),
+            "-n",
+            &n.to_string(),
+            "-c",
+            &args.connections.to_string(),
+            "-P",
+            &args.pipeline.to_string(),
+            "-q",
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    };
     let common: Vec<String> = [
         "-h",
         host.as_str(),
@@ -367,10 +443,10 @@ fn run_inner(args: &Args) -> Result<(), String> {
     ours_args.extend(ours_stores[0].script_args(1, None));
     let mut drivers = Drivers {
         args,
-        plan: &plan,
         runtime: &runtime,
         admin,
-        common,
+        slice_requests,
+        common: common_with(slice_requests),
         minimal_args,
         ours_args,
         ours_stores,
@@ -608,8 +684,14 @@ async fn round_trips(store: &RedisStore, n: usize, keys: u64) -> Result<(f64, f6
     Ok((at(0.50), at(0.99)))
 }
 
-async fn pipelined(stores: &[RedisStore], args: &Args, plan: &Plan) -> Result<f64, String> {
-    let per_conn = (plan.requests / stores.len() as u64).max(1);
+/// Decides `requests` requests in pipelined batches over `stores` (one
+/// connection each); returns how many were decided and in how many seconds.
+async fn pipelined(
+    stores: &[RedisStore],
+    args: &Args,
+    requests: u64,
+) -> Result<(u64, f64), String> {
+    let per_conn = (requests / stores.len() as u64).max(1);
     let started = Instant::now();
     let mut tasks = Vec::new();
     for (c, store) in stores.iter().enumerate() {
@@ -638,7 +720,7 @@ async fn pipelined(stores: &[RedisStore], args: &Args, plan: &Plan) -> Result<f6
     for t in tasks {
         total += t.await.map_err(|e| e.to_string())??;
     }
-    Ok(total as f64 / started.elapsed().as_secs_f64())
+    Ok((total, started.elapsed().as_secs_f64()))
 }
 
 async fn pipelined_minimal(
@@ -711,6 +793,30 @@ fn usec_per_call(admin: &mut redis::Connection, command: &str) -> Result<Option<
             .split(',')
             .find_map(|kv| kv.strip_prefix("usec_per_call=")?.parse().ok())
     }))
+}
+
+/// `calls` and `usec` (total) of one command from `INFO commandstats`.
+fn commandstat(admin: &mut redis::Connection, command: &str) -> Result<Option<(f64, f64)>, String> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(admin)
+        .map_err(|e| format!("INFO: {e}"))?;
+    Ok(parse_commandstat(&info, command))
+}
+
+fn parse_commandstat(info: &str, command: &str) -> Option<(f64, f64)> {
+    let tag = format!("cmdstat_{command}:");
+    let stats = info.lines().find_map(|l| l.strip_prefix(&tag))?;
+    let field = |name: &str| {
+        stats.split(',').find_map(|kv| {
+            kv.strip_prefix(name)?
+                .strip_prefix('=')?
+                .parse::<f64>()
+                .ok()
+        })
+    };
+    let (calls, usec) = (field("calls")?, field("usec")?);
+    (calls > 0.0).then_some((calls, usec))
 }
 
 /// Runs `redis-benchmark` and reads its requests per second.
@@ -791,6 +897,30 @@ mod tests {
         let v = Verdict::of(&bad).expect("figures");
         assert!(!v.cpu_met(), "{v:?}");
         assert!(!v.throughput_met(), "{v:?}");
+    }
+
+    #[test]
+    fn commandstats_give_calls_and_total_usec() {
+        let info = "# Commandstats\r\n\
+            cmdstat_evalsha:calls=50000,usec=512345,usec_per_call=10.25,rejected_calls=0,failed_calls=0\r\n\
+            cmdstat_eval:calls=3,usec=30,usec_per_call=10.00,rejected_calls=0,failed_calls=0\r\n";
+        assert_eq!(
+            parse_commandstat(info, "evalsha"),
+            Some((50000.0, 512345.0))
+        );
+        assert_eq!(parse_commandstat(info, "eval"), Some((3.0, 30.0)));
+        assert_eq!(parse_commandstat(info, "get"), None);
+    }
+
+    #[test]
+    fn a_round_weighs_its_slices_by_requests_and_calls() {
+        // Two slices of 1000 requests at 1000/s and 4000/s take 1.25 s:
+        // 1600/s, not the mean of the rates (2500/s).
+        let mut t = Tally::default();
+        t.add(1000.0, 1.0, 1000.0, 10_000.0);
+        t.add(1000.0, 0.25, 3000.0, 60_000.0);
+        assert!((t.per_s() - 1600.0).abs() < 1e-9);
+        assert!((t.usec_per_call() - 17.5).abs() < 1e-9);
     }
 
     #[test]
