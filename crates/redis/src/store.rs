@@ -16,6 +16,13 @@ const SLIDING_LOG: &str = include_str!("lua/sliding_log.lua");
 const TOKEN_BUCKET: &str = include_str!("lua/token_bucket.lua");
 const GCRA: &str = include_str!("lua/gcra.lua");
 
+/// The version of the stored state's format, part of every key name. The
+/// first format (hashes of decimal fields) had no version in its names;
+/// `v2` is packed doubles. A process of one version never reads another
+/// version's keys (it would take them for corrupt state): they expire on
+/// their own.
+const STATE_FORMAT: &str = "v2";
+
 /// The most requests one [`RedisStore::decide_many`] call takes: a bound on
 /// the memory a batch holds and on how long it keeps Redis busy.
 pub const MAX_BATCH: usize = 10_000;
@@ -259,9 +266,10 @@ impl RedisStore {
         ));
         // The configuration is part of every key name: two limiters with
         // different policies or numbers under one prefix never read each
-        // other's state.
+        // other's state. So is the state format's version: a process of
+        // another version never reads state it would take for corrupt.
         let mut key_prefix = format!(
-            "{}:{}:{}:{}",
+            "{}:{STATE_FORMAT}:{}:{}:{}",
             escape_key_part(&options.prefix),
             config.policy,
             config.limit,
@@ -292,14 +300,15 @@ impl RedisStore {
         &self.inner.options
     }
 
-    /// The Redis key holding `key`'s state: the escaped prefix, the
-    /// policy and its numbers, then the key, joined by `:`.
+    /// The Redis key holding `key`'s state: the escaped prefix, the state
+    /// format's version, the policy and its numbers, then the key, joined
+    /// by `:`.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), ratewarden_core::StoreError> {
     /// # use ratewarden_redis::{RedisOptions, RedisStore};
     /// let store = RedisStore::connect("redis://127.0.0.1:6379", ratewarden_core::REFERENCE, RedisOptions::default()).await?;
-    /// assert_eq!(store.key_name(7), "ratewarden:sliding-window-counter:100:1000:7");
+    /// assert_eq!(store.key_name(7), "ratewarden:v2:sliding-window-counter:100:1000:7");
     /// # Ok(()) }
     /// ```
     pub fn key_name(&self, key: u64) -> String {

@@ -336,8 +336,8 @@ fn corrupt_state_is_a_typed_error_never_an_admit() {
                 .map(|v| Setup::Bytes(v.iter().flat_map(|d| d.to_be_bytes()).collect()))
                 .collect();
             setups.push(Setup::Bytes(b"5".to_vec()));
-            // The wrong Redis type for the policy, among them the hash of
-            // an earlier stored format.
+            // The wrong Redis type for the policy: a hash (as the first
+            // stored format was) and a list.
             setups.push(Setup::Cli(vec![
                 "HSET".into(),
                 name.clone(),
