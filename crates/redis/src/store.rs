@@ -136,6 +136,8 @@ struct Inner {
     script: Script,
     /// The escaped prefix and the configuration, joined by `:`, ending in `:`.
     key_prefix: String,
+    /// ARGV 1..3: limit, window_ms, burst.
+    config_args: [String; 3],
     options: RedisOptions,
 }
 
@@ -251,19 +253,8 @@ impl RedisStore {
             PolicyKind::TokenBucket => TOKEN_BUCKET,
             PolicyKind::Gcra => GCRA,
         };
+        let script = Script::new(&format!("{PRELUDE}{body}"));
         let burst = config.effective_burst();
-        // The configuration and the TTL options are constants of the
-        // script's text, not arguments: Redis then parses two arguments per
-        // request instead of seven, and the script converts no text to
-        // numbers for them. Each configuration has its own script (and
-        // SHA); a process uses a few.
-        let script = Script::new(&format!(
-            "-- This store's configuration and TTL options.\n\
-             local LIMIT, W, BURST = {}, {}, {burst}\n\
-             local GRACE, MAX_TTL = {}, {}\n\
-             {PRELUDE}{body}",
-            config.limit, config.window_ms, options.ttl_grace_ms, options.max_ttl_ms
-        ));
         // The configuration is part of every key name: two limiters with
         // different policies or numbers under one prefix never read each
         // other's state. So is the state format's version: a process of
@@ -279,12 +270,18 @@ impl RedisStore {
             key_prefix.push_str(&format!(":{burst}"));
         }
         key_prefix.push(':');
+        let config_args = [
+            config.limit.to_string(),
+            config.window_ms.to_string(),
+            burst.to_string(),
+        ];
         RedisStore {
             inner: Arc::new(Inner {
                 conn,
                 config,
                 script,
                 key_prefix,
+                config_args,
                 options,
             }),
         }
@@ -325,22 +322,26 @@ impl RedisStore {
     /// the script's SHA, `1` and the key's name. For tools that drive the
     /// script themselves, such as the benchmark's `redis-benchmark` runs.
     pub fn script_args(&self, cost: u64, now_ms: Option<u64>) -> Vec<String> {
-        vec![
-            cost.to_string(),
-            now_ms.map_or(String::new(), |n| n.to_string()),
-        ]
+        let o = &self.inner.options;
+        let mut args = self.inner.config_args.to_vec();
+        args.push(cost.to_string());
+        args.push(now_ms.map_or(String::new(), |n| n.to_string()));
+        args.push(o.ttl_grace_ms.to_string());
+        args.push(o.max_ttl_ms.to_string());
+        args
     }
 
     fn eval_cmd(&self, key: u64, now_ms: Option<u64>, cost: u64) -> Cmd {
+        let o = &self.inner.options;
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(self.inner.script.get_hash())
             .arg(1)
             .arg(self.key_name(key))
-            .arg(cost);
-        match now_ms {
-            Some(now) => cmd.arg(now),
-            None => cmd.arg(""),
-        };
+            .arg(&self.inner.config_args[..])
+            .arg(cost)
+            .arg(now_ms.map_or(String::new(), |n| n.to_string()))
+            .arg(o.ttl_grace_ms)
+            .arg(o.max_ttl_ms);
         cmd
     }
 

@@ -1,6 +1,7 @@
 -- gcra, ported from crates/core/src/policy/gcra.rs.
 -- State: a, the theoretical arrival time scaled by limit (units of ms x
 -- limit): 8 bytes below 2^53, else its base-2^24 limbs, 8 bytes each.
+local BURST = tonumber(ARGV[3])
 local s = redis.call('GET', KEYS[1])
 local result, value, ttl
 

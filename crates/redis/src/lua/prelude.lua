@@ -23,17 +23,17 @@
 -- as a PX must be). Numbers below 2^53 are passed to redis.call as they
 -- are: Redis writes them as plain integers.
 --
--- The store puts its configuration and options before this text, as the
--- constants LIMIT, W (window_ms), BURST, GRACE (ttl_grace_ms) and MAX_TTL
--- (max_ttl_ms). Arguments of every script: KEYS[1] the key; ARGV = cost,
--- now_ms ('' reads Redis TIME).
+-- Arguments of every script: KEYS[1] the key; ARGV = limit, window_ms,
+-- burst, cost, now_ms ('' reads Redis TIME), grace_ms, max_ttl_ms.
 -- Reply: {allowed, remaining, retry_kind, retry...} where retry_kind is
 -- 0 (never), 1 (one plain number follows) or 2 (limbs follow).
 
 local TWO53 = 9007199254740992
 local fmod = math.fmod
-local COST = tonumber(ARGV[1])
-local NOW = ARGV[2]
+local LIMIT = tonumber(ARGV[1])
+local W = tonumber(ARGV[2])
+local COST = tonumber(ARGV[4])
+local NOW = ARGV[5]
 if NOW == '' then
   -- One clock for the whole fleet: the Redis server's.
   local t = redis.call('TIME')
@@ -42,6 +42,10 @@ if NOW == '' then
 else
   NOW = tonumber(NOW)
 end
+-- No grace is the usual case: a string comparison, not a parse.
+local GRACE = 0
+if ARGV[6] ~= '0' then GRACE = tonumber(ARGV[6]) end
+local MAX_TTL = tonumber(ARGV[7])
 
 -- The slow path's helpers, built on first use in a call.
 local L

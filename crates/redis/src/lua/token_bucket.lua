@@ -2,6 +2,7 @@
 -- State: 8 bytes t, when the level was last refilled; then the level l
 -- (tokens * window_ms, at most burst * W): 8 bytes below 2^53, else its
 -- base-2^24 limbs, 8 bytes each (only when burst * W passes 2^53).
+local BURST = tonumber(ARGV[3])
 local s = redis.call('GET', KEYS[1])
 local last
 if s then
