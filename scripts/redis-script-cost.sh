@@ -31,12 +31,10 @@ cleanup() {
 trap cleanup EXIT
 
 lua=crates/redis/src/lua
-# As RedisStore writes a script for the reference configuration with the
-# default options: the constants, the prelude, the policy.
-header='-- This store'"'"'s configuration and TTL options.
-local LIMIT, W, BURST = 100, 1000, 100
-local GRACE, MAX_TTL = 0, 1099511627776
-'
+# As RedisStore calls a script for the reference configuration with the
+# default options: limit, window_ms, burst, cost, now_ms ('' reads Redis
+# TIME), ttl_grace_ms, max_ttl_ms.
+args=(100 1000 100 1 "" 0 1099511627776)
 
 # measure NAME FILE ARGS...: prints NAME and instructions per call.
 measure() {
@@ -78,8 +76,8 @@ declare -A per_call
 measure minimal-swc src/cmd/lua/minimal_swc.lua 100 1000
 for policy in fixed-window sliding-window-counter sliding-log token-bucket gcra; do
     file="$work/${policy}.lua"
-    { printf '%s' "$header"; cat "$lua/prelude.lua" "$lua/${policy//-/_}.lua"; } >"$file"
-    measure "$policy" "$file" 1 ""
+    cat "$lua/prelude.lua" "$lua/${policy//-/_}.lua" >"$file"
+    measure "$policy" "$file" "${args[@]}"
 done
 awk -v ours="${per_call[sliding-window-counter]}" -v minimal="${per_call[minimal-swc]}" \
     'BEGIN { printf "sliding-window-counter / minimal-swc: %.2fx instructions per call\n", ours / minimal }'
