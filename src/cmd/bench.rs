@@ -424,7 +424,7 @@ fn fmt_opt(v: Option<f64>, digits: usize) -> String {
 /// The machine, as the table's first line names it: cores, CPU model
 /// and the load average when the run started (other work on the machine
 /// slows every contender and the threaded rows most).
-fn machine(load_at_start: &str) -> String {
+pub(super) fn machine(load_at_start: &str) -> String {
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let model = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -438,7 +438,8 @@ fn machine(load_at_start: &str) -> String {
     format!("{cores} cores, {model}, load average at start {load_at_start}")
 }
 
-fn load_average() -> String {
+/// The load averages over 1, 5 and 15 minutes, as `/proc/loadavg` gives them.
+pub(super) fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|_| "unknown".to_owned())
@@ -576,7 +577,7 @@ pub fn run(args: Args) -> ExitCode {
     if args.store != "memory" {
         if args.store.starts_with("redis://") {
             return super::bench_redis::run(super::bench_redis::Args::defaults(
-                args.store, args.quick,
+                args.store, args.quick, args.json,
             ));
         }
         eprintln!(

@@ -16,6 +16,13 @@ const SLIDING_LOG: &str = include_str!("lua/sliding_log.lua");
 const TOKEN_BUCKET: &str = include_str!("lua/token_bucket.lua");
 const GCRA: &str = include_str!("lua/gcra.lua");
 
+/// The version of the stored state's format, part of every key name. The
+/// first format (hashes of decimal fields) had no version in its names;
+/// `v2` is packed doubles. A process of one version never reads another
+/// version's keys (it would take them for corrupt state): they expire on
+/// their own.
+const STATE_FORMAT: &str = "v2";
+
 /// The most requests one [`RedisStore::decide_many`] call takes: a bound on
 /// the memory a batch holds and on how long it keeps Redis busy.
 pub const MAX_BATCH: usize = 10_000;
@@ -250,9 +257,10 @@ impl RedisStore {
         let burst = config.effective_burst();
         // The configuration is part of every key name: two limiters with
         // different policies or numbers under one prefix never read each
-        // other's state.
+        // other's state. So is the state format's version: a process of
+        // another version never reads state it would take for corrupt.
         let mut key_prefix = format!(
-            "{}:{}:{}:{}",
+            "{}:{STATE_FORMAT}:{}:{}:{}",
             escape_key_part(&options.prefix),
             config.policy,
             config.limit,
@@ -289,14 +297,15 @@ impl RedisStore {
         &self.inner.options
     }
 
-    /// The Redis key holding `key`'s state: the escaped prefix, the
-    /// policy and its numbers, then the key, joined by `:`.
+    /// The Redis key holding `key`'s state: the escaped prefix, the state
+    /// format's version, the policy and its numbers, then the key, joined
+    /// by `:`.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), ratewarden_core::StoreError> {
     /// # use ratewarden_redis::{RedisOptions, RedisStore};
     /// let store = RedisStore::connect("redis://127.0.0.1:6379", ratewarden_core::REFERENCE, RedisOptions::default()).await?;
-    /// assert_eq!(store.key_name(7), "ratewarden:sliding-window-counter:100:1000:7");
+    /// assert_eq!(store.key_name(7), "ratewarden:v2:sliding-window-counter:100:1000:7");
     /// # Ok(()) }
     /// ```
     pub fn key_name(&self, key: u64) -> String {
@@ -306,6 +315,20 @@ impl RedisStore {
     /// The SHA1 of the policy's script, as `EVALSHA` takes it.
     pub fn script_sha(&self) -> &str {
         self.inner.script.get_hash()
+    }
+
+    /// The script's arguments (`ARGV`) for one request of `cost`, by
+    /// `now_ms` or, with `None`, by Redis `TIME`: what `EVALSHA` takes after
+    /// the script's SHA, `1` and the key's name. For tools that drive the
+    /// script themselves, such as the benchmark's `redis-benchmark` runs.
+    pub fn script_args(&self, cost: u64, now_ms: Option<u64>) -> Vec<String> {
+        let o = &self.inner.options;
+        let mut args = self.inner.config_args.to_vec();
+        args.push(cost.to_string());
+        args.push(now_ms.map_or(String::new(), |n| n.to_string()));
+        args.push(o.ttl_grace_ms.to_string());
+        args.push(o.max_ttl_ms.to_string());
+        args
     }
 
     fn eval_cmd(&self, key: u64, now_ms: Option<u64>, cost: u64) -> Cmd {

@@ -275,6 +275,15 @@ fn script_flush_is_survived_by_single_calls_and_batches() {
     assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
 }
 
+/// How a test puts bad state under a key.
+#[derive(Debug)]
+enum Setup {
+    /// `SET` to these bytes.
+    Bytes(Vec<u8>),
+    /// This redis-cli command.
+    Cli(Vec<String>),
+}
+
 #[test]
 fn corrupt_state_is_a_typed_error_never_an_admit() {
     let rt = common::runtime();
@@ -291,41 +300,67 @@ fn corrupt_state_is_a_typed_error_never_an_admit() {
             )
             .unwrap();
             let name = store.key_name(7);
-            let hash_fields: &[&[&str]] = match policy {
-                PolicyKind::FixedWindow => {
-                    &[&["w", "0", "c", "x"], &["w", "-1", "c", "0"], &["c", "1"]]
-                }
-                PolicyKind::SlidingWindowCounter => {
-                    &[&["w", "0", "p", "1.5", "c", "0"], &["w", "0", "p", "0"]]
-                }
-                PolicyKind::TokenBucket => &[
-                    &["l", "abc", "t", "0"],
-                    &["l", "1,2,0", "t", "0"],
-                    &["t", "5"],
+            // State is big-endian doubles: each bad value below is the
+            // right length with a number that is not valid state (not an
+            // integer, negative, past 2^53, NaN, a malformed limb), or the
+            // wrong length.
+            let nan = f64::NAN;
+            let two53 = 9_007_199_254_740_992.0;
+            let values: &[&[f64]] = match policy {
+                PolicyKind::FixedWindow => &[
+                    &[0.0, nan],
+                    &[-1.0, 0.0],
+                    &[0.0, 1.5],
+                    &[two53, 0.0],
+                    &[0.0, 0.0, 0.0],
                 ],
-                PolicyKind::Gcra => &[&["a", "nan"], &["a", "1e300"], &["a", "1,,"]],
-                PolicyKind::SlidingLog => &[],
+                PolicyKind::SlidingWindowCounter => &[
+                    &[0.0, 1.5, 0.0],
+                    &[0.0, 0.0, f64::INFINITY],
+                    &[nan, 0.0, 0.0],
+                    &[0.0, 0.0],
+                ],
+                PolicyKind::TokenBucket => &[&[0.0, nan], &[-5.0, 0.0], &[0.0, 1.0, 2.0], &[0.0]],
+                PolicyKind::Gcra => &[
+                    &[nan],
+                    &[1e300],
+                    &[1.0, 2.0],
+                    &[1.0, 2.0, 0.0],
+                    &[1.0, 2.0, 16_777_216.0],
+                    &[1.0, 2.5, 3.0],
+                ],
+                PolicyKind::SlidingLog => &[&[nan], &[1.0, 5.5, 1.0], &[1.0, 5.0]],
             };
-            let mut setups: Vec<Vec<String>> = hash_fields
+            let mut setups: Vec<Setup> = values
                 .iter()
-                .map(|f| {
-                    let mut c = vec!["HSET".to_owned(), name.clone()];
-                    c.extend(f.iter().map(|s| s.to_string()));
-                    c
-                })
+                .map(|v| Setup::Bytes(v.iter().flat_map(|d| d.to_be_bytes()).collect()))
                 .collect();
-            // The wrong Redis type for the policy.
-            if policy == PolicyKind::SlidingLog {
-                setups.push(vec!["HSET".into(), name.clone(), "used".into(), "1".into()]);
-                setups.push(vec!["SET".into(), name.clone(), "not a log".into()]);
-            } else {
-                setups.push(vec!["SET".into(), name.clone(), "5".into()]);
-                setups.push(vec!["RPUSH".into(), name.clone(), "5".into()]);
-            }
+            setups.push(Setup::Bytes(b"5".to_vec()));
+            // The wrong Redis type for the policy: a hash (as the first
+            // stored format was) and a list.
+            setups.push(Setup::Cli(vec![
+                "HSET".into(),
+                name.clone(),
+                "w".into(),
+                "0".into(),
+            ]));
+            setups.push(Setup::Cli(vec!["RPUSH".into(), name.clone(), "5".into()]));
+            let client = redis::Client::open(server.url()).unwrap();
+            let mut conn = client.get_multiplexed_async_connection().await.unwrap();
             for setup in setups {
                 server.cli(&["DEL", &name]);
-                let args: Vec<&str> = setup.iter().map(String::as_str).collect();
-                server.cli(&args);
+                match &setup {
+                    Setup::Bytes(bytes) => redis::cmd("SET")
+                        .arg(&name)
+                        .arg(bytes.as_slice())
+                        .exec_async(&mut conn)
+                        .await
+                        .unwrap(),
+                    Setup::Cli(args) => {
+                        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                        server.cli(&args);
+                    }
+                }
                 server.cli(&["PEXPIRE", &name, "60000"]);
                 let err = store
                     .decide(7, Some(5_000), 1)

@@ -22,7 +22,7 @@ fn braces_in_the_prefix_form_no_hash_tag_on_a_cluster() {
             .unwrap();
         assert_eq!(
             store.key_name(3),
-            "%7Btenant%7D%3Aapi:fixed-window:5:1000:3"
+            "%7Btenant%7D%3Aapi:v2:fixed-window:5:1000:3"
         );
         for key in 0..60 {
             assert!(store.decide(key, Some(1_000), 1).await.unwrap().allowed);
@@ -49,8 +49,8 @@ fn prefixes_that_would_run_together_stay_apart() {
     let rt = common::runtime();
     let config = PolicyConfig::new(PolicyKind::FixedWindow, 1, 1000);
     rt.block_on(async {
-        // "a:fixed-window:1:1000:b" could otherwise be read as prefix "a"
-        // or as prefix "a:fixed-window:1:1000:b".
+        // "a:v2:fixed-window:1:1000:7" could otherwise be read as prefix
+        // "a" or as prefix "a:v2:fixed-window:1:1000:7".
         let opts = |prefix: &str| RedisOptions {
             prefix: prefix.to_owned(),
             ..common::exact_options("apart")
@@ -58,7 +58,7 @@ fn prefixes_that_would_run_together_stay_apart() {
         let a = RedisStore::connect(&cluster.url(), config, opts("a"))
             .await
             .unwrap();
-        let b = RedisStore::connect(&cluster.url(), config, opts("a:fixed-window:1:1000:7"))
+        let b = RedisStore::connect(&cluster.url(), config, opts("a:v2:fixed-window:1:1000:7"))
             .await
             .unwrap();
         assert_ne!(a.key_name(7), b.key_name(7));

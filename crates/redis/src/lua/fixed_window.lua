@@ -1,13 +1,14 @@
 -- fixed-window, ported from crates/core/src/policy/fixed_window.rs.
--- State (hash): w = start of the window `c` counts in, c = cost admitted
--- in it.
-local key = KEYS[1]
-local v = redis.call('HMGET', key, 'w', 'c')
-local existed = v[1] ~= false or v[2] ~= false
+-- State (16 bytes): the start of the window `current` counts in, and
+-- current, the cost admitted in it.
+local s = redis.call('GET', KEYS[1])
 local start, current
-if existed then
-  start = int_field(v[1], 'w')
-  current = int_field(v[2], 'c')
+if s then
+  if #s ~= 16 then lib().corrupt('state has a bad length ' .. #s) end
+  start, current = struct.unpack('>dd', s)
+  -- NaN fails every comparison, so it is caught too.
+  if not (start >= 0 and start < TWO53 and start % 1 == 0) then lib().bad('w', start) end
+  if not (current >= 0 and current < TWO53 and current % 1 == 0) then lib().bad('c', current) end
 else
   start = NOW - fmod(NOW, W)
   current = 0
@@ -28,19 +29,23 @@ if left < 0 then left = 0 end
 local result
 if COST <= left then
   current = current + COST
-  result = reply(1, left - COST, 0)
+  result = { 1, left - COST, 1, 0 }
 elseif COST <= LIMIT then
   -- Counts never fall inside a window: the next window is the first chance.
-  result = reply(0, left, dsum(window - NOW, W, 0))
+  local X = lib()
+  result = X.reply(0, left, X.dsum(window - NOW, W, 0))
 else
-  result = reply(0, left, nil)
+  result = { 0, left, 0 }
 end
 
--- Forgettable one window after its start.
-local ttl = ttl_after(start - NOW, W)
-local px = keep_for(existed, ttl)
-if px then
-  redis.call('HSET', key, 'w', start, 'c', current)
-  redis.call('PEXPIRE', key, px)
+-- Forgettable one window after its start: start - NOW + W, at least 0.
+-- Both terms are below 2^53, so the sum is exact when it is below 2^53,
+-- and at or above it otherwise, which caps to MAX_TTL.
+local ttl = start - NOW + W
+if ttl < 0 then ttl = 0 elseif ttl > MAX_TTL then ttl = MAX_TTL end
+if ttl <= 0 and GRACE == 0 then
+  if s then redis.call('DEL', KEYS[1]) end
+else
+  redis.call('SET', KEYS[1], struct.pack('>dd', start, current), 'PX', ttl + GRACE)
 end
 return result

@@ -1,25 +1,29 @@
 -- gcra, ported from crates/core/src/policy/gcra.rs.
--- State (hash): a = the theoretical arrival time scaled by limit (units of
--- ms x limit; plain or limbs).
-local key = KEYS[1]
-local v = redis.call('HGET', key, 'a')
-local existed = v ~= false
-local result, tat_out, ttl
+-- State: a, the theoretical arrival time scaled by limit (units of ms x
+-- limit): 8 bytes below 2^53, else its base-2^24 limbs, 8 bytes each.
+local BURST = tonumber(ARGV[3])
+local s = redis.call('GET', KEYS[1])
+local result, value, ttl
 
 local cap = BURST * W
 local now_scaled = NOW * LIMIT
-if cap < TWO53 and now_scaled < TWO53 - cap and (not existed or not string.find(v, ',', 1, true)) then
+if cap < TWO53 and now_scaled < TWO53 - cap and (not s or #s == 8) then
   -- Fast path: while now * limit + capacity stays below 2^53, every admitted
   -- tat does too.
   local tat = 0
-  if existed then tat = int_field(v, 'a') end
-  local base = math.max(tat, now_scaled)
+  if s then
+    tat = struct.unpack('>d', s)
+    -- NaN fails every comparison, so it is caught too.
+    if not (tat >= 0 and tat < TWO53 and tat % 1 == 0) then lib().bad('a', tat) end
+  end
+  local base = tat
+  if now_scaled > base then base = now_scaled end
   local spent = base - now_scaled
   local need = COST * W
   if spent + need <= cap then
     tat = base + need
     local room = cap - spent - need
-    result = reply(1, (room - fmod(room, W)) / W, 0)
+    result = { 1, (room - fmod(room, W)) / W, 1, 0 }
   else
     local room = 0
     if cap > spent then room = cap - spent end
@@ -29,26 +33,30 @@ if cap < TWO53 and now_scaled < TWO53 - cap and (not existed or not string.find(
       retry = (over - fmod(over, LIMIT)) / LIMIT
       if fmod(over, LIMIT) > 0 then retry = retry + 1 end
     end
-    result = reply(0, (room - fmod(room, W)) / W, retry)
+    result = lib().reply(0, (room - fmod(room, W)) / W, retry)
   end
-  tat_out = tat
+  value = struct.pack('>d', tat)
   if tat <= now_scaled then
     ttl = 0
   elseif LIMIT == 0 then
     ttl = MAX_TTL
   else
+    -- Forgettable once tat <= now x limit: at ceil(tat / limit) - NOW ms,
+    -- both terms below 2^53, so exact.
     local at = (tat - fmod(tat, LIMIT)) / LIMIT
     if fmod(tat, LIMIT) > 0 then at = at + 1 end
-    ttl = ttl_after(at - NOW, 0)
+    ttl = at - NOW
+    if ttl < 0 then ttl = 0 elseif ttl > MAX_TTL then ttl = MAX_TTL end
   end
 else
-  local X = widelib()
-  local wide, wfits, wnum, wcmp, wadd, wsub = X.wide, X.wfits, X.wnum, X.wcmp, X.wadd, X.wsub
-  local wmul, wdivmod, wdivceil, wstore, wload = X.wmul, X.wdivmod, X.wdivceil, X.wstore, X.wload
+  local X = lib()
+  local Y = X.widelib()
+  local wide, wfits, wnum, wcmp, wadd, wsub = Y.wide, Y.wfits, Y.wnum, Y.wcmp, Y.wadd, Y.wsub
+  local wmul, wdivmod, wdivceil = Y.wmul, Y.wdivmod, Y.wdivceil
   local wcap = wmul(wide(BURST), wide(W))
   local wnow = wmul(wide(NOW), wide(LIMIT))
   local tat = {}
-  if existed then tat = wload(v, 'a') end
+  if s then tat = Y.wunpack(s, 1, 'a') end
   local base = tat
   if wcmp(wnow, tat) > 0 then base = wnow end
   local spent = wsub(base, wnow)
@@ -56,7 +64,7 @@ else
   local total = wadd(spent, need)
   if wcmp(total, wcap) <= 0 then
     tat = wadd(base, need)
-    result = reply(1, wnum((wdivmod(wsub(wcap, total), W))), 0)
+    result = X.reply(1, wnum((wdivmod(wsub(wcap, total), W))), 0)
   else
     local room = {}
     if wcmp(wcap, spent) > 0 then room = wsub(wcap, spent) end
@@ -65,21 +73,22 @@ else
       retry = wdivceil(wsub(total, wcap), LIMIT)
       if wfits(retry) then retry = wnum(retry) end
     end
-    result = reply(0, wnum((wdivmod(room, W))), retry)
+    result = X.reply(0, wnum((wdivmod(room, W))), retry)
   end
-  tat_out = wstore(tat)
+  value = Y.wpack(tat)
   if wcmp(tat, wnow) <= 0 then
     ttl = 0
   elseif LIMIT == 0 then
     ttl = MAX_TTL
   else
     local at = wdivceil(tat, LIMIT)
-    if wfits(at) then ttl = ttl_after(wnum(at) - NOW, 0) else ttl = MAX_TTL end
+    if wfits(at) then ttl = X.ttl_after(wnum(at) - NOW, 0) else ttl = MAX_TTL end
   end
 end
-local px = keep_for(existed, ttl)
-if px then
-  redis.call('HSET', key, 'a', tat_out)
-  redis.call('PEXPIRE', key, px)
+if ttl <= 0 and GRACE == 0 then
+  if s then redis.call('DEL', KEYS[1]) end
+else
+  if ttl < 0 then ttl = 0 end
+  redis.call('SET', KEYS[1], value, 'PX', ttl + GRACE)
 end
 return result

@@ -1,15 +1,16 @@
 -- sliding-window-counter, ported from
 -- crates/core/src/policy/sliding_window_counter.rs.
--- State (hash): w = start of the current window, p = previous (cost
--- admitted in the window before), c = current (cost admitted in this one).
-local key = KEYS[1]
-local v = redis.call('HMGET', key, 'w', 'p', 'c')
-local existed = v[1] ~= false or v[2] ~= false or v[3] ~= false
+-- State (24 bytes): the start of the current window, previous (cost
+-- admitted in the window before), current (cost admitted in this one).
+local s = redis.call('GET', KEYS[1])
 local start, previous, current
-if existed then
-  start = int_field(v[1], 'w')
-  previous = int_field(v[2], 'p')
-  current = int_field(v[3], 'c')
+if s then
+  if #s ~= 24 then lib().corrupt('state has a bad length ' .. #s) end
+  start, previous, current = struct.unpack('>ddd', s)
+  -- NaN fails every comparison, so it is caught too.
+  if not (start >= 0 and start < TWO53 and start % 1 == 0) then lib().bad('w', start) end
+  if not (previous >= 0 and previous < TWO53 and previous % 1 == 0) then lib().bad('p', previous) end
+  if not (current >= 0 and current < TWO53 and current % 1 == 0) then lib().bad('c', current) end
 else
   start = NOW - fmod(NOW, W)
   previous = 0
@@ -29,7 +30,14 @@ if window ~= start then
   start = window
 end
 local elapsed = now - window
-local carried = muldiv(previous, W - elapsed, W)
+-- carried = floor(previous * (W - elapsed) / W), plainly while the product
+-- stays below 2^53.
+local carried = previous * (W - elapsed)
+if carried < TWO53 then
+  carried = (carried - fmod(carried, W)) / W
+else
+  carried = lib().muldiv(previous, W - elapsed, W)
+end
 -- carried and current are each at most limit for valid state; a sum that
 -- rounds lies above limit anyway, so the comparisons below stay exact.
 local estimate = carried + current
@@ -39,8 +47,10 @@ if estimate < LIMIT then left = LIMIT - estimate end
 local result
 if COST <= left and estimate <= LIMIT then
   current = current + COST
-  result = reply(1, left - COST, 0)
+  result = { 1, left - COST, 1, 0 }
 elseif COST <= LIMIT then
+  local X = lib()
+  local muldiv, dsum = X.muldiv, X.dsum
   -- The smallest elapsed at which previous * (W - e) div W <= need, for
   -- previous > need.
   local function first_elapsed(prev, need)
@@ -77,22 +87,27 @@ elseif COST <= LIMIT then
     retry = dsum(window - NOW, span, 0)
   else
     -- Only with windows near 2^53 ms: add the (then non-negative) offset.
-    local X = widelib()
+    local Y = X.widelib()
     local d = window - NOW
-    if d >= 0 then retry = X.wadd(span, X.wide(d)) else retry = X.wsub(span, X.wide(-d)) end
+    if d >= 0 then retry = Y.wadd(span, Y.wide(d)) else retry = Y.wsub(span, Y.wide(-d)) end
   end
-  result = reply(0, left, retry)
+  result = X.reply(0, left, retry)
 else
-  result = reply(0, left, nil)
+  result = { 0, left, 0 }
 end
 
--- Forgettable two windows after the current one's start.
+-- Forgettable two windows after the current one's start: start - NOW + 2W,
+-- at least 0. Both terms are below 2^53, so the sum is exact when it is
+-- below 2^53, and at or above it otherwise, which caps to MAX_TTL.
 local ttl = MAX_TTL
-local two = dsum(0, W, W)
-if type(two) == 'number' then ttl = ttl_after(start - NOW, two) end
-local px = keep_for(existed, ttl)
-if px then
-  redis.call('HSET', key, 'w', start, 'p', previous, 'c', current)
-  redis.call('PEXPIRE', key, px)
+local two = W + W
+if two < TWO53 then
+  ttl = start - NOW + two
+  if ttl < 0 then ttl = 0 elseif ttl > MAX_TTL then ttl = MAX_TTL end
+end
+if ttl <= 0 and GRACE == 0 then
+  if s then redis.call('DEL', KEYS[1]) end
+else
+  redis.call('SET', KEYS[1], struct.pack('>ddd', start, previous, current), 'PX', ttl + GRACE)
 end
 return result
