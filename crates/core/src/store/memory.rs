@@ -2,7 +2,9 @@
 //!
 //! Keys are spread over shards, each a hash table behind its own mutex, so
 //! threads deciding different keys rarely meet and a decision on one key is
-//! linearizable (its read-modify-write happens under the shard's lock). A
+//! linearizable (its read-modify-write happens under the shard's lock; a
+//! refusal that changes nothing is decided on a consistent snapshot
+//! instead, without the lock, as `RefusedKey` explains). A
 //! key is hashed once, with a keyed, per-store randomly seeded hash
 //! (foldhash): the bits pick the shard and the slot, and an attacker who
 //! chooses keys cannot predict which collide (no hash flooding).
