@@ -252,9 +252,9 @@ fn ten_thousand_keys_at_once_each_admit_exactly_the_limit() {
 /// The same at full scale, as the single-key test runs: a limit of 100,
 /// every key asked for twice by each of the 64 clients (1,280,000 requests
 /// per policy and run), 20 runs: 128 million requests. On the 2-core
-/// development machine one run of the five policies took 81 s in a release
-/// build (about 27 minutes for 20, and several times as long in a debug
-/// build), too long for CI, so it runs only when asked:
+/// development machine the 20 runs took 1,476 s in a release build (and
+/// take several times as long in a debug build), too long for CI, so it
+/// runs only when asked:
 /// `cargo test --release -p ratewarden-redis --test concurrency -- --ignored`
 /// (`RATEWARDEN_FULL_SCALE_RUNS=N` runs N times instead of 20).
 #[test]
