@@ -390,6 +390,18 @@ impl RedisStore {
             .map_err(|_| self.timed_out())?
     }
 
+    /// Loads the policy's script into the server's script cache, for a
+    /// call that met NOSCRIPT (a flushed cache or a restarted node).
+    async fn load_script(&self, conn: &mut Conn) -> Result<(), StoreError> {
+        self.inner
+            .script
+            .prepare_invoke()
+            .load_async(conn)
+            .await
+            .map(drop)
+            .map_err(map_error)
+    }
+
     /// One script call, without the timeout.
     async fn call_one(
         &self,
@@ -408,12 +420,7 @@ impl RedisStore {
             Err(e) if e.kind() == ErrorKind::NoScriptError => {
                 // The script cache was flushed (or a node restarted): load
                 // it again and repeat; the failed EVALSHA ran nothing.
-                self.inner
-                    .script
-                    .prepare_invoke()
-                    .load_async(&mut conn)
-                    .await
-                    .map_err(map_error)?;
+                self.load_script(&mut conn).await?;
                 conn.req_packed_command(&cmd)
                     .await
                     .and_then(Value::extract_error)
@@ -527,12 +534,7 @@ impl RedisStore {
                     }
                 }
                 if !again.is_empty() {
-                    self.inner
-                        .script
-                        .prepare_invoke()
-                        .load_async(&mut conn)
-                        .await
-                        .map_err(map_error)?;
+                    self.load_script(&mut conn).await?;
                 }
                 todo = again;
             }
