@@ -389,6 +389,7 @@ impl<P: Policy> MemoryStore<P> {
     /// Errors: `now_ms` or `cost` above `2^53 - 1` (invalid input), or a new
     /// key when its shard is full of keys that cannot be forgotten
     /// (capacity exhausted).
+    #[inline]
     pub fn decide(&self, key: u64, now_ms: u64, cost: u64) -> Result<Decision, StoreError> {
         // The range check inline, its error (which formats a message) out
         // of line: every request pays for the comparison only.
@@ -445,7 +446,10 @@ impl<P: Policy> MemoryStore<P> {
 
     /// [`MemoryStore::decide`] under the shard's lock: every request that
     /// the lock-free path did not answer. Kept out of line so that the
-    /// lock-free path stays a small function.
+    /// lock-free path stays small; the commonest locked request, a known
+    /// key whose state stays packed, is decided here, and everything else
+    /// in [`MemoryStore::decide_locked_other`], so that this function
+    /// saves few registers.
     #[inline(never)]
     fn decide_locked(
         &self,
@@ -455,34 +459,62 @@ impl<P: Policy> MemoryStore<P> {
         now_ms: u64,
         cost: u64,
     ) -> Result<Decision, StoreError> {
-        let inner = &*self.inner;
-        let policy = &inner.policy;
+        let policy = &self.inner.policy;
         let mut guard = shard.lock();
-        let table = &mut *guard;
-        match &mut table.entries {
-            Entries::Packed(entries) => {
-                if let Some(entry) = entries.find_mut(packed_hash(hash), key) {
-                    let mut state = policy.unpack(*entry);
-                    let decision = policy.decide(&mut state, now_ms, cost);
-                    if let Some(packed) = policy.pack(&state) {
-                        *entry = packed;
-                        // The refused key is held for the lock-free path;
-                        // the key held has its state kept up to date.
-                        if !decision.allowed || shard.refused.holds(key) {
-                            shard.refused.hold(key, packed);
-                        }
-                    } else {
-                        shard.refused.clear();
-                        inner.widen(&mut table.entries);
-                        inner.put(&mut table.entries, hash, key, state);
+        if let Entries::Packed(entries) = &mut guard.entries {
+            if let Some(entry) = entries.find_mut(packed_hash(hash), key) {
+                let mut state = policy.unpack(*entry);
+                let decision = policy.decide(&mut state, now_ms, cost);
+                if let Some(packed) = policy.pack(&state) {
+                    *entry = packed;
+                    // The refused key is held for the lock-free path;
+                    // the key held has its state kept up to date.
+                    if !decision.allowed || shard.refused.holds(key) {
+                        shard.refused.hold(key, packed);
                     }
                     return Ok(decision);
                 }
+                self.widen_for(shard, &mut guard, hash, key, state);
+                return Ok(decision);
             }
-            Entries::Wide(entries) => {
-                if let Some((_, state)) = entries.find_mut(hash, |e| e.0 == key) {
-                    return Ok(policy.decide(state, now_ms, cost));
-                }
+        }
+        self.decide_locked_other(shard, guard, hash, key, now_ms, cost)
+    }
+
+    /// Widens the shard for `key`'s new `state`, which does not pack.
+    #[cold]
+    #[inline(never)]
+    fn widen_for(
+        &self,
+        shard: &Shard<P::State>,
+        table: &mut ShardTable<P::State>,
+        hash: u64,
+        key: u64,
+        state: P::State,
+    ) {
+        shard.refused.clear();
+        self.inner.widen(&mut table.entries);
+        self.inner.put(&mut table.entries, hash, key, state);
+    }
+
+    /// The rest of [`MemoryStore::decide_locked`]: a key in a wide shard,
+    /// or a new key.
+    #[inline(never)]
+    fn decide_locked_other(
+        &self,
+        shard: &Shard<P::State>,
+        mut guard: SpinMutexGuard<'_, ShardTable<P::State>>,
+        hash: u64,
+        key: u64,
+        now_ms: u64,
+        cost: u64,
+    ) -> Result<Decision, StoreError> {
+        let inner = &*self.inner;
+        let policy = &inner.policy;
+        let table = &mut *guard;
+        if let Entries::Wide(entries) = &mut table.entries {
+            if let Some((_, state)) = entries.find_mut(hash, |e| e.0 == key) {
+                return Ok(policy.decide(state, now_ms, cost));
             }
         }
         // A new key is stored even when its first request was a peek or a

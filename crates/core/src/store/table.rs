@@ -40,6 +40,16 @@ const LOAD_DENOMINATOR: usize = 16;
 /// The smallest array the table allocates.
 const MIN_SLOTS: usize = 8;
 
+/// How a probe of part of the array ended.
+enum Probe {
+    /// The key is at this index of the part.
+    Found(usize),
+    /// An empty slot came first: the key is not in the table.
+    Absent,
+    /// The part ended first: the probe goes on from the array's start.
+    Wrapped,
+}
+
 /// Keys with their packed 64-bit states; see the module's notes.
 #[derive(Debug, Default)]
 pub(crate) struct PackedTable {
@@ -79,21 +89,34 @@ impl PackedTable {
         if n == 0 {
             return None;
         }
-        let mut i = Self::home(hash, n);
-        // Ends: at least one slot is empty.
-        loop {
-            let slot_key = self.slots[i].0;
-            if slot_key == key {
-                return Some(&mut self.slots[i].1);
+        // The probe walks from the home slot to the end, then from the
+        // start: two slice iterations, with no bounds check or wrap test
+        // per slot. It ends: at least one slot is empty.
+        let home = Self::home(hash, n);
+        let at = match Self::probe(&self.slots[home..], key) {
+            Probe::Found(i) => home + i,
+            Probe::Absent => return None,
+            Probe::Wrapped => match Self::probe(&self.slots[..home], key) {
+                Probe::Found(i) => i,
+                Probe::Absent => return None,
+                Probe::Wrapped => unreachable!("the table always has an empty slot"),
+            },
+        };
+        Some(&mut self.slots[at].1)
+    }
+
+    /// Looks for `key` in `slots`, in order, up to the first empty slot.
+    #[inline(always)]
+    fn probe(slots: &[(u64, u64)], key: u64) -> Probe {
+        for (i, slot) in slots.iter().enumerate() {
+            if slot.0 == key {
+                return Probe::Found(i);
             }
-            if slot_key == EMPTY {
-                return None;
-            }
-            i += 1;
-            if i == n {
-                i = 0;
+            if slot.0 == EMPTY {
+                return Probe::Absent;
             }
         }
+        Probe::Wrapped
     }
 
     /// Inserts `key` (not in the table) with `state`. `rehash` gives the
