@@ -389,7 +389,7 @@ impl<P: Policy> MemoryStore<P> {
     /// Errors: `now_ms` or `cost` above `2^53 - 1` (invalid input), or a new
     /// key when its shard is full of keys that cannot be forgotten
     /// (capacity exhausted).
-    #[inline]
+    #[inline(always)]
     pub fn decide(&self, key: u64, now_ms: u64, cost: u64) -> Result<Decision, StoreError> {
         // The range check inline, its error (which formats a message) out
         // of line: every request pays for the comparison only.
@@ -417,9 +417,9 @@ impl<P: Policy> MemoryStore<P> {
 
     /// Decides on the held key's snapshot, and returns that decision if it
     /// is a refusal that leaves the state unchanged; otherwise (or when
-    /// the state does not pack) decides under the lock. Out of line, as
-    /// [`MemoryStore::decide_locked`] is, so that the memo's path stays a
-    /// small function.
+    /// the state does not pack) decides under the lock. Out of line: a
+    /// refused key's first repeat comes here once, and the memo answers
+    /// the rest, so the callers' inlined paths need not carry it.
     #[inline(never)]
     fn decide_snapshot(
         &self,
@@ -445,12 +445,12 @@ impl<P: Policy> MemoryStore<P> {
     }
 
     /// [`MemoryStore::decide`] under the shard's lock: every request that
-    /// the lock-free path did not answer. Kept out of line so that the
-    /// lock-free path stays small; the commonest locked request, a known
-    /// key whose state stays packed, is decided here, and everything else
-    /// in [`MemoryStore::decide_locked_other`], so that this function
-    /// saves few registers.
-    #[inline(never)]
+    /// the lock-free path did not answer. Only the commonest locked
+    /// request, a known key whose state stays packed, is decided here,
+    /// inline in the caller with the lock-free path (no call, no registers
+    /// saved); everything else is out of line, in
+    /// [`MemoryStore::decide_locked_other`].
+    #[inline(always)]
     fn decide_locked(
         &self,
         shard: &Shard<P::State>,
