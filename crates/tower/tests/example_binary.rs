@@ -1,4 +1,5 @@
-//! The example as users run it: the compiled `axum_server` binary, started
+//! The example as users run it: the compiled example server (built here as
+//! `tower_axum_server`, from the root as `axum_server`, one source), started
 //! with `--addr 127.0.0.1:0`, asked over real TCP, then stopped.
 //!
 //! `cargo test` builds the examples before running tests; the exact refusal
@@ -26,11 +27,11 @@ fn example_binary() -> PathBuf {
     let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
     let path = profile_dir
         .join("examples")
-        .join(format!("axum_server{}", std::env::consts::EXE_SUFFIX));
+        .join(format!("tower_axum_server{}", std::env::consts::EXE_SUFFIX));
     assert!(
         path.exists(),
         "{} is missing: run the whole test suite (cargo test builds the examples) or \
-         cargo build -p ratewarden-tower --example axum_server",
+         cargo build -p ratewarden-tower --example tower_axum_server",
         path.display()
     );
     path
