@@ -78,6 +78,16 @@ fn bench_json_rows_parse_with_the_named_fields() {
     for workload in ["hot-key", "hot-key-every-ms", "uniform-1m", "zipf-1m"] {
         assert!(find("baseline-hashmap", workload)["ns_per_decision"].is_number());
     }
+    for workload in [
+        "hot-key",
+        "hot-key-every-ms",
+        "uniform-1m",
+        "zipf-1m",
+        "uniform-1m-threads",
+    ] {
+        assert!(find("baseline-atomic", workload)["ns_per_decision"].is_number());
+    }
+    assert_eq!(find("baseline-atomic", "uniform-1m")["entries_tracked"], 2000);
     for shape in [
         "steady-0.8x",
         "steady-2x",

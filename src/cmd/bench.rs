@@ -15,7 +15,7 @@ use crate::measure::memory::{measure_here, measure_in_child, Footprint};
 use crate::measure::shapes::{Shape, ShapeParams};
 use crate::measure::speed::{
     insert_all, key_set, median, run_single, run_threads, uniform_sequence, zipf_sequence,
-    Baseline, Contender, Governor, Store, DECISIONS_PER_MS,
+    AtomicBaseline, Baseline, Contender, Governor, Store, DECISIONS_PER_MS,
 };
 use crate::measure::{Row, REFERENCE_LIMIT, REFERENCE_WINDOW_MS};
 
@@ -262,6 +262,14 @@ fn speed_rows(plan: &Plan, seq: &Sequences, bar: &ProgressBar) -> Result<(Vec<Ro
                 threads: None,
             })
         },
+        {
+            AtomicBaseline::new(l, w, plan.keys)?;
+            entry(
+                "baseline-atomic",
+                || AtomicBaseline::new(l, w, plan.keys).expect("checked above"),
+                seq,
+            )
+        },
     ];
     bar.inc(1);
     // Repetitions go round every contender in turn, so a slow spell of the
@@ -355,6 +363,22 @@ impl Target {
     }
 }
 
+/// The nanoseconds per decision of each repetition of `workload` by
+/// `policy`, if it ran.
+fn repetitions<'s>(samples: &'s Samples, policy: &str, workload: &str) -> Option<&'s [f64]> {
+    samples
+        .iter()
+        .find(|(p, w, _)| p == policy && *w == workload)
+        .map(|(_, _, reps)| reps.as_slice())
+}
+
+/// The median over repetitions of `a / b` within each repetition.
+fn paired(a: Option<&[f64]>, b: Option<&[f64]>) -> Option<f64> {
+    let (a, b) = a.zip(b)?;
+    let mut ratios: Vec<f64> = a.iter().zip(b).map(|(a, b)| a / b).collect();
+    (!ratios.is_empty()).then(|| median(&mut ratios))
+}
+
 /// The issue's targets. A speed ratio is the median, over repetitions, of
 /// the ratio within each repetition: the contenders of one repetition run
 /// one after another, so a slow spell of the shared machine moves both
@@ -365,17 +389,7 @@ fn targets(rows: &[Row], samples: &Samples) -> Vec<Target> {
         rows.iter()
             .find(|r| r.policy == policy && r.workload == workload && r.ns_per_decision.is_some())
     };
-    let ns = |p: &str, w: &str| {
-        samples
-            .iter()
-            .find(|(q, v, _)| q == p && *v == w)
-            .map(|(_, _, reps)| reps.as_slice())
-    };
-    let paired = |a: Option<&[f64]>, b: Option<&[f64]>| {
-        let (a, b) = a.zip(b)?;
-        let mut ratios: Vec<f64> = a.iter().zip(b).map(|(a, b)| a / b).collect();
-        (!ratios.is_empty()).then(|| median(&mut ratios))
-    };
+    let ns = |p: &str, w: &str| repetitions(samples, p, w);
     let mut out = Vec::new();
     for kind in [
         PolicyKind::SlidingWindowCounter,
@@ -465,7 +479,13 @@ pub(super) fn load_average() -> String {
         .unwrap_or_else(|_| "unknown".to_owned())
 }
 
-fn print_table(rows: &[Row], targets: &[Target], plan: &Plan, load_at_start: &str) {
+fn print_table(
+    rows: &[Row],
+    targets: &[Target],
+    thread_ceiling: Option<f64>,
+    plan: &Plan,
+    load_at_start: &str,
+) {
     println!("machine: {}", machine(load_at_start));
     println!(
         "speed and memory: reference configuration (100 per 1000 ms), {} keys, {} decisions x {} repetitions \
@@ -537,6 +557,13 @@ fn print_table(rows: &[Row], targets: &[Target], plan: &Plan, load_at_start: &st
             if t.met() { "met" } else { "MISSED" }
         );
     }
+    if let Some(ratio) = thread_ceiling {
+        println!(
+            "{:<24} {:<44} {:>7.3} (no target: what threads gain here when no cache line is \
+             shared)",
+            "baseline-atomic", "threads / single-thread decisions_per_sec", ratio
+        );
+    }
 }
 
 fn bench(args: &Args) -> Result<()> {
@@ -590,7 +617,11 @@ fn bench(args: &Args) -> Result<()> {
             );
         }
     } else {
-        print_table(&rows, &targets, &plan, &load_at_start);
+        let thread_ceiling = paired(
+            repetitions(&samples, "baseline-atomic", "uniform-1m"),
+            repetitions(&samples, "baseline-atomic", "uniform-1m-threads"),
+        );
+        print_table(&rows, &targets, thread_ceiling, &plan, &load_at_start);
     }
     Ok(())
 }

@@ -27,11 +27,12 @@ pub fn contender_policy(name: &str) -> Result<PolicyKind> {
     })
 }
 
-/// One row of the bench table: `policy` (a registry name, `governor` or
-/// `baseline-hashmap`), `workload`, and the columns that apply.
+/// One row of the bench table: `policy` (a registry name, `governor`,
+/// `baseline-hashmap` or `baseline-atomic`), `workload`, and the columns
+/// that apply.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Row {
-    /// A registry name, `governor` or `baseline-hashmap`.
+    /// A registry name, `governor`, `baseline-hashmap` or `baseline-atomic`.
     pub policy: String,
     /// A speed workload or an accuracy shape.
     pub workload: String,

@@ -11,7 +11,7 @@
 use std::cell::RefCell;
 use std::hint::black_box;
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
@@ -157,27 +157,7 @@ impl Contender for Baseline {
         let w = self.window_ms;
         let mut map = self.map.borrow_mut();
         let e = map.entry(key).or_insert_with(|| (now - now % w, 0, 0));
-        // The floor should be as fast as the formula allows: most requests
-        // fall in the recorded window, which needs no division to find.
-        if now - e.0 >= w {
-            let window = now - now % w;
-            e.1 = if window == e.0 + w { e.2 } else { 0 };
-            e.2 = 0;
-            e.0 = window;
-        }
-        let weight = w - (now - e.0);
-        // 32-bit division when the operands fit (they do in the reference
-        // configuration), as the store's policies do.
-        let carried = match (u32::try_from(u64::from(e.1) * weight), u32::try_from(w)) {
-            (Ok(n), Ok(d)) => u64::from(n / d),
-            _ => u64::from(e.1) * weight / w,
-        };
-        if carried + u64::from(e.2) < self.limit {
-            e.2 += 1;
-            true
-        } else {
-            false
-        }
+        window_counter(self.limit, w, now, e)
     }
 
     fn tick(&self) {
@@ -186,6 +166,166 @@ impl Contender for Baseline {
 
     fn entries_tracked(&self) -> usize {
         self.map.borrow().len()
+    }
+}
+
+/// The `sliding-window-counter` formula on `(window start, previous,
+/// current)`, as bare as it gets: admits (counting the request) or
+/// refuses, rolling the window first when `now` has left it.
+#[inline(always)]
+fn window_counter(limit: u64, w: u64, now: u64, e: &mut (u64, u32, u32)) -> bool {
+    // The floor should be as fast as the formula allows: most requests
+    // fall in the recorded window, which needs no division to find.
+    if now - e.0 >= w {
+        let window = now - now % w;
+        e.1 = if window == e.0 + w { e.2 } else { 0 };
+        e.2 = 0;
+        e.0 = window;
+    }
+    let weight = w - (now - e.0);
+    // 32-bit division when the operands fit (they do in the reference
+    // configuration), as the store's policies do.
+    let carried = match (u32::try_from(u64::from(e.1) * weight), u32::try_from(w)) {
+        (Ok(n), Ok(d)) => u64::from(n / d),
+        _ => u64::from(e.1) * weight / w,
+    };
+    if carried + u64::from(e.2) < limit {
+        e.2 += 1;
+        true
+    } else {
+        false
+    }
+}
+
+/// The machine's ceiling for threads: the `sliding-window-counter` formula
+/// on a fixed-size open-addressing table of atomics, sized for the keys it
+/// will see, where deciding a known key touches nothing but that key's own
+/// slot (a compare-and-swap on its packed state). It never grows, never
+/// forgets a key, checks no input and hashes without a key, so it is not a
+/// limiter; what it shows is how much a second thread can add on this
+/// machine when no cache line is shared between decisions.
+pub struct AtomicBaseline {
+    /// `(key, packed state)` word pairs; key [`ATOMIC_EMPTY`] marks a free
+    /// slot, state 0 a key with no request counted yet.
+    slots: Box<[AtomicU64]>,
+    mask: usize,
+    len: AtomicUsize,
+    now_ms: AtomicU64,
+    limit: u64,
+    window_ms: u64,
+}
+
+/// The key word of a free slot in [`AtomicBaseline`]; the key 0 itself is
+/// not supported (the bench's key sets never hold it).
+const ATOMIC_EMPTY: u64 = 0;
+
+/// Bits of the previous and current counts in [`AtomicBaseline`]'s packed
+/// state; the window start takes the rest.
+const ATOMIC_COUNT_BITS: u32 = 12;
+
+impl AtomicBaseline {
+    /// `limit` per `window_ms`, with room for `keys` keys at a load of at
+    /// most one half.
+    pub fn new(limit: u64, window_ms: u64, keys: usize) -> Result<Self> {
+        if limit >= 1 << ATOMIC_COUNT_BITS {
+            bail!(
+                "the atomic baseline counts at most {} per window",
+                (1 << ATOMIC_COUNT_BITS) - 1
+            );
+        }
+        let slots = (keys.max(1) * 2).next_power_of_two();
+        Ok(AtomicBaseline {
+            slots: (0..slots * 2).map(|_| AtomicU64::new(0)).collect(),
+            mask: slots - 1,
+            len: AtomicUsize::new(0),
+            now_ms: AtomicU64::new(1),
+            limit,
+            window_ms,
+        })
+    }
+
+    fn pack(e: (u64, u32, u32)) -> u64 {
+        debug_assert!(
+            e.0 < 1 << (64 - 2 * ATOMIC_COUNT_BITS),
+            "a window start past the packed field"
+        );
+        (e.0 << (2 * ATOMIC_COUNT_BITS)) | (u64::from(e.1) << ATOMIC_COUNT_BITS) | u64::from(e.2)
+    }
+
+    fn unpack(packed: u64) -> (u64, u32, u32) {
+        let mask = (1 << ATOMIC_COUNT_BITS) - 1;
+        (
+            packed >> (2 * ATOMIC_COUNT_BITS),
+            ((packed >> ATOMIC_COUNT_BITS) & mask) as u32,
+            (packed & mask) as u32,
+        )
+    }
+
+    /// The slot index holding `key`, claiming a free one for a new key.
+    #[inline]
+    fn slot_of(&self, key: u64) -> usize {
+        debug_assert_ne!(
+            key, ATOMIC_EMPTY,
+            "the atomic baseline does not take the key 0"
+        );
+        // FxHash's multiplier, top bits: unkeyed, like the bare map's.
+        let mut i = (key.wrapping_mul(0x517c_c1b7_2722_0a95) >> 32) as usize & self.mask;
+        for _ in 0..=self.mask {
+            let word = &self.slots[2 * i];
+            match word.load(Ordering::Acquire) {
+                k if k == key => return i,
+                ATOMIC_EMPTY => match word.compare_exchange(
+                    ATOMIC_EMPTY,
+                    key,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                ) {
+                    Ok(_) => {
+                        self.len.fetch_add(1, Ordering::Relaxed);
+                        return i;
+                    }
+                    Err(k) if k == key => return i,
+                    Err(_) => {}
+                },
+                _ => {}
+            }
+            i = (i + 1) & self.mask;
+        }
+        panic!("the atomic baseline is full: it was sized for fewer keys than it was given");
+    }
+}
+
+impl Contender for AtomicBaseline {
+    #[inline]
+    fn check(&self, key: u64) -> bool {
+        let now = self.now_ms.load(Ordering::Relaxed);
+        let w = self.window_ms;
+        let state = &self.slots[2 * self.slot_of(key) + 1];
+        let mut current = state.load(Ordering::Acquire);
+        loop {
+            let mut e = if current == 0 {
+                (now - now % w, 0, 0)
+            } else {
+                Self::unpack(current)
+            };
+            let admitted = window_counter(self.limit, w, now, &mut e);
+            let new = Self::pack(e);
+            if new == current {
+                return admitted;
+            }
+            match state.compare_exchange_weak(current, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return admitted,
+                Err(seen) => current = seen,
+            }
+        }
+    }
+
+    fn tick(&self) {
+        self.now_ms.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn entries_tracked(&self) -> usize {
+        self.len.load(Ordering::Relaxed)
     }
 }
 
@@ -305,7 +445,8 @@ mod tests {
         let store = Store::new(SlidingWindowCounter::new(100, 1000).unwrap(), 1 << 10);
         let governor = Governor::new(100, 1000).unwrap();
         let baseline = Baseline::new(100, 1000);
-        for c in [&store as &dyn Contender, &governor, &baseline] {
+        let atomic = AtomicBaseline::new(100, 1000, 1 << 10).unwrap();
+        for c in [&store as &dyn Contender, &governor, &baseline, &atomic] {
             let admitted = (0..150).filter(|_| c.check(42)).count();
             assert_eq!(admitted, 100);
             assert_eq!(c.entries_tracked(), 1);
@@ -328,6 +469,54 @@ mod tests {
             }
             baseline.tick();
         }
+    }
+
+    #[test]
+    fn the_atomic_baseline_runs_the_window_counter_formula() {
+        // Three keys whose requests interleave, so that slots are claimed
+        // and probed past; each must follow the policy's own decisions.
+        let atomic = AtomicBaseline::new(10, 10, 3).unwrap();
+        let policy = SlidingWindowCounter::new(10, 10).unwrap();
+        let mut states = [1, 2, 3].map(|_| policy.new_state(1));
+        for step in 0..200 {
+            for (key, state) in [5u64, 6, 7].iter().zip(&mut states) {
+                for _ in 0..(*key as usize - 3) {
+                    let now = atomic.now_ms.load(Ordering::Relaxed);
+                    assert_eq!(
+                        atomic.check(*key),
+                        policy.decide(state, now, 1).allowed,
+                        "key {key}, step {step}"
+                    );
+                }
+            }
+            atomic.tick();
+        }
+        assert_eq!(atomic.entries_tracked(), 3);
+        assert!(AtomicBaseline::new(4096, 1000, 1).is_err());
+    }
+
+    #[test]
+    fn the_atomic_baseline_counts_every_racing_admission() {
+        // Four threads race for one key's budget and insert the same new
+        // keys at once: exactly the limit gets in, and each key is held
+        // once.
+        let atomic = AtomicBaseline::new(100, 1000, 1_001).unwrap();
+        let keys = key_set(1_000);
+        let admitted: usize = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    scope.spawn(|| {
+                        for &k in &keys {
+                            atomic.check(k);
+                        }
+                        (0..100).filter(|_| atomic.check(u64::MAX)).count()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        assert_eq!(admitted, 100);
+        assert_eq!(atomic.entries_tracked(), 1_001);
     }
 
     #[test]
