@@ -87,7 +87,10 @@ fn bench_json_rows_parse_with_the_named_fields() {
     ] {
         assert!(find("baseline-atomic", workload)["ns_per_decision"].is_number());
     }
-    assert_eq!(find("baseline-atomic", "uniform-1m")["entries_tracked"], 2000);
+    assert_eq!(
+        find("baseline-atomic", "uniform-1m")["entries_tracked"],
+        2000
+    );
     for shape in [
         "steady-0.8x",
         "steady-2x",
