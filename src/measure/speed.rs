@@ -171,7 +171,8 @@ impl Contender for Baseline {
 
 /// The `sliding-window-counter` formula on `(window start, previous,
 /// current)`, as bare as it gets: admits (counting the request) or
-/// refuses, rolling the window first when `now` has left it.
+/// refuses, rolling the window first when `now` has left it. `now` is not
+/// before the window start `e.0`.
 #[inline(always)]
 fn window_counter(limit: u64, w: u64, now: u64, e: &mut (u64, u32, u32)) -> bool {
     // The floor should be as fast as the formula allows: most requests
@@ -308,7 +309,9 @@ impl Contender for AtomicBaseline {
             } else {
                 Self::unpack(current)
             };
-            let admitted = window_counter(self.limit, w, now, &mut e);
+            // Another thread may have read a later time and rolled the
+            // window first: decide at the recorded window's time then.
+            let admitted = window_counter(self.limit, w, now.max(e.0), &mut e);
             let new = Self::pack(e);
             if new == current {
                 return admitted;
@@ -517,6 +520,21 @@ mod tests {
         });
         assert_eq!(admitted, 100);
         assert_eq!(atomic.entries_tracked(), 1_001);
+    }
+
+    #[test]
+    fn the_atomic_baseline_takes_a_time_before_the_window_it_holds() {
+        // One thread rolled the key into the window at 1000 ms; another,
+        // which read the time a moment earlier (999 ms), decides next.
+        let atomic = AtomicBaseline::new(2, 1000, 1).unwrap();
+        atomic.now_ms.store(1000, Ordering::Relaxed);
+        assert!(atomic.check(9));
+        atomic.now_ms.store(999, Ordering::Relaxed);
+        assert!(atomic.check(9));
+        assert!(
+            !atomic.check(9),
+            "both requests count in the window at 1000 ms"
+        );
     }
 
     #[test]
