@@ -17,6 +17,15 @@ fn scratch(name: &str) -> PathBuf {
     dir.join(name)
 }
 
+/// Every speed workload of `ratewarden bench`, as its rows name them.
+const SPEED_WORKLOADS: [&str; 5] = [
+    "hot-key",
+    "hot-key-every-ms",
+    "uniform-1m",
+    "zipf-1m",
+    "uniform-1m-threads",
+];
+
 #[test]
 fn bench_json_rows_parse_with_the_named_fields() {
     let out = ratewarden(&[
@@ -56,13 +65,7 @@ fn bench_json_rows_parse_with_the_named_fields() {
         "gcra",
         "governor",
     ] {
-        for workload in [
-            "hot-key",
-            "hot-key-every-ms",
-            "uniform-1m",
-            "zipf-1m",
-            "uniform-1m-threads",
-        ] {
+        for workload in SPEED_WORKLOADS {
             let row = find(policy, workload);
             assert!(row["ns_per_decision"].as_f64().unwrap() > 0.0, "{row}");
             assert!(row["decisions_per_sec"].as_f64().unwrap() > 0.0, "{row}");
@@ -78,13 +81,7 @@ fn bench_json_rows_parse_with_the_named_fields() {
     for workload in ["hot-key", "hot-key-every-ms", "uniform-1m", "zipf-1m"] {
         assert!(find("baseline-hashmap", workload)["ns_per_decision"].is_number());
     }
-    for workload in [
-        "hot-key",
-        "hot-key-every-ms",
-        "uniform-1m",
-        "zipf-1m",
-        "uniform-1m-threads",
-    ] {
+    for workload in SPEED_WORKLOADS {
         assert!(find("baseline-atomic", workload)["ns_per_decision"].is_number());
     }
     assert_eq!(
