@@ -138,3 +138,70 @@ fn racing_rounds_decide_as_a_serial_replay() {
         }
     }
 }
+
+/// Flooded keys are pinned, which takes a lock; new keys growing the same
+/// shard and sweeps of it unpin them. With all of it racing, each flooded
+/// key still admits exactly its limit, with the `remaining` values of a
+/// serial history, and every new key its first request.
+#[test]
+fn pinned_keys_keep_their_counts_while_shards_grow_and_sweep() {
+    const FLOODED: u64 = 3;
+    const NEW_KEYS: u64 = 20_000;
+    let config = PolicyConfig::new(PolicyKind::FixedWindow, 500, 1_000_000);
+    // Two shards: the new keys grow the flooded keys' shards many times.
+    let options = MemoryOptions {
+        max_keys: 1 << 20,
+        shards: 2,
+    };
+    let store = MemoryStore::for_config(&config, options).unwrap();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    thread::scope(|scope| {
+        let flooders: Vec<_> = (0..3)
+            .map(|t| {
+                let store = &store;
+                scope.spawn(move || {
+                    let mut admitted = Vec::new();
+                    // Runs of one key, so that each thread sees the same
+                    // key refused twice in a row (the pinning signal).
+                    for i in 0..3000u64 {
+                        let key = (i / 50 + t) % FLOODED;
+                        let d = store.decide(key, 1, 1).unwrap();
+                        if d.allowed {
+                            admitted.push((key, d.remaining));
+                        }
+                    }
+                    admitted
+                })
+            })
+            .collect();
+        let grower = scope.spawn(|| {
+            (0..NEW_KEYS)
+                .filter(|i| store.decide(1_000 + i, 1, 1).unwrap().allowed)
+                .count() as u64
+        });
+        let sweeper = scope.spawn(|| {
+            let mut sweeps = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) && sweeps < 2_000 {
+                // Nothing is forgettable at 1 ms; the sweep still unpins.
+                assert_eq!(store.forget_idle(1, 64).forgotten, 0);
+                sweeps += 1;
+            }
+        });
+        let mut by_key: HashMap<u64, Vec<u64>> = HashMap::new();
+        for f in flooders {
+            for (key, remaining) in f.join().unwrap() {
+                by_key.entry(key).or_default().push(remaining);
+            }
+        }
+        assert_eq!(grower.join().unwrap(), NEW_KEYS);
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        sweeper.join().unwrap();
+        for key in 0..FLOODED {
+            let mut remaining = by_key.remove(&key).unwrap_or_default();
+            remaining.sort_unstable();
+            assert_eq!(remaining, (0..500).collect::<Vec<u64>>(), "key {key}");
+            assert_eq!(store.decide(key, 2, 0).unwrap().remaining, 0);
+        }
+    });
+    assert_eq!(store.entries_tracked() as u64, FLOODED + NEW_KEYS);
+}

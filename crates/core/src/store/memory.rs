@@ -1,11 +1,24 @@
 //! The embedded, concurrent in-memory store.
 //!
-//! Keys are spread over shards, each a hash table behind its own mutex, so
-//! threads deciding different keys rarely meet and a decision on one key is
-//! linearizable (its read-modify-write happens under the shard's lock; a
-//! refusal that changes nothing is decided on a consistent snapshot
-//! instead, without the lock, as `RefusedKey` explains). A
-//! key is hashed once, with a keyed, per-store randomly seeded hash
+//! Keys are spread over shards, each a hash table with its own lock. A
+//! decision on a known key whose state packs into 64 bits (every key of
+//! the four counting policies in any common configuration) takes no lock:
+//! it finds the key's slot through its thread's view of the shard's array
+//! (`views.rs`), decides on the state it reads, and writes the new state
+//! with one compare-and-swap on that slot, deciding again if another
+//! thread wrote first. A decision that changes nothing writes nothing.
+//! So the only cache line a decision writes is its key's, and threads
+//! deciding different keys do not slow each other down. New keys, keys
+//! forgotten, shards whose states stopped packing, and every change to a
+//! table's structure go through the shard's lock (see `table.rs` for the
+//! rules that let the two meet). A key under a flood of refusals is
+//! pinned: its state moves out of its slot into the shard's `RefusedKey`,
+//! where every thread reads it from one cache line and repeats of a
+//! refusal are answered from a memo, and only the lock holder writes it.
+//! Every decision on a key is linearizable: at its compare-and-swap, at
+//! its read of the state when it writes nothing, or under the lock.
+//!
+//! A key is hashed once, with a keyed, per-store randomly seeded hash
 //! (foldhash): the bits pick the shard and the slot, and an attacker who
 //! chooses keys cannot predict which collide (no hash flooding).
 //!
@@ -22,8 +35,8 @@
 //! `fixed-window` and `gcra`, 32 for `sliding-window-counter` and
 //! `token-bucket`, and 48 plus 16 per log entry for `sliding-log` (which
 //! never packs), in a SwissTable, which adds one control byte per slot and
-//! keeps its load between 7/16 and 7/8. `ratewarden bench` measures the
-//! bytes per key.
+//! keeps its load between 7/16 and 7/8; a wide shard decides under its
+//! lock. `ratewarden bench` measures the bytes per key.
 //!
 //! The store holds at most [`MemoryOptions::max_keys`] keys. It forgets
 //! keys only in [`MemoryStore::forget_idle`], an explicit call with a bound,
@@ -41,7 +54,8 @@ use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 use spin::mutex::{SpinMutex, SpinMutexGuard};
 
-use super::table::PackedTable;
+use super::table::{PackedTable, Replaced, DEAD, EMPTY, PINNED};
+use super::views::StoreViews;
 use super::Store;
 use crate::error::check_request;
 use crate::policy::Policy;
@@ -108,7 +122,23 @@ struct Inner<P: Policy> {
     shards: Box<[Shard<P::State>]>,
     shard_mask: usize,
     max_keys_per_shard: usize,
-    sweep_cursor: AtomicUsize,
+    /// Written by every `forget_idle` call, so apart from what decisions
+    /// read.
+    sweep_cursor: Padded<AtomicUsize>,
+    /// Read by every lock-free decision, written only when an array is
+    /// retired.
+    views: Padded<StoreViews>,
+}
+
+/// A value on cache lines of its own.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
 }
 
 /// One shard, on its own cache line so that two cores locking neighbouring
@@ -116,31 +146,39 @@ struct Inner<P: Policy> {
 ///
 /// The lock is a spin lock: taking it is one atomic read-modify-write and
 /// releasing it a plain store, where a parking mutex needs a second
-/// read-modify-write to release (it must check for sleeping waiters). A
-/// decision holds the lock for a few dozen nanoseconds, and the lock is
-/// spread over many shards, so waiting is rare and short; a waiter that
-/// keeps failing yields its core (see [`Shard::lock`]) so that a holder
-/// that was preempted can finish.
+/// read-modify-write to release (it must check for sleeping waiters). The
+/// lock is taken only by new keys, wide shards and housekeeping, and held
+/// for a few dozen nanoseconds (longer only to replace an array), so
+/// waiting is rare and short; a waiter that keeps failing yields its core
+/// (see [`Shard::lock`]) so that a holder that was preempted can finish.
 #[repr(align(64))]
 struct Shard<S> {
     table: SpinMutex<ShardTable<S>>,
     refused: RefusedKey,
 }
 
-/// The shard's most recently refused key and its packed state, readable
-/// without the lock, with the last refusal decided for it.
+/// The shard's pinned key, a key under a flood of refusals: its packed
+/// state, readable without the lock, with the last refusal decided for it.
 ///
 /// A key over its limit is refused again and again, and a refusal usually
 /// leaves the state as it was (same window, nothing refilled). Such a
-/// refusal needs no write, so it needs no lock: a reader takes a consistent
-/// snapshot of the key's state here, decides on it, and if the decision is
-/// a refusal that leaves the state unchanged, that decision is exactly the
-/// one the locked path would have made at the instant of the snapshot
-/// (linearizable there). Anything else (an admission, a rolled window, a
-/// refilled bucket, a snapshot torn by a writer) goes through the lock.
-/// This spares the lock's atomic read-modify-write on the commonest request
-/// of an abusive client, and many threads refusing one key read a shared
-/// cache line instead of passing the lock's line between cores.
+/// refusal needs no write: a reader takes a consistent snapshot of the
+/// key's state here, decides on it, and if the decision is a refusal that
+/// leaves the state unchanged, that decision is exactly the one the locked
+/// path would have made at the instant of the snapshot (linearizable
+/// there). Anything else (an admission, a rolled window, a refilled bucket,
+/// a snapshot torn by a writer) goes through the lock. This answers a
+/// flood's repeats from one cache line per shard, shared by every thread,
+/// without the hashing, the thread's view and the probe of a lock-free
+/// decision.
+///
+/// Pinning is what keeps the snapshot true while other keys are decided
+/// without the lock: the pinned key's slot holds [`PINNED`] instead of its
+/// state, so a decision that finds the slot goes to the lock, and only a
+/// lock holder changes the state (here). A lock holder pins a key by
+/// swapping its state for `PINNED` and then holding it here, and unpins it
+/// by clearing this entry and then putting the state back in the slot;
+/// between the two steps every reader goes to the lock.
 ///
 /// A flood repeats the same request within one millisecond: a decision is
 /// a pure function of (state, `now_ms`, cost), so the snapshot also carries
@@ -150,9 +188,10 @@ struct Shard<S> {
 ///
 /// Coherence: only a holder of the shard's lock writes here. It updates
 /// the entry (dropping the memo) whenever it changes the held key's state,
-/// and clears it whenever states stop being packed or keys are forgotten;
-/// a memo is only written for the state it was decided on (checked by the
-/// sequence number under the lock). A seqlock with atomic fields (`seq`
+/// and unpins the key whenever states stop being packed, keys are
+/// forgotten or the array is replaced; a memo is only written for the
+/// state it was decided on (checked by the sequence number under the
+/// lock). A seqlock with atomic fields (`seq`
 /// odd while written) gives readers consistent snapshots with no unsafe
 /// code.
 #[repr(align(64))]
@@ -217,10 +256,14 @@ impl RefusedKey {
         Some(Snapshot { seq, packed, memo })
     }
 
-    /// Whether `key` is held; only for a lock holder.
-    #[inline]
-    fn holds(&self, key: u64) -> bool {
-        self.flags.load(Ordering::Relaxed) & HELD != 0 && self.key.load(Ordering::Relaxed) == key
+    /// The key held and its state; only for a lock holder.
+    fn held(&self) -> Option<(u64, u64)> {
+        (self.flags.load(Ordering::Relaxed) & HELD != 0).then(|| {
+            (
+                self.key.load(Ordering::Relaxed),
+                self.packed.load(Ordering::Relaxed),
+            )
+        })
     }
 
     /// Holds `key` with `packed` and no memo; only for a lock holder.
@@ -327,6 +370,16 @@ impl<S> Entries<S> {
     }
 }
 
+/// Why a decision on a packed state could not be made in place.
+enum NotInPlace {
+    /// The key was forgotten, or its array retired.
+    Dead,
+    /// The key is pinned: its state is in the shard's [`RefusedKey`].
+    Pinned,
+    /// The new state does not pack.
+    Wide,
+}
+
 impl MemoryStore<AnyPolicy> {
     /// A store for a configuration of the registry, validated here.
     pub fn for_config(config: &PolicyConfig, options: MemoryOptions) -> Result<Self, ConfigError> {
@@ -348,7 +401,7 @@ impl<P: Policy> MemoryStore<P> {
         let max_keys_per_shard = options.max_keys.div_ceil(shards).max(1);
         // A policy that cannot pack even a new key's state (the log) starts
         // wide rather than widening every shard on its first key.
-        let packs = policy.pack(&policy.new_state(0)).is_some();
+        let packs = pack(&policy, &policy.new_state(0)).is_some();
         MemoryStore {
             inner: Arc::new(Inner {
                 policy,
@@ -368,7 +421,8 @@ impl<P: Policy> MemoryStore<P> {
                     .collect(),
                 shard_mask: shards - 1,
                 max_keys_per_shard,
-                sweep_cursor: AtomicUsize::new(0),
+                sweep_cursor: Padded(AtomicUsize::new(0)),
+                views: Padded(StoreViews::new(shards)),
             }),
         }
     }
@@ -401,29 +455,49 @@ impl<P: Policy> MemoryStore<P> {
         // Bits 32..48 pick the shard: a wide shard's SwissTable uses the
         // low bits for the slot and the top seven for its control bytes,
         // and a packed shard's table all but these (see `packed_hash`).
-        let shard = &inner.shards[(hash >> 32) as usize & inner.shard_mask];
-        // A refusal that changes nothing, decided without the lock (see
-        // `RefusedKey`): taken from the memo when this very request was
-        // decided last, else decided on the snapshot.
+        let index = (hash >> 32) as usize & inner.shard_mask;
+        let shard = &inner.shards[index];
+        // A flood's refusal that changes nothing, decided on the pinned
+        // key's snapshot (see `RefusedKey`): taken from the memo when this
+        // very request was decided last.
         match shard.refused.read(key, now_ms, cost) {
             Some(Snapshot {
                 memo: Some(refusal),
                 ..
-            }) => Ok(refusal),
-            Some(snapshot) => self.decide_snapshot(shard, snapshot, hash, key, now_ms, cost),
-            None => self.decide_locked(shard, hash, key, now_ms, cost),
+            }) => return Ok(refusal),
+            Some(snapshot) => {
+                return self.decide_snapshot(index, snapshot, hash, key, now_ms, cost);
+            }
+            None => {}
         }
+        // A known key, decided in place through this thread's view (see
+        // `views.rs`). The key `EMPTY` has no slot.
+        if key != EMPTY {
+            let policy = &inner.policy;
+            let lock_free = inner.views.decide(index, packed_hash(hash), key, |cell| {
+                decide_packed(policy, cell, now_ms, cost)
+                    .ok()
+                    .map(|(decision, unchanged)| (decision, unchanged.is_some()))
+            });
+            if let Some((decision, pin)) = lock_free {
+                if pin {
+                    self.pin(index, hash, key);
+                }
+                return Ok(decision);
+            }
+        }
+        self.decide_locked(index, hash, key, now_ms, cost)
     }
 
-    /// Decides on the held key's snapshot, and returns that decision if it
-    /// is a refusal that leaves the state unchanged; otherwise (or when
-    /// the state does not pack) decides under the lock. Out of line: a
-    /// refused key's first repeat comes here once, and the memo answers
-    /// the rest, so the callers' inlined paths need not carry it.
+    /// Decides on the pinned key's snapshot, and returns that decision if
+    /// it is a refusal that leaves the state unchanged; otherwise decides
+    /// under the lock. Out of line: a refused key's first repeat comes
+    /// here once, and the memo answers the rest, so the callers' inlined
+    /// paths need not carry it.
     #[inline(never)]
     fn decide_snapshot(
         &self,
-        shard: &Shard<P::State>,
+        index: usize,
         snapshot: Snapshot,
         hash: u64,
         key: u64,
@@ -431,9 +505,10 @@ impl<P: Policy> MemoryStore<P> {
         cost: u64,
     ) -> Result<Decision, StoreError> {
         let policy = &self.inner.policy;
+        let shard = &self.inner.shards[index];
         let mut state = policy.unpack(snapshot.packed);
         let decision = policy.decide(&mut state, now_ms, cost);
-        if !decision.allowed && policy.pack(&state) == Some(snapshot.packed) {
+        if !decision.allowed && pack(policy, &state) == Some(snapshot.packed) {
             // Memoized for the identical requests of a flood, when the
             // lock is free: never waited for.
             if let Some(_guard) = shard.table.try_lock() {
@@ -441,69 +516,65 @@ impl<P: Policy> MemoryStore<P> {
             }
             return Ok(decision);
         }
-        self.decide_locked(shard, hash, key, now_ms, cost)
+        self.decide_locked(index, hash, key, now_ms, cost)
     }
 
-    /// [`MemoryStore::decide`] under the shard's lock: every request that
-    /// the lock-free path did not answer. Only the commonest locked
-    /// request, a known key whose state stays packed, is decided here,
-    /// inline in the caller with the lock-free path (no call, no registers
-    /// saved); everything else is out of line, in
-    /// [`MemoryStore::decide_locked_other`].
-    #[inline(always)]
+    /// Pins `key`, a flood's target (see `RefusedKey`), in place of the
+    /// shard's pinned key, if the lock is free (never waited for) and the
+    /// key is still packed and alive.
+    #[cold]
+    #[inline(never)]
+    fn pin(&self, index: usize, hash: u64, key: u64) {
+        let inner = &*self.inner;
+        let shard = &inner.shards[index];
+        let Some(guard) = shard.table.try_lock() else {
+            return;
+        };
+        let Entries::Packed(entries) = &guard.entries else {
+            return;
+        };
+        inner.unpin(shard, entries);
+        if let Some(cell) = entries.cell(packed_hash(hash), key) {
+            let packed = cell.load(Ordering::Acquire);
+            // Readers that find `PINNED` go to the lock, held here until
+            // the key is held.
+            if packed != DEAD
+                && cell
+                    .compare_exchange(packed, PINNED, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                shard.refused.hold(key, packed);
+            }
+        }
+    }
+
+    /// [`MemoryStore::decide`] under the shard's lock: a new key, a key
+    /// forgotten, the pinned key, a key of a wide shard, or a key this
+    /// thread had no view for (the view is then taken, for the next
+    /// decision).
+    #[inline(never)]
     fn decide_locked(
         &self,
-        shard: &Shard<P::State>,
+        index: usize,
         hash: u64,
         key: u64,
         now_ms: u64,
         cost: u64,
     ) -> Result<Decision, StoreError> {
-        let policy = &self.inner.policy;
+        let inner = &*self.inner;
+        let shard = &inner.shards[index];
         let mut guard = shard.lock();
-        if let Entries::Packed(entries) = &mut guard.entries {
-            if let Some(entry) = entries.find_mut(packed_hash(hash), key) {
-                let mut state = policy.unpack(*entry);
-                let decision = policy.decide(&mut state, now_ms, cost);
-                if let Some(packed) = policy.pack(&state) {
-                    *entry = packed;
-                    // The refused key is held for the lock-free path;
-                    // the key held has its state kept up to date.
-                    if !decision.allowed || shard.refused.holds(key) {
-                        shard.refused.hold(key, packed);
-                    }
-                    return Ok(decision);
-                }
-                self.widen_for(shard, &mut guard, hash, key, state);
-                return Ok(decision);
-            }
+        let decision = self.decide_under_lock(shard, &mut guard, hash, key, now_ms, cost);
+        if let Entries::Packed(table) = &guard.entries {
+            inner.views.keep(index, table.slots());
         }
-        self.decide_locked_other(shard, guard, hash, key, now_ms, cost)
+        decision
     }
 
-    /// Widens the shard for `key`'s new `state`, which does not pack.
-    #[cold]
-    #[inline(never)]
-    fn widen_for(
+    fn decide_under_lock(
         &self,
         shard: &Shard<P::State>,
         table: &mut ShardTable<P::State>,
-        hash: u64,
-        key: u64,
-        state: P::State,
-    ) {
-        shard.refused.clear();
-        self.inner.widen(&mut table.entries);
-        self.inner.put(&mut table.entries, hash, key, state);
-    }
-
-    /// The rest of [`MemoryStore::decide_locked`]: a key in a wide shard,
-    /// or a new key.
-    #[inline(never)]
-    fn decide_locked_other(
-        &self,
-        shard: &Shard<P::State>,
-        mut guard: SpinMutexGuard<'_, ShardTable<P::State>>,
         hash: u64,
         key: u64,
         now_ms: u64,
@@ -511,7 +582,35 @@ impl<P: Policy> MemoryStore<P> {
     ) -> Result<Decision, StoreError> {
         let inner = &*self.inner;
         let policy = &inner.policy;
-        let table = &mut *guard;
+        if let Entries::Packed(entries) = &table.entries {
+            if let Some(cell) = entries.cell(packed_hash(hash), key) {
+                // Readers without the lock may update this state too: the
+                // same compare-and-swap decides here.
+                match decide_packed(policy, cell, now_ms, cost) {
+                    Ok((decision, _)) => return Ok(decision),
+                    // Forgotten: decided as a new key, below.
+                    Err(NotInPlace::Dead) => {}
+                    Err(NotInPlace::Pinned) => {
+                        let (held, packed) = shard.refused.held().expect("a pinned key is held");
+                        debug_assert_eq!(held, key);
+                        let mut state = policy.unpack(packed);
+                        let decision = policy.decide(&mut state, now_ms, cost);
+                        if let Some(packed) = pack(policy, &state) {
+                            shard.refused.hold(key, packed);
+                            return Ok(decision);
+                        }
+                        // The new state does not pack: the shard widens
+                        // (below), and the wide state decides again, as
+                        // the held one did: it is the same state.
+                        inner.widen(shard, &mut table.entries);
+                    }
+                    // Every state of the shard goes wide first (exactly,
+                    // so no decision changes); the wide state is decided
+                    // below.
+                    Err(NotInPlace::Wide) => inner.widen(shard, &mut table.entries),
+                }
+            }
+        }
         if let Entries::Wide(entries) = &mut table.entries {
             if let Some((_, state)) = entries.find_mut(hash, |e| e.0 == key) {
                 return Ok(policy.decide(state, now_ms, cost));
@@ -523,8 +622,7 @@ impl<P: Policy> MemoryStore<P> {
         if table.entries.len() >= inner.max_keys_per_shard {
             if table.last_full_sweep_ms.is_none_or(|t| now_ms > t) {
                 table.last_full_sweep_ms = Some(now_ms);
-                shard.refused.clear();
-                inner.sweep(table, now_ms);
+                inner.sweep(shard, table, now_ms);
             }
             if table.entries.len() >= inner.max_keys_per_shard {
                 return Err(StoreError::new(
@@ -539,12 +637,7 @@ impl<P: Policy> MemoryStore<P> {
         }
         let mut state = policy.new_state(now_ms);
         let decision = policy.decide(&mut state, now_ms, cost);
-        inner.put(&mut table.entries, hash, key, state);
-        if matches!(table.entries, Entries::Wide(_)) {
-            // The new key's state may have widened the shard: the held
-            // packed state must not outlive it.
-            shard.refused.clear();
-        }
+        inner.put_new(shard, &mut table.entries, hash, key, state);
         Ok(decision)
     }
 
@@ -570,10 +663,8 @@ impl<P: Policy> MemoryStore<P> {
             let index = inner.sweep_cursor.fetch_add(1, Ordering::Relaxed) & inner.shard_mask;
             let shard = &inner.shards[index];
             let mut table = shard.lock();
-            // Forgotten keys must not stay readable without the lock.
-            shard.refused.clear();
             let before = table.entries.len();
-            inner.sweep(&mut table, now_ms);
+            inner.sweep(shard, &mut table, now_ms);
             done.scanned += before;
             done.forgotten += before - table.entries.len();
             if done.scanned >= max_scanned {
@@ -581,6 +672,46 @@ impl<P: Policy> MemoryStore<P> {
             }
         }
         done
+    }
+}
+
+/// `state` packed, when it fits and is not [`DEAD`] (which the store
+/// reserves; such a rare state is kept wide instead).
+#[inline(always)]
+fn pack<P: Policy>(policy: &P, state: &P::State) -> Option<u64> {
+    policy.pack(state).filter(|&packed| packed != DEAD)
+}
+
+/// Decides on the packed state in `cell` and writes the new state there
+/// with a compare-and-swap, deciding again on the state another thread
+/// wrote first. A decision that leaves the state as it was writes nothing
+/// (linearizable at its read) and returns that state. Nothing is written
+/// when the key is dead or pinned, or its new state does not pack.
+#[inline(always)]
+fn decide_packed<P: Policy>(
+    policy: &P,
+    cell: &AtomicU64,
+    now_ms: u64,
+    cost: u64,
+) -> Result<(Decision, Option<u64>), NotInPlace> {
+    let mut packed = cell.load(Ordering::Acquire);
+    loop {
+        if packed == DEAD {
+            return Err(NotInPlace::Dead);
+        }
+        if packed == PINNED {
+            return Err(NotInPlace::Pinned);
+        }
+        let mut state = policy.unpack(packed);
+        let decision = policy.decide(&mut state, now_ms, cost);
+        let new = pack(policy, &state).ok_or(NotInPlace::Wide)?;
+        if new == packed {
+            return Ok((decision, Some(packed)));
+        }
+        match cell.compare_exchange_weak(packed, new, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return Ok((decision, None)),
+            Err(seen) => packed = seen,
+        }
     }
 }
 
@@ -597,38 +728,67 @@ impl<P: Policy> Inner<P> {
         packed_hash(self.hasher.hash_one(key))
     }
 
-    /// Stores `state` for `key` (new or known), packed when it fits and the
-    /// shard is still packed, else wide (widening the shard first).
-    fn put(&self, entries: &mut Entries<P::State>, hash: u64, key: u64, state: P::State) {
+    /// Tells the views when `replaced` says an array was retired.
+    fn retired(&self, replaced: Replaced) {
+        if replaced.0 {
+            self.views.retired();
+        }
+    }
+
+    /// Unpins the shard's pinned key, if any (see `RefusedKey`): its
+    /// entry is cleared first, so that no reader decides on the snapshot
+    /// once the slot can change again. Only for a lock holder.
+    fn unpin(&self, shard: &Shard<P::State>, entries: &PackedTable) {
+        if let Some((key, packed)) = shard.refused.held() {
+            shard.refused.clear();
+            let cell = entries
+                .cell(self.packed_hash_of(key), key)
+                .expect("a pinned key has a cell");
+            debug_assert_eq!(cell.load(Ordering::Relaxed), PINNED);
+            cell.store(packed, Ordering::Release);
+        }
+    }
+
+    /// Stores `state` for `key`, which has no live state, packed when it
+    /// fits and the shard is still packed, else wide (widening the shard
+    /// first).
+    fn put_new(
+        &self,
+        shard: &Shard<P::State>,
+        entries: &mut Entries<P::State>,
+        hash: u64,
+        key: u64,
+        state: P::State,
+    ) {
         if let Entries::Packed(table) = entries {
-            if let Some(packed) = self.policy.pack(&state) {
-                let hash = packed_hash(hash);
-                match table.find_mut(hash, key) {
-                    Some(entry) => *entry = packed,
-                    None => table.insert_new(hash, key, packed, |k| self.packed_hash_of(k)),
+            if let Some(packed) = pack(&self.policy, &state) {
+                if table.is_full() {
+                    // The array is about to be replaced.
+                    self.unpin(shard, table);
                 }
+                let replaced =
+                    table.put_new(packed_hash(hash), key, packed, |k| self.packed_hash_of(k));
+                self.retired(replaced);
                 return;
             }
-            self.widen(entries);
+            self.widen(shard, entries);
         }
         if let Entries::Wide(table) = entries {
-            match table.find_mut(hash, |e| e.0 == key) {
-                Some(entry) => entry.1 = state,
-                None => {
-                    table.insert_unique(hash, (key, state), |e| self.hasher.hash_one(e.0));
-                }
-            }
+            table.insert_unique(hash, (key, state), |e| self.hasher.hash_one(e.0));
         }
     }
 
     /// Turns a packed shard into a wide one, once: every state is unpacked
-    /// exactly, so no decision changes. It costs one pass over the shard,
+    /// exactly, so no decision changes, and the packed array is retired
+    /// (its readers go to the lock). It costs one pass over the shard,
     /// which holds at most `max_keys_per_shard` keys.
     #[cold]
-    fn widen(&self, entries: &mut Entries<P::State>) {
+    fn widen(&self, shard: &Shard<P::State>, entries: &mut Entries<P::State>) {
         if let Entries::Packed(table) = entries {
-            let mut wide = HashTable::with_capacity(table.len());
-            for (key, packed) in table.drain() {
+            self.unpin(shard, table);
+            let all = table.drain();
+            let mut wide = HashTable::with_capacity(all.len());
+            for (key, packed) in all {
                 wide.insert_unique(
                     self.hasher.hash_one(key),
                     (key, self.policy.unpack(packed)),
@@ -636,18 +796,24 @@ impl<P: Policy> Inner<P> {
                 );
             }
             *entries = Entries::Wide(wide);
+            self.views.retired();
         }
     }
 
-    fn sweep(&self, table: &mut ShardTable<P::State>, now_ms: u64) {
+    fn sweep(&self, shard: &Shard<P::State>, table: &mut ShardTable<P::State>, now_ms: u64) {
         let policy = &self.policy;
         let hasher = &self.hasher;
         // Give memory back after a large sweep, keeping room to grow.
         match &mut table.entries {
-            Entries::Packed(entries) => entries.retain(
-                |packed| !policy.is_forgettable(&policy.unpack(packed), now_ms),
-                |k| self.packed_hash_of(k),
-            ),
+            Entries::Packed(entries) => {
+                // The pinned key's state is judged like any other.
+                self.unpin(shard, entries);
+                let replaced = entries.retain(
+                    |packed| !policy.is_forgettable(&policy.unpack(packed), now_ms),
+                    |k| self.packed_hash_of(k),
+                );
+                self.retired(replaced);
+            }
             Entries::Wide(entries) => {
                 entries.retain(|(_, state)| !policy.is_forgettable(state, now_ms));
                 let (len, capacity) = (entries.len(), entries.capacity());
@@ -676,8 +842,9 @@ mod tests {
 
     #[test]
     fn threads_deciding_one_key_admit_exactly_the_limit() {
-        // Four threads race for one key's budget through the shard lock;
-        // every admission is counted once, so exactly the limit gets in.
+        // Four threads race for one key's budget, each compare-and-swap on
+        // its state; every admission is counted once, so exactly the limit
+        // gets in.
         let store = MemoryStore::new(
             FixedWindow::new(1000, 1000).unwrap(),
             MemoryOptions::default(),
@@ -699,12 +866,12 @@ mod tests {
         assert_eq!(store.decide(9, 5, 0).unwrap().remaining, 0);
     }
 
-    /// Refusals that change nothing are decided without the lock, from
-    /// the shard's refused key; with threads racing through window
-    /// rollovers, every window still admits exactly its limit, with the
-    /// `remaining` values of a serial history.
+    /// Decisions that write nothing (refusals, from the state or the
+    /// memo) and those that write race through window rollovers; every
+    /// window still admits exactly its limit, with the `remaining` values
+    /// of a serial history.
     #[test]
-    fn lock_free_refusals_never_refuse_what_the_lock_would_admit() {
+    fn lock_free_refusals_never_refuse_what_a_write_would_admit() {
         const LIMIT: u64 = 50;
         const THREADS: usize = 4;
         const ROUNDS: u64 = 300;
@@ -750,9 +917,10 @@ mod tests {
         }
     }
 
-    /// A forgotten key must not stay readable without the lock: a request
-    /// from before the sweep (the clock stepped back) is then decided as
-    /// a new key's, as SPEC "Memory" allows, not on the old state.
+    /// A forgotten key must not stay readable through a thread's view: a
+    /// request from before the sweep (the clock stepped back) is then
+    /// decided as a new key's, as SPEC "Memory" allows, not on the old
+    /// state (nor on the memo of a refusal of it).
     #[test]
     fn forgetting_a_refused_key_forgets_it_everywhere() {
         let store = MemoryStore::new(FixedWindow::new(2, 10).unwrap(), MemoryOptions::default());
@@ -760,10 +928,114 @@ mod tests {
             assert!(store.decide(3, 5, 1).unwrap().allowed);
         }
         assert!(!store.decide(3, 5, 1).unwrap().allowed);
-        // Held now: refused again without the lock.
+        // Refused again without the lock, and memoized.
+        assert!(!store.decide(3, 6, 1).unwrap().allowed);
         assert!(!store.decide(3, 6, 1).unwrap().allowed);
         assert_eq!(store.forget_idle(10, usize::MAX).forgotten, 1);
         assert!(store.decide(3, 6, 1).unwrap().allowed);
+    }
+
+    /// The shard holding `key`.
+    fn shard_of<P: Policy>(store: &MemoryStore<P>, key: u64) -> &Shard<P::State> {
+        let hash = store.inner.hasher.hash_one(key);
+        &store.inner.shards[(hash >> 32) as usize & store.inner.shard_mask]
+    }
+
+    /// A key refused twice in a row by one thread is pinned; its later
+    /// requests are decided on its snapshot, or under the lock when they
+    /// write, exactly as before; another flooded key of the shard takes
+    /// the pin, and the first goes back to its slot with its state.
+    #[test]
+    fn a_flooded_key_is_pinned_and_unpinned_without_losing_a_count() {
+        let options = MemoryOptions {
+            max_keys: 1 << 10,
+            shards: 1,
+        };
+        let store = MemoryStore::new(FixedWindow::new(2, 10).unwrap(), options);
+        let held = |store: &MemoryStore<FixedWindow>| shard_of(store, 1).refused.held();
+        for key in [1, 2] {
+            assert!(store.decide(key, 5, 2).unwrap().allowed);
+        }
+        assert_eq!(
+            store.decide(1, 5, 1).unwrap(),
+            Decision::refused(Some(5), 0)
+        );
+        assert_eq!(held(&store), None);
+        assert_eq!(
+            store.decide(1, 5, 1).unwrap(),
+            Decision::refused(Some(5), 0)
+        );
+        assert_eq!(held(&store).map(|h| h.0), Some(1));
+        // From the snapshot, then from its memo; another time or cost is
+        // decided afresh.
+        for _ in 0..2 {
+            assert_eq!(
+                store.decide(1, 5, 1).unwrap(),
+                Decision::refused(Some(5), 0)
+            );
+        }
+        assert_eq!(
+            store.decide(1, 6, 1).unwrap(),
+            Decision::refused(Some(4), 0)
+        );
+        assert_eq!(store.decide(1, 6, 3).unwrap(), Decision::refused(None, 0));
+        // A write (a new window) goes through the lock and stays pinned.
+        assert_eq!(store.decide(1, 10, 1).unwrap(), Decision::admitted(1));
+        assert_eq!(held(&store).map(|h| h.0), Some(1));
+        assert_eq!(store.decide(1, 10, 1).unwrap(), Decision::admitted(0));
+        // Key 2, flooded, takes the pin; key 1's state is back in its
+        // slot, with both admissions counted.
+        for _ in 0..2 {
+            assert_eq!(
+                store.decide(2, 6, 1).unwrap(),
+                Decision::refused(Some(4), 0)
+            );
+        }
+        assert_eq!(held(&store).map(|h| h.0), Some(2));
+        assert_eq!(
+            store.decide(1, 11, 1).unwrap(),
+            Decision::refused(Some(9), 0)
+        );
+        assert_eq!(store.decide(1, 12, 0).unwrap().remaining, 0);
+        // New keys grow the array: the pinned key is unpinned first, and
+        // keeps its count.
+        for key in 3..40 {
+            store.decide(key, 10, 1).unwrap();
+        }
+        assert_eq!(store.decide(2, 9, 0).unwrap(), Decision::admitted(0));
+        assert_eq!(store.entries_tracked(), 39);
+    }
+
+    /// More stores on one thread than it keeps views of: each keeps its
+    /// own budget, and a dropped store's arrays are let go by the views.
+    #[test]
+    fn views_of_many_stores_stay_apart() {
+        let stores: Vec<_> = (0..40)
+            .map(|_| MemoryStore::new(FixedWindow::new(3, 10).unwrap(), MemoryOptions::default()))
+            .collect();
+        for round in 0..4 {
+            for store in &stores {
+                let decision = store.decide(7, 0, 1).unwrap();
+                assert_eq!(decision.allowed, round < 3, "round {round}");
+            }
+        }
+        // The last store used is in this thread's views.
+        let slots = stores[39]
+            .inner
+            .shards
+            .iter()
+            .find_map(|s| match &s.lock().entries {
+                Entries::Packed(t) if t.len() == 1 => Some(t.slots().clone()),
+                _ => None,
+            })
+            .unwrap();
+        // Held by the store, this thread's view and this test.
+        assert_eq!(Arc::strong_count(&slots), 3);
+        drop(stores);
+        // Any decision makes the thread let go of dropped stores' views.
+        let other = MemoryStore::new(FixedWindow::new(3, 10).unwrap(), MemoryOptions::default());
+        other.decide(1, 0, 1).unwrap();
+        assert_eq!(Arc::strong_count(&slots), 1);
     }
 
     #[test]
@@ -774,7 +1046,7 @@ mod tests {
         let seen = refused.read(1, 0, 1).unwrap();
         assert_eq!((seen.packed, seen.memo), (42, None));
         assert!(refused.read(2, 0, 1).is_none());
-        assert!(refused.holds(1) && !refused.holds(2));
+        assert_eq!(refused.held(), Some((1, 42)));
         // A memo answers only the request it was decided for.
         let refusal = Decision::refused(Some(7), 3);
         refused.memoize(seen.seq, 5, 1, &refusal);
@@ -796,7 +1068,7 @@ mod tests {
         refused.seq.fetch_add(1, Ordering::Relaxed);
         refused.clear();
         assert!(refused.read(1, 5, 1).is_none());
-        assert!(!refused.holds(1));
+        assert_eq!(refused.held(), None);
     }
 
     #[test]

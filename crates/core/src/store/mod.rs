@@ -3,6 +3,7 @@
 
 pub mod memory;
 mod table;
+mod views;
 
 use crate::{Decision, StoreError};
 

@@ -1,0 +1,251 @@
+//! Each thread's views of the memory stores' packed tables: how a decision
+//! on a known key reaches the key's slot without taking the shard's lock.
+//!
+//! A shard's array of slots is shared through an `Arc`; a reader needs a
+//! clone of it that stays valid while it probes and updates a slot. Taking
+//! the lock or cloning the `Arc` per decision writes a shared cache line
+//! (the lock word, the reference count), and that line then moves between
+//! the cores on about half of all decisions: two threads deciding
+//! different keys go little faster than one. So each thread keeps its own
+//! clones, per store and shard, and reuses them while the store's `epoch`
+//! (bumped whenever any of its shards retires an array) is the one they
+//! were taken at. A decision then writes nothing shared but the key's own
+//! state.
+//!
+//! A view is only ever a shortcut. A retired array's states are all dead,
+//! and a key missing from a stale array is looked for again under the
+//! lock, so a stale view (the epoch moved on while it was used) costs a
+//! locked decision, never a wrong one.
+//!
+//! What a view keeps alive: the arrays it holds, until the thread next
+//! decides on that store (a new epoch drops them), on any store after the
+//! store is dropped (`STORES_DROPPED` tells every thread to look), or when
+//! [`MAX_VIEWS`] other stores have been used since. A thread that never
+//! decides again holds them until it exits.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+
+use super::table::{self, Slots};
+use crate::Decision;
+
+/// The most stores a thread keeps views of; the least recently used goes.
+const MAX_VIEWS: usize = 32;
+
+/// Bumped whenever a store is dropped, so that threads drop their views of
+/// it at their next decision.
+static STORES_DROPPED: AtomicU64 = AtomicU64::new(0);
+
+/// Gives each store its own identity for the views.
+static NEXT_STORE_ID: AtomicU64 = AtomicU64::new(1);
+
+/// What the views know of one store: created with it, dropped with it.
+#[derive(Debug)]
+pub(crate) struct StoreViews {
+    id: u64,
+    /// Bumped whenever one of the store's shards retires an array.
+    epoch: AtomicU64,
+    /// Alive while the store is: views hold it weakly to tell.
+    alive: Option<Arc<()>>,
+    shards: usize,
+}
+
+impl StoreViews {
+    pub(crate) fn new(shards: usize) -> Self {
+        StoreViews {
+            id: NEXT_STORE_ID.fetch_add(1, Ordering::Relaxed),
+            epoch: AtomicU64::new(0),
+            alive: Some(Arc::new(())),
+            shards,
+        }
+    }
+
+    /// Tells every thread that the store's views are stale; call after a
+    /// shard retired an array (under that shard's lock).
+    pub(crate) fn retired(&self) {
+        self.epoch.fetch_add(1, Ordering::Release);
+    }
+
+    /// Decides a request for `key` (not `EMPTY`), whose hash is `hash`,
+    /// on this thread's view of shard `shard`: `decide` decides on the
+    /// key's state cell and says whether the state is unchanged. Returns
+    /// the decision, and whether the key should be pinned (see
+    /// `memory.rs`): a refusal that changed nothing, for the key this
+    /// thread saw refused so last, is the sign of a flood. `None` sends
+    /// the caller to the lock: no view of the shard, the key not in it,
+    /// or `decide` gave up.
+    #[inline(always)]
+    pub(crate) fn decide(
+        &self,
+        shard: usize,
+        hash: u64,
+        key: u64,
+        decide: impl FnOnce(&AtomicU64) -> Option<(Decision, bool)>,
+    ) -> Option<(Decision, bool)> {
+        // The decision leaves the thread-local closure in whole words: a
+        // `Decision` returned through it was assembled from byte and word
+        // stores and copied out with wider loads, which stalled on store
+        // forwarding for longer than the whole lock-free decision took.
+        let mut out = Words::default();
+        let decided = VIEWS
+            .try_with(|views| {
+                // Busy only if a decision were made inside another one:
+                // never, but a locked decision is the safe answer.
+                let Ok(mut views) = views.try_borrow_mut() else {
+                    return false;
+                };
+                let Some(view) = views.find(self) else {
+                    return false;
+                };
+                let Some(Some(slots)) = view.tables.get(shard) else {
+                    return false;
+                };
+                let Some(index) = table::find(slots, hash, key) else {
+                    return false;
+                };
+                let Some((decision, unchanged)) = decide(table::state(slots, index)) else {
+                    return false;
+                };
+                out = Words::from(decision);
+                if unchanged && !decision.allowed {
+                    out.pin = u64::from(view.last_refused.replace(key) == Some(key));
+                }
+                true
+            })
+            .unwrap_or(false);
+        decided.then(|| (out.into(), out.pin != 0))
+    }
+
+    /// Keeps `slots`, shard `shard`'s current array (read under its lock),
+    /// in this thread's view, unless the view holds it already.
+    pub(crate) fn keep(&self, shard: usize, slots: &Slots) {
+        let _ = VIEWS.try_with(|views| {
+            if let Ok(mut views) = views.try_borrow_mut() {
+                if let Some(view) = views.find(self) {
+                    if let Some(table) = view.tables.get_mut(shard) {
+                        if !table.as_ref().is_some_and(|t| Arc::ptr_eq(t, slots)) {
+                            *table = Some(Arc::clone(slots));
+                        }
+                    }
+                }
+            }
+        });
+    }
+}
+
+impl Drop for StoreViews {
+    fn drop(&mut self) {
+        // The liveness token goes first, so that a thread told to look
+        // finds this store dead.
+        self.alive = None;
+        STORES_DROPPED.fetch_add(1, Ordering::Release);
+    }
+}
+
+/// A [`Decision`] and the pin flag as words.
+#[derive(Default, Clone, Copy)]
+struct Words {
+    allowed: u64,
+    has_retry: u64,
+    retry_after_ms: u64,
+    remaining: u64,
+    pin: u64,
+}
+
+impl From<Decision> for Words {
+    #[inline(always)]
+    fn from(d: Decision) -> Self {
+        Words {
+            allowed: u64::from(d.allowed),
+            has_retry: u64::from(d.retry_after_ms.is_some()),
+            retry_after_ms: d.retry_after_ms.unwrap_or(0),
+            remaining: d.remaining,
+            pin: 0,
+        }
+    }
+}
+
+impl From<Words> for Decision {
+    #[inline(always)]
+    fn from(w: Words) -> Self {
+        Decision {
+            allowed: w.allowed != 0,
+            retry_after_ms: (w.has_retry != 0).then_some(w.retry_after_ms),
+            remaining: w.remaining,
+        }
+    }
+}
+
+/// One thread's view of one store.
+struct View {
+    store: u64,
+    alive: Weak<()>,
+    epoch: u64,
+    /// Per shard: the array last seen, if the shard is packed.
+    tables: Box<[Option<Slots>]>,
+    /// The key last refused without a change, through this view.
+    last_refused: Option<u64>,
+}
+
+/// One thread's views, the most recently used first.
+struct Views {
+    dropped_seen: u64,
+    list: Vec<View>,
+}
+
+thread_local! {
+    static VIEWS: RefCell<Views> = const {
+        RefCell::new(Views {
+            dropped_seen: 0,
+            list: Vec::new(),
+        })
+    };
+}
+
+impl Views {
+    /// The view of `store`, current for its epoch, made if need be.
+    #[inline(always)]
+    fn find(&mut self, store: &StoreViews) -> Option<&mut View> {
+        let dropped = STORES_DROPPED.load(Ordering::Acquire);
+        if dropped != self.dropped_seen {
+            self.forget_dropped(dropped);
+        }
+        if self.list.first().is_none_or(|v| v.store != store.id) {
+            self.bring_forward(store)?;
+        }
+        let view = self.list.first_mut()?;
+        let epoch = store.epoch.load(Ordering::Acquire);
+        if view.epoch != epoch {
+            view.epoch = epoch;
+            view.tables.iter_mut().for_each(|t| *t = None);
+        }
+        Some(view)
+    }
+
+    #[cold]
+    fn forget_dropped(&mut self, dropped: u64) {
+        self.dropped_seen = dropped;
+        self.list.retain(|v| v.alive.strong_count() > 0);
+    }
+
+    /// Moves `store`'s view to the front, making it if there is none.
+    #[cold]
+    fn bring_forward(&mut self, store: &StoreViews) -> Option<()> {
+        match self.list.iter().position(|v| v.store == store.id) {
+            Some(at) => self.list[..=at].rotate_right(1),
+            None => {
+                let view = View {
+                    store: store.id,
+                    alive: Arc::downgrade(store.alive.as_ref()?),
+                    epoch: store.epoch.load(Ordering::Acquire),
+                    tables: (0..store.shards).map(|_| None).collect(),
+                    last_refused: None,
+                };
+                self.list.truncate(MAX_VIEWS - 1);
+                self.list.insert(0, view);
+            }
+        }
+        Some(())
+    }
+}
