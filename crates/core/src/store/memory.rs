@@ -55,7 +55,7 @@ use hashbrown::HashTable;
 use spin::mutex::{SpinMutex, SpinMutexGuard};
 
 use super::table::{PackedTable, Replaced, DEAD, EMPTY, PINNED};
-use super::views::StoreViews;
+use super::views::{self, StoreViews};
 use super::Store;
 use crate::error::check_request;
 use crate::policy::Policy;
@@ -348,6 +348,12 @@ impl<S> Shard<S> {
 
 struct ShardTable<S> {
     entries: Entries<S>,
+    /// [`views::thread_mark`] of the thread that last decided a known key
+    /// here under the lock: another thread turns the views on.
+    last_thread: usize,
+    /// The key last refused here under the lock without a change: refused
+    /// twice in a row, it is pinned.
+    last_refused: Option<u64>,
     /// `now_ms` of the last sweep forced by a full shard: a full shard is
     /// swept at most once per millisecond, so a flood of new keys cannot
     /// turn every request into a scan.
@@ -416,6 +422,8 @@ impl<P: Policy> MemoryStore<P> {
                                 Entries::Wide(HashTable::new())
                             },
                             last_full_sweep_ms: None,
+                            last_thread: 0,
+                            last_refused: None,
                         }),
                     })
                     .collect(),
@@ -470,9 +478,10 @@ impl<P: Policy> MemoryStore<P> {
             }
             None => {}
         }
-        // A known key, decided in place through this thread's view (see
-        // `views.rs`). The key `EMPTY` has no slot.
-        if key != EMPTY {
+        // A known key, decided in place through this thread's view, when
+        // more than one thread decides (see `views.rs`). The key `EMPTY`
+        // has no slot.
+        if key != EMPTY && inner.views.enabled() {
             let policy = &inner.policy;
             let lock_free = inner.views.decide(index, packed_hash(hash), key, |cell| {
                 decide_packed(policy, cell, now_ms, cost)
@@ -525,15 +534,20 @@ impl<P: Policy> MemoryStore<P> {
     #[cold]
     #[inline(never)]
     fn pin(&self, index: usize, hash: u64, key: u64) {
-        let inner = &*self.inner;
-        let shard = &inner.shards[index];
+        let shard = &self.inner.shards[index];
         let Some(guard) = shard.table.try_lock() else {
             return;
         };
-        let Entries::Packed(entries) = &guard.entries else {
-            return;
-        };
-        inner.unpin(shard, entries);
+        if let Entries::Packed(entries) = &guard.entries {
+            self.pin_locked(shard, entries, hash, key);
+        }
+    }
+
+    /// [`MemoryStore::pin`] for a lock holder.
+    #[cold]
+    #[inline(never)]
+    fn pin_locked(&self, shard: &Shard<P::State>, entries: &PackedTable, hash: u64, key: u64) {
+        self.inner.unpin(shard, entries);
         if let Some(cell) = entries.cell(packed_hash(hash), key) {
             let packed = cell.load(Ordering::Acquire);
             // Readers that find `PINNED` go to the lock, held here until
@@ -548,11 +562,14 @@ impl<P: Policy> MemoryStore<P> {
         }
     }
 
-    /// [`MemoryStore::decide`] under the shard's lock: a new key, a key
-    /// forgotten, the pinned key, a key of a wide shard, or a key this
-    /// thread had no view for (the view is then taken, for the next
-    /// decision).
-    #[inline(never)]
+    /// [`MemoryStore::decide`] under the shard's lock: every decision
+    /// while one thread decides, and otherwise a new key, a key forgotten,
+    /// the pinned key, a key of a wide shard, or a key this thread had no
+    /// view for (the view is then taken, for the next decision). The
+    /// commonest, a known key whose state stays packed, is decided here,
+    /// inline in the caller (no call, no registers saved); everything else
+    /// is out of line, in [`MemoryStore::decide_under_lock`].
+    #[inline(always)]
     fn decide_locked(
         &self,
         index: usize,
@@ -562,16 +579,62 @@ impl<P: Policy> MemoryStore<P> {
         cost: u64,
     ) -> Result<Decision, StoreError> {
         let inner = &*self.inner;
+        let policy = &inner.policy;
         let shard = &inner.shards[index];
         let mut guard = shard.lock();
-        let decision = self.decide_under_lock(shard, &mut guard, hash, key, now_ms, cost);
+        let table = &mut *guard;
+        let mark = views::thread_mark();
+        if table.last_thread != mark {
+            if table.last_thread != 0 {
+                inner.views.enable();
+            }
+            table.last_thread = mark;
+        }
+        if let Entries::Packed(entries) = &table.entries {
+            if let Some(cell) = entries.cell(packed_hash(hash), key) {
+                // Readers without the lock may update this state too: the
+                // same compare-and-swap decides here.
+                if let Ok((decision, unchanged)) = decide_packed(policy, cell, now_ms, cost) {
+                    if unchanged.is_some() && !decision.allowed {
+                        if table.last_refused == Some(key) {
+                            self.pin_locked(shard, entries, hash, key);
+                        } else {
+                            table.last_refused = Some(key);
+                        }
+                    }
+                    if inner.views.enabled() {
+                        inner.views.keep(index, entries.slots());
+                    }
+                    return Ok(decision);
+                }
+            }
+        }
+        self.decide_under_lock(index, shard, guard, hash, key, now_ms, cost)
+    }
+
+    #[inline(never)]
+    #[allow(clippy::too_many_arguments)]
+    fn decide_under_lock(
+        &self,
+        index: usize,
+        shard: &Shard<P::State>,
+        mut guard: SpinMutexGuard<'_, ShardTable<P::State>>,
+        hash: u64,
+        key: u64,
+        now_ms: u64,
+        cost: u64,
+    ) -> Result<Decision, StoreError> {
+        let decision = self.decide_other(shard, &mut guard, hash, key, now_ms, cost);
         if let Entries::Packed(table) = &guard.entries {
-            inner.views.keep(index, table.slots());
+            if self.inner.views.enabled() {
+                self.inner.views.keep(index, table.slots());
+            }
         }
         decision
     }
 
-    fn decide_under_lock(
+    /// The rest of [`MemoryStore::decide_locked`].
+    fn decide_other(
         &self,
         shard: &Shard<P::State>,
         table: &mut ShardTable<P::State>,
@@ -947,11 +1010,21 @@ mod tests {
     /// the pin, and the first goes back to its slot with its state.
     #[test]
     fn a_flooded_key_is_pinned_and_unpinned_without_losing_a_count() {
+        // Under the lock, and through the views.
+        for viewed in [false, true] {
+            flood_pin_and_unpin(viewed);
+        }
+    }
+
+    fn flood_pin_and_unpin(viewed: bool) {
         let options = MemoryOptions {
             max_keys: 1 << 10,
             shards: 1,
         };
         let store = MemoryStore::new(FixedWindow::new(2, 10).unwrap(), options);
+        if viewed {
+            store.inner.views.enable();
+        }
         let held = |store: &MemoryStore<FixedWindow>| shard_of(store, 1).refused.held();
         for key in [1, 2] {
             assert!(store.decide(key, 5, 2).unwrap().allowed);
@@ -1006,6 +1079,30 @@ mod tests {
         assert_eq!(store.entries_tracked(), 39);
     }
 
+    /// The views are on only while more than one thread decides: a second
+    /// thread turns them on, and a thread left alone turns them off again.
+    /// Decisions are the same throughout.
+    #[test]
+    fn views_are_on_while_threads_share_the_store() {
+        let options = MemoryOptions {
+            max_keys: 1 << 10,
+            shards: 1,
+        };
+        let store = MemoryStore::new(FixedWindow::new(1000, 1 << 40).unwrap(), options);
+        assert!(store.decide(1, 0, 1).unwrap().allowed);
+        assert!(!store.inner.views.enabled());
+        std::thread::scope(|scope| {
+            scope.spawn(|| assert!(store.decide(2, 0, 1).unwrap().allowed));
+        });
+        assert!(store.inner.views.enabled());
+        for _ in 0..super::views::VIEWED_DECISIONS_PER_CHECK {
+            assert_eq!(store.decide(1, 0, 0).unwrap().remaining, 999);
+        }
+        assert!(!store.inner.views.enabled());
+        assert_eq!(store.decide(1, 0, 1).unwrap().remaining, 998);
+        assert!(!store.inner.views.enabled());
+    }
+
     /// More stores on one thread than it keeps views of: each keeps its
     /// own budget, and a dropped store's arrays are let go by the views.
     #[test]
@@ -1013,6 +1110,9 @@ mod tests {
         let stores: Vec<_> = (0..40)
             .map(|_| MemoryStore::new(FixedWindow::new(3, 10).unwrap(), MemoryOptions::default()))
             .collect();
+        for store in &stores {
+            store.inner.views.enable();
+        }
         for round in 0..4 {
             for store in &stores {
                 let decision = store.decide(7, 0, 1).unwrap();
@@ -1034,6 +1134,7 @@ mod tests {
         drop(stores);
         // Any decision makes the thread let go of dropped stores' views.
         let other = MemoryStore::new(FixedWindow::new(3, 10).unwrap(), MemoryOptions::default());
+        other.inner.views.enable();
         other.decide(1, 0, 1).unwrap();
         assert_eq!(Arc::strong_count(&slots), 1);
     }

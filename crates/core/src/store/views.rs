@@ -24,7 +24,7 @@
 //! decides again holds them until it exits.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use super::table::{self, Slots};
@@ -32,6 +32,11 @@ use crate::Decision;
 
 /// The most stores a thread keeps views of; the least recently used goes.
 const MAX_VIEWS: usize = 32;
+
+/// Decisions a thread makes through its view of a store before it turns
+/// the store's views off, to learn whether it still needs them (see
+/// [`StoreViews::enabled`]).
+pub(crate) const VIEWED_DECISIONS_PER_CHECK: u32 = 1 << 16;
 
 /// Bumped whenever a store is dropped, so that threads drop their views of
 /// it at their next decision.
@@ -44,6 +49,8 @@ static NEXT_STORE_ID: AtomicU64 = AtomicU64::new(1);
 #[derive(Debug)]
 pub(crate) struct StoreViews {
     id: u64,
+    /// Whether decisions try the views first.
+    enabled: AtomicBool,
     /// Bumped whenever one of the store's shards retires an array.
     epoch: AtomicU64,
     /// Alive while the store is: views hold it weakly to tell.
@@ -55,10 +62,35 @@ impl StoreViews {
     pub(crate) fn new(shards: usize) -> Self {
         StoreViews {
             id: NEXT_STORE_ID.fetch_add(1, Ordering::Relaxed),
+            enabled: AtomicBool::new(false),
             epoch: AtomicU64::new(0),
             alive: Some(Arc::new(())),
             shards,
         }
+    }
+
+    /// Whether decisions should try the views before the lock.
+    ///
+    /// A view costs a thread-local lookup and a compare-and-swap on every
+    /// decision; the lock costs one read-modify-write of a line that stays
+    /// in the core's cache while one thread decides. So the views are on
+    /// only while more than one thread decides: the locked path turns them
+    /// on when it sees a shard locked by another thread than the last, and
+    /// each thread turns them off again after
+    /// [`VIEWED_DECISIONS_PER_CHECK`] decisions through them, so that a
+    /// store left to one thread goes back to the lock (another thread still
+    /// deciding turns them on again within a few decisions). Either way
+    /// every decision is the same: the views are a shortcut, never the
+    /// state.
+    #[inline(always)]
+    pub(crate) fn enabled(&self) -> bool {
+        self.enabled.load(Ordering::Relaxed)
+    }
+
+    /// Turns the views on (see [`StoreViews::enabled`]).
+    #[cold]
+    pub(crate) fn enable(&self) {
+        self.enabled.store(true, Ordering::Relaxed);
     }
 
     /// Tells every thread that the store's views are stale; call after a
@@ -98,6 +130,11 @@ impl StoreViews {
                 let Some(view) = views.find(self) else {
                     return false;
                 };
+                view.decisions += 1;
+                if view.decisions == VIEWED_DECISIONS_PER_CHECK {
+                    view.decisions = 0;
+                    self.enabled.store(false, Ordering::Relaxed);
+                }
                 let Some(Some(slots)) = view.tables.get(shard) else {
                     return false;
                 };
@@ -186,6 +223,8 @@ struct View {
     tables: Box<[Option<Slots>]>,
     /// The key last refused without a change, through this view.
     last_refused: Option<u64>,
+    /// Decisions through this view since it last turned the views off.
+    decisions: u32,
 }
 
 /// One thread's views, the most recently used first.
@@ -194,7 +233,16 @@ struct Views {
     list: Vec<View>,
 }
 
+/// This thread's mark: the address of a thread-local, distinct among the
+/// threads alive at once, so that a shard can tell whether the thread
+/// locking it is the one that locked it last.
+#[inline(always)]
+pub(crate) fn thread_mark() -> usize {
+    MARK.with(|mark| std::ptr::from_ref(mark) as usize)
+}
+
 thread_local! {
+    static MARK: u8 = const { 0 };
     static VIEWS: RefCell<Views> = const {
         RefCell::new(Views {
             dropped_seen: 0,
@@ -241,6 +289,7 @@ impl Views {
                     epoch: store.epoch.load(Ordering::Acquire),
                     tables: (0..store.shards).map(|_| None).collect(),
                     last_refused: None,
+                    decisions: 0,
                 };
                 self.list.truncate(MAX_VIEWS - 1);
                 self.list.insert(0, view);
