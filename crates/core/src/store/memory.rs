@@ -349,8 +349,9 @@ impl<S> Shard<S> {
 struct ShardTable<S> {
     entries: Entries<S>,
     /// [`views::thread_mark`] of the thread that last decided a known key
-    /// here under the lock: another thread turns the views on.
-    last_thread: usize,
+    /// here under the lock, and [`StoreViews::quiet`] then: another thread
+    /// since the views were last turned off turns them on.
+    last_thread: (usize, u64),
     /// The key last refused here under the lock without a change: refused
     /// twice in a row, it is pinned.
     last_refused: Option<u64>,
@@ -422,7 +423,7 @@ impl<P: Policy> MemoryStore<P> {
                                 Entries::Wide(HashTable::new())
                             },
                             last_full_sweep_ms: None,
-                            last_thread: 0,
+                            last_thread: (0, 0),
                             last_refused: None,
                         }),
                     })
@@ -583,12 +584,12 @@ impl<P: Policy> MemoryStore<P> {
         let shard = &inner.shards[index];
         let mut guard = shard.lock();
         let table = &mut *guard;
-        let mark = views::thread_mark();
-        if table.last_thread != mark {
-            if table.last_thread != 0 {
+        let seen = (views::thread_mark(), inner.views.quiet());
+        if table.last_thread != seen {
+            if table.last_thread.1 == seen.1 && table.last_thread.0 != 0 {
                 inner.views.enable();
             }
-            table.last_thread = mark;
+            table.last_thread = seen;
         }
         if let Entries::Packed(entries) = &table.entries {
             if let Some(cell) = entries.cell(packed_hash(hash), key) {

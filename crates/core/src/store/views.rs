@@ -51,6 +51,9 @@ pub(crate) struct StoreViews {
     id: u64,
     /// Whether decisions try the views first.
     enabled: AtomicBool,
+    /// Bumped whenever a thread turns the views off, so that a shard locked
+    /// by another thread before then is no sign that one still decides.
+    quiet: AtomicU64,
     /// Bumped whenever one of the store's shards retires an array.
     epoch: AtomicU64,
     /// Alive while the store is: views hold it weakly to tell.
@@ -63,6 +66,7 @@ impl StoreViews {
         StoreViews {
             id: NEXT_STORE_ID.fetch_add(1, Ordering::Relaxed),
             enabled: AtomicBool::new(false),
+            quiet: AtomicU64::new(0),
             epoch: AtomicU64::new(0),
             alive: Some(Arc::new(())),
             shards,
@@ -75,7 +79,8 @@ impl StoreViews {
     /// decision; the lock costs one read-modify-write of a line that stays
     /// in the core's cache while one thread decides. So the views are on
     /// only while more than one thread decides: the locked path turns them
-    /// on when it sees a shard locked by another thread than the last, and
+    /// on when it sees a shard locked by another thread than the last
+    /// since the views were last turned off ([`StoreViews::quiet`]), and
     /// each thread turns them off again after
     /// [`VIEWED_DECISIONS_PER_CHECK`] decisions through them, so that a
     /// store left to one thread goes back to the lock (another thread still
@@ -85,6 +90,12 @@ impl StoreViews {
     #[inline(always)]
     pub(crate) fn enabled(&self) -> bool {
         self.enabled.load(Ordering::Relaxed)
+    }
+
+    /// How many times the views were turned off.
+    #[inline(always)]
+    pub(crate) fn quiet(&self) -> u64 {
+        self.quiet.load(Ordering::Relaxed)
     }
 
     /// Turns the views on (see [`StoreViews::enabled`]).
@@ -133,6 +144,7 @@ impl StoreViews {
                 view.decisions += 1;
                 if view.decisions == VIEWED_DECISIONS_PER_CHECK {
                     view.decisions = 0;
+                    self.quiet.fetch_add(1, Ordering::Relaxed);
                     self.enabled.store(false, Ordering::Relaxed);
                 }
                 let Some(Some(slots)) = view.tables.get(shard) else {
