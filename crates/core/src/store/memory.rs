@@ -2,13 +2,16 @@
 //!
 //! Keys are spread over shards, each a hash table with its own lock. A
 //! decision on a known key whose state packs into 64 bits (every key of
-//! the four counting policies in any common configuration) takes no lock:
-//! it finds the key's slot through its thread's view of the shard's array
-//! (`views.rs`), decides on the state it reads, and writes the new state
-//! with one compare-and-swap on that slot, deciding again if another
-//! thread wrote first. A decision that changes nothing writes nothing.
-//! So the only cache line a decision writes is its key's, and threads
-//! deciding different keys do not slow each other down. New keys, keys
+//! the four counting policies in any common configuration) decides on the
+//! state it reads from the key's slot and writes the new state with one
+//! compare-and-swap on that slot, deciding again if another thread wrote
+//! first; a decision that changes nothing writes nothing. While one
+//! thread decides, it reaches the slot under the shard's lock, whose
+//! cache line then stays in its core. While several do, each reaches it
+//! without the lock, through its own view of the shard's array
+//! (`views.rs`), so the only cache line a decision writes is its key's,
+//! and threads deciding different keys do not slow each other down. New
+//! keys, keys
 //! forgotten, shards whose states stopped packing, and every change to a
 //! table's structure go through the shard's lock (see `table.rs` for the
 //! rules that let the two meet). A key under a flood of refusals is
@@ -610,21 +613,22 @@ impl<P: Policy> MemoryStore<P> {
                 }
             }
         }
-        self.decide_under_lock(index, shard, guard, hash, key, now_ms, cost)
+        self.decide_under_lock(index, guard, hash, key, now_ms, cost)
     }
 
+    /// The rest of [`MemoryStore::decide_locked`], out of line, with the
+    /// lock held; offers the shard's array to this thread's view.
     #[inline(never)]
-    #[allow(clippy::too_many_arguments)]
     fn decide_under_lock(
         &self,
         index: usize,
-        shard: &Shard<P::State>,
         mut guard: SpinMutexGuard<'_, ShardTable<P::State>>,
         hash: u64,
         key: u64,
         now_ms: u64,
         cost: u64,
     ) -> Result<Decision, StoreError> {
+        let shard = &self.inner.shards[index];
         let decision = self.decide_other(shard, &mut guard, hash, key, now_ms, cost);
         if let Entries::Packed(table) = &guard.entries {
             if self.inner.views.enabled() {
@@ -634,7 +638,9 @@ impl<P: Policy> MemoryStore<P> {
         decision
     }
 
-    /// The rest of [`MemoryStore::decide_locked`].
+    /// Decides what [`MemoryStore::decide_locked`] did not: a new key, a
+    /// key forgotten, the pinned key, a key of a wide shard, a state that
+    /// stops packing.
     fn decide_other(
         &self,
         shard: &Shard<P::State>,

@@ -13,15 +13,17 @@
 //! state.
 //!
 //! A view is only ever a shortcut. A retired array's states are all dead,
-//! and a key missing from a stale array is looked for again under the
-//! lock, so a stale view (the epoch moved on while it was used) costs a
-//! locked decision, never a wrong one.
+//! a pinned key's slot sends its reader to the lock, and a key missing
+//! from a stale array is looked for again under the lock, so a stale view
+//! (the epoch moved on while it was used) costs a locked decision, never a
+//! wrong one. The views are used only while more than one thread decides
+//! ([`StoreViews::enabled`]).
 //!
 //! What a view keeps alive: the arrays it holds, until the thread next
-//! decides on that store (a new epoch drops them), on any store after the
-//! store is dropped (`STORES_DROPPED` tells every thread to look), or when
-//! [`MAX_VIEWS`] other stores have been used since. A thread that never
-//! decides again holds them until it exits.
+//! decides through it (a new epoch drops them), decides on any store after
+//! the store is dropped (`STORES_DROPPED` tells every thread to look), or
+//! has used [`MAX_VIEWS`] other stores since. A thread that never decides
+//! through its view again holds them until it exits.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -75,9 +77,10 @@ impl StoreViews {
 
     /// Whether decisions should try the views before the lock.
     ///
-    /// A view costs a thread-local lookup and a compare-and-swap on every
-    /// decision; the lock costs one read-modify-write of a line that stays
-    /// in the core's cache while one thread decides. So the views are on
+    /// A view costs a thread-local lookup on every decision; the lock
+    /// costs one read-modify-write of a line that stays in the core's
+    /// cache while one thread decides, and a trip between the cores for
+    /// about half the decisions when two do. So the views are on
     /// only while more than one thread decides: the locked path turns them
     /// on when it sees a shard locked by another thread than the last
     /// since the views were last turned off ([`StoreViews::quiet`]), and
