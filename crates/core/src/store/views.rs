@@ -117,8 +117,8 @@ impl StoreViews {
     /// on this thread's view of shard `shard`: `decide` decides on the
     /// key's state cell and says whether the state is unchanged. Returns
     /// the decision, and whether the key should be pinned (see
-    /// `memory.rs`): a refusal that changed nothing, for the key this
-    /// thread saw refused so last, is the sign of a flood. `None` sends
+    /// `memory.rs`): a refusal that changed nothing, of the key this
+    /// thread last saw refused, is the sign of a flood. `None` sends
     /// the caller to the lock: no view of the shard, the key not in it,
     /// or `decide` gave up.
     #[inline(always)]
