@@ -172,8 +172,7 @@ struct Shard<S> {
 /// there). Anything else (an admission, a rolled window, a refilled bucket,
 /// a snapshot torn by a writer) goes through the lock. This answers a
 /// flood's repeats from one cache line per shard, shared by every thread,
-/// without the hashing, the thread's view and the probe of a lock-free
-/// decision.
+/// without the lock, the thread's view or the probe.
 ///
 /// Pinning is what keeps the snapshot true while other keys are decided
 /// without the lock: the pinned key's slot holds [`PINNED`] instead of its
@@ -194,9 +193,8 @@ struct Shard<S> {
 /// and unpins the key whenever states stop being packed, keys are
 /// forgotten or the array is replaced; a memo is only written for the
 /// state it was decided on (checked by the sequence number under the
-/// lock). A seqlock with atomic fields (`seq`
-/// odd while written) gives readers consistent snapshots with no unsafe
-/// code.
+/// lock). A seqlock with atomic fields (`seq` odd while written) gives
+/// readers consistent snapshots with no unsafe code.
 #[repr(align(64))]
 #[derive(Default)]
 struct RefusedKey {
@@ -998,9 +996,12 @@ mod tests {
             assert!(store.decide(3, 5, 1).unwrap().allowed);
         }
         assert!(!store.decide(3, 5, 1).unwrap().allowed);
-        // Refused again without the lock, and memoized.
+        // Refused twice in a row: pinned; then decided on the snapshot
+        // and memoized.
         assert!(!store.decide(3, 6, 1).unwrap().allowed);
         assert!(!store.decide(3, 6, 1).unwrap().allowed);
+        assert!(!store.decide(3, 6, 1).unwrap().allowed);
+        assert!(shard_of(&store, 3).refused.held().is_some());
         assert_eq!(store.forget_idle(10, usize::MAX).forgotten, 1);
         assert!(store.decide(3, 6, 1).unwrap().allowed);
     }
