@@ -378,6 +378,15 @@ impl<S> Entries<S> {
     }
 }
 
+/// A request, as the out-of-line part of the locked path takes it.
+#[derive(Clone, Copy)]
+struct Request {
+    key: u64,
+    hash: u64,
+    now_ms: u64,
+    cost: u64,
+}
+
 /// Why a decision on a packed state could not be made in place.
 enum NotInPlace {
     /// The key was forgotten, or its array retired.
@@ -592,26 +601,38 @@ impl<P: Policy> MemoryStore<P> {
             }
             table.last_thread = seen;
         }
+        // Why the key's packed state, when it has one, was not decided in
+        // place: the rest of the locked path starts from there.
+        let mut found = None;
         if let Entries::Packed(entries) = &table.entries {
             if let Some(cell) = entries.cell(packed_hash(hash), key) {
                 // Readers without the lock may update this state too: the
                 // same compare-and-swap decides here.
-                if let Ok((decision, unchanged)) = decide_packed(policy, cell, now_ms, cost) {
-                    if unchanged.is_some() && !decision.allowed {
-                        if table.last_refused == Some(key) {
-                            self.pin_locked(shard, entries, hash, key);
-                        } else {
-                            table.last_refused = Some(key);
+                match decide_packed(policy, cell, now_ms, cost) {
+                    Ok((decision, unchanged)) => {
+                        if unchanged.is_some() && !decision.allowed {
+                            if table.last_refused == Some(key) {
+                                self.pin_locked(shard, entries, hash, key);
+                            } else {
+                                table.last_refused = Some(key);
+                            }
                         }
+                        if inner.views.enabled() {
+                            inner.views.keep(index, entries.slots());
+                        }
+                        return Ok(decision);
                     }
-                    if inner.views.enabled() {
-                        inner.views.keep(index, entries.slots());
-                    }
-                    return Ok(decision);
+                    Err(why) => found = Some(why),
                 }
             }
         }
-        self.decide_under_lock(index, guard, hash, key, now_ms, cost)
+        let request = Request {
+            key,
+            hash,
+            now_ms,
+            cost,
+        };
+        self.decide_under_lock(index, guard, request, found)
     }
 
     /// The rest of [`MemoryStore::decide_locked`], out of line, with the
@@ -621,13 +642,11 @@ impl<P: Policy> MemoryStore<P> {
         &self,
         index: usize,
         mut guard: SpinMutexGuard<'_, ShardTable<P::State>>,
-        hash: u64,
-        key: u64,
-        now_ms: u64,
-        cost: u64,
+        request: Request,
+        found: Option<NotInPlace>,
     ) -> Result<Decision, StoreError> {
         let shard = &self.inner.shards[index];
-        let decision = self.decide_other(shard, &mut guard, hash, key, now_ms, cost);
+        let decision = self.decide_other(shard, &mut guard, request, found);
         if let Entries::Packed(table) = &guard.entries {
             if self.inner.views.enabled() {
                 self.inner.views.keep(index, table.slots());
@@ -638,46 +657,46 @@ impl<P: Policy> MemoryStore<P> {
 
     /// Decides what [`MemoryStore::decide_locked`] did not: a new key, a
     /// key forgotten, the pinned key, a key of a wide shard, a state that
-    /// stops packing.
+    /// stops packing. `found` says why the key's packed state was not
+    /// decided in place (`None`: it has none). A dead or pinned state
+    /// stays so while the lock is held, so it is not looked up again.
     fn decide_other(
         &self,
         shard: &Shard<P::State>,
         table: &mut ShardTable<P::State>,
-        hash: u64,
-        key: u64,
-        now_ms: u64,
-        cost: u64,
+        request: Request,
+        found: Option<NotInPlace>,
     ) -> Result<Decision, StoreError> {
+        let Request {
+            key,
+            hash,
+            now_ms,
+            cost,
+        } = request;
         let inner = &*self.inner;
         let policy = &inner.policy;
-        if let Entries::Packed(entries) = &table.entries {
-            if let Some(cell) = entries.cell(packed_hash(hash), key) {
-                // Readers without the lock may update this state too: the
-                // same compare-and-swap decides here.
-                match decide_packed(policy, cell, now_ms, cost) {
-                    Ok((decision, _)) => return Ok(decision),
-                    // Forgotten: decided as a new key, below.
-                    Err(NotInPlace::Dead) => {}
-                    Err(NotInPlace::Pinned) => {
-                        let (held, packed) = shard.refused.held().expect("a pinned key is held");
-                        debug_assert_eq!(held, key);
-                        let mut state = policy.unpack(packed);
-                        let decision = policy.decide(&mut state, now_ms, cost);
-                        if let Some(packed) = pack(policy, &state) {
-                            shard.refused.hold(key, packed);
-                            return Ok(decision);
-                        }
-                        // The new state does not pack: the shard widens
-                        // (below), and the wide state decides again, as
-                        // the held one did: it is the same state.
-                        inner.widen(shard, &mut table.entries);
-                    }
-                    // Every state of the shard goes wide first (exactly,
-                    // so no decision changes); the wide state is decided
-                    // below.
-                    Err(NotInPlace::Wide) => inner.widen(shard, &mut table.entries),
+        match found {
+            // No packed state, or forgotten: decided as a new key
+            // (or a wide one), below.
+            None | Some(NotInPlace::Dead) => {}
+            Some(NotInPlace::Pinned) => {
+                let (held, packed) = shard.refused.held().expect("a pinned key is held");
+                debug_assert_eq!(held, key);
+                let mut state = policy.unpack(packed);
+                let decision = policy.decide(&mut state, now_ms, cost);
+                if let Some(packed) = pack(policy, &state) {
+                    shard.refused.hold(key, packed);
+                    return Ok(decision);
                 }
+                // The new state does not pack: the shard widens
+                // (below), and the wide state decides again, as
+                // the held one did: it is the same state.
+                inner.widen(shard, &mut table.entries);
             }
+            // Every state of the shard goes wide first (exactly,
+            // so no decision changes); the wide state is decided
+            // below.
+            Some(NotInPlace::Wide) => inner.widen(shard, &mut table.entries),
         }
         if let Entries::Wide(entries) = &mut table.entries {
             if let Some((_, state)) = entries.find_mut(hash, |e| e.0 == key) {
