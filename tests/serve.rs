@@ -482,6 +482,24 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
     assert_eq!(r.status().as_u16(), 400);
     assert!(r.text().await.unwrap().contains("at most 4096 bytes"));
 
+    // Wrong paths and methods are answered in JSON too, naming the endpoints.
+    let base = url.trim_end_matches("/v1/check");
+    let r = client
+        .post(format!("{base}/v1/chek"))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    let text = r.text().await.unwrap();
+    assert!(text.contains("no endpoint POST /v1/chek"), "{text}");
+    assert!(text.contains("POST /v1/check"), "{text}");
+    let r = client.get(&url).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+    assert_eq!(r.headers()["allow"], "POST");
+    let text = r.text().await.unwrap();
+    assert!(text.contains("/v1/check does not take GET"), "{text}");
+
     let mut grpc = server.grpc().await;
     let bad = [
         RateLimitRequest {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -87,8 +87,36 @@ pub fn router(service: Arc<Service>) -> Router {
         .route("/v1/check", post(check))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(service)
+}
+
+/// Every endpoint, for the errors that send a client to the right one.
+const ENDPOINTS: &str = "POST /v1/check, GET /healthz and GET /metrics";
+
+/// A path that is no endpoint: said in JSON, like every other error, and
+/// naming the endpoints (a bare 404 leaves a client guessing at a typo).
+async fn not_found(method: Method, uri: Uri) -> Response {
+    bad(
+        StatusCode::NOT_FOUND,
+        format!(
+            "there is no endpoint {method} {}; the endpoints are {ENDPOINTS}",
+            uri.path()
+        ),
+    )
+}
+
+/// An endpoint asked with the wrong method (axum adds the `Allow` header).
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    bad(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "{} does not take {method}; the endpoints are {ENDPOINTS}",
+            uri.path()
+        ),
+    )
 }
 
 async fn healthz() -> &'static str {
