@@ -325,6 +325,49 @@ fn edges_file() -> VectorFile {
             ],
         );
     }
+    // Large states whose 64-bit packing in the memory store is one of the
+    // two values it reserves for itself: each must decide as any other.
+    let reserved = "a state whose packing is a value the memory store reserves";
+    add(
+        &format!("fixed-window: {reserved}"),
+        PolicyConfig::new(FixedWindow, 4_294_967_294, 1),
+        vec![
+            (k(1), 4_294_967_295, 4_294_967_294),
+            (k(1), 4_294_967_295, 0),
+            (k(1), 4_294_967_295, 1),
+            (k(1), 4_294_967_296, 1),
+        ],
+    );
+    add(
+        &format!("token-bucket: {reserved}"),
+        PolicyConfig::new(TokenBucket, 1, 1).with_burst(4_294_967_294),
+        vec![
+            (k(1), 4_294_967_295, 0),
+            (k(1), 4_294_967_295, 0),
+            (k(1), 4_294_967_295, 4_294_967_294),
+            (k(1), 4_294_967_295, 1),
+        ],
+    );
+    add(
+        &format!("gcra: {reserved}"),
+        PolicyConfig::new(Gcra, 2048, 1),
+        vec![
+            (k(1), MAX_SAFE, 2046),
+            (k(1), MAX_SAFE, 0),
+            (k(1), MAX_SAFE, 3),
+            (k(1), MAX_SAFE, 2),
+        ],
+    );
+    add(
+        &format!("sliding-window-counter: {reserved}"),
+        PolicyConfig::new(SlidingWindowCounter, 255, 257),
+        vec![
+            (k(1), 281_474_976_710_398, 255),
+            (k(1), 281_474_976_710_911, 254),
+            (k(1), 281_474_976_710_911, 0),
+            (k(1), 281_474_976_710_911, 2),
+        ],
+    );
     VectorFile {
         mix32: Vec::new(),
         cases,

@@ -762,11 +762,14 @@ impl<P: Policy> MemoryStore<P> {
     }
 }
 
-/// `state` packed, when it fits and is not [`DEAD`] (which the store
-/// reserves; such a rare state is kept wide instead).
+/// `state` packed, when it fits and is neither [`PINNED`] nor [`DEAD`]
+/// (the two values the store reserves, the largest two; such a rare state
+/// is kept wide instead). A state packing to `PINNED` and stored as one
+/// would read back as a pinned key that nothing holds.
 #[inline(always)]
 fn pack<P: Policy>(policy: &P, state: &P::State) -> Option<u64> {
-    policy.pack(state).filter(|&packed| packed != DEAD)
+    const { assert!(PINNED == DEAD - 1) };
+    policy.pack(state).filter(|&packed| packed < PINNED)
 }
 
 /// Decides on the packed state in `cell` and writes the new state there
@@ -1303,6 +1306,54 @@ mod tests {
         // and takes the new one.
         assert!(store.decide(99, 1000, 1).unwrap().allowed);
         assert_eq!(store.entries_tracked(), 1);
+    }
+
+    /// A state whose packing is one of the store's reserved values
+    /// (`PINNED`, `DEAD`) is kept wide and decided as the policy does:
+    /// each sequence here once drove a state to pack to `PINNED`, which
+    /// the store then read as a pinned key and panicked on.
+    #[test]
+    fn states_that_pack_to_a_reserved_value_decide_as_the_policy_does() {
+        let cases: [(PolicyConfig, &[(u64, u64)]); 4] = [
+            (
+                PolicyConfig::new(PolicyKind::FixedWindow, 4_294_967_294, 1),
+                &[(4_294_967_295, 4_294_967_294), (4_294_967_295, 0)],
+            ),
+            (
+                PolicyConfig::new(PolicyKind::TokenBucket, 1, 1).with_burst(4_294_967_294),
+                &[(4_294_967_295, 0), (4_294_967_295, 0)],
+            ),
+            (
+                PolicyConfig::new(PolicyKind::Gcra, 2048, 1),
+                &[(MAX_SAFE, 2046), (MAX_SAFE, 0)],
+            ),
+            (
+                PolicyConfig::new(PolicyKind::SlidingWindowCounter, 255, 257),
+                &[
+                    (281_474_976_710_398, 255),
+                    (281_474_976_710_911, 254),
+                    (281_474_976_710_911, 0),
+                ],
+            ),
+        ];
+        for (config, steps) in cases {
+            let store = MemoryStore::for_config(&config, MemoryOptions::default()).unwrap();
+            let policy = config.build().unwrap();
+            let mut state = policy.new_state(steps[0].0);
+            // The sequence does reach a reserved packing: the test still
+            // tests what it names.
+            let mut reserved = false;
+            for &(now, cost) in steps {
+                let expected = policy.decide(&mut state, now, cost);
+                reserved |= policy.pack(&state).is_some_and(|p| p >= PINNED);
+                assert_eq!(
+                    store.decide(1, now, cost).unwrap(),
+                    expected,
+                    "{config} at {now}"
+                );
+            }
+            assert!(reserved, "{config}: no state packed to a reserved value");
+        }
     }
 
     /// Packed shards decide as the bare policy does, and a state that
