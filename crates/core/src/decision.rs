@@ -15,10 +15,11 @@ pub struct Decision {
     /// key, would be admitted; `None` when no wait ever admits it (a cost
     /// above what the policy can hold, or a bucket that never refills).
     ///
-    /// A wait longer than `u64::MAX` ms (only a token bucket with a huge
-    /// burst and window and a tiny limit can need one) is reported as
-    /// `u64::MAX`.
-    pub retry_after_ms: Option<u64>,
+    /// Exact, and so 128 bits wide, like [`std::time::Duration::as_millis`]:
+    /// a token bucket with a huge burst and window and a tiny limit can need
+    /// a wait of up to about 2^106 ms. Every other policy's wait is at most
+    /// two windows.
+    pub retry_after_ms: Option<u128>,
     /// After this decision: the largest cost a request at the same instant
     /// would be admitted with. Never negative.
     pub remaining: u64,
@@ -35,17 +36,11 @@ impl Decision {
     }
 
     /// A refused request; `retry_after_ms` is `None` for "never".
-    pub const fn refused(retry_after_ms: Option<u64>, remaining: u64) -> Self {
+    pub const fn refused(retry_after_ms: Option<u128>, remaining: u64) -> Self {
         Decision {
             allowed: false,
             retry_after_ms,
             remaining,
         }
     }
-}
-
-/// Narrows a wait computed in 128 bits, saturating at `u64::MAX` ms (about
-/// 585 million years) rather than wrapping.
-pub(crate) fn saturate_ms(ms: u128) -> u64 {
-    u64::try_from(ms).unwrap_or(u64::MAX)
 }

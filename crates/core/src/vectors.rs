@@ -70,8 +70,8 @@ impl VectorKey {
     }
 }
 
-/// What a step must get. The wait is held in 128 bits so that a file
-/// expecting more than `u64::MAX` ms reads as a mismatch, not a bad file.
+/// What a step must get: a [`Decision`]'s three fields, the wait in 128
+/// bits as the decision's is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Expected {
     /// Admitted or refused.
@@ -86,7 +86,7 @@ impl Expected {
     /// Whether `actual` matches in all three fields.
     pub fn matches(&self, actual: &Decision) -> bool {
         self.allowed == actual.allowed
-            && self.retry_after_ms == actual.retry_after_ms.map(u128::from)
+            && self.retry_after_ms == actual.retry_after_ms
             && self.remaining == actual.remaining
     }
 }
@@ -95,7 +95,7 @@ impl From<Decision> for Expected {
     fn from(d: Decision) -> Self {
         Expected {
             allowed: d.allowed,
-            retry_after_ms: d.retry_after_ms.map(u128::from),
+            retry_after_ms: d.retry_after_ms,
             remaining: d.remaining,
         }
     }
@@ -311,11 +311,12 @@ fn integer_field(
     }
 }
 
-/// A non-negative whole number, also above `u64::MAX` (read through f64,
-/// so exact only to 2^53 there; such a value never matches anyway).
+/// A non-negative whole number, also above `u64::MAX`: exact when written
+/// as an integer (up to `u128::MAX`), and otherwise read through f64 (a
+/// whole number written with a fraction or an exponent, `1e30`).
 fn wide_integer(n: &serde_json::Number) -> Option<u128> {
-    if let Some(v) = n.as_u64() {
-        return Some(u128::from(v));
+    if let Some(v) = n.as_u128() {
+        return Some(v);
     }
     let f = n.as_f64()?;
     (f >= 0.0 && f.fract() == 0.0 && f.is_finite()).then_some(f as u128)
@@ -561,16 +562,29 @@ mod tests {
     }
 
     #[test]
-    fn a_huge_expected_wait_is_a_mismatch_not_a_bad_file() {
-        let step = r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": false, "retry_after_ms": 1e30, "remaining": 0}"#;
-        let file = parse(&case_with(
-            r#""policy": "token-bucket", "limit": 1, "window_ms": 10"#,
-            step,
-        ))
-        .unwrap();
-        let outcome = run_case(&file.cases[0], |_, _, _| {
-            Ok(Decision::refused(Some(u64::MAX), 0))
-        });
+    fn waits_beyond_u64_are_read_exactly() {
+        // (2^53 - 1)^2: the wait of a full token bucket of 2^53 - 1 per
+        // 2^53 - 1 ms refilled at 1 per 2^53 - 1 ms.
+        let wait = u128::from(MAX_SAFE) * u128::from(MAX_SAFE);
+        let decide =
+            |retry: u128| move |_: u64, _: u64, _: u64| Ok(Decision::refused(Some(retry), 0));
+        let config = r#""policy": "token-bucket", "limit": 1, "window_ms": 9007199254740991"#;
+        let exact = format!(
+            r#"{{"key": 1, "now_ms": 0, "cost": 1, "allowed": false, "retry_after_ms": {wait}, "remaining": 0}}"#
+        );
+        let file = parse(&case_with(config, &exact)).unwrap();
+        assert_eq!(file.cases[0].steps[0].expected.retry_after_ms, Some(wait));
+        assert_eq!(run_case(&file.cases[0], decide(wait)), CaseOutcome::Passed);
+        let outcome = run_case(&file.cases[0], decide(wait + 1));
+        assert!(
+            matches!(outcome, CaseOutcome::Mismatch { step: 0, .. }),
+            "{outcome:?}"
+        );
+        // Written with an exponent, the number is read (through f64), and
+        // then it is what it is: a mismatch here, not a bad file.
+        let rounded = r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": false, "retry_after_ms": 1e30, "remaining": 0}"#;
+        let file = parse(&case_with(config, rounded)).unwrap();
+        let outcome = run_case(&file.cases[0], decide(wait));
         assert!(
             matches!(outcome, CaseOutcome::Mismatch { step: 0, .. }),
             "{outcome:?}"

@@ -616,10 +616,10 @@ fn parse_reply(value: Value) -> Result<Decision, StoreError> {
     };
     let retry_after_ms = match kind {
         0 => None,
-        1 => Some(field(3).ok_or_else(|| bad("no retry"))?),
+        1 => Some(u128::from(field(3).ok_or_else(|| bad("no retry"))?)),
         2 => {
-            // Base-2^24 limbs, least significant first; a wait past u64
-            // saturates as the core's does.
+            // Base-2^24 limbs, least significant first: five hold any
+            // wait (below 2^106 ms), exactly as the core computes it.
             let mut wide: u128 = 0;
             for (shift, item) in items[3..].iter().enumerate() {
                 let limb = int(item)
@@ -630,7 +630,7 @@ fn parse_reply(value: Value) -> Result<Decision, StoreError> {
                 }
                 wide |= u128::from(limb) << (24 * shift);
             }
-            Some(u64::try_from(wide).unwrap_or(u64::MAX))
+            Some(wide)
         }
         _ => return Err(bad("unknown retry kind")),
     };

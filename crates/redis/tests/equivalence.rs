@@ -163,7 +163,7 @@ fn wall_clock_with_a_billion_per_year_is_exact() {
     }
 }
 
-/// Waits past 2^53 ms come back as limbs and saturate as the core's do;
+/// Waits past 2^53 ms come back as limbs, exact past 2^64 as the core's are;
 /// every policy at the edges of SPEC's range matches the memory store.
 #[test]
 fn extreme_configurations_match_including_waits_past_2_pow_53() {
@@ -178,7 +178,7 @@ fn extreme_configurations_match_including_waits_past_2_pow_53() {
         PolicyConfig::new(PolicyKind::FixedWindow, MAX_SAFE, MAX_SAFE),
         PolicyConfig::new(PolicyKind::SlidingLog, MAX_SAFE, MAX_SAFE),
     ];
-    let mut saw_saturated = false;
+    let mut saw_past_u64 = false;
     for config in configs {
         let memory = MemoryStore::for_config(&config, Default::default()).unwrap();
         let redis = rt.block_on(common::store(&server.url(), config, "edge"));
@@ -194,9 +194,9 @@ fn extreme_configurations_match_including_waits_past_2_pow_53() {
             let expected = memory.decide(1, now, cost).unwrap();
             let actual = rt.block_on(redis.decide(1, Some(now), cost)).unwrap();
             assert_eq!(actual, expected, "{config} at {now} cost {cost}");
-            saw_saturated |= actual.retry_after_ms == Some(u64::MAX);
+            saw_past_u64 |= actual.retry_after_ms > Some(u128::from(u64::MAX));
         }
     }
-    assert!(saw_saturated, "no wait past u64::MAX was exercised");
+    assert!(saw_past_u64, "no wait past u64::MAX was exercised");
     assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
 }

@@ -161,7 +161,7 @@ struct EntryJson {
 #[derive(Serialize)]
 struct DecisionJson {
     allowed: bool,
-    retry_after_ms: Option<u64>,
+    retry_after_ms: Option<u128>,
     remaining: Option<u64>,
     limit: Option<u64>,
     window_ms: Option<u64>,
@@ -334,7 +334,9 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
         let mut state = format!("{name};r={}", o.decision.remaining);
         if !o.allowed {
             if let Some(ms) = o.decision.retry_after_ms {
-                state.push_str(&format!(";t={}", retry_after_s(ms)));
+                // A structured-field integer has at most 15 digits.
+                let t = retry_after_s(ms).min(999_999_999_999_999);
+                state.push_str(&format!(";t={t}"));
             }
         }
         states.push(state);
@@ -349,7 +351,11 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
     }
     if !allowed {
         if let Some(ms) = main.decision.retry_after_ms {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s(ms)));
+            // Digits only, so always valid; `HeaderValue` has no
+            // `From<u128>`, and a bucket's wait can pass 2^64 seconds.
+            if let Ok(v) = HeaderValue::try_from(retry_after_s(ms).to_string()) {
+                headers.insert(header::RETRY_AFTER, v);
+            }
         }
     }
     let body = CheckResponse {
@@ -365,7 +371,7 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
 }
 
 /// Whole seconds, rounded up, at least 1.
-fn retry_after_s(ms: u64) -> u64 {
+fn retry_after_s(ms: u128) -> u128 {
     ms.div_ceil(1000).max(1)
 }
 

@@ -2,7 +2,6 @@
 //! time.
 
 use super::{Divisor, Policy, Wide};
-use crate::decision::saturate_ms;
 use crate::registry::{check_burst, check_limit, check_window};
 use crate::{ConfigError, Decision};
 
@@ -79,7 +78,7 @@ impl Policy for Gcra {
         }
         let remaining = self.per_window.div(capacity.saturating_sub(spent)) as u64;
         let retry = (cost <= self.burst && self.limit > 0)
-            .then(|| saturate_ms(self.per_limit.div_ceil(spent + need - capacity)));
+            .then(|| self.per_limit.div_ceil(spent + need - capacity));
         Decision::refused(retry, remaining)
     }
 
@@ -112,7 +111,7 @@ impl Policy for Gcra {
 mod tests {
     use super::*;
 
-    fn run(p: &Gcra, s: &mut GcraState, now: u64, cost: u64) -> (bool, Option<u64>, u64) {
+    fn run(p: &Gcra, s: &mut GcraState, now: u64, cost: u64) -> (bool, Option<u128>, u64) {
         let d = p.decide(s, now, cost);
         (d.allowed, d.retry_after_ms, d.remaining)
     }

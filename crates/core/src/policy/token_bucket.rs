@@ -2,7 +2,6 @@
 //! `limit` per `window_ms`.
 
 use super::{bits_for, time_bound, Divisor, Policy, Wide};
-use crate::decision::saturate_ms;
 use crate::registry::{check_burst, check_limit, check_window};
 use crate::{ConfigError, Decision};
 
@@ -94,7 +93,7 @@ impl Policy for TokenBucket {
         s.level = Wide::new(level);
         let retry = (cost <= self.burst && self.limit > 0).then(|| {
             let wait = self.per_limit.div_ceil(need - level);
-            saturate_ms(wait + u128::from(now - now_ms))
+            wait + u128::from(now - now_ms)
         });
         Decision::refused(retry, self.per_window.div(level) as u64)
     }
@@ -139,7 +138,7 @@ mod tests {
         s: &mut TokenBucketState,
         now: u64,
         cost: u64,
-    ) -> (bool, Option<u64>, u64) {
+    ) -> (bool, Option<u128>, u64) {
         let d = p.decide(s, now, cost);
         (d.allowed, d.retry_after_ms, d.remaining)
     }
@@ -186,11 +185,16 @@ mod tests {
     }
 
     #[test]
-    fn waits_beyond_u64_saturate() {
+    fn waits_beyond_u64_are_exact() {
         let p = TokenBucket::new(1, MAX_SAFE, Some(MAX_SAFE)).unwrap();
         let mut s = p.new_state(0);
         assert!(run(&p, &mut s, 0, MAX_SAFE).0);
-        assert_eq!(run(&p, &mut s, 0, MAX_SAFE), (false, Some(u64::MAX), 0));
-        assert_eq!(run(&p, &mut s, 0, 1), (false, Some(MAX_SAFE), 0));
+        // Empty: the whole burst takes MAX_SAFE windows of MAX_SAFE ms.
+        let full = u128::from(MAX_SAFE) * u128::from(MAX_SAFE);
+        assert_eq!(run(&p, &mut s, 0, MAX_SAFE), (false, Some(full), 0));
+        assert_eq!(
+            run(&p, &mut s, 0, 1),
+            (false, Some(u128::from(MAX_SAFE)), 0)
+        );
     }
 }

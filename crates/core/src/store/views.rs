@@ -200,7 +200,7 @@ impl Drop for StoreViews {
 struct Words {
     allowed: u64,
     has_retry: u64,
-    retry_after_ms: u64,
+    retry_after_ms: u128,
     remaining: u64,
     pin: u64,
 }

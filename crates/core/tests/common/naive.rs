@@ -56,7 +56,10 @@ impl Naive {
                 .get(&key)
                 .cloned()
                 .unwrap_or_else(|| fresh(&c, now_ms));
-            Decision::refused(search_retry(&c, &before, now_ms, cost), remaining)
+            Decision::refused(
+                search_retry(&c, &before, now_ms, cost).map(u128::from),
+                remaining,
+            )
         };
         self.keys.insert(key, state);
         decision
