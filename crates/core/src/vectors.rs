@@ -70,8 +70,8 @@ impl VectorKey {
     }
 }
 
-/// What a step must get: a [`Decision`]'s three fields, the wait in 128
-/// bits as the decision's is.
+/// What a step must get: a [`Decision`]'s three fields, the wait exact in
+/// 128 bits ([`Decision::retry_after_ms_exact`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Expected {
     /// Admitted or refused.
@@ -86,7 +86,7 @@ impl Expected {
     /// Whether `actual` matches in all three fields.
     pub fn matches(&self, actual: &Decision) -> bool {
         self.allowed == actual.allowed
-            && self.retry_after_ms == actual.retry_after_ms
+            && self.retry_after_ms == actual.retry_after_ms_exact()
             && self.remaining == actual.remaining
     }
 }
@@ -95,7 +95,7 @@ impl From<Decision> for Expected {
     fn from(d: Decision) -> Self {
         Expected {
             allowed: d.allowed,
-            retry_after_ms: d.retry_after_ms,
+            retry_after_ms: d.retry_after_ms_exact(),
             remaining: d.remaining,
         }
     }
@@ -567,7 +567,7 @@ mod tests {
         // 2^53 - 1 ms refilled at 1 per 2^53 - 1 ms.
         let wait = u128::from(MAX_SAFE) * u128::from(MAX_SAFE);
         let decide =
-            |retry: u128| move |_: u64, _: u64, _: u64| Ok(Decision::refused(Some(retry), 0));
+            |retry: u128| move |_: u64, _: u64, _: u64| Ok(Decision::refused_exact(Some(retry), 0));
         let config = r#""policy": "token-bucket", "limit": 1, "window_ms": 9007199254740991"#;
         let exact = format!(
             r#"{{"key": 1, "now_ms": 0, "cost": 1, "allowed": false, "retry_after_ms": {wait}, "remaining": 0}}"#

@@ -10,7 +10,7 @@ fn limiter(config: PolicyConfig) -> (LocalLimiter, ManualClock) {
 }
 
 /// (advance_ms, cost, allowed, retry_after_ms, remaining)
-type Walk = [(u64, u64, bool, Option<u128>, u64)];
+type Walk = [(u64, u64, bool, Option<u64>, u64)];
 
 fn walk(config: PolicyConfig, steps: &Walk) {
     let (limiter, clock) = limiter(config);

@@ -99,7 +99,7 @@ fn mix2(round: usize, key: usize) -> u64 {
 }
 
 /// Orders decisions so that equal multisets sort equal.
-fn order(d: &Decision) -> (bool, u64, Option<u128>) {
+fn order(d: &Decision) -> (bool, u64, Option<u64>) {
     (d.allowed, d.remaining, d.retry_after_ms)
 }
 

@@ -187,10 +187,7 @@ impl RedisLimiter {
             }
             FailurePolicy::FailClosed => {
                 c.failed_closed.fetch_add(1, Ordering::Relaxed);
-                Decision::refused(
-                    Some(u128::from(inner.store.config().window_ms.min(1000))),
-                    0,
-                )
+                Decision::refused(Some(inner.store.config().window_ms.min(1000)), 0)
             }
             FailurePolicy::Local => {
                 c.decided_locally.fetch_add(1, Ordering::Relaxed);

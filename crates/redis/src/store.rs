@@ -618,8 +618,8 @@ fn parse_reply(value: Value) -> Result<Decision, StoreError> {
         0 => None,
         1 => Some(u128::from(field(3).ok_or_else(|| bad("no retry"))?)),
         2 => {
-            // Base-2^24 limbs, least significant first: five hold any
-            // wait (below 2^106 ms), exactly as the core computes it.
+            // Base-2^24 limbs, least significant first: five hold any wait
+            // (below 2^106 ms), exact as the core's.
             let mut wide: u128 = 0;
             for (shift, item) in items[3..].iter().enumerate() {
                 let limb = int(item)
@@ -634,11 +634,11 @@ fn parse_reply(value: Value) -> Result<Decision, StoreError> {
         }
         _ => return Err(bad("unknown retry kind")),
     };
-    Ok(Decision {
-        allowed: allowed == 1,
-        retry_after_ms,
-        remaining,
-    })
+    match (allowed, retry_after_ms) {
+        (1, Some(0)) => Ok(Decision::admitted(remaining)),
+        (0, retry) => Ok(Decision::refused_exact(retry, remaining)),
+        _ => Err(bad("not a decision")),
+    }
 }
 
 /// The store on its own is a [`Limiter`](ratewarden_core::Limiter) that

@@ -117,7 +117,7 @@ fn unit_of(window_ms: u64) -> Unit {
     }
 }
 
-fn duration(ms: u128) -> prost_types::Duration {
+fn duration(ms: u64) -> prost_types::Duration {
     prost_types::Duration {
         seconds: i64::try_from(ms / 1000).unwrap_or(i64::MAX),
         nanos: ((ms % 1000) * 1_000_000) as i32,

@@ -161,6 +161,7 @@ struct EntryJson {
 #[derive(Serialize)]
 struct DecisionJson {
     allowed: bool,
+    /// Exact: past 2^64 ms when a bucket's wait is (JSON has no limit).
     retry_after_ms: Option<u128>,
     remaining: Option<u64>,
     limit: Option<u64>,
@@ -202,7 +203,7 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
             retry_after_ms: if o.allowed {
                 Some(0)
             } else {
-                o.decision.retry_after_ms
+                o.decision.retry_after_ms_exact()
             },
             remaining: Some(o.decision.remaining),
             limit: Some(rule.spec.policy.limit),
@@ -334,9 +335,7 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
         let mut state = format!("{name};r={}", o.decision.remaining);
         if !o.allowed {
             if let Some(ms) = o.decision.retry_after_ms {
-                // A structured-field integer has at most 15 digits.
-                let t = retry_after_s(ms).min(999_999_999_999_999);
-                state.push_str(&format!(";t={t}"));
+                state.push_str(&format!(";t={}", retry_after_s(ms)));
             }
         }
         states.push(state);
@@ -351,11 +350,7 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
     }
     if !allowed {
         if let Some(ms) = main.decision.retry_after_ms {
-            // Digits only, so always valid; `HeaderValue` has no
-            // `From<u128>`, and a bucket's wait can pass 2^64 seconds.
-            if let Ok(v) = HeaderValue::try_from(retry_after_s(ms).to_string()) {
-                headers.insert(header::RETRY_AFTER, v);
-            }
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s(ms)));
         }
     }
     let body = CheckResponse {
@@ -371,7 +366,7 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
 }
 
 /// Whole seconds, rounded up, at least 1.
-fn retry_after_s(ms: u128) -> u128 {
+fn retry_after_s(ms: u64) -> u64 {
     ms.div_ceil(1000).max(1)
 }
 

@@ -392,10 +392,9 @@ impl Service {
                     FailurePolicy::FailOpen => Decision::admitted(0),
                     // Retry within a second (or the window, when
                     // shorter): the store may be back by then.
-                    FailurePolicy::FailClosed => Decision::refused(
-                        Some(u128::from(m.rule.spec.policy.window_ms.clamp(1, 1000))),
-                        0,
-                    ),
+                    FailurePolicy::FailClosed => {
+                        Decision::refused(Some(m.rule.spec.policy.window_ms.clamp(1, 1000)), 0)
+                    }
                     FailurePolicy::Local => {
                         let local = m.rule.failover.as_ref().or(m.rule.local.as_ref());
                         match local.map(|l| l.check_now(m.key, cost)) {

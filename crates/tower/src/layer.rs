@@ -39,7 +39,7 @@ pub struct Refusal<'a> {
 impl Refusal<'_> {
     /// Whole seconds until the same request would be admitted (rounded up,
     /// at least 1); `None` when no wait ever admits it.
-    pub fn retry_after_secs(&self) -> Option<u128> {
+    pub fn retry_after_secs(&self) -> Option<u64> {
         self.decision
             .retry_after_ms
             .map(crate::headers::retry_after_secs)

@@ -44,7 +44,7 @@ fn trace() -> impl Strategy<Value = Vec<(u64, u64)>> {
 
 /// The parameters of a `RateLimit` value: `r` (as a signed number, so that a
 /// negative count would be seen) and `t` when present.
-fn ratelimit(response: &Response<Body>) -> (i128, Option<u128>) {
+fn ratelimit(response: &Response<Body>) -> (i128, Option<u64>) {
     let value = response
         .headers()
         .get(&RATELIMIT)
@@ -58,14 +58,14 @@ fn ratelimit(response: &Response<Body>) -> (i128, Option<u128>) {
     for param in params {
         match param.split_once('=') {
             Some(("r", n)) => r = Some(n.parse::<i128>().unwrap()),
-            Some(("t", n)) => t = Some(n.parse::<u128>().unwrap()),
+            Some(("t", n)) => t = Some(n.parse::<u64>().unwrap()),
             _ => panic!("unexpected parameter in {value}"),
         }
     }
     (r.expect("r parameter"), t)
 }
 
-fn retry_after(response: &Response<Body>) -> Option<u128> {
+fn retry_after(response: &Response<Body>) -> Option<u64> {
     response
         .headers()
         .get(RETRY_AFTER)
@@ -97,7 +97,7 @@ async fn send(
     Ok(response)
 }
 
-fn check_counts(response: &Response<Body>) -> Result<Option<u128>, TestCaseError> {
+fn check_counts(response: &Response<Body>) -> Result<Option<u64>, TestCaseError> {
     let (r, t) = ratelimit(response);
     prop_assert!(r >= 0, "negative remaining {r}");
     prop_assert!(r <= i128::from(SF_INTEGER_MAX));
@@ -155,7 +155,7 @@ async fn run(config: PolicyConfig, trace: Vec<(u64, u64)>) -> Result<(), TestCas
         prop_assert!(secs >= 1);
         if secs >= 2 {
             // One second less is too early: the refusal changes nothing.
-            clock.advance_ms(u64::try_from((secs - 1) * 1000).unwrap());
+            clock.advance_ms((secs - 1) * 1000);
             let early = send(&app, &twin, cost).await?;
             check_counts(&early)?;
             prop_assert_eq!(

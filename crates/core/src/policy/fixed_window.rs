@@ -72,7 +72,7 @@ impl Policy for FixedWindow {
         // first chance, and there the count is 0.
         let retry = (cost <= self.limit)
             .then(|| window.saturating_add(self.window_ms).saturating_sub(now_ms));
-        Decision::refused(retry.map(u128::from), left)
+        Decision::refused(retry, left)
     }
 
     fn is_forgettable(&self, s: &FixedWindowState, now_ms: u64) -> bool {
@@ -111,7 +111,7 @@ mod tests {
         s: &mut FixedWindowState,
         now: u64,
         cost: u64,
-    ) -> (bool, Option<u128>, u64) {
+    ) -> (bool, Option<u64>, u64) {
         let d = p.decide(s, now, cost);
         (d.allowed, d.retry_after_ms, d.remaining)
     }

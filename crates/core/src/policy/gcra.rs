@@ -79,7 +79,7 @@ impl Policy for Gcra {
         let remaining = self.per_window.div(capacity.saturating_sub(spent)) as u64;
         let retry = (cost <= self.burst && self.limit > 0)
             .then(|| self.per_limit.div_ceil(spent + need - capacity));
-        Decision::refused(retry, remaining)
+        Decision::refused_exact(retry, remaining)
     }
 
     fn is_forgettable(&self, s: &GcraState, now_ms: u64) -> bool {
@@ -111,7 +111,7 @@ impl Policy for Gcra {
 mod tests {
     use super::*;
 
-    fn run(p: &Gcra, s: &mut GcraState, now: u64, cost: u64) -> (bool, Option<u128>, u64) {
+    fn run(p: &Gcra, s: &mut GcraState, now: u64, cost: u64) -> (bool, Option<u64>, u64) {
         let d = p.decide(s, now, cost);
         (d.allowed, d.retry_after_ms, d.remaining)
     }

@@ -89,12 +89,12 @@ impl Policy for SlidingLog {
             still_used -= e.cost;
             if still_used.saturating_add(cost) <= self.limit {
                 let at = e.at_ms.saturating_add(self.window_ms);
-                return Decision::refused(Some(u128::from(at.saturating_sub(now_ms))), left);
+                return Decision::refused(Some(at.saturating_sub(now_ms)), left);
             }
         }
         // Unreachable for valid state (an empty log admits any cost <=
         // limit); answered conservatively rather than panicking.
-        Decision::refused(Some(u128::from(self.window_ms)), left)
+        Decision::refused(Some(self.window_ms), left)
     }
 
     fn is_forgettable(&self, s: &SlidingLogState, now_ms: u64) -> bool {
@@ -121,7 +121,7 @@ mod tests {
         s: &mut SlidingLogState,
         now: u64,
         cost: u64,
-    ) -> (bool, Option<u128>, u64) {
+    ) -> (bool, Option<u64>, u64) {
         let d = p.decide(s, now, cost);
         (d.allowed, d.retry_after_ms, d.remaining)
     }

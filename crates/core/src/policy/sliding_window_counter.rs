@@ -137,7 +137,7 @@ impl Policy for SlidingWindowCounter {
         }
         let retry = (cost <= self.limit)
             .then(|| self.admission_time(window, s, cost).saturating_sub(now_ms));
-        Decision::refused(retry.map(u128::from), left)
+        Decision::refused(retry, left)
     }
 
     fn is_forgettable(&self, s: &SlidingWindowCounterState, now_ms: u64) -> bool {
@@ -186,7 +186,7 @@ mod tests {
         s: &mut SlidingWindowCounterState,
         now: u64,
         cost: u64,
-    ) -> (bool, Option<u128>, u64) {
+    ) -> (bool, Option<u64>, u64) {
         let d = p.decide(s, now, cost);
         (d.allowed, d.retry_after_ms, d.remaining)
     }

@@ -95,7 +95,7 @@ impl Policy for TokenBucket {
             let wait = self.per_limit.div_ceil(need - level);
             wait + u128::from(now - now_ms)
         });
-        Decision::refused(retry, self.per_window.div(level) as u64)
+        Decision::refused_exact(retry, self.per_window.div(level) as u64)
     }
 
     fn is_forgettable(&self, s: &TokenBucketState, now_ms: u64) -> bool {
@@ -138,7 +138,7 @@ mod tests {
         s: &mut TokenBucketState,
         now: u64,
         cost: u64,
-    ) -> (bool, Option<u128>, u64) {
+    ) -> (bool, Option<u64>, u64) {
         let d = p.decide(s, now, cost);
         (d.allowed, d.retry_after_ms, d.remaining)
     }
@@ -190,11 +190,10 @@ mod tests {
         let mut s = p.new_state(0);
         assert!(run(&p, &mut s, 0, MAX_SAFE).0);
         // Empty: the whole burst takes MAX_SAFE windows of MAX_SAFE ms.
+        let d = p.decide(&mut s, 0, MAX_SAFE);
         let full = u128::from(MAX_SAFE) * u128::from(MAX_SAFE);
-        assert_eq!(run(&p, &mut s, 0, MAX_SAFE), (false, Some(full), 0));
-        assert_eq!(
-            run(&p, &mut s, 0, 1),
-            (false, Some(u128::from(MAX_SAFE)), 0)
-        );
+        assert_eq!(d.retry_after_ms_exact(), Some(full));
+        assert_eq!(run(&p, &mut s, 0, MAX_SAFE), (false, Some(u64::MAX), 0));
+        assert_eq!(run(&p, &mut s, 0, 1), (false, Some(MAX_SAFE), 0));
     }
 }

@@ -251,7 +251,7 @@ impl RefusedKey {
             return None;
         }
         let memo = (flags & MEMO != 0 && memo_now_ms == now_ms && memo_cost == cost).then(|| {
-            let retry = (flags & MEMO_RETRY != 0).then_some(u128::from(memo_retry_ms));
+            let retry = (flags & MEMO_RETRY != 0).then_some(memo_retry_ms);
             Decision::refused(retry, memo_remaining)
         });
         Some(Snapshot { seq, packed, memo })
@@ -278,20 +278,17 @@ impl RefusedKey {
 
     /// Adds the memo `refusal` of a request at `now_ms` for `cost`, decided
     /// on the state read at sequence number `seq`, if nothing was written
-    /// since; only for a lock holder.
-    /// A wait beyond 64 bits is not memoized: each repeat is decided again
-    /// on the snapshot.
+    /// since; only for a lock holder. A wait longer than `u64::MAX` ms is
+    /// not memoized (each repeat is decided again on the snapshot).
     fn memoize(&self, seq: u64, now_ms: u64, cost: u64, refusal: &Decision) {
-        if self.seq.load(Ordering::Relaxed) != seq {
+        if self.seq.load(Ordering::Relaxed) != seq || refusal.retry_after_ms_wide() != [0, 0] {
             return;
         }
-        let Ok(retry_ms) = u64::try_from(refusal.retry_after_ms.unwrap_or(0)) else {
-            return;
-        };
         self.write(|| {
             self.memo_now_ms.store(now_ms, Ordering::Relaxed);
             self.memo_cost.store(cost, Ordering::Relaxed);
-            self.memo_retry_ms.store(retry_ms, Ordering::Relaxed);
+            self.memo_retry_ms
+                .store(refusal.retry_after_ms.unwrap_or(0), Ordering::Relaxed);
             self.memo_remaining
                 .store(refusal.remaining, Ordering::Relaxed);
             let retry = if refusal.retry_after_ms.is_some() {

@@ -200,7 +200,8 @@ impl Drop for StoreViews {
 struct Words {
     allowed: u64,
     has_retry: u64,
-    retry_after_ms: u128,
+    retry_after_ms: u64,
+    retry_after_ms_wide: [u64; 2],
     remaining: u64,
     pin: u64,
 }
@@ -212,6 +213,7 @@ impl From<Decision> for Words {
             allowed: u64::from(d.allowed),
             has_retry: u64::from(d.retry_after_ms.is_some()),
             retry_after_ms: d.retry_after_ms.unwrap_or(0),
+            retry_after_ms_wide: d.retry_after_ms_wide(),
             remaining: d.remaining,
             pin: 0,
         }
@@ -221,11 +223,12 @@ impl From<Decision> for Words {
 impl From<Words> for Decision {
     #[inline(always)]
     fn from(w: Words) -> Self {
-        Decision {
-            allowed: w.allowed != 0,
-            retry_after_ms: (w.has_retry != 0).then_some(w.retry_after_ms),
-            remaining: w.remaining,
-        }
+        Decision::from_parts(
+            w.allowed != 0,
+            (w.has_retry != 0).then_some(w.retry_after_ms),
+            w.remaining,
+            w.retry_after_ms_wide,
+        )
     }
 }
 

@@ -56,10 +56,7 @@ impl Naive {
                 .get(&key)
                 .cloned()
                 .unwrap_or_else(|| fresh(&c, now_ms));
-            Decision::refused(
-                search_retry(&c, &before, now_ms, cost).map(u128::from),
-                remaining,
-            )
+            Decision::refused(search_retry(&c, &before, now_ms, cost), remaining)
         };
         self.keys.insert(key, state);
         decision
