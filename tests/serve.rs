@@ -723,3 +723,35 @@ async fn descriptor_answers_list_every_descriptor_and_key_answers_none() {
     assert!(body.get("descriptors").is_none());
     server.stop();
 }
+
+/// A bucket whose wait passes 2^64 ms answers it exactly in the JSON; the
+/// headers, in whole seconds, carry the 64-bit wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_past_2_pow_64_ms_is_exact_in_the_json() {
+    const HUGE_BUCKET: &str = r#"
+[keys]
+policy = "token-bucket"
+limit = 1
+window_ms = 9007199254740991
+burst = 9007199254740991
+"#;
+    let file = ConfigFile::new(HUGE_BUCKET);
+    let server = Server::start(&["--config", file.path()]);
+    let client = client();
+    let url = server.url();
+    let all = json!({"key": "k", "cost": 9_007_199_254_740_991_u64});
+    let (status, _, _) = post(&client, &url, all.clone()).await;
+    assert_eq!(status, 200);
+    let (status, headers, body) = post(&client, &url, all).await;
+    assert_eq!(status, 429, "{body}");
+    // The bucket refills 1 per 2^53 - 1 ms, so the whole burst takes
+    // (2^53 - 1)^2 ms less what the wall clock refilled meanwhile.
+    let full = 9_007_199_254_740_991_u128 * 9_007_199_254_740_991;
+    let wait = match &body["retry_after_ms"] {
+        Value::Number(n) => n.as_u128().expect("a whole number"),
+        other => panic!("retry_after_ms is {other}"),
+    };
+    assert!(wait > u128::from(u64::MAX) && wait <= full, "{body}");
+    assert_eq!(headers["retry-after"], (u64::MAX / 1000 + 1).to_string());
+    server.stop();
+}
