@@ -659,3 +659,44 @@ impl ratewarden_core::Limiter for RedisStore {
         Box::pin(self.decide(key, None, cost))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(items: &[i64]) -> Value {
+        Value::Array(items.iter().map(|&n| Value::Int(n)).collect())
+    }
+
+    #[test]
+    fn replies_read_as_decisions() {
+        let read = |items: &[i64]| parse_reply(reply(items)).unwrap();
+        assert_eq!(read(&[1, 4, 1, 0]), Decision::admitted(4));
+        assert_eq!(read(&[0, 0, 1, 250]), Decision::refused(Some(250), 0));
+        assert_eq!(read(&[0, 3, 0]), Decision::refused(None, 3));
+        // Five 24-bit limbs, least significant first: 2^96 + 5 ms.
+        let wide = read(&[0, 0, 2, 5, 0, 0, 0, 1]);
+        assert_eq!(wide.retry_after_ms_exact(), Some((1 << 96) + 5));
+        assert_eq!(wide.retry_after_ms, Some(u64::MAX));
+    }
+
+    #[test]
+    fn replies_that_are_no_decision_are_backend_errors() {
+        for items in [
+            &[2, 0, 1, 0][..],            // allowed is neither 0 nor 1
+            &[1, 0, 1, 7],                // admitted, yet with a wait
+            &[1, 0, 0],                   // admitted, yet never
+            &[0, 0, 3, 1],                // no such retry kind
+            &[0, 0, 2, 1 << 24],          // a limb out of range
+            &[0, 0, 2, 1, 1, 1, 1, 1, 1], // six limbs
+            &[0, 0],                      // fields missing
+        ] {
+            let e = parse_reply(reply(items)).unwrap_err();
+            assert_eq!(e.kind(), StoreErrorKind::Backend, "{items:?}");
+            assert!(
+                e.to_string().contains("unexpected script reply"),
+                "{items:?}: {e}"
+            );
+        }
+    }
+}
