@@ -111,6 +111,20 @@ fn bench_json_rows_parse_with_the_named_fields() {
     assert!(rows
         .iter()
         .any(|r| r["workload"] == "target" && r["met"].is_boolean()));
+    for (policy, check) in [
+        ("baseline-hashmap", "uniform-1m ns / governor's"),
+        (
+            "baseline-atomic",
+            "threads / single-thread decisions_per_sec",
+        ),
+    ] {
+        let line = rows
+            .iter()
+            .find(|r| r["workload"] == "context" && r["policy"] == policy)
+            .unwrap_or_else(|| panic!("no context line for {policy}"));
+        assert_eq!(line["check"], check, "{line}");
+        assert!(line["ratio"].as_f64().unwrap() > 0.0, "{line}");
+    }
 }
 
 #[test]

@@ -662,6 +662,15 @@ fn bench(args: &Args) -> Result<()> {
                 })
             );
         }
+        for c in context(&samples) {
+            println!(
+                "{}",
+                json!({
+                    "policy": c.policy, "workload": "context", "check": c.check,
+                    "ratio": c.ratio, "note": c.why,
+                })
+            );
+        }
     } else {
         print_table(&rows, &targets, &context(&samples), &plan, &load_at_start);
     }
