@@ -9,8 +9,10 @@ use crate::{Decision, StoreError};
 
 /// A keyed store deciding requests synchronously under one policy.
 ///
-/// Benchmarks and the conformance runner are written against this trait so
-/// that every store runs the same tables.
+/// The criterion benches (`benches/policies.rs`) are written against this
+/// trait, so every store that implements it (the in-memory store here; the
+/// benches drive the asynchronous Redis store through it too) runs the
+/// same benches.
 pub trait Store: Send + Sync {
     /// Decides a request of `cost` for `key` at `now_ms`, atomically with
     /// respect to every other request on the same key.
