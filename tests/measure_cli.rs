@@ -249,7 +249,42 @@ fn bad_arguments_exit_non_zero_with_a_clear_message() {
         ],
         &["--duration-ms"],
     );
+    fails_with(
+        &[
+            "simulate",
+            "--policy",
+            "gcra",
+            "--shape",
+            "heavy-tail-keys",
+            "--limit",
+            "0",
+            "--out",
+            svg,
+        ],
+        &["--limit must be at least 1"],
+    );
+    // A shape of about 200 billion requests is refused before any is made.
+    fails_with(
+        &[
+            "simulate",
+            "--policy",
+            "fixed-window",
+            "--shape",
+            "steady-2x",
+            "--limit",
+            "1000000000",
+            "--duration-ms",
+            "100000",
+            "--out",
+            svg,
+        ],
+        &["steady-2x", "about 200000000000 requests", "lower --limit"],
+    );
     fails_with(&["bench", "--reps", "0"], &["--reps must be at least 1"]);
+    fails_with(
+        &["bench", "--accuracy-duration-ms", "100000000000"],
+        &["heavy-tail-keys", "use at most 275862"],
+    );
     fails_with(
         &["bench", "--store", "etcd://127.0.0.1:2379"],
         &[

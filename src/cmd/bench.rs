@@ -12,7 +12,7 @@ use serde_json::json;
 
 use crate::measure::accuracy::{compare, decisions};
 use crate::measure::memory::{measure_here, measure_in_child, Footprint};
-use crate::measure::shapes::{Shape, ShapeParams};
+use crate::measure::shapes::{Shape, ShapeParams, MAX_REQUESTS};
 use crate::measure::speed::{
     insert_all, key_set, median, run_single, run_threads, uniform_sequence, zipf_sequence,
     AtomicBaseline, Baseline, Contender, Governor, Store, DECISIONS_PER_MS,
@@ -105,7 +105,33 @@ impl Plan {
             plan.accuracy_duration_ms >= REFERENCE_WINDOW_MS,
             "--accuracy-duration-ms must be at least one window ({REFERENCE_WINDOW_MS} ms)"
         );
+        // The largest shape bounds the duration; every count grows in
+        // proportion to the duration, so the longest allowed one follows.
+        let params = plan.accuracy_params();
+        let (largest, expected) = Shape::ALL
+            .into_iter()
+            .map(|shape| (shape, shape.expected_requests(&params)))
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .expect("there are shapes");
+        ensure!(
+            expected <= MAX_REQUESTS as f64,
+            "--accuracy-duration-ms {} makes {largest} about {expected:.0} requests, above the \
+             {MAX_REQUESTS} a shape may generate; use at most {:.0}",
+            plan.accuracy_duration_ms,
+            (plan.accuracy_duration_ms as f64 * MAX_REQUESTS as f64 / expected).floor()
+        );
         Ok(plan)
+    }
+
+    /// The accuracy shapes' parameters: the reference configuration over
+    /// the run's duration and seed.
+    fn accuracy_params(&self) -> ShapeParams {
+        ShapeParams {
+            limit: REFERENCE_LIMIT,
+            window_ms: REFERENCE_WINDOW_MS,
+            duration_ms: self.accuracy_duration_ms,
+            seed: self.seed,
+        }
     }
 }
 
@@ -319,12 +345,7 @@ fn speed_rows(plan: &Plan, seq: &Sequences, bar: &ProgressBar) -> Result<(Vec<Ro
 
 fn accuracy_rows(plan: &Plan, bar: &ProgressBar) -> Result<Vec<Row>> {
     let (limit, window_ms) = (REFERENCE_LIMIT, REFERENCE_WINDOW_MS);
-    let params = ShapeParams {
-        limit,
-        window_ms,
-        duration_ms: plan.accuracy_duration_ms,
-        seed: plan.seed,
-    };
+    let params = plan.accuracy_params();
     let mut rows = Vec::new();
     for shape in Shape::ALL {
         let requests = shape.generate(&params);

@@ -11,7 +11,7 @@ use ratewarden_core::{PolicyConfig, PolicyKind};
 
 use crate::measure::accuracy::{decisions, series, Point};
 use crate::measure::contender_policy;
-use crate::measure::shapes::{Shape, ShapeParams};
+use crate::measure::shapes::{Shape, ShapeParams, MAX_REQUESTS};
 
 /// The longest traffic a simulation generates: one hour.
 const MAX_DURATION_MS: u64 = 3_600_000;
@@ -82,12 +82,27 @@ fn simulate(args: &Args) -> Result<()> {
         args.duration_ms.div_ceil(bucket_ms) <= MAX_BUCKETS,
         "--duration-ms / --bucket-ms gives more than {MAX_BUCKETS} buckets; raise --bucket-ms"
     );
+    ensure!(
+        args.limit >= 1,
+        "--limit must be at least 1: every shape offers traffic in proportion to the limit, \
+         so a limit of 0 offers none"
+    );
     let params = ShapeParams {
         limit: args.limit,
         window_ms: args.window_ms,
         duration_ms: args.duration_ms,
         seed: args.seed,
     };
+    let expected = shape.expected_requests(&params);
+    ensure!(
+        expected <= MAX_REQUESTS as f64,
+        "{shape} at --limit {} per --window-ms {} for --duration-ms {} is about {expected:.0} \
+         requests, above the {MAX_REQUESTS} a simulation generates; lower --limit, raise \
+         --window-ms or shorten --duration-ms",
+        args.limit,
+        args.window_ms,
+        args.duration_ms
+    );
     let requests = shape.generate(&params);
     let mut runs = Vec::new();
     for kind in kinds {

@@ -58,6 +58,16 @@ pub struct Request {
 /// The number of keys of [`Shape::HeavyTailKeys`].
 pub const HEAVY_TAIL_KEYS: u64 = 10_000;
 
+/// The most requests a shape may be asked for, by its expected count:
+/// 20 million requests hold 320 MB, and each policy compared keeps a
+/// decision per request and decides them all.
+pub const MAX_REQUESTS: u64 = 20_000_000;
+
+/// Each key's rate in [`Shape::HeavyTailKeys`] is Pareto-distributed with
+/// this shape and a scale of [`HEAVY_TAIL_SCALE`] times the limit's rate.
+const HEAVY_TAIL_SHAPE: f64 = 1.16;
+const HEAVY_TAIL_SCALE: f64 = 0.01;
+
 impl Shape {
     /// Every shape, in the table's order.
     pub const ALL: [Shape; 5] = [
@@ -76,6 +86,37 @@ impl Shape {
             Shape::BoundaryAttack => "boundary-attack",
             Shape::PoissonBursts => "poisson-bursts",
             Shape::HeavyTailKeys => "heavy-tail-keys",
+        }
+    }
+
+    /// How many requests the shape generates for `p`: the boundary
+    /// attack's exact count, the other shapes' mean (the heavy tail's
+    /// without its cap, so never below the mean). What callers bound by
+    /// [`MAX_REQUESTS`] before generating.
+    pub fn expected_requests(self, p: &ShapeParams) -> f64 {
+        // Requests per window at the limit's rate, over the duration.
+        let windows = p.duration_ms as f64 / p.window_ms as f64;
+        let at_limit = p.limit as f64 * windows;
+        match self {
+            Shape::Steady08 => 0.8 * at_limit,
+            Shape::Steady2 => 2.0 * at_limit,
+            Shape::BoundaryAttack => {
+                // Edges at window_ms, 5 window_ms, 9 window_ms, ... below
+                // the duration.
+                let edges = match p.duration_ms.checked_sub(p.window_ms) {
+                    Some(after_first) if after_first > 0 => {
+                        (after_first - 1) / p.window_ms.saturating_mul(4) + 1
+                    }
+                    _ => 0,
+                };
+                2.0 * p.limit as f64 * edges as f64
+            }
+            // One burst per window, of 0.6 times the limit on average.
+            Shape::PoissonBursts => 0.6 * at_limit,
+            Shape::HeavyTailKeys => {
+                let pareto_mean = HEAVY_TAIL_SCALE * HEAVY_TAIL_SHAPE / (HEAVY_TAIL_SHAPE - 1.0);
+                HEAVY_TAIL_KEYS as f64 * pareto_mean * at_limit
+            }
         }
     }
 
@@ -187,7 +228,10 @@ fn poisson_bursts(rng: &mut StdRng, p: &ShapeParams, limit_rate: f64) -> Vec<Req
 /// shape) and scale a hundredth of the limit's rate, capped at five times
 /// the limit so one key cannot dominate the run's length.
 fn heavy_tail_keys(rng: &mut StdRng, p: &ShapeParams, limit_rate: f64) -> Vec<Request> {
-    let rates = Pareto::new(0.01 * limit_rate, 1.16).expect("positive scale and shape");
+    let Ok(rates) = Pareto::new(HEAVY_TAIL_SCALE * limit_rate, HEAVY_TAIL_SHAPE) else {
+        // A limit of 0 (a zero rate): no key offers anything.
+        return Vec::new();
+    };
     let mut out = Vec::new();
     for key in 0..HEAVY_TAIL_KEYS {
         let rate = rates.sample(rng).min(5.0 * limit_rate);
@@ -269,6 +313,57 @@ mod tests {
             top > 50 * median && top <= 11_000,
             "median {median}, top {top}"
         );
+    }
+
+    #[test]
+    fn expected_counts_match_what_the_shapes_generate() {
+        // 200 windows: the steady shapes land within a few percent of
+        // their means, and the bursts (200 of them, each of a random
+        // size) within 15%; the heavy tail's estimate (without the cap)
+        // is above what it generates, never below.
+        let p = ShapeParams {
+            duration_ms: 200_000,
+            ..params(11)
+        };
+        for shape in Shape::ALL {
+            let expected = shape.expected_requests(&p);
+            let got = shape.generate(&p).len() as f64;
+            match shape {
+                Shape::BoundaryAttack => assert_eq!(got, expected),
+                Shape::HeavyTailKeys => {
+                    assert!(got <= expected && got > 0.5 * expected, "{got} {expected}")
+                }
+                Shape::PoissonBursts => {
+                    assert!((got / expected - 1.0).abs() < 0.15, "{got} {expected}")
+                }
+                _ => assert!(
+                    (got / expected - 1.0).abs() < 0.05,
+                    "{shape}: {got} {expected}"
+                ),
+            }
+        }
+        // Boundary attacks at 1000 and 5000 ms: none before the first
+        // edge, one for a duration just past it, two just past 5000.
+        let attacks = |duration_ms| {
+            Shape::BoundaryAttack.expected_requests(&ShapeParams {
+                duration_ms,
+                ..params(0)
+            }) / 200.0
+        };
+        assert_eq!((attacks(1000), attacks(1001)), (0.0, 1.0));
+        assert_eq!((attacks(5000), attacks(5001)), (1.0, 2.0));
+    }
+
+    #[test]
+    fn a_zero_limit_generates_nothing_and_does_not_panic() {
+        let p = ShapeParams {
+            limit: 0,
+            ..params(1)
+        };
+        for shape in Shape::ALL {
+            assert!(shape.generate(&p).is_empty(), "{shape}");
+            assert_eq!(shape.expected_requests(&p), 0.0, "{shape}");
+        }
     }
 
     #[test]
