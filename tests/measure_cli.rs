@@ -280,7 +280,31 @@ fn bad_arguments_exit_non_zero_with_a_clear_message() {
         ],
         &["steady-2x", "about 200000000000 requests", "lower --limit"],
     );
-    fails_with(&["bench", "--reps", "0"], &["--reps must be at least 1"]);
+    fails_with(&["bench", "--reps", "0"], &["--reps must be between 1 and"]);
+    // Sizes that would not fit in memory are refused before anything is
+    // allocated.
+    fails_with(
+        &["bench", "--keys", "1000000000000"],
+        &["--keys must be between 1 and 16777216"],
+    );
+    fails_with(
+        &["bench", "--threads", "100000"],
+        &["--threads must be between 1 and 256"],
+    );
+    fails_with(
+        &["bench", "--decisions", "100000000", "--threads", "8"],
+        &["lower --decisions or --threads"],
+    );
+    fails_with(
+        &[
+            "bench-memory",
+            "--contender",
+            "gcra",
+            "--keys",
+            "1000000000000",
+        ],
+        &["--keys must be between 1 and 16777216"],
+    );
     fails_with(
         &["bench", "--accuracy-duration-ms", "100000000000"],
         &["heavy-tail-keys", "use at most 275862"],

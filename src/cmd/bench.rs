@@ -17,7 +17,7 @@ use crate::measure::speed::{
     insert_all, key_set, median, run_single, run_threads, uniform_sequence, zipf_sequence,
     AtomicBaseline, Baseline, Contender, Governor, Store, DECISIONS_PER_MS,
 };
-use crate::measure::{Row, REFERENCE_LIMIT, REFERENCE_WINDOW_MS};
+use crate::measure::{Row, MAX_KEYS, REFERENCE_LIMIT, REFERENCE_WINDOW_MS};
 
 /// Arguments of `ratewarden bench`.
 #[derive(clap::Args, Debug)]
@@ -35,21 +35,23 @@ pub struct Args {
     /// One JSON object per row on standard output instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// Distinct keys of the `*-1m` workloads and of the memory rows.
+    /// Distinct keys of the `*-1m` workloads and of the memory rows (at
+    /// most 16,777,216).
     #[arg(long, default_value_t = 1_000_000)]
     pub keys: usize,
-    /// Decisions per repetition of a speed workload [default: 2,000,000;
-    /// 500,000 with --quick].
+    /// Decisions per repetition of a speed workload, at most 100,000,000
+    /// [default: 2,000,000; 500,000 with --quick].
     #[arg(long)]
     pub decisions: Option<usize>,
-    /// Repetitions of each speed workload; the median is reported
-    /// [default: 5; 3 with --quick].
+    /// Repetitions of each speed workload, at most 1,000; the median is
+    /// reported [default: 5; 3 with --quick].
     #[arg(long)]
     pub reps: Option<usize>,
-    /// Threads of `uniform-1m-threads` [default: every core].
+    /// Threads of `uniform-1m-threads`, at most 256 [default: every core].
     #[arg(long)]
     pub threads: Option<usize>,
-    /// How long each accuracy shape lasts, in ms [default: 60,000; 20,000
+    /// How long each accuracy shape lasts, in ms, at most 275,862 (20
+    /// million requests of the largest shape) [default: 60,000; 20,000
     /// with --quick].
     #[arg(long)]
     pub accuracy_duration_ms: Option<u64>,
@@ -69,6 +71,16 @@ pub struct MemoryArgs {
     #[arg(long)]
     pub keys: usize,
 }
+
+/// The most decisions per repetition of a speed workload.
+const MAX_DECISIONS: usize = 100_000_000;
+/// The most repetitions of each speed workload.
+const MAX_REPS: usize = 1_000;
+/// The most threads of `uniform-1m-threads`.
+const MAX_THREADS: usize = 256;
+/// The most keys all the pre-generated sequences may hold together, 8
+/// bytes each: 3.2 GB.
+const MAX_SEQUENCE_KEYS: usize = 400_000_000;
 
 /// The run's sizes, from the arguments.
 struct Plan {
@@ -97,10 +109,37 @@ impl Plan {
             }),
             seed: args.seed,
         };
-        ensure!(plan.keys >= 1, "--keys must be at least 1");
-        ensure!(plan.decisions >= 1, "--decisions must be at least 1");
-        ensure!(plan.reps >= 1, "--reps must be at least 1");
-        ensure!(plan.threads >= 1, "--threads must be at least 1");
+        ensure!(
+            (1..=MAX_KEYS).contains(&plan.keys),
+            "--keys must be between 1 and {MAX_KEYS}, not {}",
+            plan.keys
+        );
+        ensure!(
+            (1..=MAX_DECISIONS).contains(&plan.decisions),
+            "--decisions must be between 1 and {MAX_DECISIONS}, not {}",
+            plan.decisions
+        );
+        ensure!(
+            (1..=MAX_REPS).contains(&plan.reps),
+            "--reps must be between 1 and {MAX_REPS}, not {}",
+            plan.reps
+        );
+        ensure!(
+            (1..=MAX_THREADS).contains(&plan.threads),
+            "--threads must be between 1 and {MAX_THREADS}, not {}",
+            plan.threads
+        );
+        // The hot, uniform and Zipf sequences and one per thread, all
+        // held at once.
+        let sequence_keys = (plan.threads + 3).saturating_mul(plan.decisions);
+        ensure!(
+            sequence_keys <= MAX_SEQUENCE_KEYS,
+            "--decisions {} with --threads {} holds {sequence_keys} keys of sequences \
+             ({} MB), above {MAX_SEQUENCE_KEYS}; lower --decisions or --threads",
+            plan.decisions,
+            plan.threads,
+            sequence_keys * 8 / 1_000_000
+        );
         ensure!(
             plan.accuracy_duration_ms >= REFERENCE_WINDOW_MS,
             "--accuracy-duration-ms must be at least one window ({REFERENCE_WINDOW_MS} ms)"

@@ -16,6 +16,11 @@ pub const REFERENCE_LIMIT: u64 = 100;
 /// The reference window.
 pub const REFERENCE_WINDOW_MS: u64 = 1000;
 
+/// The most distinct keys a bench run takes: the speed table's contenders
+/// hold them all at once, about 450 bytes per key together (7.5 GB at
+/// this bound).
+pub const MAX_KEYS: usize = 1 << 24;
+
 /// Looks a policy up by registry name, with an error listing the names.
 pub fn contender_policy(name: &str) -> Result<PolicyKind> {
     name.parse::<PolicyKind>().map_err(|_| {
