@@ -107,6 +107,18 @@ fn malformed_files_are_named_with_the_problem_and_exit_2() {
         "{}",
         stderr(&out)
     );
+    // A directory with no vector file in it is not a pass.
+    let empty = std::env::temp_dir().join(format!("ratewarden-cli-empty-{}", std::process::id()));
+    std::fs::create_dir_all(empty.join("nested")).unwrap();
+    std::fs::write(empty.join("notes.txt"), "not a vector file").unwrap();
+    let out = ratewarden(&["vectors", empty.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", stdout(&out));
+    assert!(
+        stderr(&out).contains("no vector files (*.json)"),
+        "{}",
+        stderr(&out)
+    );
+    std::fs::remove_dir_all(&empty).unwrap();
 }
 
 #[test]

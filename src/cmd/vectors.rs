@@ -2,8 +2,8 @@
 //! against a store and reports every case that differs.
 //!
 //! Exit status: 0 when every case passes, 1 when a case fails, 2 when a file
-//! cannot be read or is malformed (it is named, with the problem) or the
-//! store cannot be used.
+//! cannot be read or is malformed (it is named, with the problem), a
+//! directory holds no `*.json` file, or the store cannot be used.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -167,9 +167,22 @@ pub fn run(args: Args) -> ExitCode {
     let mut files = Vec::new();
     let mut malformed = 0usize;
     for path in &args.paths {
-        if let Err(e) = collect(path, &mut files) {
-            eprintln!("{}: {e}", path.display());
-            malformed += 1;
+        let before = files.len();
+        match collect(path, &mut files) {
+            Err(e) => {
+                eprintln!("{}: {e}", path.display());
+                malformed += 1;
+            }
+            // A directory without vector files is most likely the wrong
+            // one: saying "0 passed" and succeeding would hide that.
+            Ok(()) if files.len() == before => {
+                eprintln!(
+                    "{}: no vector files (*.json) in this directory or below it",
+                    path.display()
+                );
+                malformed += 1;
+            }
+            Ok(()) => {}
         }
     }
     let mut tally = Tally::default();
