@@ -316,6 +316,23 @@ fn bad_arguments_exit_non_zero_with_a_clear_message() {
             "redis://HOST:PORT",
         ],
     );
+    // Sizes of the in-memory bench are refused with a Redis store, not
+    // silently dropped (no connection is tried first).
+    fails_with(
+        &[
+            "bench",
+            "--store",
+            "redis://127.0.0.1:1",
+            "--keys",
+            "5",
+            "--seed",
+            "3",
+        ],
+        &[
+            "--keys, --seed only size the in-memory bench",
+            "bench-redis",
+        ],
+    );
     fails_with(
         &["bench", "--accuracy-duration-ms", "10"],
         &["--accuracy-duration-ms"],

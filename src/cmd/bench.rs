@@ -35,10 +35,10 @@ pub struct Args {
     /// One JSON object per row on standard output instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// Distinct keys of the `*-1m` workloads and of the memory rows (at
-    /// most 16,777,216).
-    #[arg(long, default_value_t = 1_000_000)]
-    pub keys: usize,
+    /// Distinct keys of the `*-1m` workloads and of the memory rows, at
+    /// most 16,777,216 [default: 1,000,000].
+    #[arg(long)]
+    pub keys: Option<usize>,
     /// Decisions per repetition of a speed workload, at most 100,000,000
     /// [default: 2,000,000; 500,000 with --quick].
     #[arg(long)]
@@ -55,9 +55,29 @@ pub struct Args {
     /// with --quick].
     #[arg(long)]
     pub accuracy_duration_ms: Option<u64>,
-    /// The seed of every key sequence and traffic shape.
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
+    /// The seed of every key sequence and traffic shape [default: 1].
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl Args {
+    /// The flags given that only the in-memory bench takes.
+    fn memory_only_flags(&self) -> Vec<&'static str> {
+        [
+            ("--keys", self.keys.is_some()),
+            ("--decisions", self.decisions.is_some()),
+            ("--reps", self.reps.is_some()),
+            ("--threads", self.threads.is_some()),
+            (
+                "--accuracy-duration-ms",
+                self.accuracy_duration_ms.is_some(),
+            ),
+            ("--seed", self.seed.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect()
+    }
 }
 
 /// Arguments of the hidden `bench-memory` subcommand, which `bench` starts
@@ -96,7 +116,7 @@ impl Plan {
     fn from_args(args: &Args) -> Result<Plan> {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let plan = Plan {
-            keys: args.keys,
+            keys: args.keys.unwrap_or(1_000_000),
             decisions: args
                 .decisions
                 .unwrap_or(if args.quick { 500_000 } else { 2_000_000 }),
@@ -107,7 +127,7 @@ impl Plan {
             } else {
                 60_000
             }),
-            seed: args.seed,
+            seed: args.seed.unwrap_or(1),
         };
         ensure!(
             (1..=MAX_KEYS).contains(&plan.keys),
@@ -741,6 +761,17 @@ fn bench(args: &Args) -> Result<()> {
 pub fn run(args: Args) -> ExitCode {
     if args.store != "memory" {
         if args.store.starts_with("redis://") {
+            let ignored = args.memory_only_flags();
+            if !ignored.is_empty() {
+                eprintln!(
+                    "ratewarden bench: {} only size the in-memory bench; for Redis, \
+                     `ratewarden bench-redis --store {}` takes its own sizes (--requests, \
+                     --keys, --pipeline, --connections, --round-trips, --rounds)",
+                    ignored.join(", "),
+                    args.store
+                );
+                return ExitCode::from(2);
+            }
             return super::bench_redis::run(super::bench_redis::Args::defaults(
                 args.store, args.quick, args.json,
             ));
