@@ -186,6 +186,47 @@ fn simulate_writes_an_svg_chart_and_the_csv_series() {
         ),
         (200, 100, 100)
     );
+    // Files with the mode of any file the user creates (0666 less the
+    // umask), not a temporary file's owner-only one.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let reference = scratch("mode-reference");
+        std::fs::File::create(&reference).unwrap();
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&svg), mode(&reference));
+        assert_eq!(mode(&csv), mode(&reference));
+        std::fs::remove_file(reference).ok();
+    }
+
+    // A run that cannot write its CSV writes nothing: the chart from the
+    // run above stays as it was, and no temporary file is left beside it.
+    let before = std::fs::read_to_string(&svg).unwrap();
+    let out = ratewarden(&[
+        "simulate",
+        "--policy",
+        "gcra",
+        "--shape",
+        "steady-2x",
+        "--out",
+        svg.to_str().unwrap(),
+        "--csv",
+        "/nonexistent/dir/series.csv",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("writing /nonexistent/dir/series.csv"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(std::fs::read_to_string(&svg).unwrap(), before);
+    let dir = svg.parent().unwrap();
+    let leftovers: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".ratewarden-"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
     std::fs::remove_file(svg).ok();
     std::fs::remove_file(csv).ok();
 }

@@ -116,9 +116,38 @@ fn simulate(args: &Args) -> Result<()> {
         );
         runs.push(Run { kind, points });
     }
-    draw(&args.out, shape, args, bucket_ms, &runs)?;
+    // Both files are made in memory and written only when both exist, so
+    // a failed run leaves neither behind, nor half of an older one.
+    let mut files = vec![(args.out.as_path(), draw(shape, args, bucket_ms, &runs)?)];
     if let Some(csv) = &args.csv {
-        write_csv(csv, args, &runs)?;
+        files.push((csv.as_path(), csv_text(args, &runs)));
+    }
+    publish(&files)
+}
+
+/// Writes each `(path, text)` to a temporary file beside its path and,
+/// once every one is written, moves each into place: a run that fails
+/// to write any file leaves every path as it was.
+fn publish(files: &[(&Path, String)]) -> Result<()> {
+    let mut written = Vec::with_capacity(files.len());
+    for (path, text) in files {
+        let dir = match path.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir,
+            _ => Path::new("."),
+        };
+        let temp = temp_beside(dir)
+            .and_then(|mut temp| {
+                temp.write_all(text.as_bytes())?;
+                temp.flush()?;
+                Ok(temp)
+            })
+            .with_context(|| format!("writing {}", path.display()))?;
+        written.push((temp, *path));
+    }
+    for (temp, path) in written {
+        temp.persist(path)
+            .map_err(|e| e.error)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }
@@ -131,7 +160,22 @@ const PALETTE: [RGBColor; 5] = [
     RGBColor(0xff, 0x7f, 0x0e),
 ];
 
-fn draw(out: &Path, shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<()> {
+/// A temporary file in `dir`, removed unless persisted, with the
+/// permissions a file the user creates gets (0666 less the umask; a
+/// temporary file would otherwise be its owner's only).
+fn temp_beside(dir: &Path) -> std::io::Result<tempfile::NamedTempFile> {
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(".ratewarden-");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        builder.permissions(std::fs::Permissions::from_mode(0o666));
+    }
+    builder.tempfile_in(dir)
+}
+
+/// The chart, as SVG text.
+fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<String> {
     let points = || runs.iter().flat_map(|r| r.points.iter());
     // Headroom above the highest line keeps the legend clear of the data.
     let rate_top = points()
@@ -144,7 +188,8 @@ fn draw(out: &Path, shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> 
         .max(1.0)
         * 1.9;
     let end_ms = args.duration_ms as f64;
-    let root = SVGBackend::new(out, (1200, 720)).into_drawing_area();
+    let mut svg = String::new();
+    let root = SVGBackend::with_string(&mut svg, (1200, 720)).into_drawing_area();
     let result = (|| -> Result<(), Box<dyn std::error::Error>> {
         root.fill(&WHITE)?;
         let caption = format!(
@@ -242,36 +287,30 @@ fn draw(out: &Path, shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> 
         Ok(())
     })();
     if let Err(e) = result {
-        bail!("drawing {}: {e}", out.display());
+        bail!("drawing the chart: {e}");
     }
-    Ok(())
+    drop(root);
+    Ok(svg)
 }
 
-fn write_csv(path: &Path, args: &Args, runs: &[Run]) -> Result<()> {
-    let file =
-        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    let mut w = std::io::BufWriter::new(file);
-    writeln!(
-        w,
-        "policy,start_ms,offered_per_sec,admitted_per_sec,trailing_count,limit"
-    )?;
+/// The series as CSV text, one line per policy and bucket.
+fn csv_text(args: &Args, runs: &[Run]) -> String {
+    let mut text =
+        String::from("policy,start_ms,offered_per_sec,admitted_per_sec,trailing_count,limit\n");
     for run in runs {
         for p in &run.points {
-            writeln!(
-                w,
-                "{},{},{},{},{},{}",
+            text.push_str(&format!(
+                "{},{},{},{},{},{}\n",
                 run.kind,
                 p.start_ms,
                 p.offered_per_sec,
                 p.admitted_per_sec,
                 p.trailing_count,
                 args.limit
-            )?;
+            ));
         }
     }
-    w.flush()
-        .with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
+    text
 }
 
 /// Runs `ratewarden simulate`.
