@@ -11,10 +11,10 @@ fn ratewarden(args: &[&str]) -> Output {
         .unwrap()
 }
 
-fn scratch(name: &str, text: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ratewarden-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
+/// Writes `text` to `name` in `dir`, a test's own temporary directory
+/// (removed when the test ends).
+fn scratch(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
+    let path = dir.path().join(name);
     std::fs::write(&path, text).unwrap();
     path
 }
@@ -43,7 +43,9 @@ fn the_project_vectors_pass_and_end_with_the_count_line() {
 
 #[test]
 fn a_failing_case_is_named_and_exits_1() {
+    let dir = tempfile::tempdir().unwrap();
     let path = scratch(
+        &dir,
         "wrong.json",
         r#"{"cases": [
             {"description": "right", "policy": "fixed-window", "limit": 1, "window_ms": 10,
@@ -70,12 +72,15 @@ fn a_failing_case_is_named_and_exits_1() {
 
 #[test]
 fn malformed_files_are_named_with_the_problem_and_exit_2() {
-    let bad_json = scratch("bad.json", "{\"cases\": [");
+    let dir = tempfile::tempdir().unwrap();
+    let bad_json = scratch(&dir, "bad.json", "{\"cases\": [");
     let bad_policy = scratch(
+        &dir,
         "policy.json",
         r#"{"cases": [{"policy": "leaky-bucket", "limit": 1, "window_ms": 10, "steps": []}]}"#,
     );
     let negative = scratch(
+        &dir,
         "negative.json",
         r#"{"cases": [{"policy": "gcra", "limit": 1, "window_ms": 10, "steps": [
             {"key": 1, "now_ms": -5, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}]}]}"#,
@@ -108,17 +113,16 @@ fn malformed_files_are_named_with_the_problem_and_exit_2() {
         stderr(&out)
     );
     // A directory with no vector file in it is not a pass.
-    let empty = std::env::temp_dir().join(format!("ratewarden-cli-empty-{}", std::process::id()));
-    std::fs::create_dir_all(empty.join("nested")).unwrap();
-    std::fs::write(empty.join("notes.txt"), "not a vector file").unwrap();
-    let out = ratewarden(&["vectors", empty.to_str().unwrap()]);
+    let empty = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(empty.path().join("nested")).unwrap();
+    scratch(&empty, "notes.txt", "not a vector file");
+    let out = ratewarden(&["vectors", empty.path().to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2), "{}", stdout(&out));
     assert!(
         stderr(&out).contains("no vector files (*.json)"),
         "{}",
         stderr(&out)
     );
-    std::fs::remove_dir_all(&empty).unwrap();
 }
 
 #[test]
@@ -134,7 +138,9 @@ fn an_unknown_store_is_refused() {
 
 #[test]
 fn a_wrong_mix32_value_is_named_and_fails_without_counting_as_a_case() {
+    let dir = tempfile::tempdir().unwrap();
     let path = scratch(
+        &dir,
         "mix32.json",
         r#"{"mix32": [{"input": "hello", "output": 613153351}, {"input": "hello", "output": 1}],
             "cases": []}"#,

@@ -11,10 +11,10 @@ fn ratewarden(args: &[&str]) -> Output {
         .expect("the ratewarden binary runs")
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ratewarden-measure-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// The path `name` in `dir`, a test's own temporary directory (removed
+/// when the test ends).
+fn scratch(dir: &tempfile::TempDir, name: &str) -> PathBuf {
+    dir.path().join(name)
 }
 
 /// Every speed workload of `ratewarden bench`, as its rows name them.
@@ -129,7 +129,8 @@ fn bench_json_rows_parse_with_the_named_fields() {
 
 #[test]
 fn simulate_writes_an_svg_chart_and_the_csv_series() {
-    let (svg, csv) = (scratch("attack.svg"), scratch("attack.csv"));
+    let dir = tempfile::tempdir().unwrap();
+    let (svg, csv) = (scratch(&dir, "attack.svg"), scratch(&dir, "attack.csv"));
     let out = ratewarden(&[
         "simulate",
         "--policy",
@@ -191,12 +192,11 @@ fn simulate_writes_an_svg_chart_and_the_csv_series() {
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        let reference = scratch("mode-reference");
+        let reference = scratch(&dir, "mode-reference");
         std::fs::File::create(&reference).unwrap();
         let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&svg), mode(&reference));
         assert_eq!(mode(&csv), mode(&reference));
-        std::fs::remove_file(reference).ok();
     }
 
     // A run that cannot write its CSV writes nothing: the chart from the
@@ -220,15 +220,12 @@ fn simulate_writes_an_svg_chart_and_the_csv_series() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(std::fs::read_to_string(&svg).unwrap(), before);
-    let dir = svg.parent().unwrap();
-    let leftovers: Vec<_> = std::fs::read_dir(dir)
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
         .unwrap()
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_string_lossy().starts_with(".ratewarden-"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
-    std::fs::remove_file(svg).ok();
-    std::fs::remove_file(csv).ok();
 }
 
 fn fails_with(args: &[&str], words: &[&str]) {
@@ -242,7 +239,8 @@ fn fails_with(args: &[&str], words: &[&str]) {
 
 #[test]
 fn bad_arguments_exit_non_zero_with_a_clear_message() {
-    let svg = scratch("never.svg");
+    let dir = tempfile::tempdir().unwrap();
+    let svg = scratch(&dir, "never.svg");
     let svg = svg.to_str().unwrap();
     fails_with(
         &[
