@@ -302,6 +302,20 @@ fn bad_arguments_exit_non_zero_with_a_clear_message() {
         ],
         &["--limit must be at least 1"],
     );
+    fails_with(
+        &[
+            "simulate",
+            "--policy",
+            "gcra",
+            "--shape",
+            "steady-2x",
+            "--out",
+            svg,
+            "--csv",
+            svg,
+        ],
+        &["--csv and --out name the same file"],
+    );
     // A shape of about 200 billion requests is refused before any is made.
     fails_with(
         &[

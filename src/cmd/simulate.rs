@@ -83,6 +83,11 @@ fn simulate(args: &Args) -> Result<()> {
         "--duration-ms / --bucket-ms gives more than {MAX_BUCKETS} buckets; raise --bucket-ms"
     );
     ensure!(
+        args.csv.as_ref() != Some(&args.out),
+        "--csv and --out name the same file, {}; give the series its own path",
+        args.out.display()
+    );
+    ensure!(
         args.limit >= 1,
         "--limit must be at least 1: every shape offers traffic in proportion to the limit, \
          so a limit of 0 offers none"
