@@ -17,7 +17,7 @@ use crate::measure::speed::{
     insert_all, key_set, median, run_single, run_threads, uniform_sequence, zipf_sequence,
     AtomicBaseline, Baseline, Contender, Governor, Store, DECISIONS_PER_MS,
 };
-use crate::measure::{Row, MAX_KEYS, REFERENCE_LIMIT, REFERENCE_WINDOW_MS};
+use crate::measure::{check_size, Row, MAX_KEYS, REFERENCE_LIMIT, REFERENCE_WINDOW_MS};
 
 /// Arguments of `ratewarden bench`.
 #[derive(clap::Args, Debug)]
@@ -129,26 +129,10 @@ impl Plan {
             }),
             seed: args.seed.unwrap_or(1),
         };
-        ensure!(
-            (1..=MAX_KEYS).contains(&plan.keys),
-            "--keys must be between 1 and {MAX_KEYS}, not {}",
-            plan.keys
-        );
-        ensure!(
-            (1..=MAX_DECISIONS).contains(&plan.decisions),
-            "--decisions must be between 1 and {MAX_DECISIONS}, not {}",
-            plan.decisions
-        );
-        ensure!(
-            (1..=MAX_REPS).contains(&plan.reps),
-            "--reps must be between 1 and {MAX_REPS}, not {}",
-            plan.reps
-        );
-        ensure!(
-            (1..=MAX_THREADS).contains(&plan.threads),
-            "--threads must be between 1 and {MAX_THREADS}, not {}",
-            plan.threads
-        );
+        check_size("--keys", plan.keys, MAX_KEYS)?;
+        check_size("--decisions", plan.decisions, MAX_DECISIONS)?;
+        check_size("--reps", plan.reps, MAX_REPS)?;
+        check_size("--threads", plan.threads, MAX_THREADS)?;
         // The hot, uniform and Zipf sequences and one per thread, all
         // held at once.
         let sequence_keys = (plan.threads + 3).saturating_mul(plan.decisions);

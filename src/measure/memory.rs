@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use super::speed::{insert_all, key_set, Contender, Governor, Store};
-use super::{contender_policy, MAX_KEYS, REFERENCE_LIMIT, REFERENCE_WINDOW_MS};
+use super::{check_size, contender_policy, MAX_KEYS, REFERENCE_LIMIT, REFERENCE_WINDOW_MS};
 use ratewarden_core::{
     FixedWindow, Gcra, PolicyKind, SlidingLog, SlidingWindowCounter, TokenBucket,
 };
@@ -59,10 +59,7 @@ fn grow<C: Contender>(make: impl FnOnce() -> C, keys: &[u64]) -> Result<Footprin
 /// Measures `contender` (a registry name or `governor`) in this process;
 /// the hidden `bench-memory` subcommand calls it.
 pub fn measure_here(contender: &str, keys: usize) -> Result<Footprint> {
-    anyhow::ensure!(
-        (1..=MAX_KEYS).contains(&keys),
-        "--keys must be between 1 and {MAX_KEYS}, not {keys}"
-    );
+    check_size("--keys", keys, MAX_KEYS)?;
     let key_list = key_set(keys);
     let (l, w) = (REFERENCE_LIMIT, REFERENCE_WINDOW_MS);
     // Room for every key: the point is the footprint, not the bound.

@@ -21,6 +21,16 @@ pub const REFERENCE_WINDOW_MS: u64 = 1000;
 /// this bound).
 pub const MAX_KEYS: usize = 1 << 24;
 
+/// Checks a size given by `flag`: between 1 and `max`, else an error that
+/// names the flag and its range.
+pub fn check_size(flag: &str, value: usize, max: usize) -> Result<()> {
+    anyhow::ensure!(
+        (1..=max).contains(&value),
+        "{flag} must be between 1 and {max}, not {value}"
+    );
+    Ok(())
+}
+
 /// Looks a policy up by registry name, with an error listing the names.
 pub fn contender_policy(name: &str) -> Result<PolicyKind> {
     name.parse::<PolicyKind>().map_err(|_| {
