@@ -48,6 +48,11 @@ enum Scale {
     Small,
     WallClock,
     Near2Pow53,
+    /// Wall-clock numbers over dozens of keys, so that the stores hold
+    /// many keys at once: the memory store's tables grow while earlier
+    /// keys keep their states, and on Redis Cluster the keys spread over
+    /// every master.
+    ManyKeys,
 }
 
 fn draw_config(rng: &mut Rng, policy: PolicyKind, scale: Scale) -> PolicyConfig {
@@ -56,6 +61,11 @@ fn draw_config(rng: &mut Rng, policy: PolicyKind, scale: Scale) -> PolicyConfig 
         Scale::WallClock => (
             *rng.pick(&[1, 3, 10, 100, 100, 250, 1000]),
             *rng.pick(&[100, 1000, 1000, 1500, 60_000, 3_600_000]),
+        ),
+        // Small limits, so that keys revisited within a window are refused.
+        Scale::ManyKeys => (
+            *rng.pick(&[1, 2, 3, 5, 10]),
+            *rng.pick(&[100, 250, 1000, 1500]),
         ),
         Scale::Near2Pow53 => (
             *rng.pick(&[MAX_SAFE, MAX_SAFE - 1, 1 << 52, 1_000_000_000, MAX_SAFE / 3]),
@@ -66,7 +76,7 @@ fn draw_config(rng: &mut Rng, policy: PolicyKind, scale: Scale) -> PolicyConfig 
     if policy.has_burst() && rng.chance(50) {
         config.burst = Some(match scale {
             Scale::Small => rng.range(0, 20),
-            Scale::WallClock => limit * rng.range(1, 5),
+            Scale::WallClock | Scale::ManyKeys => limit * rng.range(1, 5),
             Scale::Near2Pow53 => *rng.pick(&[MAX_SAFE, limit, limit / 2 + 1]),
         });
     }
@@ -74,7 +84,7 @@ fn draw_config(rng: &mut Rng, policy: PolicyKind, scale: Scale) -> PolicyConfig 
 }
 
 fn draw_script(rng: &mut Rng, config: &PolicyConfig, scale: Scale, len: usize) -> Script {
-    let keys = [
+    let mut keys = vec![
         VectorKey::Int(1),
         VectorKey::Int(2),
         VectorKey::Str("user:21620".into()),
@@ -89,13 +99,27 @@ fn draw_script(rng: &mut Rng, config: &PolicyConfig, scale: Scale, len: usize) -
     };
     let mut now = match scale {
         Scale::Small => rng.range(0, 3 * w),
-        Scale::WallClock => 1_700_000_000_000 + rng.range(0, 10 * w),
+        Scale::WallClock | Scale::ManyKeys => 1_700_000_000_000 + rng.range(0, 10 * w),
         Scale::Near2Pow53 => MAX_SAFE - rng.range(0, 3u64.saturating_mul(w).min(MAX_SAFE / 2)),
     };
     let mut model = Naive::new(*config);
     let mut script = Vec::with_capacity(len);
-    // Few keys per case, so that requests meet on one key.
-    let key_count = rng.range(1, 3) as usize;
+    // Few keys per case, so that requests meet on one key; or, for
+    // `ManyKeys`, a pool of 40 to 80 more (integers anywhere in 64 bits,
+    // small integers, strings), each met two or three times.
+    let key_count = match scale {
+        Scale::ManyKeys => {
+            for i in 0..rng.range(40, 80) {
+                keys.push(match i % 3 {
+                    0 => VectorKey::Int(rng.next_u64()),
+                    1 => VectorKey::Int(rng.range(0, 1000)),
+                    _ => VectorKey::Str(format!("client:{}", rng.range(0, 1_000_000))),
+                });
+            }
+            keys.len()
+        }
+        _ => rng.range(1, 3) as usize,
+    };
     for _ in 0..len {
         let key = keys[rng.range(0, key_count as u64 - 1) as usize].clone();
         let edge = now - now % w + w;
@@ -134,6 +158,7 @@ fn generated_file(policy: PolicyKind, seed: u64) -> VectorFile {
         (Scale::Small, 60, 40),
         (Scale::WallClock, 30, 40),
         (Scale::Near2Pow53, 30, 25),
+        (Scale::ManyKeys, 6, 160),
     ] {
         let mut made = 0;
         while made < count {
@@ -473,15 +498,25 @@ fn every_vector_file_passes_on_the_memory_store() {
             );
         }
         for (i, case) in file.cases.iter().enumerate() {
-            let store = MemoryStore::for_config(&case.config, MemoryOptions::default()).unwrap();
-            let outcome = vectors::run_case(case, |key, now, cost| store.decide(key, now, cost));
-            assert_eq!(
-                outcome,
-                CaseOutcome::Passed,
-                "{} case {i}: {}",
-                path.display(),
-                case.description
-            );
+            // The default sharding, and one shard, whose table then holds
+            // every key of the case and grows several times in the cases
+            // with many keys.
+            for (shards, sharding) in [(0, "default shards"), (1, "one shard")] {
+                let options = MemoryOptions {
+                    shards,
+                    ..MemoryOptions::default()
+                };
+                let store = MemoryStore::for_config(&case.config, options).unwrap();
+                let outcome =
+                    vectors::run_case(case, |key, now, cost| store.decide(key, now, cost));
+                assert_eq!(
+                    outcome,
+                    CaseOutcome::Passed,
+                    "{} case {i} ({sharding}): {}",
+                    path.display(),
+                    case.description
+                );
+            }
             cases += 1;
         }
     }
