@@ -486,6 +486,7 @@ fn every_vector_file_passes_on_the_memory_store() {
         "expected the seed and generated files, found {files:?}"
     );
     let mut cases = 0;
+    let mut forgotten = 0;
     for path in files {
         let file = vectors::parse(&std::fs::read_to_string(&path).unwrap()).unwrap();
         for m in &file.mix32 {
@@ -498,21 +499,43 @@ fn every_vector_file_passes_on_the_memory_store() {
             );
         }
         for (i, case) in file.cases.iter().enumerate() {
-            // The default sharding, and one shard, whose table then holds
-            // every key of the case and grows several times in the cases
-            // with many keys.
-            for (shards, sharding) in [(0, "default shards"), (1, "one shard")] {
+            // Whether each step's time is the earliest of the rest of the
+            // case: forgetting idle keys at that time cannot change a later
+            // decision (SPEC "Memory"; a request stepping back before it
+            // may find its key forgotten, see docs/SPEC.md).
+            let mut earliest_after = u64::MAX;
+            let mut no_step_back: Vec<bool> = (case.steps.iter().rev())
+                .map(|step| {
+                    earliest_after = earliest_after.min(step.now_ms);
+                    earliest_after == step.now_ms
+                })
+                .collect();
+            no_step_back.reverse();
+            // The default sharding; one shard, whose table then holds every
+            // key of the case and grows several times in the cases with
+            // many keys; and one shard forgetting every idle key before
+            // each step it may.
+            for (shards, forget, run) in [
+                (0, false, "default shards"),
+                (1, false, "one shard"),
+                (1, true, "one shard, forgetting idle keys"),
+            ] {
                 let options = MemoryOptions {
                     shards,
                     ..MemoryOptions::default()
                 };
                 let store = MemoryStore::for_config(&case.config, options).unwrap();
-                let outcome =
-                    vectors::run_case(case, |key, now, cost| store.decide(key, now, cost));
+                let mut may_forget = no_step_back.iter();
+                let outcome = vectors::run_case(case, |key, now, cost| {
+                    if may_forget.next() == Some(&true) && forget {
+                        forgotten += store.forget_idle(now, usize::MAX).forgotten;
+                    }
+                    store.decide(key, now, cost)
+                });
                 assert_eq!(
                     outcome,
                     CaseOutcome::Passed,
-                    "{} case {i} ({sharding}): {}",
+                    "{} case {i} ({run}): {}",
                     path.display(),
                     case.description
                 );
@@ -521,4 +544,6 @@ fn every_vector_file_passes_on_the_memory_store() {
         }
     }
     assert!(cases > 600, "only {cases} cases");
+    // The forgetting run forgot keys that were asked for again.
+    assert!(forgotten > 1000, "only {forgotten} keys forgotten");
 }

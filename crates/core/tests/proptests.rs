@@ -138,6 +138,39 @@ proptest! {
         }
     }
 
+    /// A state that `is_forgettable` at `forget_ms` decides every request
+    /// at `forget_ms` or later exactly as a key never seen does, so a
+    /// store forgetting it there changes no decision (SPEC "Memory").
+    #[test]
+    fn forgettable_states_decide_as_new_keys(
+        config in config_strategy(),
+        trace in trace_strategy(40),
+        forget_offset_ms in -40i64..200,
+        later in trace_strategy(30),
+    ) {
+        let policy = config.build().unwrap();
+        let ts = times(1000, &trace);
+        let mut state = policy.new_state(ts[0]);
+        for (req, now) in trace.iter().zip(&ts) {
+            policy.decide(&mut state, *now, req.cost);
+        }
+        // Around the trace's end: before or after the key's recorded time,
+        // which a step back in the trace can leave after its last request.
+        let forget_ms = ts.last().unwrap().saturating_add_signed(forget_offset_ms);
+        if !policy.is_forgettable(&state, forget_ms) {
+            return Ok(());
+        }
+        let mut fresh = None;
+        let mut now = forget_ms;
+        for req in &later {
+            now = now.saturating_add_signed(req.dt).max(forget_ms);
+            let kept = policy.decide(&mut state, now, req.cost);
+            let fresh = fresh.get_or_insert_with(|| policy.new_state(now));
+            let new = policy.decide(fresh, now, req.cost);
+            prop_assert_eq!(kept, new, "{} forgotten at {}: at {} cost {}", config, forget_ms, now, req.cost);
+        }
+    }
+
     /// sliding-log never admits more than `limit` in any `window_ms`
     /// consecutive milliseconds; fixed-window never more than twice that.
     #[test]

@@ -37,7 +37,10 @@ pub trait Policy: Send + Sync + 'static {
     fn decide(&self, state: &mut Self::State, now_ms: u64, cost: u64) -> Decision;
 
     /// Whether forgetting the key at `now_ms` can change no later decision
-    /// (SPEC "Memory"): a store may then drop it.
+    /// (SPEC "Memory"): a store may then drop it. Precisely: the state
+    /// decides every request at `now_ms` or later exactly as a key never
+    /// seen would, so only a request stepping back before `now_ms` can
+    /// tell that the key was forgotten.
     fn is_forgettable(&self, state: &Self::State, now_ms: u64) -> bool;
 
     /// The configured limit (permits per window).

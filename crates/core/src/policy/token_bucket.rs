@@ -99,8 +99,12 @@ impl Policy for TokenBucket {
     }
 
     fn is_forgettable(&self, s: &TokenBucketState, now_ms: u64) -> bool {
-        let idle = u128::from(now_ms.saturating_sub(s.last_ms));
-        s.level.get() + idle * u128::from(self.limit) >= self.capacity()
+        // Full at `now_ms`, and not refilled after it: a bucket last
+        // refilled later refills from that later time, where a new key
+        // made at `now_ms` or after would start refilling sooner.
+        now_ms >= s.last_ms
+            && s.level.get() + u128::from(now_ms - s.last_ms) * u128::from(self.limit)
+                >= self.capacity()
     }
 
     fn limit(&self) -> u64 {
