@@ -4,9 +4,12 @@
 
 mod common;
 
+use std::collections::HashMap;
+use std::time::Instant;
+
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use ratewarden_core::{MemoryStore, PolicyConfig, PolicyKind, MAX_SAFE};
+use ratewarden_core::{MemoryStore, Policy, PolicyConfig, PolicyKind, MAX_SAFE};
 use ratewarden_redis::test_support::RedisServer;
 
 const WALL_CLOCK_MS: u64 = 1_764_000_000_000;
@@ -131,6 +134,98 @@ fn random_traces_decide_as_the_memory_store_does() {
         })
         .unwrap();
     assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
+}
+
+/// The first time at or after `now_ms` at which the core would forget
+/// `state`, as a TTL from `now_ms`, capped at `max_ttl_ms` (also when it
+/// is never forgettable). Forgettability only ever turns on as time
+/// passes, so a binary search finds it.
+fn ttl_until_forgettable<P: Policy>(
+    policy: &P,
+    state: &P::State,
+    now_ms: u64,
+    max_ttl_ms: u64,
+) -> u64 {
+    let (mut lo, mut hi) = (now_ms, now_ms + max_ttl_ms);
+    if !policy.is_forgettable(state, hi) {
+        return max_ttl_ms;
+    }
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if policy.is_forgettable(state, mid) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    lo - now_ms
+}
+
+/// Every write keeps its key for exactly as long as the core's policy
+/// says the state still counts (SPEC "Memory"), measured from the
+/// request's time, plus the grace: the TTLs and `is_forgettable` agree on
+/// every policy, including after a step back in time.
+#[test]
+fn every_ttl_runs_until_the_state_is_forgettable() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let rt = common::runtime();
+    // `TestRunner::run` takes a `Fn`: the connection is borrowed per query.
+    let con = std::cell::RefCell::new(
+        redis::Client::open(url.as_str())
+            .and_then(|c| c.get_connection())
+            .expect("connect to the test Redis"),
+    );
+    let mut runner = TestRunner::new(Config {
+        cases: 150,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    runner
+        .run(&trace(), |t| {
+            let policy = t.config.build().unwrap();
+            let redis = rt.block_on(common::store(&url, t.config, "ttl"));
+            let (grace_ms, max_ttl_ms) = (redis.options().ttl_grace_ms, redis.options().max_ttl_ms);
+            let mut states = HashMap::new();
+            let mut now = t.start_ms;
+            for (i, &(key, time_kind, time_r, cost_kind, cost_r)) in t.steps.iter().enumerate() {
+                now = next_time(now, t.config.window_ms, time_kind, time_r);
+                let cost = cost(&t.config, cost_kind, cost_r);
+                let state = states.entry(key).or_insert_with(|| policy.new_state(now));
+                policy.decide(state, now, cost);
+                let started = Instant::now();
+                rt.block_on(redis.decide(key, Some(now), cost))
+                    .map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
+                let pttl: i64 = redis::cmd("PTTL")
+                    .arg(redis.key_name(key))
+                    .query(&mut *con.borrow_mut())
+                    .map_err(|e| TestCaseError::fail(format!("PTTL: {e}")))?;
+                let elapsed_ms = started.elapsed().as_millis() as u64;
+                let ttl_ms = ttl_until_forgettable(&policy, state, now, max_ttl_ms);
+                // A state forgettable only past 2^53 - 1 ms, beyond any
+                // time a request can carry, may keep the longest TTL.
+                let px = if now + ttl_ms > MAX_SAFE && pttl as u64 > ttl_ms + grace_ms {
+                    max_ttl_ms + grace_ms
+                } else {
+                    ttl_ms + grace_ms
+                };
+                // The TTL set, less the time since it was set.
+                prop_assert!(
+                    pttl >= 0 && (px.saturating_sub(elapsed_ms + 1)..=px).contains(&(pttl as u64)),
+                    "step {} key {} now {} cost {}: PTTL {} where the state is forgettable \
+                     after {} ms (+ {} grace)",
+                    i,
+                    key,
+                    now,
+                    cost,
+                    pttl,
+                    ttl_ms,
+                    grace_ms
+                );
+            }
+            Ok(())
+        })
+        .unwrap();
 }
 
 /// The brief's bound, explicitly: wall-clock time, a limit of 10^9 and a

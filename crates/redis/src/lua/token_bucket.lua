@@ -53,7 +53,10 @@ if cap < TWO53 then
   end
   value = struct.pack('>dd', now, level)
   if level >= cap then
-    ttl = 0
+    -- Full, and forgettable once the caller's clock reaches the last
+    -- refill (at once unless this request stepped back).
+    ttl = now - NOW
+    if ttl > MAX_TTL then ttl = MAX_TTL end
   elseif LIMIT == 0 then
     ttl = MAX_TTL
   else
@@ -90,7 +93,8 @@ else
   end
   value = struct.pack('>d', now) .. Y.wpack(level)
   if wcmp(level, wcap) >= 0 then
-    ttl = 0
+    ttl = now - NOW
+    if ttl > MAX_TTL then ttl = MAX_TTL end
   elseif LIMIT == 0 then
     ttl = MAX_TTL
   else
