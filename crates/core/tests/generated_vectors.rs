@@ -504,7 +504,10 @@ fn every_vector_file_passes_on_the_memory_store() {
             // decision (SPEC "Memory"; a request stepping back before it
             // may find its key forgotten, see docs/SPEC.md).
             let mut earliest_after = u64::MAX;
-            let mut no_step_back: Vec<bool> = (case.steps.iter().rev())
+            let mut no_step_back: Vec<bool> = case
+                .steps
+                .iter()
+                .rev()
                 .map(|step| {
                     earliest_after = earliest_after.min(step.now_ms);
                     earliest_after == step.now_ms
