@@ -254,6 +254,15 @@ fn edges_file() -> VectorFile {
                 (k(1), 2600, 5),
             ],
         );
+        // docs/SPEC.md's reading: a refused request still moves the key's
+        // clock as the pseudocode does (a new window, a refill, old log
+        // entries dropped), while a refused GCRA request writes nothing;
+        // a request stepping back then shows which.
+        add(
+            &format!("{policy}: a refused request moves the clock as the pseudocode says"),
+            c,
+            vec![(k(1), 500, 5), (k(1), 2500, 6), (k(1), 900, 1), (k(1), 900, 0)],
+        );
         add(
             &format!("{policy}: mix32 collisions share one count (user:21620, user:32611)"),
             c,
