@@ -359,6 +359,17 @@ fn edges_file() -> VectorFile {
             ],
         );
     }
+    // docs/SPEC.md's other readings, each on its own.
+    add(
+        "sliding-log: a peek drops entries W old, so a step back finds an empty log",
+        PolicyConfig::new(SlidingLog, 1, 10),
+        vec![(k(1), 0, 1), (k(1), 20, 0), (k(1), 5, 1), (k(1), 5, 0)],
+    );
+    add(
+        "gcra: a peek after the clock steps back before the arrival time is refused",
+        PolicyConfig::new(Gcra, 1, 10),
+        vec![(k(1), 100, 1), (k(1), 90, 0), (k(1), 100, 0), (k(1), 110, 1)],
+    );
     // Large states whose 64-bit packing in the memory store is one of the
     // two values it reserves for itself: each must decide as any other.
     let reserved = "a state whose packing is a value the memory store reserves";
