@@ -126,6 +126,40 @@ fn malformed_files_are_named_with_the_problem_and_exit_2() {
 }
 
 #[test]
+fn a_malformed_case_is_named_and_the_files_other_cases_still_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let step = r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 1}"#;
+    let path = scratch(
+        &dir,
+        "mixed.json",
+        &format!(
+            r#"{{"cases": [
+                {{"description": "a burst the policy ignores, as in SPEC's example",
+                  "policy": "sliding-window-counter", "limit": 2, "window_ms": 10, "burst": 2, "steps": [{step}]}},
+                {{"description": "no window", "policy": "fixed-window", "limit": 2, "window_ms": 0, "steps": [{step}]}},
+                {{"description": "numbers written as floats", "policy": "gcra", "limit": 2.0, "window_ms": 1e1, "steps": [{step}]}}
+            ]}}"#
+        ),
+    );
+    let out = ratewarden(&["vectors", path.to_str().unwrap()]);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    assert!(
+        stderr(&out).contains("mixed.json: malformed case, not run: cases[1]: window_ms is 0"),
+        "{}",
+        stderr(&out)
+    );
+    let text = stdout(&out);
+    assert!(text.contains("1 malformed case not run"), "{text}");
+    assert_eq!(text.lines().last(), Some("2 passed, 0 failed"), "{text}");
+}
+
+#[test]
 fn an_unknown_store_is_refused() {
     let out = ratewarden(&["vectors", "--store", "etcd://x", "vectors"]);
     assert_eq!(out.status.code(), Some(2));

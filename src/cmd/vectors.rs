@@ -2,15 +2,16 @@
 //! against a store and reports every case that differs.
 //!
 //! Exit status: 0 when every case passes, 1 when a case fails, 2 when a file
-//! cannot be read or is malformed (it is named, with the problem), a
-//! directory holds no `*.json` file, or the store cannot be used.
+//! cannot be read or is malformed, or a case in it is (each is named, with
+//! the problem, and a file's other cases still run), a directory holds no
+//! `*.json` file, or the store cannot be used.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::str::FromStr;
 
-use ratewarden_core::vectors::{self, Case, CaseOutcome, Expected, VectorFile};
+use ratewarden_core::vectors::{self, Case, CaseOutcome, EachCase, Expected};
 use ratewarden_core::{mix32, Decision, MemoryOptions, MemoryStore};
 
 /// Arguments of `ratewarden vectors`.
@@ -189,7 +190,7 @@ pub fn run(args: Args) -> ExitCode {
     for path in &files {
         let file = match std::fs::read_to_string(path)
             .map_err(|e| e.to_string())
-            .and_then(|text| vectors::parse(&text).map_err(|e| e.to_string()))
+            .and_then(|text| vectors::parse_each(&text).map_err(|e| e.to_string()))
         {
             Ok(file) => file,
             Err(e) => {
@@ -199,6 +200,15 @@ pub fn run(args: Args) -> ExitCode {
             }
         };
         run_file(path, &file, runner.as_mut(), &mut tally);
+    }
+    if tally.malformed_cases > 0 {
+        let noun = if tally.malformed_cases == 1 {
+            "case"
+        } else {
+            "cases"
+        };
+        println!("{} malformed {noun} not run", tally.malformed_cases);
+        malformed += tally.malformed_cases;
     }
     if tally.mix32_matched + tally.mix32_differ > 0 {
         println!(
@@ -245,12 +255,14 @@ fn collect(path: &Path, out: &mut Vec<PathBuf>) -> Result<(), String> {
 struct Tally {
     passed: usize,
     failed: usize,
+    /// Cases that could not be parsed, so were not run.
+    malformed_cases: usize,
     mix32_matched: usize,
     mix32_differ: usize,
 }
 
 /// Runs every mix32 value and case of one file, printing each failure.
-fn run_file(path: &Path, file: &VectorFile, runner: &mut dyn CaseRunner, tally: &mut Tally) {
+fn run_file(path: &Path, file: &EachCase, runner: &mut dyn CaseRunner, tally: &mut Tally) {
     for (i, m) in file.mix32.iter().enumerate() {
         let actual = mix32(&m.input);
         if actual == m.output {
@@ -266,6 +278,14 @@ fn run_file(path: &Path, file: &VectorFile, runner: &mut dyn CaseRunner, tally: 
         }
     }
     for (i, case) in file.cases.iter().enumerate() {
+        let case = match case {
+            Ok(case) => case,
+            Err(e) => {
+                tally.malformed_cases += 1;
+                eprintln!("{}: malformed case, not run: {e}", path.display());
+                continue;
+            }
+        };
         match runner.run(case) {
             CaseOutcome::Passed => tally.passed += 1,
             CaseOutcome::Mismatch {

@@ -144,14 +144,36 @@ fn err(path: &str, message: impl Into<String>) -> VectorError {
 
 /// Parses a vector file, checking every field: a missing field, a number
 /// outside `0 ..= 2^53 - 1`, an unknown policy or an invalid configuration
-/// is an error naming its place.
+/// is an error naming its place. The first malformed case makes the whole
+/// file an error; [`parse_each`] keeps the others.
 pub fn parse(text: &str) -> Result<VectorFile, VectorError> {
+    let each = parse_each(text)?;
+    Ok(VectorFile {
+        mix32: each.mix32,
+        cases: each.cases.into_iter().collect::<Result<_, _>>()?,
+    })
+}
+
+/// A vector file whose cases were parsed one by one.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct EachCase {
+    /// Known mix32 values.
+    pub mix32: Vec<Mix32Vector>,
+    /// Every case in file order: parsed, or why it cannot be run.
+    pub cases: Vec<Result<Case, VectorError>>,
+}
+
+/// Parses a vector file as [`parse`] does, except that a malformed case is
+/// kept as its error in its place and the file's other cases still parse:
+/// a runner can run them and report that one. The file itself (its JSON,
+/// `cases`, `mix32`) must still be well formed.
+pub fn parse_each(text: &str) -> Result<EachCase, VectorError> {
     let root: Value =
         serde_json::from_str(text).map_err(|e| err("", format!("not valid JSON: {e}")))?;
     let root = root
         .as_object()
         .ok_or_else(|| err("", "the file must be a JSON object with \"cases\""))?;
-    let mut file = VectorFile::default();
+    let mut file = EachCase::default();
     if let Some(mix) = root.get("mix32") {
         let mix = mix
             .as_array()
@@ -171,7 +193,7 @@ pub fn parse(text: &str) -> Result<VectorFile, VectorError> {
         .as_array()
         .ok_or_else(|| err("cases", "must be an array"))?;
     for (i, case) in cases.iter().enumerate() {
-        file.cases.push(parse_case(case, &format!("cases[{i}]"))?);
+        file.cases.push(parse_case(case, &format!("cases[{i}]")));
     }
     Ok(file)
 }
@@ -193,6 +215,9 @@ fn parse_case(value: &Value, path: &str) -> Result<Case, VectorError> {
         None | Some(Value::Null) => None,
         Some(_) => Some(integer_field(obj, path, "burst", MAX_SAFE)?),
     };
+    // SPEC's own example of the format gives a sliding-window counter a
+    // burst: a policy without a bucket has no use for one and ignores it.
+    let burst = burst.filter(|_| policy.has_burst());
     let config = PolicyConfig {
         policy,
         limit,
@@ -292,7 +317,7 @@ fn integer_field(
 ) -> Result<u64, VectorError> {
     let here = || format!("{path}.{field}");
     match obj.get(field) {
-        Some(Value::Number(n)) => match n.as_u64() {
+        Some(Value::Number(n)) => match n.as_u64().or_else(|| exact_whole(n)) {
             Some(v) if v <= max => Ok(v),
             Some(v) => Err(err(
                 &here(),
@@ -309,6 +334,15 @@ fn integer_field(
         )),
         None => Err(err(path, format!("missing field \"{field}\""))),
     }
+}
+
+/// A whole number written with a fraction or an exponent (`1000.0`,
+/// `1e3`), when the value is exact: JSON does not tell integers from
+/// other numbers, and a writer may print every number as a float. Above
+/// 2^53 a float may already be rounded, so it is not taken.
+fn exact_whole(n: &serde_json::Number) -> Option<u64> {
+    let f = n.as_f64()?;
+    (f >= 0.0 && f.fract() == 0.0 && f <= MAX_SAFE as f64).then_some(f as u64)
 }
 
 /// A non-negative whole number, also above `u64::MAX`: exact when written
@@ -449,6 +483,69 @@ mod tests {
     }
 
     #[test]
+    fn a_burst_on_a_policy_without_a_bucket_is_ignored() {
+        // As in SPEC's own example of the format.
+        let text = case_with(
+            r#""policy": "sliding-window-counter", "limit": 1, "window_ms": 10, "burst": 5"#,
+            GOOD_STEP,
+        );
+        let file = parse(&text).unwrap();
+        assert_eq!(
+            file.cases[0].config,
+            PolicyConfig::new(PolicyKind::SlidingWindowCounter, 1, 10)
+        );
+        let bucket = case_with(
+            r#""policy": "token-bucket", "limit": 1, "window_ms": 10, "burst": 5"#,
+            GOOD_STEP,
+        );
+        assert_eq!(parse(&bucket).unwrap().cases[0].config.burst, Some(5));
+    }
+
+    #[test]
+    fn whole_numbers_written_as_floats_are_read_exactly() {
+        let text = case_with(
+            r#""policy": "fixed-window", "limit": 1.0, "window_ms": 1e1"#,
+            r#"{"key": 7.0, "now_ms": 0.0, "cost": 1, "allowed": true, "retry_after_ms": 0.0, "remaining": 0}"#,
+        );
+        let file = parse(&text).unwrap();
+        assert_eq!(
+            file.cases[0].config,
+            PolicyConfig::new(PolicyKind::FixedWindow, 1, 10)
+        );
+        assert_eq!(file.cases[0].steps[0].key, VectorKey::Int(7));
+        // Past 2^53 a float may be rounded already: written so, it is refused.
+        let rounded = case_with(
+            r#""policy": "fixed-window", "limit": 1, "window_ms": 10"#,
+            r#"{"key": 1e17, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#,
+        );
+        let e = parse(&rounded).unwrap_err().to_string();
+        assert!(
+            e.contains("cases[0].steps[0].key: must be a whole number"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn one_malformed_case_leaves_the_others_to_run() {
+        let text = format!(
+            r#"{{"cases": [
+                {{"policy": "fixed-window", "limit": 1, "window_ms": 10, "steps": [{GOOD_STEP}]}},
+                {{"policy": "fixed-window", "limit": 1, "window_ms": 0, "steps": [{GOOD_STEP}]}},
+                {{"policy": "gcra", "limit": 1, "window_ms": 10, "steps": [{GOOD_STEP}]}}
+            ]}}"#
+        );
+        let each = parse_each(&text).unwrap();
+        assert_eq!(each.cases.len(), 3);
+        assert!(each.cases[0].is_ok() && each.cases[2].is_ok());
+        let e = each.cases[1].as_ref().unwrap_err().to_string();
+        assert!(e.starts_with("cases[1]: window_ms is 0"), "{e}");
+        // `parse` makes the first malformed case the file's error.
+        assert_eq!(parse(&text).unwrap_err().to_string(), e);
+        // A file that is not even a list of cases is an error either way.
+        assert!(parse_each(r#"{"cases": 3}"#).is_err());
+    }
+
+    #[test]
     fn malformed_files_name_the_place_and_the_problem() {
         let fw = r#""policy": "fixed-window", "limit": 1, "window_ms": 10"#;
         let cases = [
@@ -496,10 +593,10 @@ mod tests {
             ),
             (
                 case_with(
-                    r#""policy": "sliding-log", "limit": 1, "window_ms": 10, "burst": 3"#,
+                    r#""policy": "sliding-log", "limit": 1, "window_ms": 10, "burst": -3"#,
                     GOOD_STEP,
                 ),
-                "remove burst",
+                "cases[0].burst: must be a whole number",
             ),
             (
                 case_with(

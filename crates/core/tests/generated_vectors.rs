@@ -261,7 +261,12 @@ fn edges_file() -> VectorFile {
         add(
             &format!("{policy}: a refused request moves the clock as the pseudocode says"),
             c,
-            vec![(k(1), 500, 5), (k(1), 2500, 6), (k(1), 900, 1), (k(1), 900, 0)],
+            vec![
+                (k(1), 500, 5),
+                (k(1), 2500, 6),
+                (k(1), 900, 1),
+                (k(1), 900, 0),
+            ],
         );
         add(
             &format!("{policy}: mix32 collisions share one count (user:21620, user:32611)"),
@@ -368,7 +373,12 @@ fn edges_file() -> VectorFile {
     add(
         "gcra: a peek after the clock steps back before the arrival time is refused",
         PolicyConfig::new(Gcra, 1, 10),
-        vec![(k(1), 100, 1), (k(1), 90, 0), (k(1), 100, 0), (k(1), 110, 1)],
+        vec![
+            (k(1), 100, 1),
+            (k(1), 90, 0),
+            (k(1), 100, 0),
+            (k(1), 110, 1),
+        ],
     );
     // Large states whose 64-bit packing in the memory store is one of the
     // two values it reserves for itself: each must decide as any other.
