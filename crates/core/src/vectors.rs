@@ -323,6 +323,14 @@ fn integer_field(
                 &here(),
                 format!("{v} is out of range: the largest allowed is {max}"),
             )),
+            // A whole float too large to be sure of (see `exact_whole`).
+            None if n.as_f64().is_some_and(|f| f >= 0.0 && f.fract() == 0.0) => Err(err(
+                &here(),
+                format!(
+                    "{n} is written as a float above 2^53 - 1, where it may already be \
+                     rounded; write the number as an integer"
+                ),
+            )),
             None => Err(err(
                 &here(),
                 format!("must be a whole number from 0 to {max}, found {n}"),
@@ -520,7 +528,7 @@ mod tests {
         );
         let e = parse(&rounded).unwrap_err().to_string();
         assert!(
-            e.contains("cases[0].steps[0].key: must be a whole number"),
+            e.contains("cases[0].steps[0].key: 1e+17 is written as a float"),
             "{e}"
         );
     }
