@@ -98,6 +98,20 @@ fn cost(config: &PolicyConfig, kind: u8, r: u64) -> u64 {
     }
 }
 
+impl Trace {
+    /// The trace's requests in order, as `(key, now_ms, cost)`.
+    fn requests(&self) -> Vec<(u64, u64, u64)> {
+        let mut now = self.start_ms;
+        self.steps
+            .iter()
+            .map(|&(key, time_kind, time_r, cost_kind, cost_r)| {
+                now = next_time(now, self.config.window_ms, time_kind, time_r);
+                (key, now, cost(&self.config, cost_kind, cost_r))
+            })
+            .collect()
+    }
+}
+
 #[test]
 fn random_traces_decide_as_the_memory_store_does() {
     let server = RedisServer::start();
@@ -112,10 +126,7 @@ fn random_traces_decide_as_the_memory_store_does() {
         .run(&trace(), |t| {
             let memory = MemoryStore::for_config(&t.config, Default::default()).unwrap();
             let redis = rt.block_on(common::store(&url, t.config, "prop"));
-            let mut now = t.start_ms;
-            for (i, &(key, time_kind, time_r, cost_kind, cost_r)) in t.steps.iter().enumerate() {
-                now = next_time(now, t.config.window_ms, time_kind, time_r);
-                let cost = cost(&t.config, cost_kind, cost_r);
+            for (i, (key, now, cost)) in t.requests().into_iter().enumerate() {
                 let expected = memory.decide(key, now, cost).unwrap();
                 let actual = rt
                     .block_on(redis.decide(key, Some(now), cost))
@@ -187,10 +198,7 @@ fn every_ttl_runs_until_the_state_is_forgettable() {
             let redis = rt.block_on(common::store(&url, t.config, "ttl"));
             let (grace_ms, max_ttl_ms) = (redis.options().ttl_grace_ms, redis.options().max_ttl_ms);
             let mut states = HashMap::new();
-            let mut now = t.start_ms;
-            for (i, &(key, time_kind, time_r, cost_kind, cost_r)) in t.steps.iter().enumerate() {
-                now = next_time(now, t.config.window_ms, time_kind, time_r);
-                let cost = cost(&t.config, cost_kind, cost_r);
+            for (i, (key, now, cost)) in t.requests().into_iter().enumerate() {
                 let state = states.entry(key).or_insert_with(|| policy.new_state(now));
                 policy.decide(state, now, cost);
                 let started = Instant::now();
