@@ -10,14 +10,30 @@ pub enum ConfigError {
     /// `window_ms` was 0; a window must last at least one millisecond.
     ZeroWindow,
     /// A number lies outside `0 ..= 2^53 - 1`.
-    OutOfRange { field: &'static str, value: u128 },
+    OutOfRange {
+        /// The field's name, as the configuration spells it.
+        field: &'static str,
+        /// The value given.
+        value: u128,
+    },
     /// The policy name is not one of the registry's.
-    UnknownPolicy { name: String },
+    UnknownPolicy {
+        /// The name given.
+        name: String,
+    },
     /// `burst` was given to a policy that has no bucket.
-    BurstNotAllowed { policy: &'static str },
+    BurstNotAllowed {
+        /// The registry name of the policy.
+        policy: &'static str,
+    },
     /// A field could not be read as a whole number (negative, fractional,
     /// not a number).
-    NotAnInteger { field: &'static str, value: String },
+    NotAnInteger {
+        /// The field's name, as the configuration spells it.
+        field: &'static str,
+        /// The value given, as written.
+        value: String,
+    },
 }
 
 impl fmt::Display for ConfigError {

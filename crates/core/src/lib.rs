@@ -22,6 +22,7 @@
 //! assert_eq!(refused.retry_after_ms, Some(971));
 //! ```
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod clock;
 pub mod decision;

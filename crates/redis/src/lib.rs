@@ -24,6 +24,7 @@
 //! # Ok(()) }
 //! ```
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 mod limiter;
 mod store;

@@ -7,6 +7,7 @@
 //! `ratewarden serve` command is a thin wrapper around [`start`] and
 //! [`serve_until_signal`].
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod config;
 pub mod grpc;

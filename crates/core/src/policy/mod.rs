@@ -222,11 +222,13 @@ pub struct Wide {
 }
 
 impl Wide {
+    /// The value.
     #[inline]
     pub fn get(self) -> u128 {
         (u128::from(self.hi) << 64) | u128::from(self.lo)
     }
 
+    /// `v`, split into its two words.
     #[inline]
     pub fn new(v: u128) -> Self {
         Wide {
