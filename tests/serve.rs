@@ -755,3 +755,122 @@ burst = 9007199254740991
     assert_eq!(headers["retry-after"], (u64::MAX / 1000 + 1).to_string());
     server.stop();
 }
+
+/// The value of the metric line starting with `series` on `/metrics`.
+async fn metric(client: &reqwest::Client, server: &Server, series: &str) -> f64 {
+    let text = client
+        .get(format!("http://{}/metrics", server.http))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+}
+
+/// A request refused by several descriptors waits for the longest of their
+/// waits: it is admitted only once all of them admit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_refusals_answer_the_longest_wait() {
+    const TWO_WINDOWS: &str = r#"
+[[domains]]
+domain = "api"
+
+[[domains.descriptors]]
+key = "short"
+policy = "fixed-window"
+limit = 1
+window_ms = 5000
+
+[[domains.descriptors]]
+key = "long"
+policy = "fixed-window"
+limit = 1
+unit = "hour"
+"#;
+    let file = ConfigFile::new(TWO_WINDOWS);
+    let server = Server::start(&["--config", file.path()]);
+    let client = client();
+    let body = json!({"domain": "api", "descriptors": [
+        {"entries": [{"key": "short", "value": "x"}]},
+        {"entries": [{"key": "long", "value": "x"}]},
+    ]});
+    let (status, _, _) = post(&client, &server.url(), body.clone()).await;
+    assert_eq!(status, 200);
+    let (status, headers, body) = post(&client, &server.url(), body).await;
+    assert_eq!(status, 429, "{body}");
+    let listed = body["descriptors"].as_array().unwrap();
+    let short = listed[0]["retry_after_ms"].as_u64().unwrap();
+    let long = listed[1]["retry_after_ms"].as_u64().unwrap();
+    assert!(short <= 5000 && long > 5000, "{body}");
+    assert_eq!(body["retry_after_ms"], long, "{body}");
+    assert_eq!(body["rule"], "api.long", "{body}");
+    assert_eq!(headers["retry-after"], long.div_ceil(1000).to_string());
+    server.stop();
+}
+
+/// `ratewarden_bad_requests_total` counts invalid requests, wherever they
+/// are sent, and never a refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_not_counted_as_bad_requests() {
+    const ONE: &str = "[keys]\nlimit = 1\nwindow_ms = 3600000\n";
+    let file = ConfigFile::new(ONE);
+    let server = Server::start(&["--config", file.path()]);
+    let client = client();
+    let bad = r#"ratewarden_bad_requests_total{api="http"}"#;
+    for expected in [200, 429, 429] {
+        let (status, _, _) = post(&client, &server.url(), json!({"key": "k"})).await;
+        assert_eq!(status, expected);
+    }
+    assert_eq!(metric(&client, &server, bad).await, 0.0);
+    let (status, _, _) = post(&client, &server.url(), json!({"key": 1})).await;
+    assert_eq!(status, 400);
+    let base = format!("http://{}", server.http);
+    let missing = client.get(format!("{base}/v2/check")).send().await.unwrap();
+    assert_eq!(missing.status(), 404);
+    let wrong_method = client.get(server.url()).send().await.unwrap();
+    assert_eq!(wrong_method.status(), 405);
+    assert_eq!(metric(&client, &server, bad).await, 3.0);
+    server.stop();
+}
+
+/// A body that trickles in is answered 408 after the body timeout, so it
+/// cannot hold its connection or delay shutdown for long; the listening
+/// socket closes as soon as shutdown begins.
+#[test]
+fn a_body_that_never_arrives_neither_holds_the_connection_nor_delays_shutdown() {
+    use std::io::{Read, Write};
+    let server = Server::start(&[]);
+    let addr = server.http;
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream
+        .write_all(b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"key\":")
+        .unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer).into_owned()
+    });
+    // Shutdown starts while the body is awaited.
+    std::thread::sleep(Duration::from_millis(300));
+    server.signal("TERM");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok() {
+        assert!(
+            Instant::now() < deadline,
+            "new connections are still accepted 5 s into shutdown"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let answer = reader.join().unwrap();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("did not arrive within 10 s"), "{answer}");
+    // Waits (bounded) for a clean exit, well before the 30 s drain bound.
+    server.stop();
+}

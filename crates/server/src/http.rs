@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -73,10 +73,18 @@ pub async fn serve(
             }
         });
     }
+    // Closed now, so that a client connecting during shutdown is refused at
+    // once instead of waiting on a backlog nobody accepts from.
+    drop(listener);
     drop(open_tx);
     let _ = open_rx.recv().await;
     Ok(())
 }
+
+/// The longest a client may take to send a request's body, once its
+/// headers are in: a body that trickles in would otherwise hold its
+/// connection (and delay shutdown) for as long as the client likes.
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The largest request body read, in bytes.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -98,7 +106,8 @@ const ENDPOINTS: &str = "POST /v1/check, GET /healthz and GET /metrics";
 
 /// A path that is no endpoint: said in JSON, like every other error, and
 /// naming the endpoints (a bare 404 leaves a client guessing at a typo).
-async fn not_found(method: Method, uri: Uri) -> Response {
+async fn not_found(State(service): State<Arc<Service>>, method: Method, uri: Uri) -> Response {
+    service.metrics.bad_request(Api::Http);
     bad(
         StatusCode::NOT_FOUND,
         format!(
@@ -109,7 +118,12 @@ async fn not_found(method: Method, uri: Uri) -> Response {
 }
 
 /// An endpoint asked with the wrong method (axum adds the `Allow` header).
-async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+async fn method_not_allowed(
+    State(service): State<Arc<Service>>,
+    method: Method,
+    uri: Uri,
+) -> Response {
+    service.metrics.bad_request(Api::Http);
     bad(
         StatusCode::METHOD_NOT_ALLOWED,
         format!(
@@ -236,13 +250,29 @@ fn parse_cost(cost: Option<serde_json::Number>) -> Result<u64, String> {
     }
 }
 
-async fn check(
-    State(service): State<Arc<Service>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn check(State(service): State<Arc<Service>>, request: Request) -> Response {
     let started = Instant::now();
-    let response = decide(&service, body).await;
-    if response.status().is_client_error() {
+    let response =
+        match tokio::time::timeout(BODY_READ_TIMEOUT, Bytes::from_request(request, &())).await {
+            Ok(body) => decide(&service, body).await,
+            Err(_) => {
+                let mut response = bad(
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!(
+                        "the request body did not arrive within {} s; send the whole body at once",
+                        BODY_READ_TIMEOUT.as_secs()
+                    ),
+                );
+                // The rest of the body may still come: the connection cannot
+                // carry another request.
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                response
+            }
+        };
+    // A refusal (429) is an answer, not a bad request.
+    if response.status().is_client_error() && response.status() != StatusCode::TOO_MANY_REQUESTS {
         service.metrics.bad_request(Api::Http);
     }
     service.metrics.latency(Api::Http, started.elapsed());
@@ -302,10 +332,21 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
     respond(outcomes, listed)
 }
 
-/// The descriptor that speaks for the request: the first refusal, else the
-/// enforcing descriptor with the least remaining, else the first.
+/// The descriptor that speaks for the request: the refusal with the
+/// longest wait (a refusal that no wait admits first), else the enforcing
+/// descriptor with the least remaining, else the first.
+///
+/// The longest wait is the request's: it is admitted once every refusing
+/// descriptor admits, and with no other traffic a descriptor that admits
+/// at some time still admits later (time only ever frees budget), so the
+/// request's smallest wait is the largest of theirs.
 fn deciding(outcomes: &[DescriptorOutcome]) -> usize {
-    if let Some(i) = outcomes.iter().position(|o| !o.allowed) {
+    let refusals = outcomes.iter().enumerate().filter(|(_, o)| !o.allowed);
+    // `None` (never) sorts above every wait; the first of equal waits wins.
+    if let Some((i, _)) = refusals
+        .rev()
+        .max_by_key(|(_, o)| o.decision.retry_after_ms_exact().map_or(u128::MAX, |ms| ms))
+    {
         return i;
     }
     outcomes
