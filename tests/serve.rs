@@ -414,6 +414,10 @@ async fn shadow_rules_count_but_never_refuse() {
     assert_eq!(status, 200);
     assert_eq!(body["allowed"], true);
     assert_eq!(body["shadow"], true);
+    assert_eq!(
+        body["would_allow"], false,
+        "the rule's own decision: {body}"
+    );
     assert!(
         headers.get("ratelimit").is_none(),
         "shadow rules are not advertised"
@@ -467,6 +471,8 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
         ("{\"domain\": \"edge\", \"descriptors\": []}", 400, "descriptors is empty"),
         ("{\"domain\": \"edge\", \"descriptors\": [{\"entries\": []}]}", 400, "no entries"),
         ("{\"key\": \"k\", \"domain\": \"edge\"}", 400, "either a key or a domain"),
+        ("{\"key\": \"\"}", 400, "key is empty"),
+        ("[1]", 400, "malformed JSON: the body must be a JSON object"),
     ];
     for (body, status, needle) in cases {
         let (got, text) = raw(body).await;
@@ -662,9 +668,21 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
 async fn the_example_configuration_serves() {
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/ratewarden.toml");
     let server = Server::start(&["--config", example.to_str().unwrap()]);
-    let (status, _, body) = post(&client(), &server.url(), json!({"key": "user:1"})).await;
+    let client = client();
+    let (status, _, body) = post(&client, &server.url(), json!({"key": "user:1"})).await;
     assert_eq!(status, 200);
     assert_eq!(body["remaining"], 99);
+    assert!(body.get("burst").is_none(), "no bucket: {body}");
+    let login = json!({"domain": "api", "descriptors": [{"entries": [
+        {"key": "path", "value": "/login"}, {"key": "user", "value": "ann"}]}]});
+    let (status, _, body) = post(&client, &server.url(), login).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["rule"], "login-per-user");
+    assert_eq!((&body["limit"], &body["burst"]), (&json!(5), &json!(10)));
+    assert_eq!(
+        body["remaining"], 9,
+        "a bucket's remaining can pass its limit"
+    );
     server.stop();
 }
 
@@ -758,14 +776,7 @@ burst = 9007199254740991
 
 /// The value of the metric line starting with `series` on `/metrics`.
 async fn metric(client: &reqwest::Client, server: &Server, series: &str) -> f64 {
-    let text = client
-        .get(format!("http://{}/metrics", server.http))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = common::metrics(client, server.http).await;
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
         .unwrap_or_else(|| panic!("no {series} in:\n{text}"))

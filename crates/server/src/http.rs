@@ -180,9 +180,17 @@ struct DecisionJson {
     remaining: Option<u64>,
     limit: Option<u64>,
     window_ms: Option<u64>,
+    /// The bucket's capacity, for `token-bucket` and `gcra` (where
+    /// `remaining` can pass `limit`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    burst: Option<u64>,
     policy: Option<&'static str>,
     rule: Option<String>,
     shadow: bool,
+    /// For a shadow rule, whether it would have admitted the request:
+    /// `allowed` is always true there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    would_allow: Option<bool>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     failure_policy: bool,
 }
@@ -222,9 +230,16 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
             remaining: Some(o.decision.remaining),
             limit: Some(rule.spec.policy.limit),
             window_ms: Some(rule.spec.policy.window_ms),
+            burst: rule
+                .spec
+                .policy
+                .policy
+                .has_burst()
+                .then(|| rule.spec.policy.effective_burst()),
             policy: Some(rule.spec.policy.policy.name()),
             rule: Some(rule.spec.name.clone()),
             shadow: rule.spec.shadow,
+            would_allow: rule.spec.shadow.then_some(o.decision.allowed),
             failure_policy: o.by_failure_policy,
         },
         None => DecisionJson {
@@ -233,9 +248,11 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
             remaining: None,
             limit: None,
             window_ms: None,
+            burst: None,
             policy: None,
             rule: None,
             shadow: false,
+            would_allow: None,
             failure_policy: false,
         },
     }
@@ -285,13 +302,21 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
         Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
             return bad(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                format!("the request body is larger than {MAX_BODY_BYTES} bytes; send fewer or shorter descriptors"),
+                format!("the request body is larger than {MAX_BODY_BYTES} bytes; send a shorter key, or fewer or shorter descriptors"),
             )
         }
         Err(e) => return bad(StatusCode::BAD_REQUEST, format!("the request body could not be read: {e}")),
     };
     let request: CheckRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
+        // serde reads a struct from an array too, and then names a field's
+        // type, which misleads: say what the body must be.
+        Err(_) if body.trim_ascii_start().first().is_some_and(|&b| b != b'{') => {
+            return bad(
+                StatusCode::BAD_REQUEST,
+                "malformed JSON: the body must be a JSON object, such as {\"key\": \"user:42\", \"cost\": 1}",
+            )
+        }
         Err(e) => {
             return bad(
                 StatusCode::BAD_REQUEST,
@@ -308,6 +333,11 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
     };
     let listed = request.key.is_none();
     let outcomes = match (request.key, request.domain, request.descriptors) {
+        (Some(key), None, None) if key.is_empty() => Err(BadRequest(
+            "key is empty; send the key to limit by, such as {\"key\": \"user:42\"} (an empty key \
+             would put every such request in one budget)"
+                .into(),
+        )),
         (Some(key), None, None) => service.check_key(&key, cost).await.map(|o| vec![o]),
         (None, Some(domain), Some(descriptors)) => {
             let descriptors: Vec<DescriptorRequest> = descriptors
