@@ -10,6 +10,7 @@
 //! each value counted on its own) and optionally a limit and nested
 //! descriptors. See `docs/serve.md` and `examples/ratewarden.toml`.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -209,6 +210,7 @@ impl Config {
             source,
             lines: &lines,
             nodes: 0,
+            names: HashMap::new(),
         };
         v.config(raw)
     }
@@ -373,6 +375,9 @@ struct Validator<'a> {
     source: &'a str,
     lines: &'a LineIndex,
     nodes: usize,
+    /// Every rule's name so far, with the field that gave it: names label
+    /// metrics and headers, so two rules may not share one.
+    names: HashMap<String, String>,
 }
 
 impl Validator<'_> {
@@ -416,6 +421,17 @@ impl Validator<'_> {
                 domain: name,
                 descriptors,
             });
+        }
+        if keys.is_none() && fallback.is_none() && domains.is_empty() {
+            // Most likely a file caught empty while being written: serving
+            // it would answer every request with a 400.
+            return Err(self.lines.error(
+                self.source,
+                None,
+                "",
+                "the configuration has no rules; add [keys], [fallback] or [[domains]] \
+                 (see examples/ratewarden.toml)",
+            ));
         }
         Ok(Config {
             source: self.source.to_owned(),
@@ -508,6 +524,18 @@ impl Validator<'_> {
             Some(n) => n.into_inner(),
             None => default_name.to_owned(),
         };
+        if let Some(other) = self.names.get(&name) {
+            return Err(self.err(
+                span,
+                &f("name"),
+                format!(
+                    "the rule's name {name:?} is already the name of {other}; every rule needs a \
+                     name of its own (it labels the rule's metrics and headers): set name = \"...\" \
+                     on one of them"
+                ),
+            ));
+        }
+        self.names.insert(name.clone(), field.to_owned());
         let kind = match raw.policy {
             Some(p) => p
                 .get_ref()
@@ -787,6 +815,38 @@ shadow = true
 
         let e = parse_err("[keys]\nlimit = 9007199254740992\nunit = \"second\"\n");
         assert_eq!(e.field, "keys.limit");
+    }
+
+    #[test]
+    fn every_rule_has_a_name_of_its_own() {
+        let e = parse_err("[keys]\nname = \"same\"\nlimit = 1\nwindow_ms = 10\n[fallback]\nname = \"same\"\nlimit = 2\nwindow_ms = 10\n");
+        assert_eq!((e.line, e.field.as_str()), (Some(5), "fallback.name"));
+        assert!(e.message.contains("already the name of keys"), "{e}");
+        // Default names can clash too: a_b + c and a + b_c.
+        let e = parse_err(
+            "[[domains]]\ndomain = \"api\"\n\
+             [[domains.descriptors]]\nkey = \"a\"\nvalue = \"b_c\"\nlimit = 3\nwindow_ms = 10\n\
+             [[domains.descriptors]]\nkey = \"a_b\"\nvalue = \"c\"\nlimit = 4\nwindow_ms = 10\n",
+        );
+        assert_eq!(e.field, "domains[0].descriptors[1].name");
+        assert!(
+            e.message
+                .contains("\"api.a_b_c\" is already the name of domains[0].descriptors[0]"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_configuration_with_no_rule_is_refused() {
+        for text in ["", "# nothing yet\n", "[server]\nkey_hash = \"xxh3-64\"\n"] {
+            let e = parse_err(text);
+            assert!(
+                e.message.starts_with("the configuration has no rules"),
+                "{text:?}: {e}"
+            );
+        }
+        // One domain, even without descriptors, is a configuration.
+        Config::parse("[[domains]]\ndomain = \"api\"\n", "test.toml").unwrap();
     }
 
     #[test]
