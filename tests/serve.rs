@@ -662,6 +662,67 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
     let (ok, stderr) = run(&["--store", "mongodb://x"]);
     assert!(!ok);
     assert!(stderr.contains("unknown store"), "{stderr}");
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--http",
+            "127.0.0.1:18099",
+            "--grpc",
+            "127.0.0.1:18099",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--http and --grpc are both 127.0.0.1:18099"),
+        "{stderr}"
+    );
+    let out = Command::new(BIN)
+        .args(["serve", "--http", "nowhere"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("write HOST:PORT, such as 127.0.0.1:8080"),
+        "{stderr}"
+    );
+}
+
+/// `--http localhost:PORT`, as the README's examples spell the host.
+#[test]
+fn addresses_may_name_a_host() {
+    use std::io::BufRead;
+    let mut child = Command::new(BIN)
+        .args(["serve", "--http", "localhost:0", "--grpc", "localhost:0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = rx.recv_timeout(Duration::from_secs(30));
+    let _ = child.kill();
+    let _ = child.wait();
+    let line = line.expect("serve prints where it listens");
+    assert!(
+        line.starts_with("ratewarden serve: HTTP on http://"),
+        "{line}"
+    );
+    let http: SocketAddr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|s| s.split('/').next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(http.ip().is_loopback(), "{line}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -18,12 +18,30 @@ pub struct Args {
     /// redis-cluster://host:port,host:port.
     #[arg(long, default_value = "memory", value_name = "STORE")]
     pub store: StoreUrl,
-    /// Address of the HTTP JSON interface.
-    #[arg(long, default_value = "127.0.0.1:8080", value_name = "ADDR")]
+    /// Address of the HTTP JSON interface, HOST:PORT (a name such as
+    /// localhost is resolved at start; port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:8080", value_name = "ADDR", value_parser = parse_addr)]
     pub http: SocketAddr,
-    /// Address of the Envoy RLS v3 gRPC interface.
-    #[arg(long, default_value = "127.0.0.1:8081", value_name = "ADDR")]
+    /// Address of the Envoy RLS v3 gRPC interface, HOST:PORT (as --http).
+    #[arg(long, default_value = "127.0.0.1:8081", value_name = "ADDR", value_parser = parse_addr)]
     pub grpc: SocketAddr,
+}
+
+/// `HOST:PORT` with an IP address or a name, resolved now: the README's
+/// own examples say localhost, so the flags take it too. A name with
+/// several addresses listens on the first the resolver gives.
+fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    if let Ok(addr) = s.parse() {
+        return Ok(addr);
+    }
+    let usage = "write HOST:PORT, such as 127.0.0.1:8080, [::1]:8080 or localhost:8080";
+    match s.to_socket_addrs() {
+        Ok(mut addrs) => addrs
+            .next()
+            .ok_or_else(|| format!("{s:?} resolves to no address; {usage}")),
+        Err(e) => Err(format!("{s:?} is not an address: {e}; {usage}")),
+    }
 }
 
 /// Runs the service until SIGTERM or SIGINT.
@@ -36,6 +54,13 @@ pub fn run(args: Args) -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
+    if args.http == args.grpc && args.http.port() != 0 {
+        eprintln!(
+            "ratewarden serve: --http and --grpc are both {}; give the two interfaces different ports",
+            args.http
+        );
+        return ExitCode::FAILURE;
+    }
     let options = ServeOptions {
         config: ConfigSource { path: args.config },
         store: args.store,
