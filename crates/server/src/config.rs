@@ -204,7 +204,7 @@ impl Config {
                 .span()
                 .map(|span| field_at(text, span.start))
                 .unwrap_or_default();
-            lines.error(source, e.span(), field, e.message().trim())
+            lines.error(source, e.span(), field, plain_message(e.message().trim()))
         })?;
         let mut v = Validator {
             source,
@@ -214,6 +214,20 @@ impl Config {
         };
         v.config(raw)
     }
+}
+
+/// The parser's message in the file's terms: its Rust type names mean
+/// nothing to someone writing TOML, and a table written with single
+/// brackets where a list of tables belongs needs the fix said.
+fn plain_message(message: &str) -> String {
+    let message = message.replace("expected i64", "expected a whole number");
+    if message.contains("invalid type: map, expected a sequence") {
+        return format!(
+            "{message}; domains and descriptors are lists of tables: write [[domains]] and \
+             [[domains.descriptors]], with double brackets"
+        );
+    }
+    message
 }
 
 /// The dotted name of the `key = value` line holding `offset`, under the
@@ -567,7 +581,7 @@ impl Validator<'_> {
                 return Err(self.err(
                     span,
                     &f("window_ms"),
-                    "the rule has no window; add window_ms = <ms> or unit = \"second\" (or minute, hour, day)",
+                    "the rule has no window; add window_ms = <ms> or unit = \"second\" (or minute, hour, day, week)",
                 ))
             }
         };
@@ -834,6 +848,15 @@ shadow = true
                 .contains("\"api.a_b_c\" is already the name of domains[0].descriptors[0]"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn type_errors_are_said_in_toml_terms() {
+        let e = parse_err("[keys]\nlimit = \"ten\"\nwindow_ms = 10\n");
+        assert_eq!((e.line, e.field.as_str()), (Some(2), "keys.limit"));
+        assert!(e.message.contains("expected a whole number"), "{e}");
+        let e = parse_err("[domains]\ndomain = \"api\"\n");
+        assert!(e.message.contains("write [[domains]]"), "{e}");
     }
 
     #[test]
