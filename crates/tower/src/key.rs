@@ -11,6 +11,29 @@
 //! `X-Forwarded-For` / `Forwarded`), [`HeaderKey`], [`ExtensionKey`] (for
 //! example the authenticated user) and [`GlobalKey`]. Any closure
 //! `Fn(&Parts) -> Result<RequestKey, KeyRejection>` is an extractor too.
+//!
+//! # Namespaces
+//!
+//! Each ready extractor writes its string keys with a prefix of its own, so
+//! that what a client controls in one kind of key can never name a key of
+//! another kind: with `HeaderKey::new(x_api_key).or(PeerIp::new())`, a client
+//! that sends `x-api-key: 198.51.100.7` draws on `header:x-api-key:198.51.100.7`,
+//! not on the budget of the client at 198.51.100.7 (`ip:198.51.100.7`).
+//!
+//! | extractor | string key |
+//! |---|---|
+//! | [`PeerIp`] | `ip:198.51.100.7`, `ip:2001:db8::7`, or an IPv6 network `ip:2001:db8:1:2::/64` |
+//! | [`HeaderKey`] | `header:<lower-case header name>:<value>`, e.g. `header:x-api-key:k1` |
+//! | [`ExtensionKey`] | `ext:<the closure's string>`; an integer from the closure is used as is |
+//! | [`GlobalKey`] | `global:<id>`, e.g. `global:0` |
+//! | a closure | the string as the closure wrote it: the closure chooses its own namespace |
+//!
+//! A [`RequestKey::Id`] is not hashed, so it shares the integer key space
+//! with the hashes of string keys: a string whose hash equals the integer
+//! draws on the same budget. Under xxh3-64 hashes are 64-bit, and finding
+//! a string that hashes to a given integer takes about 2^64 tries; under
+//! mix32 hashes are below 2^32, and such a string is found in seconds. Keep
+//! integer keys in layers whose keys are all integers, or use xxh3-64.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -26,9 +49,12 @@ use ipnet::IpNet;
 use crate::forwarded::{ForwardedHeader, ProxyTrust};
 
 /// The key of one request, before hashing.
+///
+/// See [the namespaces](self#namespaces) the ready extractors write.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum RequestKey {
-    /// An integer key, used as is.
+    /// An integer key, used as is (it can meet the hash of a string key;
+    /// see [the namespaces](self#namespaces)).
     Id(u64),
     /// A string key, hashed by the layer's key hash.
     Name(String),
@@ -112,7 +138,7 @@ pub trait KeyExtractorExt: KeyExtractor + Sized {
     /// use ratewarden_tower::key::{HeaderKey, KeyExtractor, KeyExtractorExt, GlobalKey, RequestKey};
     /// let key = HeaderKey::new(HeaderName::from_static("x-api-key")).or(GlobalKey::new(7));
     /// let (parts, ()) = Request::new(()).into_parts();
-    /// assert_eq!(key.extract(&parts).unwrap(), RequestKey::Id(7));
+    /// assert_eq!(key.extract(&parts).unwrap(), RequestKey::from("global:7"));
     /// ```
     fn or<B: KeyExtractor>(self, other: B) -> Or<Self, B> {
         Or {
@@ -139,14 +165,16 @@ impl<A: KeyExtractor, B: KeyExtractor> KeyExtractor for Or<A, B> {
     }
 }
 
-/// One budget for every request: a global limit.
+/// One budget for every request: a global limit, under the string key
+/// `global:<id>`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GlobalKey {
     id: u64,
 }
 
 impl GlobalKey {
-    /// Every request draws on key `id`.
+    /// Every request draws on the key `global:<id>`; layers on one store
+    /// with different ids keep separate global budgets.
     pub const fn new(id: u64) -> Self {
         GlobalKey { id }
     }
@@ -154,11 +182,12 @@ impl GlobalKey {
 
 impl KeyExtractor for GlobalKey {
     fn extract(&self, _parts: &Parts) -> Result<RequestKey, KeyRejection> {
-        Ok(RequestKey::Id(self.id))
+        Ok(RequestKey::Name(format!("global:{}", self.id)))
     }
 }
 
-/// The value of one request header as a string key (an API key, a tenant).
+/// The value of one request header as a string key (an API key, a tenant):
+/// `header:<name>:<value>`, with the header's lower-case name.
 ///
 /// A request without the header, with it twice, with an empty value, or with
 /// a value that is not visible ASCII is answered `400 Bad Request` (or the
@@ -201,12 +230,20 @@ impl KeyExtractor for HeaderKey {
         if value.is_empty() {
             return Err(reject("is empty"));
         }
-        Ok(RequestKey::Name(value.to_owned()))
+        // Header names cannot contain ':', so the name ends where the value
+        // starts: two headers never share a key.
+        Ok(RequestKey::Name(format!(
+            "header:{}:{value}",
+            self.name.as_str()
+        )))
     }
 }
 
 /// A key computed from a request extension that an earlier layer inserted,
 /// such as the authenticated user.
+///
+/// A string from the closure becomes the key `ext:<string>`; an integer
+/// ([`RequestKey::Id`]) is used as is.
 ///
 /// A request without the extension is answered `500 Internal Server Error`
 /// (or the status set with [`ExtensionKey::missing_status`]): it means the
@@ -265,7 +302,10 @@ where
 {
     fn extract(&self, parts: &Parts) -> Result<RequestKey, KeyRejection> {
         match parts.extensions.get::<T>() {
-            Some(value) => Ok((self.key)(value)),
+            Some(value) => Ok(match (self.key)(value) {
+                RequestKey::Name(name) => RequestKey::Name(format!("ext:{name}")),
+                id @ RequestKey::Id(_) => id,
+            }),
             None => Err(KeyRejection::new(
                 self.missing_status,
                 format!(
@@ -278,8 +318,10 @@ where
     }
 }
 
-/// The client's IP address, as the string key `"198.51.100.7"` or
-/// `"2001:db8::7"` (IPv4-mapped IPv6 addresses are written as IPv4).
+/// The client's IP address, as the string key `ip:198.51.100.7` or
+/// `ip:2001:db8::7` (IPv4-mapped IPv6 addresses are written as IPv4), or,
+/// with [`PeerIp::ipv6_prefix_len`], the client's IPv6 network, as
+/// `ip:2001:db8:1:2::/64`.
 ///
 /// The direct peer comes from axum's `ConnectInfo<SocketAddr>` (serve with
 /// `into_make_service_with_connect_info::<SocketAddr>()`), or from a plain
@@ -357,7 +399,13 @@ impl PeerIp {
 impl KeyExtractor for PeerIp {
     fn extract(&self, parts: &Parts) -> Result<RequestKey, KeyRejection> {
         match self.client_ip(parts) {
-            Some(ip) => Ok(RequestKey::Name(ip.to_string())),
+            // A network carries its length, so that a /64 never shares a key
+            // with the single address `2001:db8:1:2::`.
+            Some(IpAddr::V6(v6)) if self.ipv6_prefix_len.is_some_and(|len| len < 128) => {
+                let len = self.ipv6_prefix_len.unwrap_or(128);
+                Ok(RequestKey::Name(format!("ip:{v6}/{len}")))
+            }
+            Some(ip) => Ok(RequestKey::Name(format!("ip:{ip}"))),
             None => Err(KeyRejection::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "the peer address is unknown: serve the router with \
@@ -380,7 +428,10 @@ mod tests {
     fn header_key_rejects_missing_repeated_and_empty_values() {
         let key = HeaderKey::new(HeaderName::from_static("x-api-key"));
         let ok = parts(|b| b.header("x-api-key", "k1"));
-        assert_eq!(key.extract(&ok).unwrap(), RequestKey::Name("k1".into()));
+        assert_eq!(
+            key.extract(&ok).unwrap(),
+            RequestKey::Name("header:x-api-key:k1".into())
+        );
         let missing = key.extract(&parts(|b| b)).unwrap_err();
         assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
         assert_eq!(missing.message(), "header x-api-key is missing");
@@ -405,20 +456,53 @@ mod tests {
         let p = parts(|b| b.extension(ConnectInfo(addr)));
         assert_eq!(
             PeerIp::new().extract(&p).unwrap(),
-            RequestKey::from("2001:db8:1:2:3:4:5:6")
+            RequestKey::from("ip:2001:db8:1:2:3:4:5:6")
         );
         let grouped = PeerIp::new().ipv6_prefix_len(64);
         assert_eq!(
             grouped.extract(&p).unwrap(),
-            RequestKey::from("2001:db8:1:2::")
+            RequestKey::from("ip:2001:db8:1:2::/64")
         );
         // IPv4 addresses are not affected by the IPv6 prefix.
         let v4: SocketAddr = "198.51.100.7:80".parse().unwrap();
         let p = parts(|b| b.extension(v4));
         assert_eq!(
             grouped.extract(&p).unwrap(),
-            RequestKey::from("198.51.100.7")
+            RequestKey::from("ip:198.51.100.7")
         );
+    }
+
+    #[test]
+    fn each_extractor_kind_has_its_own_namespace() {
+        // The same text through every extractor: four different keys.
+        let p = parts(|b| {
+            b.header("x-api-key", "198.51.100.7")
+                .extension("198.51.100.7:1".parse::<SocketAddr>().unwrap())
+                .extension(String::from("198.51.100.7"))
+        });
+        let keys = [
+            PeerIp::new().extract(&p).unwrap(),
+            HeaderKey::new(HeaderName::from_static("x-api-key"))
+                .extract(&p)
+                .unwrap(),
+            ExtensionKey::new(|s: &String| RequestKey::from(s.as_str()))
+                .extract(&p)
+                .unwrap(),
+            GlobalKey::new(0).extract(&p).unwrap(),
+        ];
+        assert_eq!(
+            keys,
+            [
+                RequestKey::from("ip:198.51.100.7"),
+                RequestKey::from("header:x-api-key:198.51.100.7"),
+                RequestKey::from("ext:198.51.100.7"),
+                RequestKey::from("global:0"),
+            ]
+        );
+        // An integer from an extension is used as is.
+        let p = parts(|b| b.extension(7u64));
+        let id = ExtensionKey::new(|n: &u64| RequestKey::Id(*n));
+        assert_eq!(id.extract(&p).unwrap(), RequestKey::Id(7));
     }
 
     #[test]

@@ -476,13 +476,33 @@ async fn closure_key_and_fallback_key() {
     // An API key when there is one, else the client address.
     let key = HeaderKey::new(HeaderName::from_static("x-api-key")).or(PeerIp::new());
     let (parts, ()) = get_from("192.0.2.1:1").body(()).unwrap().into_parts();
-    assert_eq!(key.extract(&parts).unwrap(), RequestKey::from("192.0.2.1"));
+    assert_eq!(
+        key.extract(&parts).unwrap(),
+        RequestKey::from("ip:192.0.2.1")
+    );
     let (parts, ()) = get_from("192.0.2.1:1")
         .header("x-api-key", "k")
         .body(())
         .unwrap()
         .into_parts();
-    assert_eq!(key.extract(&parts).unwrap(), RequestKey::from("k"));
+    assert_eq!(
+        key.extract(&parts).unwrap(),
+        RequestKey::from("header:x-api-key:k")
+    );
+}
+
+#[tokio::test]
+async fn a_header_value_cannot_spend_the_budget_of_a_client_address() {
+    let config = PolicyConfig::new(PolicyKind::FixedWindow, 3, 60_000);
+    let (limiter, _clock) = local(config);
+    let key = HeaderKey::new(HeaderName::from_static("x-api-key")).or(PeerIp::new());
+    let app = router(RateLimitLayer::new(Arc::new(limiter), key));
+    // An attacker names the victim's address as its API key and spends
+    // everything that key has.
+    let attacker = || get_from("203.0.113.9:1").header("x-api-key", "198.51.100.7");
+    assert_eq!(admitted(&app, attacker, 5).await, 3);
+    // The victim, keyed by its address, still has its whole budget.
+    assert_eq!(admitted(&app, || get_from("198.51.100.7:1"), 5).await, 3);
 }
 
 #[tokio::test]
@@ -490,7 +510,13 @@ async fn string_keys_are_hashed_with_the_configured_hash() {
     // "user:21620" and "user:32611" share one mix32 hash, so one budget;
     // under xxh3-64 they are two.
     let config = PolicyConfig::new(PolicyKind::FixedWindow, 1, 1000);
-    let key = || HeaderKey::new(HeaderName::from_static("x-user"));
+    // A closure's string is hashed as written, with no namespace prefix.
+    let key = || {
+        |parts: &http::request::Parts| -> Result<RequestKey, KeyRejection> {
+            let user = parts.headers.get("x-user").unwrap().to_str().unwrap();
+            Ok(RequestKey::from(user))
+        }
+    };
     let user = |u: &'static str| Request::builder().uri("/").header("x-user", u);
     let (limiter, _clock) = local(config);
     let app = router(RateLimitLayer::new(Arc::new(limiter), key()));
