@@ -2,7 +2,7 @@
 //!
 //! A [`KeyExtractor`] reads the request's head ([`http::request::Parts`]) and
 //! returns a [`RequestKey`]: an integer used as is, or a string hashed by the
-//! layer's [`KeyHash`](ratewarden_core::KeyHash) (mix32 unless configured).
+//! layer's [`KeyHash`](ratewarden_core::KeyHash) (xxh3-64 unless configured).
 //! When no key can be read the extractor answers with a [`KeyRejection`],
 //! which becomes the response; [`KeyExtractorExt::or`] tries another
 //! extractor first.
@@ -30,10 +30,11 @@
 //!
 //! A [`RequestKey::Id`] is not hashed, so it shares the integer key space
 //! with the hashes of string keys: a string whose hash equals the integer
-//! draws on the same budget. Under xxh3-64 hashes are 64-bit, and finding
-//! a string that hashes to a given integer takes about 2^64 tries; under
-//! mix32 hashes are below 2^32, and such a string is found in seconds. Keep
-//! integer keys in layers whose keys are all integers, or use xxh3-64.
+//! draws on the same budget. Under xxh3-64 (the layer's default) hashes
+//! are 64-bit, and finding a string that hashes to a given integer takes
+//! about 2^64 tries; under mix32 hashes are below 2^32, and such a string
+//! is found in seconds. Keep integer keys in layers whose keys are all
+//! integers, or keep xxh3-64.
 
 use std::borrow::Cow;
 use std::fmt;

@@ -23,6 +23,12 @@ use crate::key::{KeyExtractor, KeyRejection, RequestKey};
 /// a second is treated as failed.
 pub const DEFAULT_CHECK_TIMEOUT: Duration = Duration::from_millis(1000);
 
+/// The layer's default key hash: 64 bits, so that a client choosing its
+/// own key material must search about 2^64 strings to meet another
+/// client's key (the core keeps SPEC's mix32 as its default, for its
+/// vectors).
+pub const DEFAULT_KEY_HASH: KeyHash = KeyHash::Xxh3_64;
+
 /// A refused request, as the refusal closure sees it.
 #[derive(Debug)]
 pub struct Refusal<'a> {
@@ -126,9 +132,17 @@ impl fmt::Debug for RateLimitBuilder {
 }
 
 impl RateLimitBuilder {
-    /// The hash that turns string keys into integer keys (default
-    /// [`KeyHash::Mix32`], SPEC's portable hash; [`KeyHash::Xxh3_64`] for
-    /// millions of keys).
+    /// The hash that turns string keys into integer keys: default
+    /// [`KeyHash::Xxh3_64`], or [`KeyHash::Mix32`], SPEC's portable hash,
+    /// to share counts with a program that keys by mix32.
+    ///
+    /// Both are public and unkeyed, and neither is a cryptographic hash.
+    /// Where clients choose key material (a header's value, an address in
+    /// their own network), a client can search for a string whose hash
+    /// equals another client's key and so spend that client's budget:
+    /// mix32's 32 bits fall to such a search in seconds, xxh3-64 raises its
+    /// cost to about 2^64 tries. That raises the cost of a search; it is no
+    /// proof against every crafted collision.
     pub fn key_hash(mut self, key_hash: KeyHash) -> Self {
         self.key_hash = key_hash;
         self
@@ -256,7 +270,7 @@ impl fmt::Debug for RateLimitLayer {
 }
 
 impl RateLimitLayer {
-    /// A layer with the defaults: cost 1, mix32 for string keys, the default
+    /// A layer with the defaults: cost 1, xxh3-64 for string keys, the default
     /// refusal, fail closed, a one-second limiter timeout, policy name
     /// `default`.
     pub fn new(limiter: Arc<dyn Limiter>, key: impl KeyExtractor) -> Self {
@@ -265,7 +279,7 @@ impl RateLimitLayer {
                 headers: RateLimitHeaders::default_name(limiter.config()),
                 limiter,
                 key: Box::new(key),
-                key_hash: KeyHash::default(),
+                key_hash: DEFAULT_KEY_HASH,
                 cost: None,
                 refusal: None,
                 failure_policy: FailurePolicy::FailClosed,
@@ -280,7 +294,7 @@ impl RateLimitLayer {
         RateLimitBuilder {
             limiter,
             key: Box::new(key),
-            key_hash: KeyHash::default(),
+            key_hash: DEFAULT_KEY_HASH,
             cost: None,
             refusal: None,
             failure_policy: FailurePolicy::FailClosed,

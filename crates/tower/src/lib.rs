@@ -57,5 +57,5 @@ mod layer;
 
 pub use layer::{
     default_refusal, BuildError, RateLimitBuilder, RateLimitLayer, RateLimitService, Refusal,
-    DEFAULT_CHECK_TIMEOUT,
+    DEFAULT_CHECK_TIMEOUT, DEFAULT_KEY_HASH,
 };
