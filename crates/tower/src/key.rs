@@ -22,7 +22,7 @@
 //!
 //! | extractor | string key |
 //! |---|---|
-//! | [`PeerIp`] | `ip:198.51.100.7`, `ip:2001:db8::7`, or an IPv6 network `ip:2001:db8:1:2::/64` |
+//! | [`PeerIp`] | `ip:198.51.100.7`; IPv6 by network, `ip:2001:db8:1:2::/64`, or with prefix length 128 by address, `ip:2001:db8::7` |
 //! | [`HeaderKey`] | `header:<lower-case header name>:<value>`, e.g. `header:x-api-key:k1` |
 //! | [`ExtensionKey`] | `ext:<the closure's string>`; an integer from the closure is used as is |
 //! | [`GlobalKey`] | `global:<id>`, e.g. `global:0` |
@@ -319,10 +319,14 @@ where
     }
 }
 
-/// The client's IP address, as the string key `ip:198.51.100.7` or
-/// `ip:2001:db8::7` (IPv4-mapped IPv6 addresses are written as IPv4), or,
-/// with [`PeerIp::ipv6_prefix_len`], the client's IPv6 network, as
-/// `ip:2001:db8:1:2::/64`.
+/// The client's IP address: an IPv4 client by address, as the string key
+/// `ip:198.51.100.7` (IPv4-mapped IPv6 addresses are written as IPv4), an
+/// IPv6 client by its /64 network, as `ip:2001:db8:1:2::/64`.
+///
+/// One IPv6 customer usually holds a whole /64 and can send from any of its
+/// 2^64 addresses; counting each address apart would give it that many
+/// budgets. [`PeerIp::ipv6_prefix_len`] changes the length (128 counts each
+/// address, as `ip:2001:db8::7`).
 ///
 /// The direct peer comes from axum's `ConnectInfo<SocketAddr>` (serve with
 /// `into_make_service_with_connect_info::<SocketAddr>()`), or from a plain
@@ -333,14 +337,27 @@ where
 /// Forwarding headers are ignored unless trust is configured with
 /// [`PeerIp::trust_x_forwarded_for`] or [`PeerIp::trust_forwarded`]: any
 /// client can write them.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerIp {
     trust: Option<ProxyTrust>,
-    ipv6_prefix_len: Option<u8>,
+    ipv6_prefix_len: u8,
+}
+
+/// The IPv6 prefix length clients are counted by unless configured.
+pub const DEFAULT_IPV6_PREFIX_LEN: u8 = 64;
+
+impl Default for PeerIp {
+    fn default() -> Self {
+        PeerIp {
+            trust: None,
+            ipv6_prefix_len: DEFAULT_IPV6_PREFIX_LEN,
+        }
+    }
 }
 
 impl PeerIp {
-    /// The direct peer's address; forwarding headers are ignored.
+    /// The direct peer's address, IPv6 by /64; forwarding headers are
+    /// ignored.
     pub fn new() -> Self {
         PeerIp::default()
     }
@@ -361,11 +378,13 @@ impl PeerIp {
         self
     }
 
-    /// Counts IPv6 clients by network prefix instead of by address (64 is
-    /// typical: one customer usually holds a whole /64, and would otherwise
-    /// have 2^64 budgets). Lengths above 128 are taken as 128.
+    /// Counts IPv6 clients by networks of `len` bits (default
+    /// [`DEFAULT_IPV6_PREFIX_LEN`], 64): 128 counts each address apart, a
+    /// shorter length such as 56 or 48 counts a whole customer allocation as
+    /// one client. Lengths above 128 are taken as 128. IPv4 clients are
+    /// always counted by address.
     pub fn ipv6_prefix_len(mut self, len: u8) -> Self {
-        self.ipv6_prefix_len = Some(len.min(128));
+        self.ipv6_prefix_len = len.min(128);
         self
     }
 
@@ -378,21 +397,22 @@ impl PeerIp {
         parts.extensions.get::<SocketAddr>().map(|addr| addr.ip())
     }
 
-    /// The client address this extractor keys the request by.
+    /// The client address this extractor keys the request by: for IPv6, the
+    /// first address of the client's network.
     pub fn client_ip(&self, parts: &Parts) -> Option<IpAddr> {
         let peer = Self::peer(parts)?;
         let ip = match &self.trust {
             Some(trust) => trust.client_ip(peer, &parts.headers),
             None => peer.to_canonical(),
         };
-        Some(match (ip, self.ipv6_prefix_len) {
-            (IpAddr::V6(v6), Some(len)) => {
-                // `len` was capped at 128, so the network is always valid.
-                ipnet::Ipv6Net::new(v6, len)
+        Some(match ip {
+            IpAddr::V6(v6) => {
+                // The length was capped at 128, so the network is always valid.
+                ipnet::Ipv6Net::new(v6, self.ipv6_prefix_len)
                     .map(|n| IpAddr::V6(n.network()))
                     .unwrap_or(ip)
             }
-            _ => ip,
+            IpAddr::V4(_) => ip,
         })
     }
 }
@@ -402,10 +422,10 @@ impl KeyExtractor for PeerIp {
         match self.client_ip(parts) {
             // A network carries its length, so that a /64 never shares a key
             // with the single address `2001:db8:1:2::`.
-            Some(IpAddr::V6(v6)) if self.ipv6_prefix_len.is_some_and(|len| len < 128) => {
-                let len = self.ipv6_prefix_len.unwrap_or(128);
-                Ok(RequestKey::Name(format!("ip:{v6}/{len}")))
-            }
+            Some(IpAddr::V6(v6)) if self.ipv6_prefix_len < 128 => Ok(RequestKey::Name(format!(
+                "ip:{v6}/{}",
+                self.ipv6_prefix_len
+            ))),
             Some(ip) => Ok(RequestKey::Name(format!("ip:{ip}"))),
             None => Err(KeyRejection::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -455,14 +475,19 @@ mod tests {
     fn peer_ip_groups_ipv6_by_prefix() {
         let addr: SocketAddr = "[2001:db8:1:2:3:4:5:6]:443".parse().unwrap();
         let p = parts(|b| b.extension(ConnectInfo(addr)));
-        assert_eq!(
-            PeerIp::new().extract(&p).unwrap(),
-            RequestKey::from("ip:2001:db8:1:2:3:4:5:6")
-        );
-        let grouped = PeerIp::new().ipv6_prefix_len(64);
+        // By default a whole /64 is one client.
+        let grouped = PeerIp::new();
         assert_eq!(
             grouped.extract(&p).unwrap(),
             RequestKey::from("ip:2001:db8:1:2::/64")
+        );
+        assert_eq!(
+            PeerIp::new().ipv6_prefix_len(128).extract(&p).unwrap(),
+            RequestKey::from("ip:2001:db8:1:2:3:4:5:6")
+        );
+        assert_eq!(
+            PeerIp::new().ipv6_prefix_len(48).extract(&p).unwrap(),
+            RequestKey::from("ip:2001:db8:1::/48")
         );
         // IPv4 addresses are not affected by the IPv6 prefix.
         let v4: SocketAddr = "198.51.100.7:80".parse().unwrap();

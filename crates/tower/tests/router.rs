@@ -289,6 +289,37 @@ async fn peer_ip_gives_each_client_its_own_budget() {
 }
 
 #[tokio::test]
+async fn an_ipv6_client_cannot_escape_its_budget_by_rotating_addresses_in_its_64() {
+    let config = PolicyConfig::new(PolicyKind::FixedWindow, 3, 60_000);
+    let (limiter, _clock) = local(config);
+    let app = router(RateLimitLayer::new(Arc::new(limiter), PeerIp::new()));
+    let mut ok = 0;
+    for i in 1..=50 {
+        let peer = format!("[2001:db8:1:2::{i:x}]:443");
+        ok += admitted(&app, || get_from(&peer), 1).await;
+    }
+    assert_eq!(ok, 3);
+    // The next /64 is another client.
+    assert_eq!(
+        admitted(&app, || get_from("[2001:db8:1:3::1]:443"), 5).await,
+        3
+    );
+
+    // Per address when asked for.
+    let (limiter, _clock) = local(config);
+    let key = PeerIp::new().ipv6_prefix_len(128);
+    let app = router(RateLimitLayer::new(Arc::new(limiter), key));
+    assert_eq!(
+        admitted(&app, || get_from("[2001:db8:1:2::1]:443"), 5).await,
+        3
+    );
+    assert_eq!(
+        admitted(&app, || get_from("[2001:db8:1:2::2]:443"), 5).await,
+        3
+    );
+}
+
+#[tokio::test]
 async fn peer_ip_without_connect_info_is_a_server_error() {
     let (limiter, _clock) = local(REFERENCE);
     let app = router(RateLimitLayer::new(Arc::new(limiter), PeerIp::new()));
