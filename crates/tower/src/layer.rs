@@ -322,6 +322,16 @@ impl<S> Layer<S> for RateLimitLayer {
 }
 
 /// The service made by [`RateLimitLayer`]. Clones share the layer's budget.
+///
+/// # Readiness
+///
+/// `poll_ready` is always ready: the limiter decides in `call`, first. Only
+/// an admitted request then waits for the inner service, on a clone of it
+/// driven to readiness and called (as `tower::ServiceExt::oneshot` does).
+/// A refusal, a key rejection or a failure answer is therefore sent at once,
+/// even while the inner service is not ready, and never holds its capacity
+/// (a `ConcurrencyLimit` permit, a `Buffer` slot). An error from the inner
+/// service's `poll_ready` is returned by the admitted request's future.
 #[derive(Clone)]
 pub struct RateLimitService<S> {
     inner: S,
@@ -461,17 +471,18 @@ where
     type Error = S::Error;
     type Future = BoxFuture<'static, Result<Response<ResBody>, S::Error>>;
 
-    /// Ready when the inner service is: the limiter is consulted in `call`,
-    /// so a full budget never holds a request back here; it is answered.
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+    /// Always ready: the request is decided in `call`, and only an admitted
+    /// request waits for the inner service (see [Readiness](Self#readiness)).
+    /// Forwarding the inner service's readiness here would make a request
+    /// that is about to be refused wait for, and hold, the inner service.
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        // The inner service was made ready by `poll_ready`; take that one
-        // into the future and leave a fresh clone behind for the next call.
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        // A clone, made ready inside the future only once the request is
+        // admitted: the one kept here is never polled for readiness.
+        let mut inner = self.inner.clone();
         let shared = Arc::clone(&self.shared);
         Box::pin(async move {
             let (mut parts, body) = request.into_parts();
@@ -483,7 +494,8 @@ where
             match shared.decide(key, cost).await {
                 Verdict::Decided(decision) if decision.allowed => {
                     parts.extensions.insert(decision);
-                    let mut response = inner.call(Request::from_parts(parts, body)).await?;
+                    let mut response =
+                        ready_call(&mut inner, Request::from_parts(parts, body)).await?;
                     response
                         .headers_mut()
                         .append(RATELIMIT, shared.headers.ratelimit(&decision));
@@ -492,7 +504,9 @@ where
                 Verdict::Decided(decision) => {
                     Ok(shared.refused(decision, &parts, cost).map(ResBody::from))
                 }
-                Verdict::AdmitUndecided => inner.call(Request::from_parts(parts, body)).await,
+                Verdict::AdmitUndecided => {
+                    ready_call(&mut inner, Request::from_parts(parts, body)).await
+                }
                 Verdict::Unavailable => Ok(text_response(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "the rate limiter is unavailable; try again later\n".to_owned(),
@@ -506,6 +520,16 @@ where
             }
         })
     }
+}
+
+/// Waits until `inner` is ready, then calls it: `tower::ServiceExt::oneshot`
+/// without the dependency.
+async fn ready_call<S, R>(inner: &mut S, request: R) -> Result<S::Response, S::Error>
+where
+    S: Service<R>,
+{
+    std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+    inner.call(request).await
 }
 
 fn rejection_response(rejection: KeyRejection) -> Response<Bytes> {

@@ -266,6 +266,97 @@ async fn poll_ready_never_waits_on_the_limiter() {
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
 }
 
+/// An inner service that is not ready until opened, and counts its calls.
+#[derive(Clone, Default)]
+struct Gate(Arc<std::sync::Mutex<GateState>>);
+
+#[derive(Default)]
+struct GateState {
+    open: bool,
+    waiting: Vec<Waker>,
+    calls: usize,
+}
+
+impl Gate {
+    fn open(&self) {
+        let mut state = self.0.lock().unwrap();
+        state.open = true;
+        state.waiting.drain(..).for_each(Waker::wake);
+    }
+
+    fn waiters(&self) -> usize {
+        self.0.lock().unwrap().waiting.len()
+    }
+
+    fn calls(&self) -> usize {
+        self.0.lock().unwrap().calls
+    }
+}
+
+impl Service<Request> for Gate {
+    type Response = Response<Body>;
+    type Error = std::convert::Infallible;
+    type Future = std::future::Ready<Result<Response<Body>, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        let mut state = self.0.lock().unwrap();
+        if state.open {
+            Poll::Ready(Ok(()))
+        } else {
+            state.waiting.push(cx.waker().clone());
+            Poll::Pending
+        }
+    }
+
+    fn call(&mut self, _request: Request) -> Self::Future {
+        let mut state = self.0.lock().unwrap();
+        assert!(state.open, "called before it was ready");
+        state.calls += 1;
+        std::future::ready(Ok(Response::new(Body::empty())))
+    }
+}
+
+// Time is paused: if the refusal waited for the gate, nothing could make
+// progress, tokio would jump its clock to the timeout, and the test would
+// fail at once. No real time is measured.
+#[tokio::test(start_paused = true)]
+async fn a_refusal_does_not_wait_for_the_inner_service_to_be_ready() {
+    let config = PolicyConfig::new(PolicyKind::FixedWindow, 1, 60_000);
+    let (limiter, _clock) = local(config);
+    let gate = Gate::default();
+    let mut service = RateLimitLayer::new(Arc::new(limiter), GlobalKey::new(0)).layer(gate.clone());
+    let mut cx = Context::from_waker(Waker::noop());
+    assert!(matches!(
+        Service::<Request>::poll_ready(&mut service, &mut cx),
+        Poll::Ready(Ok(()))
+    ));
+
+    // The first request is admitted, spending the budget, and waits for
+    // the gate.
+    let first = tokio::spawn(service.clone().oneshot(Request::new(Body::empty())));
+    while gate.waiters() == 0 {
+        tokio::task::yield_now().await;
+    }
+
+    // The second is refused while the gate is still shut.
+    let refused = tokio::time::timeout(
+        Duration::from_secs(3600),
+        service.clone().oneshot(Request::new(Body::empty())),
+    )
+    .await
+    .expect("the refusal waited for the inner service to be ready")
+    .unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(gate.calls(), 0);
+    assert!(!first.is_finished());
+
+    // Opening the gate lets the admitted request through.
+    gate.open();
+    let admitted = first.await.unwrap().unwrap();
+    assert_eq!(admitted.status(), StatusCode::OK);
+    assert_eq!(gate.calls(), 1);
+}
+
 #[tokio::test]
 async fn peer_ip_gives_each_client_its_own_budget() {
     let config = PolicyConfig::new(PolicyKind::SlidingLog, 2, 1000);
