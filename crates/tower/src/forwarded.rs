@@ -6,7 +6,8 @@
 //! proxy is the client. Everything left of it was written by the client or
 //! by proxies nobody vouches for, and is ignored.
 
-use std::net::{IpAddr, SocketAddr};
+use std::borrow::Cow;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use http::HeaderMap;
 use ipnet::IpNet;
@@ -42,8 +43,8 @@ impl ForwardedHeader {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Hop {
     Ip(IpAddr),
-    /// `unknown`, an obfuscated identifier, a missing `for=`, or text that is
-    /// not an address.
+    /// `unknown`, an obfuscated identifier, a missing or repeated `for=`, or
+    /// text that is not an address.
     Unknown,
 }
 
@@ -151,21 +152,75 @@ fn split_unquoted(s: &str, sep: char) -> Vec<&str> {
 }
 
 /// The `for=` node of one `Forwarded` element (`for=192.0.2.60;proto=http`).
+///
+/// An element without `for`, or with `for` more than once, is unknown: RFC
+/// 7239 §4 allows each parameter at most once per element, and of two
+/// values neither can be believed.
 fn forwarded_for(element: &str) -> Hop {
+    let mut value = None;
     for pair in split_unquoted(element, ';') {
-        let Some((name, value)) = pair.split_once('=') else {
+        let Some((name, v)) = pair.split_once('=') else {
             continue;
         };
         if name.trim().eq_ignore_ascii_case("for") {
-            let value = value.trim();
-            let value = value
-                .strip_prefix('"')
-                .and_then(|v| v.strip_suffix('"'))
-                .unwrap_or(value);
-            return parse_node(value);
+            if value.is_some() {
+                return Hop::Unknown;
+            }
+            value = Some(v.trim());
         }
     }
-    Hop::Unknown
+    match value.and_then(unquote) {
+        Some(node) => forwarded_node(&node),
+        None => Hop::Unknown,
+    }
+}
+
+/// A parameter value: a token as is, or a quoted-string (RFC 9110 §5.6.4)
+/// without its quotes and with its quoted-pairs (`\x`) unescaped. `None`
+/// for a quoted-string that does not end where the value ends.
+fn unquote(value: &str) -> Option<Cow<'_, str>> {
+    let Some(quoted) = value.strip_prefix('"') else {
+        return Some(Cow::Borrowed(value));
+    };
+    let mut out = String::with_capacity(quoted.len());
+    let mut chars = quoted.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => out.push(chars.next()?),
+            '"' => return chars.as_str().is_empty().then_some(Cow::Owned(out)),
+            c => out.push(c),
+        }
+    }
+    None
+}
+
+/// An RFC 7239 node: [`parse_node`], and also an address followed by an
+/// obfuscated port (`192.0.2.43:_p1`, `[2001:db8::1]:_p1`). The proxy hid
+/// the port, not the address, so the address is the client's.
+fn forwarded_node(node: &str) -> Hop {
+    if let Some((name, port)) = node.rsplit_once(':') {
+        if is_obfport(port) {
+            if let Ok(v4) = name.parse::<Ipv4Addr>() {
+                return Hop::Ip(IpAddr::V4(v4));
+            }
+            let v6 = name.strip_prefix('[').and_then(|n| n.strip_suffix(']'));
+            return match v6.map(str::parse::<Ipv6Addr>) {
+                Some(Ok(v6)) => Hop::Ip(IpAddr::V6(v6)),
+                _ => Hop::Unknown,
+            };
+        }
+    }
+    parse_node(node)
+}
+
+/// `obfport = "_" 1*(ALPHA / DIGIT / "." / "_" / "-")` (RFC 7239 §6.3).
+fn is_obfport(port: &str) -> bool {
+    port.strip_prefix('_').is_some_and(|rest| {
+        !rest.is_empty()
+            && rest
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    })
 }
 
 /// An address with an optional port: `192.0.2.1`, `192.0.2.1:80`,
@@ -279,6 +334,34 @@ mod tests {
         assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.3"));
         let h = headers("forwarded", &["proto=https"]);
         assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.3"));
+    }
+
+    #[test]
+    fn forwarded_obfuscated_ports_quoted_pairs_and_repeated_for() {
+        let t = trust(ForwardedHeader::Forwarded);
+        let peer = ip("10.0.0.3");
+        let client = |value: &'static str| t.client_ip(peer, &headers("forwarded", &[value]));
+        // An obfuscated port hides the port; the address is real.
+        assert_eq!(client("for=\"192.0.2.43:_p1\""), ip("192.0.2.43"));
+        assert_eq!(client("for=\"[2001:db8::1]:_p1\""), ip("2001:db8::1"));
+        assert_eq!(client("for=192.0.2.43:_a.b-c_9"), ip("192.0.2.43"));
+        // Not an obfuscated port, or not an address before it: unknown.
+        assert_eq!(client("for=\"192.0.2.43:_\""), peer);
+        assert_eq!(client("for=\"192.0.2.43:_p!\""), peer);
+        assert_eq!(client("for=\"2001:db8::1:_p1\""), peer);
+        assert_eq!(client("for=\"_hidden:_p1\""), peer);
+        // Quoted-pairs are unescaped.
+        assert_eq!(client("for=\"\\198.51.100.7\""), ip("198.51.100.7"));
+        assert_eq!(client("for=\"[2001:db8::\\1]\""), ip("2001:db8::1"));
+        assert_eq!(client("for=\"198.51.100.7\\\""), peer);
+        assert_eq!(client("for=\"198.51.100.7\"x"), peer);
+        // `for` twice in one element: neither value is believed.
+        assert_eq!(client("for=6.6.6.6;for=198.51.100.7"), peer);
+        assert_eq!(client("for=198.51.100.7;proto=http;FOR=6.6.6.6"), peer);
+        assert_eq!(
+            client("for=198.51.100.7;proto=http;by=10.0.0.3"),
+            ip("198.51.100.7")
+        );
     }
 
     #[test]

@@ -488,6 +488,12 @@ async fn forwarded_header_is_read_when_trusted() {
         1
     );
     assert_eq!(admitted(&app, || client("for=198.51.100.7"), 3).await, 1);
+    // An obfuscated port hides only the port.
+    assert_eq!(
+        admitted(&app, || client("for=\"192.0.2.43:_p1\""), 3).await,
+        1
+    );
+    assert_eq!(admitted(&app, || client("for=192.0.2.43:4711"), 3).await, 0);
     assert_eq!(
         admitted(&app, || client("for=6.6.6.6, for=198.51.100.7"), 3).await,
         0
