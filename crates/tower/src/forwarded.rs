@@ -7,6 +7,7 @@
 //! by proxies nobody vouches for, and is ignored.
 
 use std::borrow::Cow;
+use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use http::HeaderMap;
@@ -14,8 +15,13 @@ use ipnet::IpNet;
 
 /// The most list entries read from the right before giving up. Honest chains
 /// are a handful of proxies long; the bound keeps a padded header from
-/// costing more than a few comparisons.
+/// costing more than a few comparisons. Empty elements do not count.
 pub const MAX_HOPS: usize = 32;
+
+/// The most list elements looked at, empty ones included, before giving up:
+/// RFC 9110 §5.6.1.2 asks a recipient to skip "a reasonable number" of empty
+/// elements, and this bounds what a header of commas costs.
+pub const MAX_ELEMENTS: usize = 4 * MAX_HOPS;
 
 /// Which header the trusted proxies write.
 ///
@@ -84,8 +90,11 @@ impl ProxyTrust {
     /// - An entry that is not an address (`unknown`, an obfuscated name,
     ///   garbage) ends the walk: the trusted proxy that wrote it is taken as
     ///   the client, because nothing left of it can be believed.
+    /// - Empty list elements are skipped (RFC 9110 §5.6.1.2).
     /// - When every entry is a trusted proxy (or the header is absent), the
     ///   left-most trusted address is the client.
+    /// - Past [`MAX_HOPS`] entries or [`MAX_ELEMENTS`] elements the walk
+    ///   stops at the last trusted address reached.
     pub fn client_ip(&self, peer: IpAddr, headers: &HeaderMap) -> IpAddr {
         let mut current = peer.to_canonical();
         if !self.is_trusted(current) {
@@ -96,20 +105,42 @@ impl ProxyTrust {
             .iter()
             .map(|v| v.as_bytes())
             .collect();
-        let mut seen = 0;
+        // Every element looked at, and the non-empty ones among them.
+        let (mut scanned, mut hops) = (0, 0);
         for line in lines.iter().rev() {
             // Header values are visible ASCII in practice; a line that is not
             // UTF-8 cannot hold an address and counts as unknown.
             let Ok(line) = std::str::from_utf8(line) else {
                 return current;
             };
-            for element in split_unquoted(line, ',').into_iter().rev() {
-                seen += 1;
-                if seen > MAX_HOPS {
+            // Only the right-most elements can be read before a bound is
+            // reached: keep those (one more than the budget, to see it
+            // exceeded) rather than collect a padded line whole.
+            let keep = MAX_ELEMENTS - scanned + 1;
+            let mut tail = VecDeque::with_capacity(keep.min(8));
+            for element in SplitUnquoted::new(line, b',') {
+                if tail.len() == keep {
+                    tail.pop_front();
+                }
+                tail.push_back(element);
+            }
+            for element in tail.into_iter().rev() {
+                scanned += 1;
+                if scanned > MAX_ELEMENTS {
+                    return current;
+                }
+                // Empty elements (`a,,b`, a trailing comma, an empty line)
+                // are skipped, as RFC 9110 §5.6.1.2 requires.
+                let element = element.trim();
+                if element.is_empty() {
+                    continue;
+                }
+                hops += 1;
+                if hops > MAX_HOPS {
                     return current;
                 }
                 let hop = match self.header {
-                    ForwardedHeader::XForwardedFor => parse_node(element.trim()),
+                    ForwardedHeader::XForwardedFor => parse_node(element),
                     ForwardedHeader::Forwarded => forwarded_for(element),
                 };
                 match hop {
@@ -128,27 +159,43 @@ impl ProxyTrust {
     }
 }
 
-/// Splits `s` at `sep` outside double-quoted strings (which may contain
-/// backslash escapes), as RFC 7239 and RFC 9110 lists require.
-fn split_unquoted(s: &str, sep: char) -> Vec<&str> {
-    let mut parts = Vec::new();
-    let mut start = 0;
-    let mut quoted = false;
-    let mut escaped = false;
-    for (i, c) in s.char_indices() {
-        if escaped {
-            escaped = false;
-        } else if quoted && c == '\\' {
-            escaped = true;
-        } else if c == '"' {
-            quoted = !quoted;
-        } else if c == sep && !quoted {
-            parts.push(&s[start..i]);
-            start = i + c.len_utf8();
-        }
+/// The elements of a list, split at `sep` outside double-quoted strings
+/// (which may contain backslash escapes), as RFC 7239 and RFC 9110 lists
+/// require; left to right, without allocating.
+struct SplitUnquoted<'a> {
+    rest: Option<&'a str>,
+    sep: u8,
+}
+
+impl<'a> SplitUnquoted<'a> {
+    fn new(s: &'a str, sep: u8) -> Self {
+        SplitUnquoted { rest: Some(s), sep }
     }
-    parts.push(&s[start..]);
-    parts
+}
+
+impl<'a> Iterator for SplitUnquoted<'a> {
+    type Item = &'a str;
+
+    fn next(&mut self) -> Option<&'a str> {
+        let s = self.rest?;
+        let (mut quoted, mut escaped) = (false, false);
+        // The separators and quotes are ASCII, so every split falls on a
+        // character boundary.
+        for (i, b) in s.bytes().enumerate() {
+            if escaped {
+                escaped = false;
+            } else if quoted && b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                quoted = !quoted;
+            } else if b == self.sep && !quoted {
+                self.rest = Some(&s[i + 1..]);
+                return Some(&s[..i]);
+            }
+        }
+        self.rest = None;
+        Some(s)
+    }
 }
 
 /// The `for=` node of one `Forwarded` element (`for=192.0.2.60;proto=http`).
@@ -158,7 +205,7 @@ fn split_unquoted(s: &str, sep: char) -> Vec<&str> {
 /// values neither can be believed.
 fn forwarded_for(element: &str) -> Hop {
     let mut value = None;
-    for pair in split_unquoted(element, ';') {
+    for pair in SplitUnquoted::new(element, b';') {
         let Some((name, v)) = pair.split_once('=') else {
             continue;
         };
@@ -368,6 +415,47 @@ mod tests {
     fn only_the_configured_header_is_read() {
         let t = trust(ForwardedHeader::Forwarded);
         let h = headers("x-forwarded-for", &["198.51.100.7"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.3"));
+    }
+
+    #[test]
+    fn empty_list_elements_are_skipped() {
+        let peer = ip("10.0.0.3");
+        let t = trust(ForwardedHeader::XForwardedFor);
+        let xff = |lines: &[&'static str]| t.client_ip(peer, &headers("x-forwarded-for", lines));
+        assert_eq!(xff(&["198.51.100.7, "]), ip("198.51.100.7"));
+        assert_eq!(xff(&["198.51.100.7,,10.0.0.2"]), ip("198.51.100.7"));
+        assert_eq!(xff(&["198.51.100.7, 10.0.0.2,"]), ip("198.51.100.7"));
+        assert_eq!(xff(&["198.51.100.7", ""]), ip("198.51.100.7"));
+        assert_eq!(xff(&[" , ,"]), peer);
+        let t = trust(ForwardedHeader::Forwarded);
+        let fwd = |lines: &[&'static str]| t.client_ip(peer, &headers("forwarded", lines));
+        assert_eq!(
+            fwd(&["for=198.51.100.7, , for=10.0.0.2"]),
+            ip("198.51.100.7")
+        );
+        assert_eq!(fwd(&["for=198.51.100.7,"]), ip("198.51.100.7"));
+        assert_eq!(fwd(&["for=198.51.100.7", ""]), ip("198.51.100.7"));
+    }
+
+    #[test]
+    fn empty_elements_are_bounded_too() {
+        let t = trust(ForwardedHeader::XForwardedFor);
+        let mut h = HeaderMap::new();
+        // Within the bound the client is found behind the empty elements...
+        let few = format!("198.51.100.7{}", ",".repeat(MAX_ELEMENTS - 1));
+        h.insert("x-forwarded-for", HeaderValue::try_from(few).unwrap());
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("198.51.100.7"));
+        // ...beyond it the walk stops at the proxy, however long the line.
+        let many = format!("198.51.100.7{}", ",".repeat(100_000));
+        h.insert("x-forwarded-for", HeaderValue::try_from(many).unwrap());
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.3"));
+        // The bound counts elements over every line.
+        let mut h = HeaderMap::new();
+        h.append("x-forwarded-for", HeaderValue::from_static("198.51.100.7"));
+        for _ in 0..MAX_ELEMENTS {
+            h.append("x-forwarded-for", HeaderValue::from_static(""));
+        }
         assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.3"));
     }
 
