@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use http::HeaderMap;
-use ipnet::IpNet;
+use ipnet::{IpNet, Ipv4Net};
 
 /// The most list entries read from the right before giving up. Honest chains
 /// are a handful of proxies long; the bound keeps a padded header from
@@ -63,10 +63,14 @@ pub struct ProxyTrust {
 
 impl ProxyTrust {
     /// Trust `header` when the direct peer lies in one of `proxies`.
+    ///
+    /// Addresses are compared in canonical form, IPv4-mapped IPv6 as IPv4,
+    /// so a network written mapped (`::ffff:10.0.0.0/104`) is taken as the
+    /// IPv4 network it maps (`10.0.0.0/8`).
     pub fn new(header: ForwardedHeader, proxies: impl IntoIterator<Item = IpNet>) -> Self {
         ProxyTrust {
             header,
-            proxies: proxies.into_iter().map(|n| n.trunc()).collect(),
+            proxies: proxies.into_iter().map(canonical_net).collect(),
         }
     }
 
@@ -157,6 +161,21 @@ impl ProxyTrust {
         }
         current
     }
+}
+
+/// `net` as the peers it must match are written: a network of IPv4-mapped
+/// addresses (`::ffff:a.b.c.d/n`, n >= 96) as the IPv4 network it maps.
+/// A shorter IPv6 prefix covers more than the mapped range and stays IPv6.
+fn canonical_net(net: IpNet) -> IpNet {
+    if let IpNet::V6(v6) = net {
+        if let (Some(v4), Some(len)) = (v6.addr().to_ipv4_mapped(), v6.prefix_len().checked_sub(96))
+        {
+            if let Ok(v4) = Ipv4Net::new(v4, len) {
+                return IpNet::V4(v4.trunc());
+            }
+        }
+    }
+    net.trunc()
 }
 
 /// The elements of a list, split at `sep` outside double-quoted strings
@@ -409,6 +428,25 @@ mod tests {
             client("for=198.51.100.7;proto=http;by=10.0.0.3"),
             ip("198.51.100.7")
         );
+    }
+
+    #[test]
+    fn trusted_networks_written_as_mapped_ipv6_match() {
+        let t = ProxyTrust::new(
+            ForwardedHeader::XForwardedFor,
+            ["::ffff:10.0.0.0/104".parse().unwrap()],
+        );
+        let h = headers("x-forwarded-for", &["198.51.100.7"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("198.51.100.7"));
+        assert_eq!(t.client_ip(ip("::ffff:10.0.0.3"), &h), ip("198.51.100.7"));
+        assert!(!t.is_trusted(ip("11.0.0.3")));
+        // A single mapped address.
+        let t = ProxyTrust::new(
+            ForwardedHeader::XForwardedFor,
+            ["::ffff:10.0.0.3/128".parse().unwrap()],
+        );
+        assert!(t.is_trusted(ip("10.0.0.3")));
+        assert!(!t.is_trusted(ip("10.0.0.4")));
     }
 
     #[test]

@@ -336,7 +336,8 @@ where
 ///
 /// Forwarding headers are ignored unless trust is configured with
 /// [`PeerIp::trust_x_forwarded_for`] or [`PeerIp::trust_forwarded`]: any
-/// client can write them.
+/// client can write them. List only your proxies there: a client inside a
+/// trusted range can write the header and choose its own key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerIp {
     trust: Option<ProxyTrust>,
