@@ -80,10 +80,16 @@ impl From<&str> for RequestKey {
 }
 
 /// Why no key could be read from a request, as the response to send.
+///
+/// The message is the response's body, so it is for the client: it names
+/// what the client must change (a header to send) or is a generic phrase.
+/// What the operator must change goes into the [detail](Self::with_detail),
+/// which the layer logs and never sends.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyRejection {
     status: StatusCode,
     message: Cow<'static, str>,
+    detail: Option<Cow<'static, str>>,
 }
 
 impl KeyRejection {
@@ -92,7 +98,30 @@ impl KeyRejection {
         KeyRejection {
             status,
             message: message.into(),
+            detail: None,
         }
+    }
+
+    /// A rejection answered with `status` and a generic body fitting it
+    /// (`401`: "authentication required", `500`: "internal server error",
+    /// otherwise the status's reason phrase), with `detail` for the log.
+    pub fn generic(status: StatusCode, detail: impl Into<Cow<'static, str>>) -> Self {
+        let message = match status {
+            StatusCode::UNAUTHORIZED => Cow::Borrowed("authentication required"),
+            status => status
+                .canonical_reason()
+                .map_or(Cow::Borrowed("request refused"), |reason| {
+                    Cow::Owned(reason.to_ascii_lowercase())
+                }),
+        };
+        KeyRejection::new(status, message).with_detail(detail)
+    }
+
+    /// Adds what the operator needs to know, logged by the layer (at error
+    /// level for a server error) and never sent to the client.
+    pub fn with_detail(mut self, detail: impl Into<Cow<'static, str>>) -> Self {
+        self.detail = Some(detail.into());
+        self
     }
 
     /// The response status.
@@ -104,11 +133,20 @@ impl KeyRejection {
     pub fn message(&self) -> &str {
         &self.message
     }
+
+    /// The detail for the log, if any; never sent.
+    pub fn detail(&self) -> Option<&str> {
+        self.detail.as_deref()
+    }
 }
 
 impl fmt::Display for KeyRejection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.status, self.message)
+        write!(f, "{}: {}", self.status, self.message)?;
+        if let Some(detail) = &self.detail {
+            write!(f, " ({detail})")?;
+        }
+        Ok(())
     }
 }
 
@@ -247,8 +285,9 @@ impl KeyExtractor for HeaderKey {
 /// ([`RequestKey::Id`]) is used as is.
 ///
 /// A request without the extension is answered `500 Internal Server Error`
-/// (or the status set with [`ExtensionKey::missing_status`]): it means the
-/// layer that inserts it does not run before this one.
+/// (or the status set with [`ExtensionKey::missing_status`]) with a generic
+/// body; the log says which extension is missing (at error level for a
+/// `5xx`): the layer that inserts it does not run before this one.
 pub struct ExtensionKey<T, F> {
     key: F,
     missing_status: StatusCode,
@@ -307,7 +346,9 @@ where
                 RequestKey::Name(name) => RequestKey::Name(format!("ext:{name}")),
                 id @ RequestKey::Id(_) => id,
             }),
-            None => Err(KeyRejection::new(
+            // The body must not name types or layers to a client (which
+            // may be an anonymous user answered 401); the log does.
+            None => Err(KeyRejection::generic(
                 self.missing_status,
                 format!(
                     "request extension {} is missing: the layer that inserts it must run \
@@ -331,8 +372,8 @@ where
 /// The direct peer comes from axum's `ConnectInfo<SocketAddr>` (serve with
 /// `into_make_service_with_connect_info::<SocketAddr>()`), or from a plain
 /// `SocketAddr` extension for other servers. A request with neither is
-/// answered `500 Internal Server Error`: the server is not set up to tell
-/// clients apart.
+/// answered `500 Internal Server Error` with a generic body, and the log
+/// says what to change: the server is not set up to tell clients apart.
 ///
 /// Forwarding headers are ignored unless trust is configured with
 /// [`PeerIp::trust_x_forwarded_for`] or [`PeerIp::trust_forwarded`]: any
@@ -428,7 +469,7 @@ impl KeyExtractor for PeerIp {
                 self.ipv6_prefix_len
             ))),
             Some(ip) => Ok(RequestKey::Name(format!("ip:{ip}"))),
-            None => Err(KeyRejection::new(
+            None => Err(KeyRejection::generic(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "the peer address is unknown: serve the router with \
                  into_make_service_with_connect_info::<SocketAddr>()",
@@ -536,8 +577,33 @@ mod tests {
     fn peer_ip_without_a_peer_is_a_server_error() {
         let err = PeerIp::new().extract(&parts(|b| b)).unwrap_err();
         assert_eq!(err.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        // The client is told nothing about the server; the log is.
+        assert_eq!(err.message(), "internal server error");
         assert!(err
-            .message()
+            .detail()
+            .unwrap()
             .contains("into_make_service_with_connect_info"));
+    }
+
+    #[test]
+    fn a_missing_extension_names_the_type_in_the_log_only() {
+        struct User;
+        let key = ExtensionKey::new(|_: &User| RequestKey::Id(1));
+        let err = key.extract(&parts(|b| b)).unwrap_err();
+        assert_eq!(err.message(), "internal server error");
+        let detail = err.detail().unwrap();
+        assert!(detail.contains("User"), "{detail}");
+        assert!(
+            detail.contains("must run before the rate limit"),
+            "{detail}"
+        );
+        let err = key
+            .missing_status(StatusCode::UNAUTHORIZED)
+            .extract(&parts(|b| b))
+            .unwrap_err();
+        assert_eq!(err.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(err.message(), "authentication required");
+        let err = KeyRejection::generic(StatusCode::FORBIDDEN, "no role");
+        assert_eq!(err.message(), "forbidden");
     }
 }

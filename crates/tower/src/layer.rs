@@ -533,5 +533,15 @@ where
 }
 
 fn rejection_response(rejection: KeyRejection) -> Response<Bytes> {
-    text_response(rejection.status(), format!("{}\n", rejection.message()))
+    let status = rejection.status();
+    let detail = rejection.detail().unwrap_or(rejection.message());
+    // A server error is the operator's to fix, so it is logged loudly. A
+    // client error is the client's doing (a missing API key, an anonymous
+    // user): logging it above debug would let any client flood the log.
+    if status.is_server_error() {
+        tracing::error!(%status, "no rate-limit key for the request: {detail}");
+    } else {
+        tracing::debug!(%status, "no rate-limit key for the request: {detail}");
+    }
+    text_response(status, format!("{}\n", rejection.message()))
 }
