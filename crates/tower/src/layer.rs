@@ -512,11 +512,17 @@ where
                     "the rate limiter is unavailable; try again later\n".to_owned(),
                 )
                 .map(ResBody::from)),
-                Verdict::Invalid(e) => Ok(text_response(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("the request cannot be rate-limited: {e}\n"),
-                )
-                .map(ResBody::from)),
+                // The cost comes from the operator's cost function, so the
+                // fix is theirs: the log says what is wrong, the client
+                // only that the server failed.
+                Verdict::Invalid(error) => {
+                    tracing::error!(%error, cost, "the request cannot be rate-limited");
+                    Ok(text_response(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "internal server error\n".to_owned(),
+                    )
+                    .map(ResBody::from))
+                }
             }
         })
     }
