@@ -860,6 +860,46 @@ async fn fail_local_decides_on_the_in_memory_fallback() {
     assert_eq!(admitted(&app, || get_from("192.0.2.1:1"), 5).await, 3);
 }
 
+/// A store that fails every other call, and decides the others.
+struct Flapping(LocalLimiter, AtomicUsize);
+
+impl Limiter for Flapping {
+    fn config(&self) -> &PolicyConfig {
+        self.0.config()
+    }
+
+    fn check(&self, key: u64, cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
+        if self.1.fetch_add(1, Ordering::SeqCst) % 2 == 1 {
+            Box::pin(std::future::ready(Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                "timed out",
+            ))))
+        } else {
+            self.0.check(key, cost)
+        }
+    }
+}
+
+/// What docs/middleware.md states: the store and the local fallback count
+/// apart, so while failures alternate one process admits about twice the
+/// limit.
+#[tokio::test]
+async fn fail_local_with_an_intermittent_store_counts_twice() {
+    let config = PolicyConfig::new(PolicyKind::FixedWindow, 3, 60_000);
+    let (store, _clock) = local(config);
+    let (fallback, _clock) = local(config);
+    let layer = RateLimitLayer::builder(
+        Arc::new(Flapping(store, AtomicUsize::new(0))),
+        GlobalKey::new(0),
+    )
+    .failure_policy(FailurePolicy::Local)
+    .local_fallback(fallback)
+    .build()
+    .unwrap();
+    let app = router(layer);
+    assert_eq!(admitted(&app, || Request::builder().uri("/"), 20).await, 6);
+}
+
 #[tokio::test]
 async fn a_limiter_that_does_not_answer_times_out_into_the_failure_policy() {
     let closed = RateLimitLayer::builder(Arc::new(Pending(REFERENCE)), GlobalKey::new(0))
