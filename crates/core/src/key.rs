@@ -9,9 +9,18 @@
 //! `n^2 / 2^(b+1)` colliding pairs. For a million keys that is about 116
 //! pairs with mix32 (`10^12 / 2^33`), and about `2.7e-8` with the 64-bit
 //! [`xxh3_64`] (`10^12 / 2^65`): a deployment with that many keys wants
-//! [`KeyHash::Xxh3_64`]. Both hashes are public and unkeyed (they must be, to
-//! be portable); a client that chooses its own key strings can choose two
-//! that collide and share one budget, which only makes it stricter on itself.
+//! [`KeyHash::Xxh3_64`].
+//!
+//! Colliding on purpose: both hashes are public and unkeyed (they must be,
+//! to be portable), and neither is a cryptographic hash. Where a client
+//! chooses the key material (a header's value, an address within its own
+//! network), it can search for a string whose hash equals *another*
+//! client's key and spend that client's budget. Against mix32 such a search
+//! takes seconds (2^32 tries at most, and mix32 can be inverted step by step
+//! to build one faster). Where clients choose key material, use
+//! [`KeyHash::Xxh3_64`]: a search by trial costs about 2^64 tries. That
+//! raises the cost of an attack; it does not prove that no colliding string
+//! can be crafted, since xxh3 is not designed to resist that.
 
 use std::io::Cursor;
 
@@ -45,7 +54,8 @@ pub enum KeyHash {
     /// [`mix32`]: SPEC's default, portable, 32 bits.
     #[default]
     Mix32,
-    /// [`xxh3_64`]: 64 bits, for millions of keys.
+    /// [`xxh3_64`]: 64 bits, for millions of keys and wherever clients
+    /// choose key material.
     Xxh3_64,
 }
 

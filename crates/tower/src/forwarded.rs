@@ -6,15 +6,22 @@
 //! proxy is the client. Everything left of it was written by the client or
 //! by proxies nobody vouches for, and is ignored.
 
-use std::net::{IpAddr, SocketAddr};
+use std::borrow::Cow;
+use std::collections::VecDeque;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use http::HeaderMap;
-use ipnet::IpNet;
+use ipnet::{IpNet, Ipv4Net};
 
 /// The most list entries read from the right before giving up. Honest chains
 /// are a handful of proxies long; the bound keeps a padded header from
-/// costing more than a few comparisons.
+/// costing more than a few comparisons. Empty elements do not count.
 pub const MAX_HOPS: usize = 32;
+
+/// The most list elements looked at, empty ones included, before giving up:
+/// RFC 9110 §5.6.1.2 asks a recipient to skip "a reasonable number" of empty
+/// elements, and this bounds what a header of commas costs.
+pub const MAX_ELEMENTS: usize = 4 * MAX_HOPS;
 
 /// Which header the trusted proxies write.
 ///
@@ -42,8 +49,8 @@ impl ForwardedHeader {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Hop {
     Ip(IpAddr),
-    /// `unknown`, an obfuscated identifier, a missing `for=`, or text that is
-    /// not an address.
+    /// `unknown`, an obfuscated identifier, a missing or repeated `for=`, or
+    /// text that is not an address.
     Unknown,
 }
 
@@ -56,10 +63,14 @@ pub struct ProxyTrust {
 
 impl ProxyTrust {
     /// Trust `header` when the direct peer lies in one of `proxies`.
+    ///
+    /// Addresses are compared in canonical form, IPv4-mapped IPv6 as IPv4,
+    /// so a network written mapped (`::ffff:10.0.0.0/104`) is taken as the
+    /// IPv4 network it maps (`10.0.0.0/8`).
     pub fn new(header: ForwardedHeader, proxies: impl IntoIterator<Item = IpNet>) -> Self {
         ProxyTrust {
             header,
-            proxies: proxies.into_iter().map(|n| n.trunc()).collect(),
+            proxies: proxies.into_iter().map(canonical_net).collect(),
         }
     }
 
@@ -83,8 +94,11 @@ impl ProxyTrust {
     /// - An entry that is not an address (`unknown`, an obfuscated name,
     ///   garbage) ends the walk: the trusted proxy that wrote it is taken as
     ///   the client, because nothing left of it can be believed.
+    /// - Empty list elements are skipped (RFC 9110 §5.6.1.2).
     /// - When every entry is a trusted proxy (or the header is absent), the
     ///   left-most trusted address is the client.
+    /// - Past [`MAX_HOPS`] entries or [`MAX_ELEMENTS`] elements the walk
+    ///   stops at the last trusted address reached.
     pub fn client_ip(&self, peer: IpAddr, headers: &HeaderMap) -> IpAddr {
         let mut current = peer.to_canonical();
         if !self.is_trusted(current) {
@@ -95,20 +109,42 @@ impl ProxyTrust {
             .iter()
             .map(|v| v.as_bytes())
             .collect();
-        let mut seen = 0;
+        // Every element looked at, and the non-empty ones among them.
+        let (mut scanned, mut hops) = (0, 0);
         for line in lines.iter().rev() {
             // Header values are visible ASCII in practice; a line that is not
             // UTF-8 cannot hold an address and counts as unknown.
             let Ok(line) = std::str::from_utf8(line) else {
                 return current;
             };
-            for element in split_unquoted(line, ',').into_iter().rev() {
-                seen += 1;
-                if seen > MAX_HOPS {
+            // Only the right-most elements can be read before a bound is
+            // reached: keep those (one more than the budget, to see it
+            // exceeded) rather than collect a padded line whole.
+            let keep = MAX_ELEMENTS - scanned + 1;
+            let mut tail = VecDeque::with_capacity(keep.min(8));
+            for element in SplitUnquoted::new(line, b',') {
+                if tail.len() == keep {
+                    tail.pop_front();
+                }
+                tail.push_back(element);
+            }
+            for element in tail.into_iter().rev() {
+                scanned += 1;
+                if scanned > MAX_ELEMENTS {
+                    return current;
+                }
+                // Empty elements (`a,,b`, a trailing comma, an empty line)
+                // are skipped, as RFC 9110 §5.6.1.2 requires.
+                let element = element.trim();
+                if element.is_empty() {
+                    continue;
+                }
+                hops += 1;
+                if hops > MAX_HOPS {
                     return current;
                 }
                 let hop = match self.header {
-                    ForwardedHeader::XForwardedFor => parse_node(element.trim()),
+                    ForwardedHeader::XForwardedFor => parse_node(element),
                     ForwardedHeader::Forwarded => forwarded_for(element),
                 };
                 match hop {
@@ -127,45 +163,130 @@ impl ProxyTrust {
     }
 }
 
-/// Splits `s` at `sep` outside double-quoted strings (which may contain
-/// backslash escapes), as RFC 7239 and RFC 9110 lists require.
-fn split_unquoted(s: &str, sep: char) -> Vec<&str> {
-    let mut parts = Vec::new();
-    let mut start = 0;
-    let mut quoted = false;
-    let mut escaped = false;
-    for (i, c) in s.char_indices() {
-        if escaped {
-            escaped = false;
-        } else if quoted && c == '\\' {
-            escaped = true;
-        } else if c == '"' {
-            quoted = !quoted;
-        } else if c == sep && !quoted {
-            parts.push(&s[start..i]);
-            start = i + c.len_utf8();
+/// `net` as the peers it must match are written: a network of IPv4-mapped
+/// addresses (`::ffff:a.b.c.d/n`, n >= 96) as the IPv4 network it maps.
+/// A shorter IPv6 prefix covers more than the mapped range and stays IPv6.
+fn canonical_net(net: IpNet) -> IpNet {
+    if let IpNet::V6(v6) = net {
+        if let (Some(v4), Some(len)) = (v6.addr().to_ipv4_mapped(), v6.prefix_len().checked_sub(96))
+        {
+            if let Ok(v4) = Ipv4Net::new(v4, len) {
+                return IpNet::V4(v4.trunc());
+            }
         }
     }
-    parts.push(&s[start..]);
-    parts
+    net.trunc()
+}
+
+/// The elements of a list, split at `sep` outside double-quoted strings
+/// (which may contain backslash escapes), as RFC 7239 and RFC 9110 lists
+/// require; left to right, without allocating.
+struct SplitUnquoted<'a> {
+    rest: Option<&'a str>,
+    sep: u8,
+}
+
+impl<'a> SplitUnquoted<'a> {
+    fn new(s: &'a str, sep: u8) -> Self {
+        SplitUnquoted { rest: Some(s), sep }
+    }
+}
+
+impl<'a> Iterator for SplitUnquoted<'a> {
+    type Item = &'a str;
+
+    fn next(&mut self) -> Option<&'a str> {
+        let s = self.rest?;
+        let (mut quoted, mut escaped) = (false, false);
+        // The separators and quotes are ASCII, so every split falls on a
+        // character boundary.
+        for (i, b) in s.bytes().enumerate() {
+            if escaped {
+                escaped = false;
+            } else if quoted && b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                quoted = !quoted;
+            } else if b == self.sep && !quoted {
+                self.rest = Some(&s[i + 1..]);
+                return Some(&s[..i]);
+            }
+        }
+        self.rest = None;
+        Some(s)
+    }
 }
 
 /// The `for=` node of one `Forwarded` element (`for=192.0.2.60;proto=http`).
+///
+/// An element without `for`, or with `for` more than once, is unknown: RFC
+/// 7239 §4 allows each parameter at most once per element, and of two
+/// values neither can be believed.
 fn forwarded_for(element: &str) -> Hop {
-    for pair in split_unquoted(element, ';') {
-        let Some((name, value)) = pair.split_once('=') else {
+    let mut value = None;
+    for pair in SplitUnquoted::new(element, b';') {
+        let Some((name, v)) = pair.split_once('=') else {
             continue;
         };
         if name.trim().eq_ignore_ascii_case("for") {
-            let value = value.trim();
-            let value = value
-                .strip_prefix('"')
-                .and_then(|v| v.strip_suffix('"'))
-                .unwrap_or(value);
-            return parse_node(value);
+            if value.is_some() {
+                return Hop::Unknown;
+            }
+            value = Some(v.trim());
         }
     }
-    Hop::Unknown
+    match value.and_then(unquote) {
+        Some(node) => forwarded_node(&node),
+        None => Hop::Unknown,
+    }
+}
+
+/// A parameter value: a token as is, or a quoted-string (RFC 9110 §5.6.4)
+/// without its quotes and with its quoted-pairs (`\x`) unescaped. `None`
+/// for a quoted-string that does not end where the value ends.
+fn unquote(value: &str) -> Option<Cow<'_, str>> {
+    let Some(quoted) = value.strip_prefix('"') else {
+        return Some(Cow::Borrowed(value));
+    };
+    let mut out = String::with_capacity(quoted.len());
+    let mut chars = quoted.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => out.push(chars.next()?),
+            '"' => return chars.as_str().is_empty().then_some(Cow::Owned(out)),
+            c => out.push(c),
+        }
+    }
+    None
+}
+
+/// An RFC 7239 node: [`parse_node`], and also an address followed by an
+/// obfuscated port (`192.0.2.43:_p1`, `[2001:db8::1]:_p1`). The proxy hid
+/// the port, not the address, so the address is the client's.
+fn forwarded_node(node: &str) -> Hop {
+    if let Some((name, port)) = node.rsplit_once(':') {
+        if is_obfport(port) {
+            if let Ok(v4) = name.parse::<Ipv4Addr>() {
+                return Hop::Ip(IpAddr::V4(v4));
+            }
+            let v6 = name.strip_prefix('[').and_then(|n| n.strip_suffix(']'));
+            return match v6.map(str::parse::<Ipv6Addr>) {
+                Some(Ok(v6)) => Hop::Ip(IpAddr::V6(v6)),
+                _ => Hop::Unknown,
+            };
+        }
+    }
+    parse_node(node)
+}
+
+/// `obfport = "_" 1*(ALPHA / DIGIT / "." / "_" / "-")` (RFC 7239 §6.3).
+fn is_obfport(port: &str) -> bool {
+    port.strip_prefix('_').is_some_and(|rest| {
+        !rest.is_empty()
+            && rest
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    })
 }
 
 /// An address with an optional port: `192.0.2.1`, `192.0.2.1:80`,
@@ -282,9 +403,97 @@ mod tests {
     }
 
     #[test]
+    fn forwarded_obfuscated_ports_quoted_pairs_and_repeated_for() {
+        let t = trust(ForwardedHeader::Forwarded);
+        let peer = ip("10.0.0.3");
+        let client = |value: &'static str| t.client_ip(peer, &headers("forwarded", &[value]));
+        // An obfuscated port hides the port; the address is real.
+        assert_eq!(client("for=\"192.0.2.43:_p1\""), ip("192.0.2.43"));
+        assert_eq!(client("for=\"[2001:db8::1]:_p1\""), ip("2001:db8::1"));
+        assert_eq!(client("for=192.0.2.43:_a.b-c_9"), ip("192.0.2.43"));
+        // Not an obfuscated port, or not an address before it: unknown.
+        assert_eq!(client("for=\"192.0.2.43:_\""), peer);
+        assert_eq!(client("for=\"192.0.2.43:_p!\""), peer);
+        assert_eq!(client("for=\"2001:db8::1:_p1\""), peer);
+        assert_eq!(client("for=\"_hidden:_p1\""), peer);
+        // Quoted-pairs are unescaped.
+        assert_eq!(client("for=\"\\198.51.100.7\""), ip("198.51.100.7"));
+        assert_eq!(client("for=\"[2001:db8::\\1]\""), ip("2001:db8::1"));
+        assert_eq!(client("for=\"198.51.100.7\\\""), peer);
+        assert_eq!(client("for=\"198.51.100.7\"x"), peer);
+        // `for` twice in one element: neither value is believed.
+        assert_eq!(client("for=6.6.6.6;for=198.51.100.7"), peer);
+        assert_eq!(client("for=198.51.100.7;proto=http;FOR=6.6.6.6"), peer);
+        assert_eq!(
+            client("for=198.51.100.7;proto=http;by=10.0.0.3"),
+            ip("198.51.100.7")
+        );
+    }
+
+    #[test]
+    fn trusted_networks_written_as_mapped_ipv6_match() {
+        let t = ProxyTrust::new(
+            ForwardedHeader::XForwardedFor,
+            ["::ffff:10.0.0.0/104".parse().unwrap()],
+        );
+        let h = headers("x-forwarded-for", &["198.51.100.7"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("198.51.100.7"));
+        assert_eq!(t.client_ip(ip("::ffff:10.0.0.3"), &h), ip("198.51.100.7"));
+        assert!(!t.is_trusted(ip("11.0.0.3")));
+        // A single mapped address.
+        let t = ProxyTrust::new(
+            ForwardedHeader::XForwardedFor,
+            ["::ffff:10.0.0.3/128".parse().unwrap()],
+        );
+        assert!(t.is_trusted(ip("10.0.0.3")));
+        assert!(!t.is_trusted(ip("10.0.0.4")));
+    }
+
+    #[test]
     fn only_the_configured_header_is_read() {
         let t = trust(ForwardedHeader::Forwarded);
         let h = headers("x-forwarded-for", &["198.51.100.7"]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.3"));
+    }
+
+    #[test]
+    fn empty_list_elements_are_skipped() {
+        let peer = ip("10.0.0.3");
+        let t = trust(ForwardedHeader::XForwardedFor);
+        let xff = |lines: &[&'static str]| t.client_ip(peer, &headers("x-forwarded-for", lines));
+        assert_eq!(xff(&["198.51.100.7, "]), ip("198.51.100.7"));
+        assert_eq!(xff(&["198.51.100.7,,10.0.0.2"]), ip("198.51.100.7"));
+        assert_eq!(xff(&["198.51.100.7, 10.0.0.2,"]), ip("198.51.100.7"));
+        assert_eq!(xff(&["198.51.100.7", ""]), ip("198.51.100.7"));
+        assert_eq!(xff(&[" , ,"]), peer);
+        let t = trust(ForwardedHeader::Forwarded);
+        let fwd = |lines: &[&'static str]| t.client_ip(peer, &headers("forwarded", lines));
+        assert_eq!(
+            fwd(&["for=198.51.100.7, , for=10.0.0.2"]),
+            ip("198.51.100.7")
+        );
+        assert_eq!(fwd(&["for=198.51.100.7,"]), ip("198.51.100.7"));
+        assert_eq!(fwd(&["for=198.51.100.7", ""]), ip("198.51.100.7"));
+    }
+
+    #[test]
+    fn empty_elements_are_bounded_too() {
+        let t = trust(ForwardedHeader::XForwardedFor);
+        let mut h = HeaderMap::new();
+        // Within the bound the client is found behind the empty elements...
+        let few = format!("198.51.100.7{}", ",".repeat(MAX_ELEMENTS - 1));
+        h.insert("x-forwarded-for", HeaderValue::try_from(few).unwrap());
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("198.51.100.7"));
+        // ...beyond it the walk stops at the proxy, however long the line.
+        let many = format!("198.51.100.7{}", ",".repeat(100_000));
+        h.insert("x-forwarded-for", HeaderValue::try_from(many).unwrap());
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.3"));
+        // The bound counts elements over every line.
+        let mut h = HeaderMap::new();
+        h.append("x-forwarded-for", HeaderValue::from_static("198.51.100.7"));
+        for _ in 0..MAX_ELEMENTS {
+            h.append("x-forwarded-for", HeaderValue::from_static(""));
+        }
         assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.3"));
     }
 

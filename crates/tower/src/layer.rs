@@ -23,6 +23,12 @@ use crate::key::{KeyExtractor, KeyRejection, RequestKey};
 /// a second is treated as failed.
 pub const DEFAULT_CHECK_TIMEOUT: Duration = Duration::from_millis(1000);
 
+/// The layer's default key hash: 64 bits, so that a client choosing its
+/// own key material must search about 2^64 strings to meet another
+/// client's key (the core keeps SPEC's mix32 as its default, for its
+/// vectors).
+pub const DEFAULT_KEY_HASH: KeyHash = KeyHash::Xxh3_64;
+
 /// A refused request, as the refusal closure sees it.
 #[derive(Debug)]
 pub struct Refusal<'a> {
@@ -126,9 +132,17 @@ impl fmt::Debug for RateLimitBuilder {
 }
 
 impl RateLimitBuilder {
-    /// The hash that turns string keys into integer keys (default
-    /// [`KeyHash::Mix32`], SPEC's portable hash; [`KeyHash::Xxh3_64`] for
-    /// millions of keys).
+    /// The hash that turns string keys into integer keys: default
+    /// [`KeyHash::Xxh3_64`], or [`KeyHash::Mix32`], SPEC's portable hash,
+    /// to share counts with a program that keys by mix32.
+    ///
+    /// Both are public and unkeyed, and neither is a cryptographic hash.
+    /// Where clients choose key material (a header's value, an address in
+    /// their own network), a client can search for a string whose hash
+    /// equals another client's key and so spend that client's budget:
+    /// mix32's 32 bits fall to such a search in seconds, xxh3-64 raises its
+    /// cost to about 2^64 tries. That raises the cost of a search; it is no
+    /// proof against every crafted collision.
     pub fn key_hash(mut self, key_hash: KeyHash) -> Self {
         self.key_hash = key_hash;
         self
@@ -256,7 +270,7 @@ impl fmt::Debug for RateLimitLayer {
 }
 
 impl RateLimitLayer {
-    /// A layer with the defaults: cost 1, mix32 for string keys, the default
+    /// A layer with the defaults: cost 1, xxh3-64 for string keys, the default
     /// refusal, fail closed, a one-second limiter timeout, policy name
     /// `default`.
     pub fn new(limiter: Arc<dyn Limiter>, key: impl KeyExtractor) -> Self {
@@ -265,7 +279,7 @@ impl RateLimitLayer {
                 headers: RateLimitHeaders::default_name(limiter.config()),
                 limiter,
                 key: Box::new(key),
-                key_hash: KeyHash::default(),
+                key_hash: DEFAULT_KEY_HASH,
                 cost: None,
                 refusal: None,
                 failure_policy: FailurePolicy::FailClosed,
@@ -280,7 +294,7 @@ impl RateLimitLayer {
         RateLimitBuilder {
             limiter,
             key: Box::new(key),
-            key_hash: KeyHash::default(),
+            key_hash: DEFAULT_KEY_HASH,
             cost: None,
             refusal: None,
             failure_policy: FailurePolicy::FailClosed,
@@ -308,6 +322,16 @@ impl<S> Layer<S> for RateLimitLayer {
 }
 
 /// The service made by [`RateLimitLayer`]. Clones share the layer's budget.
+///
+/// # Readiness
+///
+/// `poll_ready` is always ready: the limiter decides in `call`, first. Only
+/// an admitted request then waits for the inner service, on a clone of it
+/// driven to readiness and called (as `tower::ServiceExt::oneshot` does).
+/// A refusal, a key rejection or a failure answer is therefore sent at once,
+/// even while the inner service is not ready, and never holds its capacity
+/// (a `ConcurrencyLimit` permit, a `Buffer` slot). An error from the inner
+/// service's `poll_ready` is returned by the admitted request's future.
 #[derive(Clone)]
 pub struct RateLimitService<S> {
     inner: S,
@@ -447,17 +471,18 @@ where
     type Error = S::Error;
     type Future = BoxFuture<'static, Result<Response<ResBody>, S::Error>>;
 
-    /// Ready when the inner service is: the limiter is consulted in `call`,
-    /// so a full budget never holds a request back here; it is answered.
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+    /// Always ready: the request is decided in `call`, and only an admitted
+    /// request waits for the inner service (see [Readiness](Self#readiness)).
+    /// Forwarding the inner service's readiness here would make a request
+    /// that is about to be refused wait for, and hold, the inner service.
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        // The inner service was made ready by `poll_ready`; take that one
-        // into the future and leave a fresh clone behind for the next call.
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        // A clone, made ready inside the future only once the request is
+        // admitted: the one kept here is never polled for readiness.
+        let mut inner = self.inner.clone();
         let shared = Arc::clone(&self.shared);
         Box::pin(async move {
             let (mut parts, body) = request.into_parts();
@@ -469,7 +494,8 @@ where
             match shared.decide(key, cost).await {
                 Verdict::Decided(decision) if decision.allowed => {
                     parts.extensions.insert(decision);
-                    let mut response = inner.call(Request::from_parts(parts, body)).await?;
+                    let mut response =
+                        ready_call(&mut inner, Request::from_parts(parts, body)).await?;
                     response
                         .headers_mut()
                         .append(RATELIMIT, shared.headers.ratelimit(&decision));
@@ -478,22 +504,50 @@ where
                 Verdict::Decided(decision) => {
                     Ok(shared.refused(decision, &parts, cost).map(ResBody::from))
                 }
-                Verdict::AdmitUndecided => inner.call(Request::from_parts(parts, body)).await,
+                Verdict::AdmitUndecided => {
+                    ready_call(&mut inner, Request::from_parts(parts, body)).await
+                }
                 Verdict::Unavailable => Ok(text_response(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "the rate limiter is unavailable; try again later\n".to_owned(),
                 )
                 .map(ResBody::from)),
-                Verdict::Invalid(e) => Ok(text_response(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("the request cannot be rate-limited: {e}\n"),
-                )
-                .map(ResBody::from)),
+                // The cost comes from the operator's cost function, so the
+                // fix is theirs: the log says what is wrong, the client
+                // only that the server failed.
+                Verdict::Invalid(error) => {
+                    tracing::error!(%error, cost, "the request cannot be rate-limited");
+                    Ok(text_response(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "internal server error\n".to_owned(),
+                    )
+                    .map(ResBody::from))
+                }
             }
         })
     }
 }
 
+/// Waits until `inner` is ready, then calls it: `tower::ServiceExt::oneshot`
+/// without the dependency.
+async fn ready_call<S, R>(inner: &mut S, request: R) -> Result<S::Response, S::Error>
+where
+    S: Service<R>,
+{
+    std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+    inner.call(request).await
+}
+
 fn rejection_response(rejection: KeyRejection) -> Response<Bytes> {
-    text_response(rejection.status(), format!("{}\n", rejection.message()))
+    let status = rejection.status();
+    let detail = rejection.detail().unwrap_or(rejection.message());
+    // A server error is the operator's to fix, so it is logged loudly. A
+    // client error is the client's doing (a missing API key, an anonymous
+    // user): logging it above debug would let any client flood the log.
+    if status.is_server_error() {
+        tracing::error!(%status, "no rate-limit key for the request: {detail}");
+    } else {
+        tracing::debug!(%status, "no rate-limit key for the request: {detail}");
+    }
+    text_response(status, format!("{}\n", rejection.message()))
 }

@@ -8,9 +8,10 @@
 //! - **One budget.** The limiter sits behind an `Arc`, so every clone of the
 //!   layer and of the service (axum clones the service per request) draws
 //!   on the same budget.
-//! - **Always ready.** `poll_ready` only asks the inner service; the limiter
-//!   is consulted in `call`, and a refusal is a response, never
-//!   back-pressure.
+//! - **Always ready.** `poll_ready` is always ready; the limiter decides in
+//!   `call`, and only an admitted request then waits for the inner service
+//!   to be ready. A refusal is a response, sent at once, never
+//!   back-pressure (see [`RateLimitService`]'s readiness).
 //! - **Standard headers.** A refusal is `429 Too Many Requests` with
 //!   `Retry-After` (whole seconds, rounded up, at least 1),
 //!   `RateLimit-Policy` and `RateLimit`; an admitted response carries
@@ -57,5 +58,5 @@ mod layer;
 
 pub use layer::{
     default_refusal, BuildError, RateLimitBuilder, RateLimitLayer, RateLimitService, Refusal,
-    DEFAULT_CHECK_TIMEOUT,
+    DEFAULT_CHECK_TIMEOUT, DEFAULT_KEY_HASH,
 };
