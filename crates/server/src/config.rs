@@ -65,7 +65,8 @@ impl std::error::Error for ConfigFileError {}
 /// logged and they take effect at the next start.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerSettings {
-    /// How descriptor values become integer keys.
+    /// How the strings of HTTP `{"key": ...}` requests become integer keys.
+    /// Descriptor counts always use XXH3-64 (see [`crate::rules`]).
     pub key_hash: KeyHash,
     /// What a failing store's requests get.
     pub failure_policy: FailurePolicy,

@@ -256,7 +256,7 @@ impl Service {
         rules.check_domain(domain)?;
         let matched: Vec<Option<Matched>> = descriptors
             .iter()
-            .map(|d| rules.match_descriptor(domain, &d.entries, self.settings.key_hash))
+            .map(|d| rules.match_descriptor(domain, &d.entries))
             .collect();
         let enforcing: Vec<usize> = (0..matched.len())
             .filter(|&i| matched[i].as_ref().is_some_and(|m| !m.rule.spec.shadow))
