@@ -807,3 +807,32 @@ async fn long_values_and_huge_costs_never_void_the_other_limits() {
     assert_eq!(r.statuses[0].limit_remaining, 7);
     server.stop();
 }
+
+/// Envoy sends one descriptor twice when, say, route and virtual host both
+/// rate-limit on remote_address: the two are one count at twice the cost,
+/// and a refusal consumes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_descriptor_sent_twice_is_decided_once_at_twice_the_cost() {
+    let file = ConfigFile::new(
+        "[[domains]]\ndomain = \"d\"\n[[domains.descriptors]]\nkey = \"remote_address\"\nlimit = 3\nwindow_ms = 3600000\n",
+    );
+    let server = Server::start(&["--config", file.path()]);
+    let mut grpc = server.grpc().await;
+    let one = descriptor(&[("remote_address", "10.0.0.1")]);
+    let r = should(&mut grpc, "d", vec![one.clone()], 2).await;
+    assert_eq!(r.statuses[0].limit_remaining, 1);
+    let r = should(&mut grpc, "d", vec![one.clone(), one.clone()], 1).await;
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    for s in &r.statuses {
+        assert_eq!(s.code, Code::OverLimit as i32);
+        assert_eq!(s.limit_remaining, 1);
+    }
+    let r = should(&mut grpc, "d", vec![one], 1).await;
+    assert_eq!(
+        r.overall_code,
+        Code::Ok as i32,
+        "the refusal consumed nothing"
+    );
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+    server.stop();
+}

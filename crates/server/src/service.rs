@@ -2,6 +2,7 @@
 //! timeout and failure policy, several descriptors in one request, reloads
 //! and housekeeping.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -204,7 +205,9 @@ impl Service {
 
     /// Decides a request of several descriptors in `domain`.
     ///
-    /// With more than one enforcing (matched, not shadow) descriptor, every
+    /// Descriptors that reach the same count (one rule, one key) are decided
+    /// once, at their summed cost, and each gets that decision. With more
+    /// than one enforcing (matched, not shadow) descriptor, every
     /// one is first checked at cost 0, which records nothing. If any would
     /// refuse, only those are decided for real (a refusal changes no count)
     /// and the others consume nothing. Otherwise each is taken in turn. A
@@ -254,91 +257,105 @@ impl Service {
         }
         let rules = self.rules.load_full();
         rules.check_domain(domain)?;
-        let matched: Vec<Option<Matched>> = descriptors
-            .iter()
-            .map(|d| rules.match_descriptor(domain, &d.entries))
-            .collect();
-        let enforcing: Vec<usize> = (0..matched.len())
-            .filter(|&i| matched[i].as_ref().is_some_and(|m| !m.rule.spec.shadow))
+        // Descriptors of one request that reach the same count (one rule,
+        // one key) are one decision at their summed cost: Envoy sends such
+        // duplicates when, say, route and virtual host both rate-limit on
+        // remote_address. Checked one by one, each would fit the budget and
+        // the second take would refuse after the first consumed.
+        let mut groups: Vec<(Matched, u64)> = Vec::new();
+        let mut group_of: Vec<Option<usize>> = Vec::with_capacity(descriptors.len());
+        {
+            // Only the grouping needs the rules' addresses.
+            let mut index: HashMap<(*const Rule, u64), usize> = HashMap::new();
+            for d in descriptors {
+                let Some(m) = rules.match_descriptor(domain, &d.entries) else {
+                    group_of.push(None);
+                    continue;
+                };
+                let g = *index
+                    .entry((Arc::as_ptr(&m.rule), m.key))
+                    .or_insert_with(|| {
+                        groups.push((m.clone(), 0));
+                        groups.len() - 1
+                    });
+                groups[g].1 = groups[g].1.saturating_add(d.cost);
+                group_of.push(Some(g));
+            }
+        }
+        let enforcing: Vec<usize> = (0..groups.len())
+            .filter(|&g| !groups[g].0.rule.spec.shadow)
             .collect();
 
-        let mut decided: Vec<Option<(Decision, bool)>> = vec![None; matched.len()];
-        for (i, m) in matched.iter().enumerate() {
+        let mut decided: Vec<Option<(Decision, bool)>> = vec![None; groups.len()];
+        for (g, (_, cost)) in groups.iter().enumerate() {
             // No limit exceeds 2^53 - 1, so a larger cost never fits: it is
             // refused with no wait, as a cost above the limit is, without
             // asking the store (which takes no such cost). An error instead
             // would void every other descriptor's limit in the request.
-            if m.is_some() && descriptors[i].cost > MAX_SAFE {
-                decided[i] = Some((Decision::refused(None, 0), false));
+            if *cost > MAX_SAFE {
+                decided[g] = Some((Decision::refused(None, 0), false));
             }
         }
         if enforcing.len() > 1 {
-            let mut peeks: Vec<Option<Decision>> = vec![None; matched.len()];
+            let mut peeks: Vec<Option<Decision>> = vec![None; groups.len()];
             let mut blocked = Vec::new();
-            for &i in &enforcing {
-                if decided[i].is_some() {
-                    blocked.push(i);
+            for &g in &enforcing {
+                if decided[g].is_some() {
+                    blocked.push(g);
                     continue;
                 }
-                let m = matched[i]
-                    .as_ref()
-                    .expect("enforcing descriptors matched a rule");
+                let (m, cost) = &groups[g];
                 match self.call(m, 0).await {
-                    Ok(d) if d.allowed && d.remaining >= descriptors[i].cost => peeks[i] = Some(d),
+                    Ok(d) if d.allowed && d.remaining >= *cost => peeks[g] = Some(d),
                     // A refusal, or a failing store, is decided for real
                     // below: the failure policy applies there.
-                    _ => blocked.push(i),
+                    _ => blocked.push(g),
                 }
             }
-            for &i in &blocked {
-                if decided[i].is_some() {
-                    continue;
+            for &g in &blocked {
+                if decided[g].is_none() {
+                    let (m, cost) = &groups[g];
+                    decided[g] = Some(self.take(m, *cost).await);
                 }
-                let m = matched[i]
-                    .as_ref()
-                    .expect("blocked descriptors matched a rule");
-                decided[i] = Some(self.take(m, descriptors[i].cost).await);
             }
             if blocked
                 .iter()
-                .any(|&i| decided[i].is_some_and(|(d, _)| !d.allowed))
+                .any(|&g| decided[g].is_some_and(|(d, _)| !d.allowed))
             {
-                for &i in &enforcing {
-                    if decided[i].is_none() {
-                        decided[i] = peeks[i].map(|d| (d, false));
+                for &g in &enforcing {
+                    if decided[g].is_none() {
+                        decided[g] = peeks[g].map(|d| (d, false));
                     }
                 }
             }
         }
         let refused_already = enforcing
             .iter()
-            .any(|&i| decided[i].is_some_and(|(d, _)| !d.allowed));
+            .any(|&g| decided[g].is_some_and(|(d, _)| !d.allowed));
         let mut consumed = false;
-        for (i, m) in matched.iter().enumerate() {
-            let Some(m) = m else { continue };
-            if decided[i].is_some() {
-                consumed |= descriptors[i].cost > 0 && decided[i].is_some_and(|(d, _)| d.allowed);
+        for (g, (m, cost)) in groups.iter().enumerate() {
+            if decided[g].is_some() {
+                consumed |= *cost > 0 && decided[g].is_some_and(|(d, _)| d.allowed);
                 continue;
             }
             let shadow = m.rule.spec.shadow;
             if refused_already && !shadow {
                 continue;
             }
-            let (d, failed) = self.take(m, descriptors[i].cost).await;
+            let (d, failed) = self.take(m, *cost).await;
             if !shadow && !d.allowed && consumed {
                 self.metrics.partial_consumption();
             }
-            consumed |= !shadow && d.allowed && descriptors[i].cost > 0;
-            decided[i] = Some((d, failed));
+            consumed |= !shadow && d.allowed && *cost > 0;
+            decided[g] = Some((d, failed));
         }
-        Ok(matched
+        Ok(group_of
             .into_iter()
-            .zip(decided)
-            .map(|(m, d)| match (m, d) {
-                (Some(m), Some((decision, failed))) => {
-                    self.finish(Some(m.rule), (decision, failed), false)
+            .map(|g| match g.and_then(|g| decided[g].map(|d| (g, d))) {
+                Some((g, decision)) => {
+                    self.finish(Some(Arc::clone(&groups[g].0.rule)), decision, false)
                 }
-                _ => self.finish(None, (Decision::admitted(0), false), true),
+                None => self.finish(None, (Decision::admitted(0), false), true),
             })
             .collect())
     }
@@ -539,6 +556,32 @@ shadow = true
             .unwrap();
         assert_eq!(out[0].decision.remaining, 10);
         assert!(out[1].allowed);
+    }
+
+    #[tokio::test]
+    async fn one_count_twice_in_a_request_is_one_decision() {
+        let s = service("[[domains]]\ndomain = \"api\"\n[[domains.descriptors]]\nkey = \"c\"\nlimit = 3\nwindow_ms = 3600000\n").await;
+        let one = d(&[("c", "x")], 1);
+        for _ in 0..2 {
+            assert!(
+                s.check_descriptors("api", std::slice::from_ref(&one))
+                    .await
+                    .unwrap()[0]
+                    .allowed
+            );
+        }
+        // 1 left: twice the descriptor costs 2, refused, and takes nothing.
+        let out = s
+            .check_descriptors("api", &[one.clone(), one.clone()])
+            .await
+            .unwrap();
+        assert!(out.iter().all(|o| !o.allowed && o.decision.remaining == 1));
+        let out = s
+            .check_descriptors("api", std::slice::from_ref(&one))
+            .await
+            .unwrap();
+        assert!(out[0].allowed);
+        assert_eq!(out[0].decision.remaining, 0);
     }
 
     #[tokio::test]
