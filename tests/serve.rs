@@ -836,3 +836,48 @@ async fn a_descriptor_sent_twice_is_decided_once_at_twice_the_cost() {
     assert_eq!(r.statuses[0].limit_remaining, 0);
     server.stop();
 }
+
+/// grpc.health.v1.Health: SERVING for the server and the rate-limit
+/// service while it runs, NOT_SERVING once SIGTERM starts the shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_health_serves_then_turns_not_serving_on_sigterm() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    const RLS: &str = "envoy.service.ratelimit.v3.RateLimitService";
+    let server = Server::start(&[]);
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    let ask = |service: &str| HealthCheckRequest {
+        service: service.into(),
+    };
+    for service in ["", RLS] {
+        let r = health.check(ask(service)).await.unwrap().into_inner();
+        assert_eq!(r.status, ServingStatus::Serving as i32, "{service:?}");
+    }
+    let unknown = health.check(ask("no.such.Service")).await.unwrap_err();
+    assert_eq!(unknown.code(), tonic::Code::NotFound);
+
+    let mut watch = health.watch(ask(RLS)).await.unwrap().into_inner();
+    let first = tokio::time::timeout(Duration::from_secs(10), watch.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.status, ServingStatus::Serving as i32);
+    server.signal("TERM");
+    let next = tokio::time::timeout(Duration::from_secs(10), watch.message())
+        .await
+        .expect("a status change within 10 s of SIGTERM")
+        .unwrap()
+        .unwrap();
+    assert_eq!(next.status, ServingStatus::NotServing as i32);
+    // The watch is the last call in flight: ending it lets the server stop.
+    drop(watch);
+    drop(health);
+    server.stop();
+}

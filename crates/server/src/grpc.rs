@@ -16,6 +16,9 @@ use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::{
 use crate::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::service::{DescriptorOutcome, DescriptorRequest, Service};
 
+/// The rate-limit service's full name, as health checks ask for it.
+pub const SERVICE_NAME: &str = <RateLimitServiceServer<Rls> as tonic::server::NamedService>::NAME;
+
 /// The largest gRPC request decoded, in bytes.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 
