@@ -137,8 +137,8 @@ pub struct Config {
     /// requests.
     pub keys: Option<RuleSpec>,
     /// The rule for any descriptor no configured rule matches, in any
-    /// domain; `None` leaves such descriptors unlimited and unknown domains
-    /// an error.
+    /// domain; `None` leaves such descriptors, and every descriptor of an
+    /// unknown domain, unlimited.
     pub fallback: Option<RuleSpec>,
     /// The configured domains.
     pub domains: Vec<DomainSpec>,

@@ -80,8 +80,6 @@ pub struct Matched {
 /// Why a request cannot be matched at all.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MatchError {
-    /// The domain is not configured and no fallback rule exists.
-    UnknownDomain(String),
     /// A `key` request, but the configuration has no `[keys]` rule.
     NoKeysRule,
 }
@@ -89,10 +87,6 @@ pub enum MatchError {
 impl fmt::Display for MatchError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            MatchError::UnknownDomain(d) => write!(
-                f,
-                "unknown domain {d:?}: the configuration has no [[domains]] entry for it and no [fallback] rule"
-            ),
             MatchError::NoKeysRule => f.write_str(
                 "the configuration has no [keys] rule for key requests; send domain and descriptors, \
                  or add a [keys] table to the configuration",
@@ -204,12 +198,8 @@ impl RuleSet {
     }
 
     /// Whether the domain is configured, or a fallback rule covers it.
-    pub fn check_domain(&self, domain: &str) -> Result<(), MatchError> {
-        if self.domains.contains_key(domain) || self.fallback.is_some() {
-            Ok(())
-        } else {
-            Err(MatchError::UnknownDomain(domain.to_owned()))
-        }
+    pub fn knows_domain(&self, domain: &str) -> bool {
+        self.domains.contains_key(domain) || self.fallback.is_some()
     }
 
     /// The rule and count key for a `key` request: the key string, after
@@ -439,11 +429,10 @@ window_ms = 1000
         assert_eq!(name(&[("path", "/other"), ("user", "ann")]), None);
         assert_eq!(name(&[("unknown", "x")]), None);
         assert_eq!(name(&[("remote_address", "1.2.3.4"), ("extra", "x")]), None);
-        assert!(s.check_domain("api").is_ok());
-        assert_eq!(
-            s.check_domain("web"),
-            Err(MatchError::UnknownDomain("web".into()))
-        );
+        assert!(s.knows_domain("api"));
+        assert!(!s.knows_domain("web"));
+        // No configured key is empty, so an empty entry key matches nothing.
+        assert_eq!(name(&[("", "x")]), None);
         assert_eq!(
             s.match_key("k", KeyHash::Mix32).unwrap_err(),
             MatchError::NoKeysRule
@@ -550,7 +539,7 @@ window_ms = 1000
     #[test]
     fn the_reference_covers_every_domain() {
         let s = build(Config::reference(), None, &Metrics::default());
-        assert!(s.check_domain("anything").is_ok());
+        assert!(s.knows_domain("anything"));
         let m = s
             .match_descriptor("anything", &entries(&[("a", "b")]))
             .unwrap();

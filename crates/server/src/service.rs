@@ -73,6 +73,7 @@ pub struct Service {
     reload_lock: tokio::sync::Mutex<()>,
     started: Instant,
     last_error_log_ms: AtomicU64,
+    last_domain_log_ms: AtomicU64,
 }
 
 impl std::fmt::Debug for Service {
@@ -104,6 +105,7 @@ impl Service {
             reload_lock: tokio::sync::Mutex::new(()),
             started: Instant::now(),
             last_error_log_ms: AtomicU64::new(0),
+            last_domain_log_ms: AtomicU64::new(0),
         })
     }
 
@@ -247,16 +249,27 @@ impl Service {
                     d.entries.len()
                 )));
             }
-            for (j, (k, _)) in d.entries.iter().enumerate() {
-                if k.is_empty() {
-                    return Err(BadRequest(format!(
-                        "descriptors[{i}].entries[{j}].key is empty; every entry needs a key"
-                    )));
-                }
-            }
         }
         let rules = self.rules.load_full();
-        rules.check_domain(domain)?;
+        if !rules.knows_domain(domain) {
+            // As envoyproxy/ratelimit answers it: no limit for any
+            // descriptor. An error would make Envoy with failure_mode_deny
+            // refuse all traffic over a typo in its domain; the warning and
+            // the counter make the typo visible instead.
+            self.metrics.unknown_domain();
+            if self.log_now(&self.last_domain_log_ms) {
+                let shown: String = domain.chars().take(100).collect();
+                tracing::warn!(
+                    domain = %shown.escape_debug(),
+                    "a request named a domain the configuration has no [[domains]] entry for \
+                     (and there is no [fallback]): every descriptor is unlimited"
+                );
+            }
+            return Ok(descriptors
+                .iter()
+                .map(|_| self.finish(None, (Decision::admitted(0), false), true))
+                .collect());
+        }
         // Descriptors of one request that reach the same count (one rule,
         // one key) are one decision at their summed cost: Envoy sends such
         // duplicates when, say, route and virtual host both rate-limit on
@@ -439,16 +452,21 @@ impl Service {
     /// Logs a store failure, at most one line a second: a store that is
     /// down fails every request, and the metrics count them all.
     fn log_store_error(&self, rule: &Rule, e: &StoreError, policy: FailurePolicy) {
-        let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let last = self.last_error_log_ms.load(Ordering::Relaxed);
-        if (now_ms >= last + 1000 || last == 0)
-            && self
-                .last_error_log_ms
-                .compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
+        if self.log_now(&self.last_error_log_ms) {
             tracing::warn!(rule = %rule.spec.name, failure_policy = %policy, "store failed: {e}");
         }
+    }
+
+    /// Whether a warning repeated on every request may be logged now: at
+    /// most once a second per `last` (the time of the last one, in ms since
+    /// start, 0 for never).
+    fn log_now(&self, last_ms: &AtomicU64) -> bool {
+        let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let last = last_ms.load(Ordering::Relaxed);
+        (now_ms >= last + 1000 || last == 0)
+            && last_ms
+                .compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 }
 
@@ -605,12 +623,21 @@ shadow = true
             .await
             .unwrap();
         assert!(out[0].allowed && out[0].rule.is_none());
-        assert!(s
-            .check_descriptors("web", &[d(&[("a", "x")], 1)])
+        // An unknown domain, or an empty entry key, limits nothing.
+        let out = s
+            .check_descriptors("web", &[d(&[("a", "x")], 1), d(&[("", "x")], 1)])
             .await
-            .unwrap_err()
-            .0
-            .contains("unknown domain"));
+            .unwrap();
+        assert!(out.iter().all(|o| o.allowed && o.rule.is_none()));
+        assert!(s
+            .metrics
+            .render(&[])
+            .contains("\nratewarden_unknown_domain_total 1\n"));
+        let out = s
+            .check_descriptors("api", &[d(&[("", "x")], 1)])
+            .await
+            .unwrap();
+        assert!(out[0].allowed && out[0].rule.is_none());
         assert!(s
             .check_descriptors("api", &[])
             .await
