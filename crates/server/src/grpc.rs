@@ -116,6 +116,8 @@ fn unit_of(window_ms: u64) -> Unit {
         3_600_000 => Unit::Hour,
         86_400_000 => Unit::Day,
         604_800_000 => Unit::Week,
+        2_592_000_000 => Unit::Month,
+        31_536_000_000 => Unit::Year,
         _ => Unit::Unknown,
     }
 }
@@ -136,6 +138,8 @@ mod tests {
         assert_eq!(unit_of(1000), Unit::Second);
         assert_eq!(unit_of(60_000), Unit::Minute);
         assert_eq!(unit_of(1500), Unit::Unknown);
+        assert_eq!(unit_of(30 * 86_400_000), Unit::Month);
+        assert_eq!(unit_of(365 * 86_400_000), Unit::Year);
         assert_eq!(
             duration(1500),
             prost_types::Duration {

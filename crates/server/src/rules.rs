@@ -47,12 +47,16 @@ impl fmt::Debug for Rule {
 #[derive(Debug, Default)]
 struct Level {
     exact: HashMap<(String, String), Node>,
+    /// Nodes whose value ends in `*`: key, the value's prefix, and the
+    /// node; longest prefix first, so the most specific match wins.
+    prefix: Vec<(String, String, Node)>,
     any: HashMap<String, Node>,
 }
 
 #[derive(Debug)]
 struct Node {
     rule: Option<Arc<Rule>>,
+    unlimited: bool,
     children: Level,
 }
 
@@ -224,7 +228,12 @@ impl RuleSet {
     /// domain and the keys), composed unambiguously and hashed with XXH3-64.
     pub fn match_descriptor(&self, domain: &str, entries: &[(String, String)]) -> Option<Matched> {
         if let Some(level) = self.domains.get(domain) {
-            if let Some(rule) = walk(level, entries) {
+            let node = walk(level, entries);
+            if node.is_some_and(|n| n.unlimited) {
+                // Matched and never limited: not the fallback's either.
+                return None;
+            }
+            if let Some(rule) = node.and_then(|n| n.rule.as_ref()) {
                 let parts = std::iter::once(rule.id.as_str())
                     .chain(entries.iter().map(|(_, v)| v.as_str()));
                 return Some(Matched {
@@ -244,7 +253,11 @@ impl RuleSet {
     }
 }
 
-fn walk<'a>(mut level: &'a Level, entries: &[(String, String)]) -> Option<&'a Arc<Rule>> {
+/// The node a descriptor's entries reach, if they stay on the tree. At each
+/// level, as envoyproxy/ratelimit looks: the node with the entry's key and
+/// exact value, else the node whose value is a prefix ending in `*` (the
+/// longest such prefix), else the node with the key alone.
+fn walk<'a>(mut level: &'a Level, entries: &[(String, String)]) -> Option<&'a Node> {
     let mut node = None;
     for (k, v) in entries {
         // The lookup by (key, value) needs owned strings in the tuple; the
@@ -252,11 +265,18 @@ fn walk<'a>(mut level: &'a Level, entries: &[(String, String)]) -> Option<&'a Ar
         let found = level
             .exact
             .get(&(k.clone(), v.clone()))
+            .or_else(|| {
+                level
+                    .prefix
+                    .iter()
+                    .find(|(pk, p, _)| pk == k && v.starts_with(p.as_str()))
+                    .map(|(_, _, n)| n)
+            })
             .or_else(|| level.any.get(k))?;
         level = &found.children;
         node = Some(found);
     }
-    node?.rule.as_ref()
+    node
 }
 
 fn domain_id(domain: &str) -> String {
@@ -335,12 +355,25 @@ impl Builder<'_> {
             let id = node_id(parent_id, n);
             let rule = n.rule.as_ref().map(|spec| self.rule(id.clone(), spec));
             let children = self.level(&id, &n.children);
-            let node = Node { rule, children };
+            let node = Node {
+                rule,
+                unlimited: n.unlimited,
+                children,
+            };
             match &n.value {
-                Some(v) => level.exact.insert((n.key.clone(), v.clone()), node),
-                None => level.any.insert(n.key.clone(), node),
+                Some(v) if v.ends_with('*') => {
+                    let prefix = v[..v.len() - 1].to_owned();
+                    level.prefix.push((n.key.clone(), prefix, node));
+                }
+                Some(v) => {
+                    level.exact.insert((n.key.clone(), v.clone()), node);
+                }
+                None => {
+                    level.any.insert(n.key.clone(), node);
+                }
             };
         }
+        level.prefix.sort_by_key(|p| std::cmp::Reverse(p.1.len()));
         level
     }
 }
@@ -437,6 +470,60 @@ window_ms = 1000
             s.match_key("k", KeyHash::Mix32).unwrap_err(),
             MatchError::NoKeysRule
         );
+    }
+
+    #[test]
+    fn wildcards_unlimited_nodes_and_empty_values_match_as_in_envoyproxy() {
+        let s = set(r#"
+[fallback]
+limit = 1
+window_ms = 1000
+[[domains]]
+domain = "api"
+[[domains.descriptors]]
+key = "path"
+limit = 1
+window_ms = 1000
+[[domains.descriptors]]
+key = "path"
+value = "/api/*"
+name = "api"
+limit = 1
+window_ms = 1000
+[[domains.descriptors]]
+key = "path"
+value = "/api/v2/*"
+name = "v2"
+limit = 1
+window_ms = 1000
+[[domains.descriptors]]
+key = "path"
+value = "/api/v2/health"
+name = "health"
+limit = 1
+window_ms = 1000
+[[domains.descriptors]]
+key = "internal"
+unlimited = true
+"#);
+        let m = |e: &[(&str, &str)]| s.match_descriptor("api", &entries(e));
+        let name = |e: &[(&str, &str)]| m(e).map(|m| m.rule.spec.name.clone());
+        assert_eq!(
+            name(&[("path", "/api/v2/health")]).as_deref(),
+            Some("health")
+        );
+        assert_eq!(name(&[("path", "/api/v2/x")]).as_deref(), Some("v2"));
+        assert_eq!(name(&[("path", "/api/v1")]).as_deref(), Some("api"));
+        assert_eq!(name(&[("path", "/other")]).as_deref(), Some("api.path"));
+        assert_eq!(name(&[("path", "/api/*")]).as_deref(), Some("api"));
+        // Each value under a wildcard keeps its own count.
+        assert_ne!(
+            m(&[("path", "/api/a")]).unwrap().key,
+            m(&[("path", "/api/b")]).unwrap().key
+        );
+        // Matched and unlimited: neither a rule nor the fallback.
+        assert!(m(&[("internal", "x")]).is_none());
+        assert_eq!(name(&[("other", "x")]).as_deref(), Some("fallback"));
     }
 
     #[test]
