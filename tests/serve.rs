@@ -905,3 +905,27 @@ async fn grpc_health_serves_then_turns_not_serving_on_sigterm() {
     drop(health);
     server.stop();
 }
+
+/// A descriptor's limit override is not supported: the configured rule
+/// applies, and the override is counted (and logged), never silently lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ignored_limit_override_is_counted() {
+    use ratewarden_server::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+    let file = ConfigFile::new(LONG_WINDOW);
+    let server = Server::start(&["--config", file.path()]);
+    let mut grpc = server.grpc().await;
+    let mut d = descriptor(&[("path", "/login")]);
+    d.limit = Some(RateLimitOverride {
+        requests_per_unit: 1000,
+        unit: 1,
+    });
+    let r = should(&mut grpc, "edge", vec![d], 1).await;
+    let limit = r.statuses[0].current_limit.as_ref().unwrap();
+    assert_eq!((limit.name.as_str(), limit.requests_per_unit), ("login", 2));
+    let metrics = common::metrics(&client(), server.http).await;
+    assert!(
+        metrics.contains("\nratewarden_limit_overrides_ignored_total 1\n"),
+        "{metrics}"
+    );
+    server.stop();
+}

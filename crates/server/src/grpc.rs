@@ -53,6 +53,14 @@ impl Rls {
     async fn decide(&self, request: RateLimitRequest) -> Result<RateLimitResponse, Status> {
         // Envoy sends 0 when it means "one hit".
         let request_cost = u64::from(request.hits_addend.max(1));
+        let overrides = request
+            .descriptors
+            .iter()
+            .filter(|d| d.limit.is_some())
+            .count();
+        if overrides > 0 {
+            self.service.limit_overrides_ignored(overrides);
+        }
         let descriptors: Vec<DescriptorRequest> = request
             .descriptors
             .into_iter()

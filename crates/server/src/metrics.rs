@@ -137,6 +137,7 @@ pub struct Metrics {
     bad_requests_http: AtomicU64,
     bad_requests_grpc: AtomicU64,
     unknown_domains: AtomicU64,
+    limit_overrides_ignored: AtomicU64,
 }
 
 impl Metrics {
@@ -190,6 +191,12 @@ impl Metrics {
     /// label value would be a series kept forever.
     pub fn unknown_domain(&self) {
         self.unknown_domains.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts descriptors whose `limit` override was ignored.
+    pub fn limit_overrides_ignored(&self, n: usize) {
+        self.limit_overrides_ignored
+            .fetch_add(n as u64, Ordering::Relaxed);
     }
 
     /// Counts a request rejected as invalid.
@@ -293,6 +300,17 @@ impl Metrics {
             out,
             "ratewarden_unknown_domain_total {}",
             self.unknown_domains.load(Ordering::Relaxed)
+        );
+
+        out.push_str(
+            "# HELP ratewarden_limit_overrides_ignored_total gRPC descriptors whose limit \
+             override was ignored (the configured rule applied).\n",
+        );
+        out.push_str("# TYPE ratewarden_limit_overrides_ignored_total counter\n");
+        let _ = writeln!(
+            out,
+            "ratewarden_limit_overrides_ignored_total {}",
+            self.limit_overrides_ignored.load(Ordering::Relaxed)
         );
 
         out.push_str("# HELP ratewarden_request_duration_seconds Time from a request's arrival to its answer.\n");

@@ -74,6 +74,7 @@ pub struct Service {
     started: Instant,
     last_error_log_ms: AtomicU64,
     last_domain_log_ms: AtomicU64,
+    last_override_log_ms: AtomicU64,
 }
 
 impl std::fmt::Debug for Service {
@@ -106,6 +107,7 @@ impl Service {
             started: Instant::now(),
             last_error_log_ms: AtomicU64::new(0),
             last_domain_log_ms: AtomicU64::new(0),
+            last_override_log_ms: AtomicU64::new(0),
         })
     }
 
@@ -454,6 +456,19 @@ impl Service {
     fn log_store_error(&self, rule: &Rule, e: &StoreError, policy: FailurePolicy) {
         if self.log_now(&self.last_error_log_ms) {
             tracing::warn!(rule = %rule.spec.name, failure_policy = %policy, "store failed: {e}");
+        }
+    }
+
+    /// Counts and logs (at most once a second) descriptors whose `limit`
+    /// override is ignored: envoyproxy/ratelimit applies it, this server
+    /// applies the configured rule, and that must not go unnoticed.
+    pub fn limit_overrides_ignored(&self, n: usize) {
+        self.metrics.limit_overrides_ignored(n);
+        if self.log_now(&self.last_override_log_ms) {
+            tracing::warn!(
+                "a request carried a descriptor limit override (RateLimitDescriptor.limit); \
+                 overrides are not supported and the configured rule applies"
+            );
         }
     }
 
