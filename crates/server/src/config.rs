@@ -6,8 +6,9 @@
 //! of every value, so each error names the file, the line and the field.
 //!
 //! The shape follows envoyproxy/ratelimit's: a domain holds a tree of
-//! descriptors, each with a `key`, an optional `value` (absent: any value,
-//! each value counted on its own) and optionally a limit and nested
+//! descriptors, each with a `key`, an optional `value` (absent or empty: any
+//! value, each value counted on its own; ending in `*`: any value with that
+//! prefix) and optionally a limit (or `unlimited = true`) and nested
 //! descriptors. See `docs/serve.md` and `examples/ratewarden.toml`.
 
 use std::collections::HashMap;
@@ -66,7 +67,8 @@ impl std::error::Error for ConfigFileError {}
 /// logged and they take effect at the next start.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerSettings {
-    /// How descriptor values become integer keys.
+    /// How the strings of HTTP `{"key": ...}` requests become integer keys.
+    /// Descriptor counts always use XXH3-64 (see [`crate::rules`]).
     pub key_hash: KeyHash,
     /// What a failing store's requests get.
     pub failure_policy: FailurePolicy,
@@ -109,10 +111,14 @@ pub struct RuleSpec {
 pub struct DescriptorSpec {
     /// The entry key this node matches.
     pub key: String,
-    /// The entry value it matches; `None` matches any value.
+    /// The entry value it matches; `None` matches any value, and a value
+    /// ending in `*` matches every value starting with what precedes it.
     pub value: Option<String>,
     /// The limit applied when a descriptor's entries end at this node.
     pub rule: Option<RuleSpec>,
+    /// A descriptor ending here is matched but never limited (and the
+    /// fallback does not apply to it).
+    pub unlimited: bool,
     /// Nodes matching the next entry.
     pub children: Vec<DescriptorSpec>,
 }
@@ -137,8 +143,8 @@ pub struct Config {
     /// requests.
     pub keys: Option<RuleSpec>,
     /// The rule for any descriptor no configured rule matches, in any
-    /// domain; `None` leaves such descriptors unlimited and unknown domains
-    /// an error.
+    /// domain; `None` leaves such descriptors, and every descriptor of an
+    /// unknown domain, unlimited.
     pub fallback: Option<RuleSpec>,
     /// The configured domains.
     pub domains: Vec<DomainSpec>,
@@ -327,6 +333,7 @@ struct RawDescriptor {
     unit: Option<Spanned<String>>,
     burst: Option<Spanned<i64>>,
     shadow: Option<Spanned<bool>>,
+    unlimited: Option<Spanned<bool>>,
 }
 
 impl RawDescriptor {
@@ -643,7 +650,12 @@ impl Validator<'_> {
                     "the key is empty; every descriptor entry has a key",
                 ));
             }
-            let value = node.value.take().map(|v| v.into_inner());
+            // An empty value means any value, as envoyproxy/ratelimit reads it.
+            let value = node
+                .value
+                .take()
+                .map(|v| v.into_inner())
+                .filter(|v| !v.is_empty());
             if out.iter().any(|d| d.key == key && d.value == value) {
                 let what = match &value {
                     Some(v) => format!("key {key:?} with value {v:?}"),
@@ -659,16 +671,24 @@ impl Validator<'_> {
                 Some(v) => format!("{parent_name}.{key}_{v}"),
                 None => format!("{parent_name}.{key}"),
             };
-            let rule = match node.take_rule() {
-                Some(r) => Some(self.rule_fields(r, span.clone(), &field, &path)?),
-                None => None,
+            let unlimited = node.unlimited.take();
+            let rule = match (node.take_rule(), &unlimited) {
+                (Some(_), Some(u)) if *u.get_ref() => return Err(self.err(
+                    u.span(),
+                    &format!("{field}.unlimited"),
+                    "unlimited = true and limit fields (limit, window_ms, unit, policy, burst, \
+                         shadow, name) on one descriptor; keep unlimited or the limit, not both",
+                )),
+                (Some(r), _) => Some(self.rule_fields(r, span.clone(), &field, &path)?),
+                (None, _) => None,
             };
+            let unlimited = unlimited.is_some_and(|u| u.into_inner());
             let children_raw = std::mem::take(&mut node.descriptors);
-            if rule.is_none() && children_raw.is_empty() {
+            if rule.is_none() && !unlimited && children_raw.is_empty() {
                 return Err(self.err(
                     span,
                     &field,
-                    "the descriptor has neither a limit nor nested descriptors; add limit and window_ms, or remove it",
+                    "the descriptor has neither a limit nor nested descriptors; add limit and window_ms (or unlimited = true), or remove it",
                 ));
             }
             let children = self.descriptors(children_raw, &field, &path, depth + 1)?;
@@ -676,6 +696,7 @@ impl Validator<'_> {
                 key,
                 value,
                 rule,
+                unlimited,
                 children,
             });
         }
@@ -691,8 +712,12 @@ fn unit_ms(unit: &str) -> Result<u64, String> {
         "hour" => Ok(3_600_000),
         "day" => Ok(86_400_000),
         "week" => Ok(7 * 86_400_000),
+        // Fixed lengths, as envoyproxy/ratelimit's UnitToDivider has them.
+        "month" => Ok(30 * 86_400_000),
+        "year" => Ok(365 * 86_400_000),
         other => Err(format!(
-            "unknown unit {other:?}; use second, minute, hour, day or week (or window_ms for any length)"
+            "unknown unit {other:?}; use second, minute, hour, day, week, month (30 days) or year \
+             (365 days), or window_ms for any length"
         )),
     }
 }
@@ -870,6 +895,29 @@ shadow = true
         }
         // One domain, even without descriptors, is a configuration.
         Config::parse("[[domains]]\ndomain = \"api\"\n", "test.toml").unwrap();
+    }
+
+    #[test]
+    fn envoyproxy_forms_load() {
+        let c = Config::parse(
+            "[[domains]]\ndomain = \"d\"\n\
+             [[domains.descriptors]]\nkey = \"k\"\nvalue = \"\"\nlimit = 5\nunit = \"month\"\n\
+             [[domains.descriptors]]\nkey = \"u\"\nunlimited = true\n\
+             [[domains.descriptors]]\nkey = \"y\"\nvalue = \"a*\"\nlimit = 5\nunit = \"year\"\n",
+            "t.toml",
+        )
+        .unwrap();
+        let d = &c.domains[0].descriptors;
+        assert_eq!(d[0].value, None, "an empty value is any value");
+        assert_eq!(d[0].rule.as_ref().unwrap().policy.window_ms, 2_592_000_000);
+        assert!(d[1].unlimited && d[1].rule.is_none());
+        assert_eq!(d[2].rule.as_ref().unwrap().policy.window_ms, 31_536_000_000);
+
+        let e = parse_err("[[domains]]\ndomain = \"d\"\n[[domains.descriptors]]\nkey = \"k\"\nunlimited = true\nlimit = 5\nunit = \"minute\"\n");
+        assert_eq!(e.field, "domains[0].descriptors[0].unlimited");
+        assert!(e.message.contains("keep unlimited or the limit"), "{e}");
+        let e = parse_err("[[domains]]\ndomain = \"d\"\n[[domains.descriptors]]\nkey = \"k\"\nunlimited = true\n[[domains.descriptors]]\nkey = \"k\"\nvalue = \"\"\nlimit = 1\nunit = \"minute\"\n");
+        assert!(e.message.contains("twice"), "{e}");
     }
 
     #[test]

@@ -16,6 +16,9 @@ use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::{
 use crate::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::service::{DescriptorOutcome, DescriptorRequest, Service};
 
+/// The rate-limit service's full name, as health checks ask for it.
+pub const SERVICE_NAME: &str = <RateLimitServiceServer<Rls> as tonic::server::NamedService>::NAME;
+
 /// The largest gRPC request decoded, in bytes.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 
@@ -50,6 +53,14 @@ impl Rls {
     async fn decide(&self, request: RateLimitRequest) -> Result<RateLimitResponse, Status> {
         // Envoy sends 0 when it means "one hit".
         let request_cost = u64::from(request.hits_addend.max(1));
+        let overrides = request
+            .descriptors
+            .iter()
+            .filter(|d| d.limit.is_some())
+            .count();
+        if overrides > 0 {
+            self.service.limit_overrides_ignored(overrides);
+        }
         let descriptors: Vec<DescriptorRequest> = request
             .descriptors
             .into_iter()
@@ -113,6 +124,8 @@ fn unit_of(window_ms: u64) -> Unit {
         3_600_000 => Unit::Hour,
         86_400_000 => Unit::Day,
         604_800_000 => Unit::Week,
+        2_592_000_000 => Unit::Month,
+        31_536_000_000 => Unit::Year,
         _ => Unit::Unknown,
     }
 }
@@ -133,6 +146,8 @@ mod tests {
         assert_eq!(unit_of(1000), Unit::Second);
         assert_eq!(unit_of(60_000), Unit::Minute);
         assert_eq!(unit_of(1500), Unit::Unknown);
+        assert_eq!(unit_of(30 * 86_400_000), Unit::Month);
+        assert_eq!(unit_of(365 * 86_400_000), Unit::Year);
         assert_eq!(
             duration(1500),
             prost_types::Duration {

@@ -74,6 +74,7 @@ use ratewarden_core::MemoryOptions;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tonic_health::ServingStatus;
 
 pub use config::{Config, ConfigFileError, ConfigSource, ServerSettings};
 pub use service::Service;
@@ -131,6 +132,7 @@ pub struct Running {
     pub grpc_addr: SocketAddr,
     /// The shared state, for reloads and inspection.
     pub service: Arc<Service>,
+    health: tonic_health::server::HealthReporter,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<anyhow::Result<()>>>,
 }
@@ -139,6 +141,9 @@ impl Running {
     /// Stops accepting connections, lets requests in flight finish (at most
     /// `grace`), and returns when both interfaces have stopped.
     pub async fn shutdown(self, grace: Duration) -> anyhow::Result<()> {
+        // First tell health checkers (Envoy's grpc_health_check, and anyone
+        // watching) to send traffic elsewhere.
+        set_health(&self.health, ServingStatus::NotServing).await;
         let _ = self.shutdown.send(true);
         let all = async {
             for task in self.tasks {
@@ -154,6 +159,13 @@ impl Running {
             ),
         }
     }
+}
+
+/// Sets the health status of the whole server (`""`) and of the rate-limit
+/// service.
+async fn set_health(health: &tonic_health::server::HealthReporter, status: ServingStatus) {
+    health.set_service_status("", status).await;
+    health.set_service_status(grpc::SERVICE_NAME, status).await;
 }
 
 /// Loads the configuration, builds the store and starts both interfaces and
@@ -182,6 +194,10 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     }));
 
     let rls = grpc::server(Arc::clone(&service));
+    // grpc.health.v1.Health, as envoyproxy/ratelimit serves it: Envoy
+    // clusters with grpc_health_check need it.
+    let (health, health_service) = tonic_health::server::health_reporter();
+    set_health(&health, ServingStatus::Serving).await;
     let mut grpc_stop = stop.clone();
     tasks.push(tokio::spawn(async move {
         tonic::transport::Server::builder()
@@ -190,6 +206,7 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
             .timeout(Duration::from_secs(10))
             .concurrency_limit_per_connection(1024)
             .add_service(rls)
+            .add_service(health_service)
             .serve_with_incoming_shutdown(
                 tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
                 async move {
@@ -230,6 +247,7 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
         http_addr,
         grpc_addr,
         service,
+        health,
         shutdown,
         tasks,
     })

@@ -136,6 +136,8 @@ pub struct Metrics {
     forgotten: AtomicU64,
     bad_requests_http: AtomicU64,
     bad_requests_grpc: AtomicU64,
+    unknown_domains: AtomicU64,
+    limit_overrides_ignored: AtomicU64,
 }
 
 impl Metrics {
@@ -182,6 +184,19 @@ impl Metrics {
     /// Counts keys forgotten by housekeeping.
     pub fn forgotten(&self, n: usize) {
         self.forgotten.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Counts a request naming a domain the configuration does not know.
+    /// No domain label: the client chooses the name, and each distinct
+    /// label value would be a series kept forever.
+    pub fn unknown_domain(&self) {
+        self.unknown_domains.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts descriptors whose `limit` override was ignored.
+    pub fn limit_overrides_ignored(&self, n: usize) {
+        self.limit_overrides_ignored
+            .fetch_add(n as u64, Ordering::Relaxed);
     }
 
     /// Counts a request rejected as invalid.
@@ -274,6 +289,28 @@ impl Metrics {
             out,
             "ratewarden_bad_requests_total{{api=\"grpc\"}} {}",
             self.bad_requests_grpc.load(Ordering::Relaxed)
+        );
+
+        out.push_str(
+            "# HELP ratewarden_unknown_domain_total Requests naming a domain that is not \
+             configured (with no [fallback]), answered with no limit.\n",
+        );
+        out.push_str("# TYPE ratewarden_unknown_domain_total counter\n");
+        let _ = writeln!(
+            out,
+            "ratewarden_unknown_domain_total {}",
+            self.unknown_domains.load(Ordering::Relaxed)
+        );
+
+        out.push_str(
+            "# HELP ratewarden_limit_overrides_ignored_total gRPC descriptors whose limit \
+             override was ignored (the configured rule applied).\n",
+        );
+        out.push_str("# TYPE ratewarden_limit_overrides_ignored_total counter\n");
+        let _ = writeln!(
+            out,
+            "ratewarden_limit_overrides_ignored_total {}",
+            self.limit_overrides_ignored.load(Ordering::Relaxed)
         );
 
         out.push_str("# HELP ratewarden_request_duration_seconds Time from a request's arrival to its answer.\n");

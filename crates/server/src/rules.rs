@@ -10,7 +10,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use ratewarden_core::{FailurePolicy, KeyHash, Limiter, LocalLimiter, MemoryOptions};
+use ratewarden_core::{xxh3_64, FailurePolicy, KeyHash, Limiter, LocalLimiter, MemoryOptions};
 
 use crate::config::{Config, DescriptorSpec, RuleSpec};
 use crate::metrics::{Metrics, RuleMetrics};
@@ -47,12 +47,16 @@ impl fmt::Debug for Rule {
 #[derive(Debug, Default)]
 struct Level {
     exact: HashMap<(String, String), Node>,
+    /// Nodes whose value ends in `*`: key, the value's prefix, and the
+    /// node; longest prefix first, so the most specific match wins.
+    prefix: Vec<(String, String, Node)>,
     any: HashMap<String, Node>,
 }
 
 #[derive(Debug)]
 struct Node {
     rule: Option<Arc<Rule>>,
+    unlimited: bool,
     children: Level,
 }
 
@@ -80,8 +84,6 @@ pub struct Matched {
 /// Why a request cannot be matched at all.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MatchError {
-    /// The domain is not configured and no fallback rule exists.
-    UnknownDomain(String),
     /// A `key` request, but the configuration has no `[keys]` rule.
     NoKeysRule,
 }
@@ -89,10 +91,6 @@ pub enum MatchError {
 impl fmt::Display for MatchError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            MatchError::UnknownDomain(d) => write!(
-                f,
-                "unknown domain {d:?}: the configuration has no [[domains]] entry for it and no [fallback] rule"
-            ),
             MatchError::NoKeysRule => f.write_str(
                 "the configuration has no [keys] rule for key requests; send domain and descriptors, \
                  or add a [keys] table to the configuration",
@@ -103,9 +101,29 @@ impl fmt::Display for MatchError {
 
 impl std::error::Error for MatchError {}
 
-/// Separates the parts hashed into a count key; it cannot occur in a rule
-/// identity's generated parts, so distinct parts give distinct strings.
-const SEP: char = '\u{1f}';
+/// Joins parts so that distinct lists of parts give distinct strings: each
+/// part is written as its length in bytes, `:`, then the part itself. A
+/// separator alone would not do, since a value may contain it: with one,
+/// the value `"v\x1fk2\x1fv2"` read the same as two entries.
+fn compose<'a>(parts: impl IntoIterator<Item = &'a str>) -> String {
+    let mut s = String::new();
+    for part in parts {
+        s.push_str(&part.len().to_string());
+        s.push(':');
+        s.push_str(part);
+    }
+    s
+}
+
+/// The count key of a descriptor: always the 64-bit XXH3 of its composed
+/// string, whatever `key_hash` says. The client chooses the values, and
+/// with an unkeyed 32-bit hash it could search out a value whose key is a
+/// victim's in seconds and share the victim's budget; a targeted 64-bit
+/// collision takes about 2^64 tries. The composition is this service's
+/// own, so no port needs to agree on the hash.
+fn descriptor_key(composed: &str) -> u64 {
+    xxh3_64(composed)
+}
 
 impl RuleSet {
     /// Compiles `config`, building a limiter with `factory` for each rule
@@ -184,20 +202,18 @@ impl RuleSet {
     }
 
     /// Whether the domain is configured, or a fallback rule covers it.
-    pub fn check_domain(&self, domain: &str) -> Result<(), MatchError> {
-        if self.domains.contains_key(domain) || self.fallback.is_some() {
-            Ok(())
-        } else {
-            Err(MatchError::UnknownDomain(domain.to_owned()))
-        }
+    pub fn knows_domain(&self, domain: &str) -> bool {
+        self.domains.contains_key(domain) || self.fallback.is_some()
     }
 
-    /// The rule and count key for a `key` request.
+    /// The rule and count key for a `key` request: the key string, after
+    /// the rule's identity, hashed with the configured `key_hash`.
     pub fn match_key(&self, key: &str, hash: KeyHash) -> Result<Matched, MatchError> {
         let rule = self.keys.as_ref().ok_or(MatchError::NoKeysRule)?;
+        // The identity is the fixed "keys", so one separator is unambiguous.
         Ok(Matched {
             rule: Arc::clone(rule),
-            key: hash.hash(&format!("{}{SEP}{key}", rule.id)),
+            key: hash.hash(&format!("{}\u{1f}{key}", rule.id)),
         })
     }
 
@@ -206,41 +222,42 @@ impl RuleSet {
     /// entry's key and value first, else the node with the key and any
     /// value; the rule is the one on the node the last entry reaches. A
     /// descriptor no rule matches falls to the fallback rule, if any.
-    pub fn match_descriptor(
-        &self,
-        domain: &str,
-        entries: &[(String, String)],
-        hash: KeyHash,
-    ) -> Option<Matched> {
+    ///
+    /// The count key is the rule's identity and the entries' values (the
+    /// path through the tree fixes their keys; the fallback's also takes the
+    /// domain and the keys), composed unambiguously and hashed with XXH3-64.
+    pub fn match_descriptor(&self, domain: &str, entries: &[(String, String)]) -> Option<Matched> {
         if let Some(level) = self.domains.get(domain) {
-            if let Some(rule) = walk(level, entries) {
-                let mut s = rule.id.clone();
-                for (_, v) in entries {
-                    s.push(SEP);
-                    s.push_str(v);
-                }
+            let node = walk(level, entries);
+            if node.is_some_and(|n| n.unlimited) {
+                // Matched and never limited: not the fallback's either.
+                return None;
+            }
+            if let Some(rule) = node.and_then(|n| n.rule.as_ref()) {
+                let parts = std::iter::once(rule.id.as_str())
+                    .chain(entries.iter().map(|(_, v)| v.as_str()));
                 return Some(Matched {
                     rule: Arc::clone(rule),
-                    key: hash.hash(&s),
+                    key: descriptor_key(&compose(parts)),
                 });
             }
         }
         let rule = self.fallback.as_ref()?;
-        let mut s = format!("{}{SEP}{domain}", rule.id);
-        for (k, v) in entries {
-            s.push(SEP);
-            s.push_str(k);
-            s.push(SEP);
-            s.push_str(v);
-        }
+        let parts = [rule.id.as_str(), domain]
+            .into_iter()
+            .chain(entries.iter().flat_map(|(k, v)| [k.as_str(), v.as_str()]));
         Some(Matched {
             rule: Arc::clone(rule),
-            key: hash.hash(&s),
+            key: descriptor_key(&compose(parts)),
         })
     }
 }
 
-fn walk<'a>(mut level: &'a Level, entries: &[(String, String)]) -> Option<&'a Arc<Rule>> {
+/// The node a descriptor's entries reach, if they stay on the tree. At each
+/// level, as envoyproxy/ratelimit looks: the node with the entry's key and
+/// exact value, else the node whose value is a prefix ending in `*` (the
+/// longest such prefix), else the node with the key alone.
+fn walk<'a>(mut level: &'a Level, entries: &[(String, String)]) -> Option<&'a Node> {
     let mut node = None;
     for (k, v) in entries {
         // The lookup by (key, value) needs owned strings in the tuple; the
@@ -248,21 +265,31 @@ fn walk<'a>(mut level: &'a Level, entries: &[(String, String)]) -> Option<&'a Ar
         let found = level
             .exact
             .get(&(k.clone(), v.clone()))
+            .or_else(|| {
+                level
+                    .prefix
+                    .iter()
+                    .find(|(pk, p, _)| pk == k && v.starts_with(p.as_str()))
+                    .map(|(_, _, n)| n)
+            })
             .or_else(|| level.any.get(k))?;
         level = &found.children;
         node = Some(found);
     }
-    node?.rule.as_ref()
+    node
 }
 
 fn domain_id(domain: &str) -> String {
-    format!("domain{SEP}{domain}")
+    compose(["domain", domain])
 }
 
+/// A node's identity: its parent's, its key, and its value (`=` and the
+/// value) or `*` for any value; composed, so no configured string can make
+/// two nodes' identities equal.
 fn node_id(parent_id: &str, node: &DescriptorSpec) -> String {
     match &node.value {
-        Some(v) => format!("{parent_id}{SEP}{}{SEP}={v}", node.key),
-        None => format!("{parent_id}{SEP}{}{SEP}*", node.key),
+        Some(v) => compose([parent_id, &node.key, &format!("={v}")]),
+        None => compose([parent_id, &node.key, "*"]),
     }
 }
 
@@ -328,12 +355,25 @@ impl Builder<'_> {
             let id = node_id(parent_id, n);
             let rule = n.rule.as_ref().map(|spec| self.rule(id.clone(), spec));
             let children = self.level(&id, &n.children);
-            let node = Node { rule, children };
+            let node = Node {
+                rule,
+                unlimited: n.unlimited,
+                children,
+            };
             match &n.value {
-                Some(v) => level.exact.insert((n.key.clone(), v.clone()), node),
-                None => level.any.insert(n.key.clone(), node),
+                Some(v) if v.ends_with('*') => {
+                    let prefix = v[..v.len() - 1].to_owned();
+                    level.prefix.push((n.key.clone(), prefix, node));
+                }
+                Some(v) => {
+                    level.exact.insert((n.key.clone(), v.clone()), node);
+                }
+                None => {
+                    level.any.insert(n.key.clone(), node);
+                }
             };
         }
+        level.prefix.sort_by_key(|p| std::cmp::Reverse(p.1.len()));
         level
     }
 }
@@ -401,7 +441,7 @@ window_ms = 1000
     fn descriptors_match_value_before_any_value_and_nest() {
         let s = set(TREE);
         let name = |e: &[(&str, &str)]| {
-            s.match_descriptor("api", &entries(e), KeyHash::Mix32)
+            s.match_descriptor("api", &entries(e))
                 .map(|m| m.rule.spec.name.clone())
         };
         assert_eq!(
@@ -422,11 +462,10 @@ window_ms = 1000
         assert_eq!(name(&[("path", "/other"), ("user", "ann")]), None);
         assert_eq!(name(&[("unknown", "x")]), None);
         assert_eq!(name(&[("remote_address", "1.2.3.4"), ("extra", "x")]), None);
-        assert!(s.check_domain("api").is_ok());
-        assert_eq!(
-            s.check_domain("web"),
-            Err(MatchError::UnknownDomain("web".into()))
-        );
+        assert!(s.knows_domain("api"));
+        assert!(!s.knows_domain("web"));
+        // No configured key is empty, so an empty entry key matches nothing.
+        assert_eq!(name(&[("", "x")]), None);
         assert_eq!(
             s.match_key("k", KeyHash::Mix32).unwrap_err(),
             MatchError::NoKeysRule
@@ -434,13 +473,63 @@ window_ms = 1000
     }
 
     #[test]
+    fn wildcards_unlimited_nodes_and_empty_values_match_as_in_envoyproxy() {
+        let s = set(r#"
+[fallback]
+limit = 1
+window_ms = 1000
+[[domains]]
+domain = "api"
+[[domains.descriptors]]
+key = "path"
+limit = 1
+window_ms = 1000
+[[domains.descriptors]]
+key = "path"
+value = "/api/*"
+name = "api"
+limit = 1
+window_ms = 1000
+[[domains.descriptors]]
+key = "path"
+value = "/api/v2/*"
+name = "v2"
+limit = 1
+window_ms = 1000
+[[domains.descriptors]]
+key = "path"
+value = "/api/v2/health"
+name = "health"
+limit = 1
+window_ms = 1000
+[[domains.descriptors]]
+key = "internal"
+unlimited = true
+"#);
+        let m = |e: &[(&str, &str)]| s.match_descriptor("api", &entries(e));
+        let name = |e: &[(&str, &str)]| m(e).map(|m| m.rule.spec.name.clone());
+        assert_eq!(
+            name(&[("path", "/api/v2/health")]).as_deref(),
+            Some("health")
+        );
+        assert_eq!(name(&[("path", "/api/v2/x")]).as_deref(), Some("v2"));
+        assert_eq!(name(&[("path", "/api/v1")]).as_deref(), Some("api"));
+        assert_eq!(name(&[("path", "/other")]).as_deref(), Some("api.path"));
+        assert_eq!(name(&[("path", "/api/*")]).as_deref(), Some("api"));
+        // Each value under a wildcard keeps its own count.
+        assert_ne!(
+            m(&[("path", "/api/a")]).unwrap().key,
+            m(&[("path", "/api/b")]).unwrap().key
+        );
+        // Matched and unlimited: neither a rule nor the fallback.
+        assert!(m(&[("internal", "x")]).is_none());
+        assert_eq!(name(&[("other", "x")]).as_deref(), Some("fallback"));
+    }
+
+    #[test]
     fn different_values_and_rules_get_different_keys() {
         let s = set(TREE);
-        let key = |e: &[(&str, &str)]| {
-            s.match_descriptor("api", &entries(e), KeyHash::Xxh3_64)
-                .unwrap()
-                .key
-        };
+        let key = |e: &[(&str, &str)]| s.match_descriptor("api", &entries(e)).unwrap().key;
         assert_ne!(
             key(&[("remote_address", "a")]),
             key(&[("remote_address", "b")])
@@ -453,6 +542,53 @@ window_ms = 1000
             key(&[("path", "/login")]),
             key(&[("path", "/login"), ("user", "/login")])
         );
+    }
+
+    #[test]
+    fn a_value_holding_a_separator_aliases_no_other_descriptor() {
+        let s = set("[fallback]\nlimit = 1\nwindow_ms = 1000\n");
+        let key =
+            |domain: &str, e: &[(&str, &str)]| s.match_descriptor(domain, &entries(e)).unwrap().key;
+        assert_ne!(
+            key("d", &[("k", "v\u{1f}k2\u{1f}v2")]),
+            key("d", &[("k", "v"), ("k2", "v2")])
+        );
+        assert_ne!(
+            key("d\u{1f}k", &[("v", "w")]),
+            key("d", &[("k\u{1f}v", "w")])
+        );
+        assert_ne!(
+            key("d", &[("k", "1:x")]),
+            key("d", &[("k", ""), ("1", "x")])
+        );
+        assert_ne!(compose(["ab", "c"]), compose(["a", "bc"]));
+        assert_ne!(compose(["1:a"]), compose(["", "a"]));
+    }
+
+    /// The default key_hash, mix32, has 32 bits: among some 10^5 values two
+    /// collide. Descriptor counts do not use it, so those two values keep
+    /// their own counts.
+    #[test]
+    fn values_colliding_under_mix32_keep_their_own_counts() {
+        let s = set(TREE);
+        let rule = s
+            .match_descriptor("api", &entries(&[("remote_address", "x")]))
+            .unwrap()
+            .rule;
+        let mut seen = HashMap::new();
+        let (a, b) = (0..1_000_000u32)
+            .map(|i| format!("10.{}.{}.{}", i >> 16, (i >> 8) & 255, i & 255))
+            .find_map(|v| {
+                let h = KeyHash::Mix32.hash(&compose([rule.id.as_str(), v.as_str()]));
+                seen.insert(h, v.clone()).map(|old| (old, v))
+            })
+            .expect("32 bits collide within a million values");
+        let key = |v: &str| {
+            s.match_descriptor("api", &entries(&[("remote_address", v)]))
+                .unwrap()
+                .key
+        };
+        assert_ne!(key(&a), key(&b), "{a} and {b}");
     }
 
     #[test]
@@ -490,17 +626,17 @@ window_ms = 1000
     #[test]
     fn the_reference_covers_every_domain() {
         let s = build(Config::reference(), None, &Metrics::default());
-        assert!(s.check_domain("anything").is_ok());
+        assert!(s.knows_domain("anything"));
         let m = s
-            .match_descriptor("anything", &entries(&[("a", "b")]), KeyHash::Mix32)
+            .match_descriptor("anything", &entries(&[("a", "b")]))
             .unwrap();
         assert_eq!(m.rule.spec.name, "fallback");
         let a = s
-            .match_descriptor("d1", &entries(&[("a", "b")]), KeyHash::Xxh3_64)
+            .match_descriptor("d1", &entries(&[("a", "b")]))
             .unwrap()
             .key;
         let b = s
-            .match_descriptor("d2", &entries(&[("a", "b")]), KeyHash::Xxh3_64)
+            .match_descriptor("d2", &entries(&[("a", "b")]))
             .unwrap()
             .key;
         assert_ne!(a, b);

@@ -2,6 +2,7 @@
 //! timeout and failure policy, several descriptors in one request, reloads
 //! and housekeeping.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,15 +21,13 @@ pub const MAX_DESCRIPTORS: usize = 64;
 /// The most entries one descriptor may carry.
 pub const MAX_ENTRIES: usize = 32;
 
-/// The longest key, domain, entry key or entry value, in bytes.
-pub const MAX_STRING_BYTES: usize = 4096;
-
 /// One descriptor of a request, as both interfaces deliver it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DescriptorRequest {
     /// The entries, in order.
     pub entries: Vec<(String, String)>,
-    /// What the descriptor costs.
+    /// What the descriptor costs. Above 2^53 - 1 (more than any limit) it
+    /// never fits: the descriptor is refused with no wait.
     pub cost: u64,
 }
 
@@ -74,6 +73,8 @@ pub struct Service {
     reload_lock: tokio::sync::Mutex<()>,
     started: Instant,
     last_error_log_ms: AtomicU64,
+    last_domain_log_ms: AtomicU64,
+    last_override_log_ms: AtomicU64,
 }
 
 impl std::fmt::Debug for Service {
@@ -105,6 +106,8 @@ impl Service {
             reload_lock: tokio::sync::Mutex::new(()),
             started: Instant::now(),
             last_error_log_ms: AtomicU64::new(0),
+            last_domain_log_ms: AtomicU64::new(0),
+            last_override_log_ms: AtomicU64::new(0),
         })
     }
 
@@ -197,7 +200,6 @@ impl Service {
 
     /// Decides a `key` request.
     pub async fn check_key(&self, key: &str, cost: u64) -> Result<DescriptorOutcome, BadRequest> {
-        check_string("key", key)?;
         check_cost(cost)?;
         let rules = self.rules.load_full();
         let matched = rules.match_key(key, self.settings.key_hash)?;
@@ -207,7 +209,9 @@ impl Service {
 
     /// Decides a request of several descriptors in `domain`.
     ///
-    /// With more than one enforcing (matched, not shadow) descriptor, every
+    /// Descriptors that reach the same count (one rule, one key) are decided
+    /// once, at their summed cost, and each gets that decision. With more
+    /// than one enforcing (matched, not shadow) descriptor, every
     /// one is first checked at cost 0, which records nothing. If any would
     /// refuse, only those are decided for real (a refusal changes no count)
     /// and the others consume nothing. Otherwise each is taken in turn. A
@@ -224,7 +228,6 @@ impl Service {
                 "domain is empty; name the domain the descriptors belong to".into(),
             ));
         }
-        check_string("domain", domain)?;
         if descriptors.is_empty() {
             return Err(BadRequest(
                 "descriptors is empty; send at least one descriptor".into(),
@@ -248,88 +251,126 @@ impl Service {
                     d.entries.len()
                 )));
             }
-            for (j, (k, v)) in d.entries.iter().enumerate() {
-                if k.is_empty() {
-                    return Err(BadRequest(format!(
-                        "descriptors[{i}].entries[{j}].key is empty; every entry needs a key"
-                    )));
-                }
-                check_string("entry key", k)?;
-                check_string("entry value", v)?;
-            }
-            check_cost(d.cost)?;
         }
         let rules = self.rules.load_full();
-        rules.check_domain(domain)?;
-        let matched: Vec<Option<Matched>> = descriptors
-            .iter()
-            .map(|d| rules.match_descriptor(domain, &d.entries, self.settings.key_hash))
-            .collect();
-        let enforcing: Vec<usize> = (0..matched.len())
-            .filter(|&i| matched[i].as_ref().is_some_and(|m| !m.rule.spec.shadow))
+        if !rules.knows_domain(domain) {
+            // As envoyproxy/ratelimit answers it: no limit for any
+            // descriptor. An error would make Envoy with failure_mode_deny
+            // refuse all traffic over a typo in its domain; the warning and
+            // the counter make the typo visible instead.
+            self.metrics.unknown_domain();
+            if self.log_now(&self.last_domain_log_ms) {
+                let shown: String = domain.chars().take(100).collect();
+                tracing::warn!(
+                    domain = %shown.escape_debug(),
+                    "a request named a domain the configuration has no [[domains]] entry for \
+                     (and there is no [fallback]): every descriptor is unlimited"
+                );
+            }
+            return Ok(descriptors
+                .iter()
+                .map(|_| self.finish(None, (Decision::admitted(0), false), true))
+                .collect());
+        }
+        // Descriptors of one request that reach the same count (one rule,
+        // one key) are one decision at their summed cost: Envoy sends such
+        // duplicates when, say, route and virtual host both rate-limit on
+        // remote_address. Checked one by one, each would fit the budget and
+        // the second take would refuse after the first consumed.
+        let mut groups: Vec<(Matched, u64)> = Vec::new();
+        let mut group_of: Vec<Option<usize>> = Vec::with_capacity(descriptors.len());
+        {
+            // Only the grouping needs the rules' addresses.
+            let mut index: HashMap<(*const Rule, u64), usize> = HashMap::new();
+            for d in descriptors {
+                let Some(m) = rules.match_descriptor(domain, &d.entries) else {
+                    group_of.push(None);
+                    continue;
+                };
+                let g = *index
+                    .entry((Arc::as_ptr(&m.rule), m.key))
+                    .or_insert_with(|| {
+                        groups.push((m.clone(), 0));
+                        groups.len() - 1
+                    });
+                groups[g].1 = groups[g].1.saturating_add(d.cost);
+                group_of.push(Some(g));
+            }
+        }
+        let enforcing: Vec<usize> = (0..groups.len())
+            .filter(|&g| !groups[g].0.rule.spec.shadow)
             .collect();
 
-        let mut decided: Vec<Option<(Decision, bool)>> = vec![None; matched.len()];
+        let mut decided: Vec<Option<(Decision, bool)>> = vec![None; groups.len()];
+        for (g, (_, cost)) in groups.iter().enumerate() {
+            // No limit exceeds 2^53 - 1, so a larger cost never fits: it is
+            // refused with no wait, as a cost above the limit is, without
+            // asking the store (which takes no such cost). An error instead
+            // would void every other descriptor's limit in the request.
+            if *cost > MAX_SAFE {
+                decided[g] = Some((Decision::refused(None, 0), false));
+            }
+        }
         if enforcing.len() > 1 {
-            let mut peeks: Vec<Option<Decision>> = vec![None; matched.len()];
+            let mut peeks: Vec<Option<Decision>> = vec![None; groups.len()];
             let mut blocked = Vec::new();
-            for &i in &enforcing {
-                let m = matched[i]
-                    .as_ref()
-                    .expect("enforcing descriptors matched a rule");
+            for &g in &enforcing {
+                if decided[g].is_some() {
+                    blocked.push(g);
+                    continue;
+                }
+                let (m, cost) = &groups[g];
                 match self.call(m, 0).await {
-                    Ok(d) if d.allowed && d.remaining >= descriptors[i].cost => peeks[i] = Some(d),
+                    Ok(d) if d.allowed && d.remaining >= *cost => peeks[g] = Some(d),
                     // A refusal, or a failing store, is decided for real
                     // below: the failure policy applies there.
-                    _ => blocked.push(i),
+                    _ => blocked.push(g),
                 }
             }
-            for &i in &blocked {
-                let m = matched[i]
-                    .as_ref()
-                    .expect("blocked descriptors matched a rule");
-                decided[i] = Some(self.take(m, descriptors[i].cost).await);
+            for &g in &blocked {
+                if decided[g].is_none() {
+                    let (m, cost) = &groups[g];
+                    decided[g] = Some(self.take(m, *cost).await);
+                }
             }
             if blocked
                 .iter()
-                .any(|&i| decided[i].is_some_and(|(d, _)| !d.allowed))
+                .any(|&g| decided[g].is_some_and(|(d, _)| !d.allowed))
             {
-                for &i in &enforcing {
-                    if decided[i].is_none() {
-                        decided[i] = peeks[i].map(|d| (d, false));
+                for &g in &enforcing {
+                    if decided[g].is_none() {
+                        decided[g] = peeks[g].map(|d| (d, false));
                     }
                 }
             }
         }
         let refused_already = enforcing
             .iter()
-            .any(|&i| decided[i].is_some_and(|(d, _)| !d.allowed));
+            .any(|&g| decided[g].is_some_and(|(d, _)| !d.allowed));
         let mut consumed = false;
-        for (i, m) in matched.iter().enumerate() {
-            let Some(m) = m else { continue };
-            if decided[i].is_some() {
-                consumed |= descriptors[i].cost > 0 && decided[i].is_some_and(|(d, _)| d.allowed);
+        for (g, (m, cost)) in groups.iter().enumerate() {
+            if decided[g].is_some() {
+                consumed |= *cost > 0 && decided[g].is_some_and(|(d, _)| d.allowed);
                 continue;
             }
             let shadow = m.rule.spec.shadow;
             if refused_already && !shadow {
                 continue;
             }
-            let (d, failed) = self.take(m, descriptors[i].cost).await;
+            let (d, failed) = self.take(m, *cost).await;
             if !shadow && !d.allowed && consumed {
                 self.metrics.partial_consumption();
             }
-            consumed |= !shadow && d.allowed && descriptors[i].cost > 0;
-            decided[i] = Some((d, failed));
+            consumed |= !shadow && d.allowed && *cost > 0;
+            decided[g] = Some((d, failed));
         }
-        Ok(matched
+        Ok(group_of
             .into_iter()
-            .zip(decided)
-            .map(|(m, d)| match (m, d) {
-                (Some(m), Some((decision, failed))) => {
-                    self.finish(Some(m.rule), (decision, failed), false)
+            .map(|g| match g.and_then(|g| decided[g].map(|d| (g, d))) {
+                Some((g, decision)) => {
+                    self.finish(Some(Arc::clone(&groups[g].0.rule)), decision, false)
                 }
-                _ => self.finish(None, (Decision::admitted(0), false), true),
+                None => self.finish(None, (Decision::admitted(0), false), true),
             })
             .collect())
     }
@@ -413,16 +454,34 @@ impl Service {
     /// Logs a store failure, at most one line a second: a store that is
     /// down fails every request, and the metrics count them all.
     fn log_store_error(&self, rule: &Rule, e: &StoreError, policy: FailurePolicy) {
-        let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let last = self.last_error_log_ms.load(Ordering::Relaxed);
-        if (now_ms >= last + 1000 || last == 0)
-            && self
-                .last_error_log_ms
-                .compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
+        if self.log_now(&self.last_error_log_ms) {
             tracing::warn!(rule = %rule.spec.name, failure_policy = %policy, "store failed: {e}");
         }
+    }
+
+    /// Counts and logs (at most once a second) descriptors whose `limit`
+    /// override is ignored: envoyproxy/ratelimit applies it, this server
+    /// applies the configured rule, and that must not go unnoticed.
+    pub fn limit_overrides_ignored(&self, n: usize) {
+        self.metrics.limit_overrides_ignored(n);
+        if self.log_now(&self.last_override_log_ms) {
+            tracing::warn!(
+                "a request carried a descriptor limit override (RateLimitDescriptor.limit); \
+                 overrides are not supported and the configured rule applies"
+            );
+        }
+    }
+
+    /// Whether a warning repeated on every request may be logged now: at
+    /// most once a second per `last` (the time of the last one, in ms since
+    /// start, 0 for never).
+    fn log_now(&self, last_ms: &AtomicU64) -> bool {
+        let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let last = last_ms.load(Ordering::Relaxed);
+        (now_ms >= last + 1000 || last == 0)
+            && last_ms
+                .compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 }
 
@@ -430,16 +489,6 @@ fn check_cost(cost: u64) -> Result<(), BadRequest> {
     if cost > MAX_SAFE {
         return Err(BadRequest(format!(
             "cost is {cost}, above the largest allowed 9007199254740991 (2^53 - 1); send a smaller cost"
-        )));
-    }
-    Ok(())
-}
-
-fn check_string(what: &str, s: &str) -> Result<(), BadRequest> {
-    if s.len() > MAX_STRING_BYTES {
-        return Err(BadRequest(format!(
-            "{what} is {} bytes long; at most {MAX_STRING_BYTES} bytes are allowed",
-            s.len()
         )));
     }
     Ok(())
@@ -512,6 +561,63 @@ shadow = true
     }
 
     #[tokio::test]
+    async fn a_cost_above_every_limit_refuses_its_descriptor_only() {
+        let s = service(TWO).await;
+        let long = "v".repeat(100_000);
+        for cost in [MAX_SAFE + 1, u64::MAX] {
+            let out = s
+                .check_descriptors(
+                    "api",
+                    &[
+                        d(&[("a", "x")], 1),
+                        d(&[("b", &long)], cost),
+                        d(&[("s", "z")], cost),
+                    ],
+                )
+                .await
+                .unwrap();
+            assert!(out[0].allowed);
+            assert!(!out[1].allowed);
+            assert_eq!(out[1].decision.retry_after_ms, None, "it never fits");
+            assert!(out[2].allowed && !out[2].decision.allowed, "shadow");
+        }
+        // The refused requests took nothing from "a"; a long value is just a
+        // value, counted like any other.
+        let out = s
+            .check_descriptors("api", &[d(&[("a", "x")], 0), d(&[("b", &long)], 2)])
+            .await
+            .unwrap();
+        assert_eq!(out[0].decision.remaining, 10);
+        assert!(out[1].allowed);
+    }
+
+    #[tokio::test]
+    async fn one_count_twice_in_a_request_is_one_decision() {
+        let s = service("[[domains]]\ndomain = \"api\"\n[[domains.descriptors]]\nkey = \"c\"\nlimit = 3\nwindow_ms = 3600000\n").await;
+        let one = d(&[("c", "x")], 1);
+        for _ in 0..2 {
+            assert!(
+                s.check_descriptors("api", std::slice::from_ref(&one))
+                    .await
+                    .unwrap()[0]
+                    .allowed
+            );
+        }
+        // 1 left: twice the descriptor costs 2, refused, and takes nothing.
+        let out = s
+            .check_descriptors("api", &[one.clone(), one.clone()])
+            .await
+            .unwrap();
+        assert!(out.iter().all(|o| !o.allowed && o.decision.remaining == 1));
+        let out = s
+            .check_descriptors("api", std::slice::from_ref(&one))
+            .await
+            .unwrap();
+        assert!(out[0].allowed);
+        assert_eq!(out[0].decision.remaining, 0);
+    }
+
+    #[tokio::test]
     async fn shadow_rules_count_but_never_refuse() {
         let s = service(TWO).await;
         for i in 0..3 {
@@ -532,12 +638,21 @@ shadow = true
             .await
             .unwrap();
         assert!(out[0].allowed && out[0].rule.is_none());
-        assert!(s
-            .check_descriptors("web", &[d(&[("a", "x")], 1)])
+        // An unknown domain, or an empty entry key, limits nothing.
+        let out = s
+            .check_descriptors("web", &[d(&[("a", "x")], 1), d(&[("", "x")], 1)])
             .await
-            .unwrap_err()
-            .0
-            .contains("unknown domain"));
+            .unwrap();
+        assert!(out.iter().all(|o| o.allowed && o.rule.is_none()));
+        assert!(s
+            .metrics
+            .render(&[])
+            .contains("\nratewarden_unknown_domain_total 1\n"));
+        let out = s
+            .check_descriptors("api", &[d(&[("", "x")], 1)])
+            .await
+            .unwrap();
+        assert!(out[0].allowed && out[0].rule.is_none());
         assert!(s
             .check_descriptors("api", &[])
             .await
@@ -550,12 +665,6 @@ shadow = true
             .unwrap_err()
             .0
             .contains("no entries"));
-        assert!(s
-            .check_descriptors("api", &[d(&[("a", "x")], MAX_SAFE + 1)])
-            .await
-            .unwrap_err()
-            .0
-            .contains("cost"));
         assert!(s.check_key("k", 1).await.unwrap_err().0.contains("[keys]"));
     }
 
