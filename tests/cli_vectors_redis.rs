@@ -62,3 +62,14 @@ fn an_unreachable_redis_is_an_unusable_store() {
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("127.0.0.1"));
 }
+
+#[test]
+fn a_redis_that_wants_a_password_is_an_unusable_store_saying_so() {
+    let server = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let out = vectors(&server.url());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("requires a password"), "{stderr}");
+    // No case ran: the run stopped at start.
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("FAIL"));
+}

@@ -244,3 +244,45 @@ async fn descriptors_on_redis_cluster_admit_exactly_the_limit() {
     let body: Value = r.json().await.unwrap();
     assert_eq!(body["remaining"], 69, "{body}");
 }
+
+/// Runs `ratewarden serve --store STORE` expecting it to stop at start;
+/// returns its exit status and standard error. Bounded: a server that
+/// starts anyway is killed after 20 s and the test fails.
+fn serve_refused(store: &str) -> (std::process::ExitStatus, String) {
+    use std::io::Read;
+    let mut child = std::process::Command::new(common::BIN)
+        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .args(["--store", store])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the ratewarden binary starts");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("serve --store {store} did not stop at start");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    (status, stderr)
+}
+
+#[test]
+fn a_redis_that_wants_a_password_stops_serve_at_start_saying_so() {
+    let redis = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let (status, stderr) = serve_refused(&redis.url());
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("requires a password"), "{stderr}");
+}

@@ -157,10 +157,19 @@ impl RedisStore {
     /// `url` is `redis://HOST:PORT[/DB]` (one node; `rediss://` and the
     /// other forms of the `redis` crate work too) or
     /// `redis-cluster://HOST:PORT[,HOST:PORT...]` (Redis Cluster, any of
-    /// its nodes as seeds). Errors: an invalid configuration or URL
-    /// ([`StoreErrorKind::InvalidInput`]), no connection within
-    /// `connect_timeout_ms` ([`StoreErrorKind::ConnectionDropped`] or
-    /// [`StoreErrorKind::Timeout`]).
+    /// its nodes as seeds).
+    ///
+    /// Connecting checks that the store can be used, so that a store that
+    /// cannot is refused here rather than at every decision: a single node
+    /// must answer `PING` and must not be a cluster node, and the policy's
+    /// script is loaded (on every master of a cluster).
+    ///
+    /// Errors: an invalid configuration or URL, a Redis that wants a
+    /// password the URL lacks, refuses the URL's credentials, or is a
+    /// cluster node behind `redis://` ([`StoreErrorKind::InvalidInput`],
+    /// saying what to change); no connection, or a node that cannot be
+    /// used, within `connect_timeout_ms` ([`StoreErrorKind::ConnectionDropped`],
+    /// [`StoreErrorKind::Backend`] or [`StoreErrorKind::Timeout`]).
     pub async fn connect(
         url: &str,
         config: PolicyConfig,
@@ -187,10 +196,11 @@ impl RedisStore {
                 "ttl_grace_ms + max_ttl_ms must stay below 2^53; use a smaller ttl_grace_ms",
             ));
         }
-        let connect_timeout = Duration::from_millis(options.connect_timeout_ms);
+        let connect_timeout_ms = options.connect_timeout_ms;
+        let connect_timeout = Duration::from_millis(connect_timeout_ms);
         let response_timeout = Duration::from_millis(options.timeout_ms);
-        let connecting = async {
-            if let Some(seeds) = url.strip_prefix("redis-cluster://") {
+        let connecting = async move {
+            let mut conn = if let Some(seeds) = url.strip_prefix("redis-cluster://") {
                 let nodes: Vec<String> = seeds
                     .split(',')
                     .filter(|s| !s.is_empty())
@@ -213,7 +223,7 @@ impl RedisStore {
                     .build()
                     .map_err(|e| invalid_url(url, e))?;
                 let conn = client.get_async_connection().await.map_err(map_error)?;
-                Ok(Conn::Cluster(conn))
+                Conn::Cluster(conn)
             } else {
                 let client = redis::Client::open(url).map_err(|e| invalid_url(url, e))?;
                 // A few quick retries with short waits: the call's own
@@ -225,24 +235,36 @@ impl RedisStore {
                     .set_number_of_retries(2)
                     .set_factor(5)
                     .set_max_delay(50);
-                let conn = ConnectionManager::new_with_config(client, manager_config)
+                let address = client.get_connection_info().addr.to_string();
+                let mut conn = ConnectionManager::new_with_config(client, manager_config)
                     .await
-                    .map_err(map_error)?;
-                Ok(Conn::Node(conn))
-            }
+                    .map_err(|e| connect_error(e, &address))?;
+                // Connecting sends nothing when the URL has no password, so
+                // a Redis that wants one, a cluster node, or a server that
+                // is not Redis would only show at the first decision: ask
+                // now, so that an unusable store stops the caller at start.
+                check_node(&mut conn, &address).await?;
+                Conn::Node(conn)
+            };
+            let store = Self::with_connection(conn.clone(), config, options);
+            // Loading the script proves that scripts can run (on every
+            // master of a cluster) and saves the first call a NOSCRIPT.
+            store.load_script(&mut conn).await.map_err(|e| {
+                StoreError::new(
+                    e.kind(),
+                    format!("Redis at {url} cannot load the policy's script: {e}"),
+                )
+            })?;
+            Ok(store)
         };
-        let conn = tokio::time::timeout(connect_timeout, connecting)
+        tokio::time::timeout(connect_timeout, connecting)
             .await
             .map_err(|_| {
                 StoreError::new(
                     StoreErrorKind::Timeout,
-                    format!(
-                        "no connection to {url} within {} ms",
-                        options.connect_timeout_ms
-                    ),
+                    format!("no connection to {url} within {connect_timeout_ms} ms"),
                 )
-            })??;
-        Ok(Self::with_connection(conn, config, options))
+            })?
     }
 
     fn with_connection(conn: Conn, config: PolicyConfig, options: RedisOptions) -> Self {
@@ -553,6 +575,60 @@ impl RedisStore {
         tokio::time::timeout(timeout, call)
             .await
             .map_err(|_| self.timed_out())?
+    }
+}
+
+/// Checks that a single node can be used: it answers commands (with the
+/// URL's credentials, if any) and is not a cluster node, whose keys a
+/// single-node connection would meet as `MOVED` errors.
+async fn check_node(conn: &mut ConnectionManager, address: &str) -> Result<(), StoreError> {
+    redis::cmd("PING")
+        .query_async::<Value>(conn)
+        .await
+        .and_then(Value::extract_error)
+        .map_err(|e| connect_error(e, address))?;
+    // INFO may be renamed away on some servers: PING proved the node
+    // answers, so only a clear "cluster_enabled:1" refuses.
+    if let Ok(info) = redis::cmd("INFO")
+        .arg("cluster")
+        .query_async::<String>(conn)
+        .await
+    {
+        if info.lines().any(|l| l.trim() == "cluster_enabled:1") {
+            return Err(StoreError::new(
+                StoreErrorKind::InvalidInput,
+                format!(
+                    "Redis at {address} is a cluster node: use \
+                     redis-cluster://HOST:PORT[,HOST:PORT...] (any nodes as seeds)"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A failure to connect or to authenticate, saying what to change when the
+/// cause is the credentials.
+fn connect_error(e: RedisError, address: &str) -> StoreError {
+    if e.code() == Some("NOAUTH") {
+        StoreError::new(
+            StoreErrorKind::InvalidInput,
+            format!(
+                "Redis at {address} requires a password: put it in the URL as \
+                 redis://:PASSWORD@HOST:PORT (or redis://USER:PASSWORD@HOST:PORT for an ACL user)"
+            ),
+        )
+    } else if e.kind() == ErrorKind::AuthenticationFailed || e.code() == Some("WRONGPASS") {
+        StoreError::new(
+            StoreErrorKind::InvalidInput,
+            format!(
+                "Redis at {address} refused the URL's user or password ({e}): \
+                 correct them in redis://[USER]:PASSWORD@HOST:PORT"
+            ),
+        )
+    } else {
+        let e = map_error(e);
+        StoreError::new(e.kind(), format!("Redis at {address} cannot be used: {e}"))
     }
 }
 

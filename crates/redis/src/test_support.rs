@@ -48,17 +48,25 @@ pub struct RedisServer {
     child: Option<Child>,
     dir: tempfile::TempDir,
     cluster: bool,
+    /// More `redis-server` arguments, such as `--requirepass`.
+    extra: Vec<String>,
 }
 
 impl RedisServer {
     /// Starts a node on a free port and waits until it answers PING.
     pub fn start() -> RedisServer {
-        Self::start_fresh(false)
+        Self::start_fresh(false, &[])
+    }
+
+    /// Starts a node with more `redis-server` arguments (for example
+    /// `["--requirepass", "s3cret"]`) and waits until it answers.
+    pub fn start_with(args: &[&str]) -> RedisServer {
+        Self::start_fresh(false, args)
     }
 
     /// Starts a node on a port found free, trying another port when a
     /// concurrent test took that one first.
-    fn start_fresh(cluster: bool) -> RedisServer {
+    fn start_fresh(cluster: bool, extra: &[&str]) -> RedisServer {
         for _ in 0..5 {
             let dir = tempfile::tempdir().expect("temporary directory");
             let mut server = RedisServer {
@@ -66,6 +74,7 @@ impl RedisServer {
                 child: None,
                 dir,
                 cluster,
+                extra: extra.iter().map(|a| a.to_string()).collect(),
             };
             if server.spawn() {
                 return server;
@@ -90,6 +99,7 @@ impl RedisServer {
             "no",
         ])
         .args(["--dir", &self.dir.path().display().to_string()])
+        .args(&self.extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null());
         if self.cluster {
@@ -107,7 +117,10 @@ impl RedisServer {
             if exited(&mut child) {
                 return false;
             }
-            if raw_command(self.port, "PING").is_some_and(|r| r.starts_with("+PONG")) {
+            // NOAUTH: a server started with --requirepass answers too.
+            if raw_command(self.port, "PING")
+                .is_some_and(|r| r.starts_with("+PONG") || r.starts_with("-NOAUTH"))
+            {
                 if exited(&mut child) {
                     return false;
                 }
@@ -237,7 +250,7 @@ impl RedisCluster {
     pub fn start() -> RedisCluster {
         let mut nodes: Vec<RedisServer> = Vec::new();
         while nodes.len() < 3 {
-            let node = RedisServer::start_fresh(true);
+            let node = RedisServer::start_fresh(true, &[]);
             if nodes.iter().all(|n| n.port != node.port) {
                 nodes.push(node);
             }
