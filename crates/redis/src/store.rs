@@ -412,6 +412,28 @@ impl RedisStore {
             .map_err(|_| self.timed_out())?
     }
 
+    /// Whether a call that failed with `e` goes once more, on a new
+    /// connection, within the same timeout.
+    ///
+    /// A single node's connection can be gone when a call starts: closed by
+    /// Redis's idle `timeout`, by a restart or by `CLIENT KILL`, it is
+    /// noticed only when a call fails on it. The connection manager then
+    /// starts a new connection, but does not repeat the call, so without
+    /// one more try the first call after such a close would get the
+    /// failure policy although Redis has been back for a while.
+    ///
+    /// A connection error does not prove that Redis ran nothing: when the
+    /// connection broke after the script reached Redis and before its
+    /// reply came back, the script ran and the second try runs it again,
+    /// spending that request's cost twice. That is the worst case, and a
+    /// conservative one (later decisions may be stricter, never looser),
+    /// as for a timed-out call (see "The ambiguous outcome" in
+    /// `docs/redis.md`). A timeout is never tried again: the call's time is
+    /// spent. A cluster connection retries such errors itself.
+    fn retry_on_new_connection(&self, e: &RedisError) -> bool {
+        matches!(self.inner.conn, Conn::Node(_)) && e.is_unrecoverable_error() && !e.is_timeout()
+    }
+
     /// Loads the policy's script into the server's script cache, for a
     /// call that met NOSCRIPT (a flushed cache or a restarted node).
     async fn load_script(&self, conn: &mut Conn) -> Result<(), StoreError> {
@@ -434,11 +456,17 @@ impl RedisStore {
         let cmd = self.eval_cmd(key, now_ms, cost);
         let mut conn = self.inner.conn.clone();
         // Server errors arrive as values; extract_error makes them errors.
-        let value = match conn
+        let mut first = conn
             .req_packed_command(&cmd)
             .await
-            .and_then(Value::extract_error)
-        {
+            .and_then(Value::extract_error);
+        if matches!(&first, Err(e) if self.retry_on_new_connection(e)) {
+            first = conn
+                .req_packed_command(&cmd)
+                .await
+                .and_then(Value::extract_error);
+        }
+        let value = match first {
             Err(e) if e.kind() == ErrorKind::NoScriptError => {
                 // The script cache was flushed (or a node restarted): load
                 // it again and repeat; the failed EVALSHA ran nothing.
@@ -531,10 +559,13 @@ impl RedisStore {
                     let (key, cost) = requests[i];
                     pipe.add_command(self.eval_cmd(key, now_ms, cost));
                 }
-                let values = conn
-                    .req_packed_commands(&pipe, 0, todo.len())
-                    .await
-                    .map_err(map_error)?;
+                let mut sent = conn.req_packed_commands(&pipe, 0, todo.len()).await;
+                if matches!(&sent, Err(e) if self.retry_on_new_connection(e)) {
+                    // As for one call: the connection was gone, and the
+                    // batch goes once more on the new one.
+                    sent = conn.req_packed_commands(&pipe, 0, todo.len()).await;
+                }
+                let values = sent.map_err(map_error)?;
                 if values.len() != todo.len() {
                     return Err(StoreError::new(
                         StoreErrorKind::Backend,
