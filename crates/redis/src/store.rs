@@ -226,15 +226,20 @@ impl RedisStore {
                 Conn::Cluster(conn)
             } else {
                 let client = redis::Client::open(url).map_err(|e| invalid_url(url, e))?;
-                // A few quick retries with short waits: the call's own
-                // timeout bounds the whole, and a reconnect attempt starts
-                // on the next call after a failure.
+                // One attempt per (re)connection, no backoff: redis-rs
+                // 0.32 waits at least a second (backon's minimum delay,
+                // which neither the factor nor max_delay lowers) before
+                // each retry, so retries made every call wait its whole
+                // timeout while Redis refused connections, and the first
+                // calls after Redis returned wait for a sleeping attempt.
+                // Without them a refused connection fails the call at once,
+                // as a connection error, and the next call (or this call's
+                // one more try, see retry_on_new_connection) starts a new
+                // attempt, so the first call after Redis returns connects.
                 let manager_config = ConnectionManagerConfig::new()
                     .set_connection_timeout(connect_timeout)
                     .set_response_timeout(response_timeout)
-                    .set_number_of_retries(2)
-                    .set_factor(5)
-                    .set_max_delay(50);
+                    .set_number_of_retries(0);
                 let address = client.get_connection_info().addr.to_string();
                 let mut conn = ConnectionManager::new_with_config(client, manager_config)
                     .await

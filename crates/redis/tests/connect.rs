@@ -6,7 +6,7 @@ mod common;
 use std::net::{Ipv4Addr, TcpListener};
 
 use ratewarden_core::{StoreErrorKind, REFERENCE};
-use ratewarden_redis::test_support::{RedisCluster, RedisServer};
+use ratewarden_redis::test_support::{free_port, RedisCluster, RedisServer};
 use ratewarden_redis::{RedisOptions, RedisStore};
 
 fn options(tag: &str) -> RedisOptions {
@@ -84,4 +84,34 @@ fn a_server_that_is_not_redis_is_refused_at_connect() {
     let e = connect(&format!("redis://127.0.0.1:{port}")).expect_err("not Redis");
     assert_ne!(e.kind(), StoreErrorKind::Timeout, "{e}");
     assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
+}
+
+/// Connecting with the default `connect_timeout_ms` (1 s): the cause of a
+/// failure is reported, not a timeout that hides it.
+fn connect_by_default(url: &str) -> ratewarden_core::StoreError {
+    let options = RedisOptions {
+        prefix: common::fresh_prefix("default"),
+        ..RedisOptions::default()
+    };
+    common::runtime()
+        .block_on(RedisStore::connect(url, REFERENCE, options))
+        .expect_err("the store cannot be used")
+}
+
+#[test]
+fn a_failed_connection_reports_its_cause_not_a_timeout() {
+    let e = connect_by_default(&format!("redis://127.0.0.1:{}", free_port(false)));
+    assert_eq!(e.kind(), StoreErrorKind::ConnectionDropped, "{e}");
+    assert!(e.to_string().contains("Connection refused"), "{e}");
+
+    let server = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let e = connect_by_default(&format!("redis://:wrong@127.0.0.1:{}", server.port()));
+    assert!(
+        e.to_string().contains("refused the URL's user or password"),
+        "{e}"
+    );
+
+    let e = connect_by_default(&format!("redis://:s3cret@127.0.0.1:{}/99", server.port()));
+    assert_ne!(e.kind(), StoreErrorKind::Timeout, "{e}");
+    assert!(e.to_string().contains("DB index is out of range"), "{e}");
 }

@@ -445,3 +445,40 @@ fn a_connection_closed_by_redis_costs_no_call() {
         assert_eq!(failures, Vec::<String>::new());
     });
 }
+
+/// While Redis refuses connections each call fails at once as a
+/// connection error (not by waiting out its timeout behind a reconnect
+/// backoff), and the first call once Redis is back is decided.
+#[test]
+fn a_refusing_redis_fails_calls_as_connection_errors_and_the_first_call_back_succeeds() {
+    let rt = common::runtime();
+    let mut server = RedisServer::start();
+    let store = rt
+        .block_on(RedisStore::connect(
+            &server.url(),
+            REFERENCE,
+            RedisOptions {
+                // Generous: a call that waited for a reconnect backoff of
+                // a second or more would still end as Timeout within it.
+                timeout_ms: 3_000,
+                ..options("refused")
+            },
+        ))
+        .expect("connect");
+    assert!(rt.block_on(store.decide(1, None, 1)).is_ok());
+    server.kill();
+    let kinds: Vec<StoreErrorKind> = (0..10)
+        .map(|i| {
+            rt.block_on(store.decide(i, None, 1))
+                .expect_err("Redis is down")
+                .kind()
+        })
+        .collect();
+    assert_eq!(kinds, vec![StoreErrorKind::ConnectionDropped; 10]);
+    server.restart();
+    for i in 0..3 {
+        if let Err(e) = rt.block_on(store.decide(i, None, 1)) {
+            panic!("call {i} after Redis returned failed: {e}");
+        }
+    }
+}
