@@ -73,3 +73,16 @@ fn a_redis_that_wants_a_password_is_an_unusable_store_saying_so() {
     // No case ran: the run stopped at start.
     assert!(!String::from_utf8_lossy(&out.stdout).contains("FAIL"));
 }
+
+#[test]
+fn a_refused_password_is_never_shown() {
+    let server = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let out = vectors(&format!(
+        "redis://:pw-not-shown@127.0.0.1:{}",
+        server.port()
+    ));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("redis://:***@127.0.0.1"), "{stderr}");
+    assert!(!stderr.contains("pw-not-shown"), "{stderr}");
+}

@@ -286,3 +286,50 @@ fn a_redis_that_wants_a_password_stops_serve_at_start_saying_so() {
     assert!(!status.success(), "{stderr}");
     assert!(stderr.contains("requires a password"), "{stderr}");
 }
+
+#[test]
+fn the_password_is_never_logged() {
+    use std::io::BufRead;
+    let redis = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let url = format!("redis://:s3cret@127.0.0.1:{}", redis.port());
+    let mut child = std::process::Command::new(common::BIN)
+        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .args(["--store", &url])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the ratewarden binary starts");
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            let done = line.contains("listening");
+            let _ = tx.send(line);
+            if done {
+                break;
+            }
+        }
+    });
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        let done = line.contains("listening");
+        lines.push(line);
+        if done {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let log = lines.join("\n");
+    assert!(log.contains("listening"), "{log}");
+    assert!(log.contains("redis://:***@127.0.0.1"), "{log}");
+    assert!(!log.contains("s3cret"), "{log}");
+
+    // An error at start neither.
+    let (status, stderr) =
+        serve_refused(&format!("redis://:pw-not-shown@127.0.0.1:{}", redis.port()));
+    assert!(!status.success(), "{stderr}");
+    assert!(!stderr.contains("pw-not-shown"), "{stderr}");
+}

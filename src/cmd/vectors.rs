@@ -46,8 +46,9 @@ impl FromStr for StoreArg {
                 Ok(StoreArg::Redis(url.to_owned()))
             }
             other => Err(format!(
-                "unknown store {other:?}; use memory, redis://HOST:PORT[/DB] or \
-                 redis-cluster://HOST:PORT[,HOST:PORT...]"
+                "unknown store {:?}; use memory, redis://HOST:PORT[/DB] or \
+                 redis-cluster://HOST:PORT[,HOST:PORT...]",
+                ratewarden_redis::redact_url(other)
             )),
         }
     }
@@ -57,7 +58,7 @@ impl fmt::Display for StoreArg {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             StoreArg::Memory => f.write_str("memory"),
-            StoreArg::Redis(url) => f.write_str(url),
+            StoreArg::Redis(url) => f.write_str(&ratewarden_redis::redact_url(url)),
         }
     }
 }
@@ -154,7 +155,7 @@ pub fn run(args: Args) -> ExitCode {
                 ratewarden_core::REFERENCE,
                 probe,
             )) {
-                eprintln!("{url}: {e}");
+                eprintln!("{}: {e}", ratewarden_redis::redact_url(&url));
                 return ExitCode::from(2);
             }
             Box::new(RedisRunner {

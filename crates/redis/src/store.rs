@@ -196,6 +196,9 @@ impl RedisStore {
                 "ttl_grace_ms + max_ttl_ms must stay below 2^53; use a smaller ttl_grace_ms",
             ));
         }
+        // Every message shows the URL without its credentials.
+        let shown = crate::redact_url(url);
+        let shown = shown.as_str();
         let connect_timeout_ms = options.connect_timeout_ms;
         let connect_timeout = Duration::from_millis(connect_timeout_ms);
         let response_timeout = Duration::from_millis(options.timeout_ms);
@@ -210,7 +213,7 @@ impl RedisStore {
                     return Err(StoreError::new(
                         StoreErrorKind::InvalidInput,
                         format!(
-                            "{url:?} names no node; write redis-cluster://HOST:PORT[,HOST:PORT...]"
+                            "{shown:?} names no node; write redis-cluster://HOST:PORT[,HOST:PORT...]"
                         ),
                     ));
                 }
@@ -221,11 +224,11 @@ impl RedisStore {
                     .min_retry_wait(5)
                     .max_retry_wait(50)
                     .build()
-                    .map_err(|e| invalid_url(url, e))?;
+                    .map_err(|e| invalid_url(shown, e))?;
                 let conn = client.get_async_connection().await.map_err(map_error)?;
                 Conn::Cluster(conn)
             } else {
-                let client = redis::Client::open(url).map_err(|e| invalid_url(url, e))?;
+                let client = redis::Client::open(url).map_err(|e| invalid_url(shown, e))?;
                 // One attempt per (re)connection, no backoff: redis-rs
                 // 0.32 waits at least a second (backon's minimum delay,
                 // which neither the factor nor max_delay lowers) before
@@ -257,7 +260,7 @@ impl RedisStore {
             store.load_script(&mut conn).await.map_err(|e| {
                 StoreError::new(
                     e.kind(),
-                    format!("Redis at {url} cannot load the policy's script: {e}"),
+                    format!("Redis at {shown} cannot load the policy's script: {e}"),
                 )
             })?;
             Ok(store)
@@ -267,7 +270,7 @@ impl RedisStore {
             .map_err(|_| {
                 StoreError::new(
                     StoreErrorKind::Timeout,
-                    format!("no connection to {url} within {connect_timeout_ms} ms"),
+                    format!("no connection to {shown} within {connect_timeout_ms} ms"),
                 )
             })?
     }
@@ -668,11 +671,12 @@ fn connect_error(e: RedisError, address: &str) -> StoreError {
     }
 }
 
-fn invalid_url(url: &str, e: RedisError) -> StoreError {
+/// `shown`: the URL without its credentials.
+fn invalid_url(shown: &str, e: RedisError) -> StoreError {
     StoreError::new(
         StoreErrorKind::InvalidInput,
         format!(
-            "{url:?} is not a Redis address ({e}); write redis://HOST:PORT[/DB] or \
+            "{shown:?} is not a Redis address ({e}); write redis://HOST:PORT[/DB] or \
              redis-cluster://HOST:PORT[,HOST:PORT...]"
         ),
     )

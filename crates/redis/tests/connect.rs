@@ -115,3 +115,21 @@ fn a_failed_connection_reports_its_cause_not_a_timeout() {
     assert_ne!(e.kind(), StoreErrorKind::Timeout, "{e}");
     assert!(e.to_string().contains("DB index is out of range"), "{e}");
 }
+
+#[test]
+fn errors_never_show_the_password() {
+    let server = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let port = server.port();
+    for url in [
+        // Not a URL the client takes.
+        "redis://:pw-not-shown@127.0.0.1:notaport".to_owned(),
+        // Refused credentials.
+        format!("redis://:pw-not-shown@127.0.0.1:{port}"),
+        format!("redis://app:pw-not-shown@127.0.0.1:{port}"),
+        // Nothing listens.
+        format!("redis://:pw-not-shown@127.0.0.1:{}", free_port(false)),
+    ] {
+        let e = connect(&url).expect_err("unusable");
+        assert!(!e.to_string().contains("pw-not-shown"), "{url}: {e}");
+    }
+}

@@ -72,13 +72,23 @@ impl StoreFactory for MemoryFactory {
 
 /// Redis (one node, or a cluster): one connection and one Lua script per
 /// rule. Decisions read Redis `TIME`, so every server process on one Redis
-/// shares one clock.
-#[derive(Debug, Clone)]
+/// shares one clock. Its description and `Debug` show the URL without its
+/// credentials.
+#[derive(Clone)]
 pub struct RedisFactory {
     /// `redis://host:port[/db]` or `redis-cluster://host:port,host:port`.
     pub url: String,
     /// The longest one call may take, in ms.
     pub timeout_ms: u64,
+}
+
+impl fmt::Debug for RedisFactory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisFactory")
+            .field("url", &ratewarden_redis::redact_url(&self.url))
+            .field("timeout_ms", &self.timeout_ms)
+            .finish()
+    }
 }
 
 /// A rule's limiter on Redis. Failures are returned, not answered here: the
@@ -103,7 +113,8 @@ impl Limiter for RedisRuleLimiter {
 
 impl StoreFactory for RedisFactory {
     fn describe(&self) -> String {
-        self.url.clone()
+        // Logged at start: never the password.
+        ratewarden_redis::redact_url(&self.url)
     }
 
     fn build<'a>(
@@ -128,8 +139,8 @@ impl StoreFactory for RedisFactory {
     }
 }
 
-/// What `--store` names.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What `--store` names. `Debug` shows a URL without its credentials.
+#[derive(Clone, PartialEq, Eq)]
 pub enum StoreUrl {
     /// The embedded in-memory store.
     Memory,
@@ -137,6 +148,22 @@ pub enum StoreUrl {
     Redis(String),
     /// A Redis Cluster, `redis-cluster://host:port,host:port`.
     RedisCluster(String),
+}
+
+impl fmt::Debug for StoreUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreUrl::Memory => f.write_str("Memory"),
+            StoreUrl::Redis(url) => f
+                .debug_tuple("Redis")
+                .field(&ratewarden_redis::redact_url(url))
+                .finish(),
+            StoreUrl::RedisCluster(url) => f
+                .debug_tuple("RedisCluster")
+                .field(&ratewarden_redis::redact_url(url))
+                .finish(),
+        }
+    }
 }
 
 impl std::str::FromStr for StoreUrl {
@@ -151,7 +178,8 @@ impl std::str::FromStr for StoreUrl {
             Ok(StoreUrl::RedisCluster(s.to_owned()))
         } else {
             Err(format!(
-                "unknown store {s:?}; use memory, redis://host:port or redis-cluster://host:port,host:port"
+                "unknown store {:?}; use memory, redis://host:port or redis-cluster://host:port,host:port",
+                ratewarden_redis::redact_url(s)
             ))
         }
     }
