@@ -224,6 +224,30 @@ impl RedisServer {
         missing
     }
 
+    /// The longest TTL of any key, in ms (SCAN + PTTL); `None` when there
+    /// is no key. A key without a TTL counts as `i64::MAX`.
+    pub fn longest_ttl_ms(&self) -> Option<i64> {
+        let client = redis::Client::open(self.url()).expect("client");
+        let mut conn = client
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .expect("connect");
+        let keys: Vec<String> = {
+            use redis::Commands;
+            conn.scan::<String>().expect("SCAN").collect()
+        };
+        keys.iter()
+            .map(|key| {
+                let ttl: i64 = redis::cmd("PTTL").arg(key).query(&mut conn).expect("PTTL");
+                // -1: no TTL; -2: gone since the scan.
+                if ttl == -1 {
+                    i64::MAX
+                } else {
+                    ttl
+                }
+            })
+            .max()
+    }
+
     /// The directory the server runs in.
     pub fn dir(&self) -> &Path {
         self.dir.path()
@@ -299,6 +323,12 @@ impl RedisCluster {
     /// The nodes.
     pub fn nodes(&self) -> &[RedisServer] {
         &self.nodes
+    }
+
+    /// The longest TTL of any key on any node, in ms, as
+    /// [`RedisServer::longest_ttl_ms`] gives it.
+    pub fn longest_ttl_ms(&self) -> Option<i64> {
+        self.nodes.iter().filter_map(|n| n.longest_ttl_ms()).max()
     }
 
     /// Keys without a TTL on any node.
