@@ -94,3 +94,21 @@ fn a_refused_password_is_never_shown() {
     assert!(stderr.contains("redis://:***@127.0.0.1"), "{stderr}");
     assert!(!stderr.contains("pw-not-shown"), "{stderr}");
 }
+
+#[test]
+fn the_documented_url_forms_are_taken_and_tls_is_refused_saying_so() {
+    let socket = std::env::temp_dir().join(format!("ratewarden-cli-{}.sock", std::process::id()));
+    let path = socket.display().to_string();
+    let server = RedisServer::start_with(&["--unixsocket", &path, "--unixsocketperm", "700"]);
+    assert_all_pass(&vectors(&format!("redis+unix://{path}")));
+    drop(server);
+    let _ = std::fs::remove_file(&socket);
+
+    let out = vectors("rediss://127.0.0.1:6379");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("TLS (rediss://) is not supported"),
+        "{stderr}"
+    );
+}

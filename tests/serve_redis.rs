@@ -333,3 +333,35 @@ fn the_password_is_never_logged() {
     assert!(!status.success(), "{stderr}");
     assert!(!stderr.contains("pw-not-shown"), "{stderr}");
 }
+
+#[test]
+fn tls_urls_are_refused_saying_so() {
+    let (status, stderr) = serve_refused("rediss://127.0.0.1:6379");
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("TLS (rediss://) is not supported"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_socket_url_serves() {
+    let socket = std::env::temp_dir().join(format!("ratewarden-serve-{}.sock", std::process::id()));
+    let path = socket.display().to_string();
+    let redis = RedisServer::start_with(&["--unixsocket", &path, "--unixsocketperm", "700"]);
+    let serve = Serve::start(
+        &format!("redis+unix://{path}"),
+        "[server]\nstore_timeout_ms = 5000\n\n[keys]\nlimit = 2\nwindow_ms = 3600000\n",
+    );
+    let client = reqwest::Client::new();
+    let mut allowed = Vec::new();
+    for _ in 0..3 {
+        let (_, body) = check(&client, &serve.url(), "unix").await;
+        assert_ne!(body["failure_policy"], json!(true), "{body}");
+        allowed.push(body["allowed"].as_bool().unwrap());
+    }
+    assert_eq!(allowed, [true, true, false]);
+    drop(serve);
+    drop(redis);
+    let _ = std::fs::remove_file(&socket);
+}

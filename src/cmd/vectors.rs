@@ -18,8 +18,9 @@ use ratewarden_core::{mix32, Decision, MemoryOptions, MemoryStore};
 #[derive(clap::Args)]
 pub struct Args {
     /// The store to run the vectors on: `memory` (the embedded store),
-    /// `redis://HOST:PORT[/DB]` or `redis-cluster://HOST:PORT[,HOST:PORT...]`
-    /// (each case under its own fresh key prefix).
+    /// `redis://HOST:PORT[/DB]`, `redis+unix:///PATH` or
+    /// `redis-cluster://HOST:PORT[,HOST:PORT...]` (each case under its own
+    /// fresh key prefix).
     #[arg(long, default_value = "memory")]
     pub store: StoreArg,
     /// Vector files, or directories searched (recursively) for `*.json`.
@@ -42,12 +43,12 @@ impl FromStr for StoreArg {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "memory" => Ok(StoreArg::Memory),
-            url if url.starts_with("redis://") || url.starts_with("redis-cluster://") => {
-                Ok(StoreArg::Redis(url.to_owned()))
-            }
+            url if ratewarden_redis::is_store_url(url) => Ok(StoreArg::Redis(url.to_owned())),
+            // Says what is wrong with the form (TLS, for rediss://).
+            url if url.contains("://") => Err(ratewarden_redis::url_form_error(url)),
             other => Err(format!(
-                "unknown store {:?}; use memory, redis://HOST:PORT[/DB] or \
-                 redis-cluster://HOST:PORT[,HOST:PORT...]",
+                "unknown store {:?}; use memory, redis://HOST:PORT[/DB], \
+                 redis+unix:///PATH or redis-cluster://HOST:PORT[,HOST:PORT...]",
                 ratewarden_redis::redact_url(other)
             )),
         }

@@ -154,10 +154,14 @@ impl std::fmt::Debug for RedisStore {
 impl RedisStore {
     /// Connects to `url` and prepares the policy's script.
     ///
-    /// `url` is `redis://HOST:PORT[/DB]` (one node; `rediss://` and the
-    /// other forms of the `redis` crate work too) or
-    /// `redis-cluster://HOST:PORT[,HOST:PORT...]` (Redis Cluster, any of
-    /// its nodes as seeds).
+    /// `url` is one of (and no other form: this build has no TLS, so
+    /// `rediss://` is refused, saying so):
+    ///
+    /// - `redis://[[USER]:PASSWORD@]HOST:PORT[/DB]`: one node over TCP;
+    /// - `redis+unix:///PATH[?db=DB&user=USER&pass=PASSWORD]`: one node over
+    ///   a Unix socket;
+    /// - `redis-cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]`: Redis
+    ///   Cluster, any of its nodes as seeds.
     ///
     /// Connecting checks that the store can be used, so that a store that
     /// cannot is refused here rather than at every decision: a single node
@@ -196,6 +200,12 @@ impl RedisStore {
                 "ttl_grace_ms + max_ttl_ms must stay below 2^53; use a smaller ttl_grace_ms",
             ));
         }
+        if !crate::is_store_url(url) {
+            return Err(StoreError::new(
+                StoreErrorKind::InvalidInput,
+                crate::url_form_error(url),
+            ));
+        }
         // Every message shows the URL without its credentials.
         let shown = crate::redact_url(url);
         let shown = shown.as_str();
@@ -204,11 +214,7 @@ impl RedisStore {
         let response_timeout = Duration::from_millis(options.timeout_ms);
         let connecting = async move {
             let mut conn = if let Some(seeds) = url.strip_prefix("redis-cluster://") {
-                let nodes: Vec<String> = seeds
-                    .split(',')
-                    .filter(|s| !s.is_empty())
-                    .map(|s| format!("redis://{s}"))
-                    .collect();
+                let nodes = cluster_nodes(seeds);
                 if nodes.is_empty() {
                     return Err(StoreError::new(
                         StoreErrorKind::InvalidInput,
@@ -617,6 +623,27 @@ impl RedisStore {
     }
 }
 
+/// The `redis://` URL of each seed of a `redis-cluster://` URL (its part
+/// after the scheme). Credentials written once, on the first seed, hold for
+/// every seed: redis-rs wants the same on each.
+fn cluster_nodes(seeds: &str) -> Vec<String> {
+    let seeds: Vec<&str> = seeds.split(',').filter(|s| !s.is_empty()).collect();
+    let credentials = seeds
+        .first()
+        .and_then(|s| s.rsplit_once('@'))
+        .map_or("", |(userinfo, _)| userinfo);
+    seeds
+        .iter()
+        .map(|s| {
+            if s.contains('@') || credentials.is_empty() {
+                format!("redis://{s}")
+            } else {
+                format!("redis://{credentials}@{s}")
+            }
+        })
+        .collect()
+}
+
 /// Checks that a single node can be used: it answers commands (with the
 /// URL's credentials, if any) and is not a cluster node, whose keys a
 /// single-node connection would meet as `MOVED` errors.
@@ -676,8 +703,8 @@ fn invalid_url(shown: &str, e: RedisError) -> StoreError {
     StoreError::new(
         StoreErrorKind::InvalidInput,
         format!(
-            "{shown:?} is not a Redis address ({e}); write redis://HOST:PORT[/DB] or \
-             redis-cluster://HOST:PORT[,HOST:PORT...]"
+            "{shown:?} is not a Redis address ({e}); write {}",
+            crate::url::FORMS
         ),
     )
 }
@@ -782,6 +809,16 @@ mod tests {
 
     fn reply(items: &[i64]) -> Value {
         Value::Array(items.iter().map(|&n| Value::Int(n)).collect())
+    }
+
+    #[test]
+    fn credentials_on_the_first_seed_hold_for_every_seed() {
+        assert_eq!(
+            cluster_nodes(":pw@a:1,b:2,u:q@c:3"),
+            ["redis://:pw@a:1", "redis://:pw@b:2", "redis://u:q@c:3"]
+        );
+        assert_eq!(cluster_nodes("a:1,,b:2"), ["redis://a:1", "redis://b:2"]);
+        assert!(cluster_nodes(",").is_empty());
     }
 
     #[test]

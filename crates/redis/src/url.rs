@@ -1,4 +1,5 @@
-//! Store URLs, shown without their credentials.
+//! Store URLs: which forms are taken, and how one is shown without its
+//! credentials.
 
 /// Hides the credentials of a store URL, so that it can be logged or put in
 /// an error message: the user and password before `@` (in each node of a
@@ -67,5 +68,33 @@ fn redact_userinfo(node: &str) -> String {
             format!("{hidden}@{host}{path}")
         }
         None => node.to_owned(),
+    }
+}
+/// The forms [`RedisStore::connect`](crate::RedisStore::connect) takes, for
+/// error messages.
+pub(crate) const FORMS: &str = "redis://[:PASSWORD@]HOST:PORT[/DB], \
+     redis+unix:///PATH[?db=DB&pass=PASSWORD] or \
+     redis-cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT...]";
+
+/// Whether `url` is of a form the store takes (by its scheme alone; the
+/// rest is checked when connecting): for command-line parsers, so that a
+/// wrong form is refused before anything runs, with [`url_form_error`].
+pub fn is_store_url(url: &str) -> bool {
+    ["redis://", "redis+unix://", "redis-cluster://"]
+        .iter()
+        .any(|p| url.starts_with(p))
+}
+
+/// What is wrong with a store URL whose scheme is not taken, saying what
+/// to write instead.
+pub fn url_form_error(url: &str) -> String {
+    let shown = redact_url(url);
+    if url.starts_with("rediss://") {
+        format!(
+            "{shown:?}: TLS (rediss://) is not supported by this build; connect with \
+             redis:// (through a TLS tunnel such as stunnel if the link must be encrypted)"
+        )
+    } else {
+        format!("{shown:?} is not a Redis address; write {FORMS}")
     }
 }

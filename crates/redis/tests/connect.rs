@@ -133,3 +133,30 @@ fn errors_never_show_the_password() {
         assert!(!e.to_string().contains("pw-not-shown"), "{url}: {e}");
     }
 }
+
+#[test]
+fn a_unix_socket_url_connects_and_tls_is_refused_saying_so() {
+    let socket = std::env::temp_dir().join(format!("ratewarden-test-{}.sock", std::process::id()));
+    let path = socket.display().to_string();
+    let server = RedisServer::start_with(&["--unixsocket", &path, "--unixsocketperm", "700"]);
+    let rt = common::runtime();
+    let decision = rt.block_on(async {
+        let store =
+            RedisStore::connect(&format!("redis+unix://{path}"), REFERENCE, options("unix"))
+                .await
+                .expect("redis+unix:// connects");
+        store.decide(1, None, 1).await.expect("decided")
+    });
+    assert!(decision.allowed);
+    drop(server);
+    let _ = std::fs::remove_file(&socket);
+
+    let e = connect("rediss://127.0.0.1:6379").expect_err("no TLS in this build");
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(
+        e.to_string().contains("TLS (rediss://) is not supported"),
+        "{e}"
+    );
+    let e = connect("http://127.0.0.1:6379").expect_err("not Redis");
+    assert!(e.to_string().contains("redis+unix:///PATH"), "{e}");
+}

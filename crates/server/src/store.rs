@@ -76,7 +76,8 @@ impl StoreFactory for MemoryFactory {
 /// credentials.
 #[derive(Clone)]
 pub struct RedisFactory {
-    /// `redis://host:port[/db]` or `redis-cluster://host:port,host:port`.
+    /// `redis://host:port[/db]`, `redis+unix:///path` or
+    /// `redis-cluster://host:port,host:port`.
     pub url: String,
     /// The longest one call may take, in ms.
     pub timeout_ms: u64,
@@ -144,7 +145,8 @@ impl StoreFactory for RedisFactory {
 pub enum StoreUrl {
     /// The embedded in-memory store.
     Memory,
-    /// A single Redis server, `redis://host:port/db`.
+    /// A single Redis server, `redis://host:port/db` or
+    /// `redis+unix:///path`.
     Redis(String),
     /// A Redis Cluster, `redis-cluster://host:port,host:port`.
     RedisCluster(String),
@@ -172,13 +174,17 @@ impl std::str::FromStr for StoreUrl {
     fn from_str(s: &str) -> Result<Self, String> {
         if s == "memory" {
             Ok(StoreUrl::Memory)
-        } else if s.starts_with("redis://") || s.starts_with("rediss://") {
-            Ok(StoreUrl::Redis(s.to_owned()))
         } else if s.starts_with("redis-cluster://") {
             Ok(StoreUrl::RedisCluster(s.to_owned()))
+        } else if ratewarden_redis::is_store_url(s) {
+            Ok(StoreUrl::Redis(s.to_owned()))
+        } else if s.contains("://") {
+            // Says what is wrong with the form (TLS, for rediss://).
+            Err(ratewarden_redis::url_form_error(s))
         } else {
             Err(format!(
-                "unknown store {:?}; use memory, redis://host:port or redis-cluster://host:port,host:port",
+                "unknown store {:?}; use memory or a Redis URL: redis://HOST:PORT[/DB], \
+                 redis+unix:///PATH or redis-cluster://HOST:PORT[,HOST:PORT...]",
                 ratewarden_redis::redact_url(s)
             ))
         }
