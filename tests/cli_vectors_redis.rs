@@ -36,11 +36,17 @@ fn assert_all_pass(out: &Output) {
     assert!(passed > 100, "{last}");
 }
 
+/// An hour: every key a run leaves expires within it, as docs/redis.md
+/// says, so runs against a shared Redis do not pile keys up.
+const HOUR_MS: i64 = 3_600_000;
+
 #[test]
 fn vectors_pass_on_a_redis_node() {
     let server = RedisServer::start();
     assert_all_pass(&vectors(&server.url()));
     assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
+    let longest = server.longest_ttl_ms().expect("the run left keys");
+    assert!(longest <= HOUR_MS, "a key lives {longest} ms");
 }
 
 #[test]
@@ -48,6 +54,8 @@ fn vectors_pass_on_a_redis_cluster() {
     let cluster = RedisCluster::start();
     assert_all_pass(&vectors(&cluster.url()));
     assert_eq!(cluster.keys_without_ttl(), Vec::<String>::new());
+    let longest = cluster.longest_ttl_ms().expect("the run left keys");
+    assert!(longest <= HOUR_MS, "a key lives {longest} ms");
 }
 
 #[test]
@@ -61,4 +69,46 @@ fn an_unreachable_redis_is_an_unusable_store() {
         String::from_utf8_lossy(&out.stdout)
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("127.0.0.1"));
+}
+
+#[test]
+fn a_redis_that_wants_a_password_is_an_unusable_store_saying_so() {
+    let server = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let out = vectors(&server.url());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("requires a password"), "{stderr}");
+    // No case ran: the run stopped at start.
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("FAIL"));
+}
+
+#[test]
+fn a_refused_password_is_never_shown() {
+    let server = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let out = vectors(&format!(
+        "redis://:pw-not-shown@127.0.0.1:{}",
+        server.port()
+    ));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("redis://:***@127.0.0.1"), "{stderr}");
+    assert!(!stderr.contains("pw-not-shown"), "{stderr}");
+}
+
+#[test]
+fn the_documented_url_forms_are_taken_and_tls_is_refused_saying_so() {
+    let socket = std::env::temp_dir().join(format!("ratewarden-cli-{}.sock", std::process::id()));
+    let path = socket.display().to_string();
+    let server = RedisServer::start_with(&["--unixsocket", &path, "--unixsocketperm", "700"]);
+    assert_all_pass(&vectors(&format!("redis+unix://{path}")));
+    drop(server);
+    let _ = std::fs::remove_file(&socket);
+
+    let out = vectors("rediss://127.0.0.1:6379");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("TLS (rediss://) is not supported"),
+        "{stderr}"
+    );
 }

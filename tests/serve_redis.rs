@@ -244,3 +244,124 @@ async fn descriptors_on_redis_cluster_admit_exactly_the_limit() {
     let body: Value = r.json().await.unwrap();
     assert_eq!(body["remaining"], 69, "{body}");
 }
+
+/// Runs `ratewarden serve --store STORE` expecting it to stop at start;
+/// returns its exit status and standard error. Bounded: a server that
+/// starts anyway is killed after 20 s and the test fails.
+fn serve_refused(store: &str) -> (std::process::ExitStatus, String) {
+    use std::io::Read;
+    let mut child = std::process::Command::new(common::BIN)
+        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .args(["--store", store])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the ratewarden binary starts");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("serve --store {store} did not stop at start");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    (status, stderr)
+}
+
+#[test]
+fn a_redis_that_wants_a_password_stops_serve_at_start_saying_so() {
+    let redis = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let (status, stderr) = serve_refused(&redis.url());
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("requires a password"), "{stderr}");
+}
+
+#[test]
+fn the_password_is_never_logged() {
+    use std::io::BufRead;
+    let redis = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let url = format!("redis://:s3cret@127.0.0.1:{}", redis.port());
+    let mut child = std::process::Command::new(common::BIN)
+        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .args(["--store", &url])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the ratewarden binary starts");
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            let done = line.contains("listening");
+            let _ = tx.send(line);
+            if done {
+                break;
+            }
+        }
+    });
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        let done = line.contains("listening");
+        lines.push(line);
+        if done {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let log = lines.join("\n");
+    assert!(log.contains("listening"), "{log}");
+    assert!(log.contains("redis://:***@127.0.0.1"), "{log}");
+    assert!(!log.contains("s3cret"), "{log}");
+
+    // An error at start neither.
+    let (status, stderr) =
+        serve_refused(&format!("redis://:pw-not-shown@127.0.0.1:{}", redis.port()));
+    assert!(!status.success(), "{stderr}");
+    assert!(!stderr.contains("pw-not-shown"), "{stderr}");
+}
+
+#[test]
+fn tls_urls_are_refused_saying_so() {
+    let (status, stderr) = serve_refused("rediss://127.0.0.1:6379");
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("TLS (rediss://) is not supported"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_socket_url_serves() {
+    let socket = std::env::temp_dir().join(format!("ratewarden-serve-{}.sock", std::process::id()));
+    let path = socket.display().to_string();
+    let redis = RedisServer::start_with(&["--unixsocket", &path, "--unixsocketperm", "700"]);
+    let serve = Serve::start(
+        &format!("redis+unix://{path}"),
+        "[server]\nstore_timeout_ms = 5000\n\n[keys]\nlimit = 2\nwindow_ms = 3600000\n",
+    );
+    let client = reqwest::Client::new();
+    let mut allowed = Vec::new();
+    for _ in 0..3 {
+        let (_, body) = check(&client, &serve.url(), "unix").await;
+        assert_ne!(body["failure_policy"], json!(true), "{body}");
+        allowed.push(body["allowed"].as_bool().unwrap());
+    }
+    assert_eq!(allowed, [true, true, false]);
+    drop(serve);
+    drop(redis);
+    let _ = std::fs::remove_file(&socket);
+}

@@ -18,8 +18,9 @@ use ratewarden_core::{mix32, Decision, MemoryOptions, MemoryStore};
 #[derive(clap::Args)]
 pub struct Args {
     /// The store to run the vectors on: `memory` (the embedded store),
-    /// `redis://HOST:PORT[/DB]` or `redis-cluster://HOST:PORT[,HOST:PORT...]`
-    /// (each case under its own fresh key prefix).
+    /// `redis://HOST:PORT[/DB]`, `redis+unix:///PATH` or
+    /// `redis-cluster://HOST:PORT[,HOST:PORT...]` (each case under its own
+    /// fresh key prefix).
     #[arg(long, default_value = "memory")]
     pub store: StoreArg,
     /// Vector files, or directories searched (recursively) for `*.json`.
@@ -42,12 +43,13 @@ impl FromStr for StoreArg {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "memory" => Ok(StoreArg::Memory),
-            url if url.starts_with("redis://") || url.starts_with("redis-cluster://") => {
-                Ok(StoreArg::Redis(url.to_owned()))
-            }
+            url if ratewarden_redis::is_store_url(url) => Ok(StoreArg::Redis(url.to_owned())),
+            // Says what is wrong with the form (TLS, for rediss://).
+            url if url.contains("://") => Err(ratewarden_redis::url_form_error(url)),
             other => Err(format!(
-                "unknown store {other:?}; use memory, redis://HOST:PORT[/DB] or \
-                 redis-cluster://HOST:PORT[,HOST:PORT...]"
+                "unknown store {:?}; use memory, redis://HOST:PORT[/DB], \
+                 redis+unix:///PATH or redis-cluster://HOST:PORT[,HOST:PORT...]",
+                ratewarden_redis::redact_url(other)
             )),
         }
     }
@@ -57,7 +59,7 @@ impl fmt::Display for StoreArg {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             StoreArg::Memory => f.write_str("memory"),
-            StoreArg::Redis(url) => f.write_str(url),
+            StoreArg::Redis(url) => f.write_str(&ratewarden_redis::redact_url(url)),
         }
     }
 }
@@ -105,9 +107,17 @@ impl CaseRunner for RedisRunner {
             prefix: format!("ratewarden-vectors:{}:{}", self.run_id, self.cases_run),
             // Generous: conformance is checked here, not latency.
             timeout_ms: 10_000,
-            // The vectors' times are not Redis's: keep every key for the
-            // run (an hour at most) instead of expiring it by Redis's clock.
-            ttl_grace_ms: 3_600_000,
+            // The vectors' times are not Redis's, so a TTL computed from
+            // them means nothing on Redis's clock. Every key lives exactly
+            // as long as the grace after its last write, at most 1 ms more
+            // (max_ttl_ms caps what the vectors' times give; 1 is its
+            // least): an hour in all, as documented. No key of a case
+            // expires while the case runs (its steps take milliseconds of
+            // real time, each write sets at least the grace again), so the
+            // cap changes no decision, and a run leaves nothing on a shared
+            // Redis for longer than an hour.
+            ttl_grace_ms: 3_600_000 - 1,
+            max_ttl_ms: 1,
             ..Default::default()
         };
         let rt = &self.runtime;
@@ -154,7 +164,7 @@ pub fn run(args: Args) -> ExitCode {
                 ratewarden_core::REFERENCE,
                 probe,
             )) {
-                eprintln!("{url}: {e}");
+                eprintln!("{}: {e}", ratewarden_redis::redact_url(&url));
                 return ExitCode::from(2);
             }
             Box::new(RedisRunner {

@@ -30,6 +30,8 @@ mod limiter;
 mod store;
 #[cfg(feature = "test-support")]
 pub mod test_support;
+mod url;
 
 pub use limiter::{Checked, FailureCounts, RedisLimiter, RedisTime};
 pub use store::{escape_key_part, RedisOptions, RedisStore, MAX_BATCH};
+pub use url::{is_store_url, redact_url, url_form_error};

@@ -154,13 +154,26 @@ impl std::fmt::Debug for RedisStore {
 impl RedisStore {
     /// Connects to `url` and prepares the policy's script.
     ///
-    /// `url` is `redis://HOST:PORT[/DB]` (one node; `rediss://` and the
-    /// other forms of the `redis` crate work too) or
-    /// `redis-cluster://HOST:PORT[,HOST:PORT...]` (Redis Cluster, any of
-    /// its nodes as seeds). Errors: an invalid configuration or URL
-    /// ([`StoreErrorKind::InvalidInput`]), no connection within
-    /// `connect_timeout_ms` ([`StoreErrorKind::ConnectionDropped`] or
-    /// [`StoreErrorKind::Timeout`]).
+    /// `url` is one of (and no other form: this build has no TLS, so
+    /// `rediss://` is refused, saying so):
+    ///
+    /// - `redis://[[USER]:PASSWORD@]HOST:PORT[/DB]`: one node over TCP;
+    /// - `redis+unix:///PATH[?db=DB&user=USER&pass=PASSWORD]`: one node over
+    ///   a Unix socket;
+    /// - `redis-cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]`: Redis
+    ///   Cluster, any of its nodes as seeds.
+    ///
+    /// Connecting checks that the store can be used, so that a store that
+    /// cannot is refused here rather than at every decision: a single node
+    /// must answer `PING` and must not be a cluster node, and the policy's
+    /// script is loaded (on every master of a cluster).
+    ///
+    /// Errors: an invalid configuration or URL, a Redis that wants a
+    /// password the URL lacks, refuses the URL's credentials, or is a
+    /// cluster node behind `redis://` ([`StoreErrorKind::InvalidInput`],
+    /// saying what to change); no connection, or a node that cannot be
+    /// used, within `connect_timeout_ms` ([`StoreErrorKind::ConnectionDropped`],
+    /// [`StoreErrorKind::Backend`] or [`StoreErrorKind::Timeout`]).
     pub async fn connect(
         url: &str,
         config: PolicyConfig,
@@ -187,20 +200,26 @@ impl RedisStore {
                 "ttl_grace_ms + max_ttl_ms must stay below 2^53; use a smaller ttl_grace_ms",
             ));
         }
-        let connect_timeout = Duration::from_millis(options.connect_timeout_ms);
+        if !crate::is_store_url(url) {
+            return Err(StoreError::new(
+                StoreErrorKind::InvalidInput,
+                crate::url_form_error(url),
+            ));
+        }
+        // Every message shows the URL without its credentials.
+        let shown = crate::redact_url(url);
+        let shown = shown.as_str();
+        let connect_timeout_ms = options.connect_timeout_ms;
+        let connect_timeout = Duration::from_millis(connect_timeout_ms);
         let response_timeout = Duration::from_millis(options.timeout_ms);
-        let connecting = async {
-            if let Some(seeds) = url.strip_prefix("redis-cluster://") {
-                let nodes: Vec<String> = seeds
-                    .split(',')
-                    .filter(|s| !s.is_empty())
-                    .map(|s| format!("redis://{s}"))
-                    .collect();
+        let connecting = async move {
+            let mut conn = if let Some(seeds) = url.strip_prefix("redis-cluster://") {
+                let nodes = cluster_nodes(seeds);
                 if nodes.is_empty() {
                     return Err(StoreError::new(
                         StoreErrorKind::InvalidInput,
                         format!(
-                            "{url:?} names no node; write redis-cluster://HOST:PORT[,HOST:PORT...]"
+                            "{shown:?} names no node; write redis-cluster://HOST:PORT[,HOST:PORT...]"
                         ),
                     ));
                 }
@@ -211,38 +230,55 @@ impl RedisStore {
                     .min_retry_wait(5)
                     .max_retry_wait(50)
                     .build()
-                    .map_err(|e| invalid_url(url, e))?;
+                    .map_err(|e| invalid_url(shown, e))?;
                 let conn = client.get_async_connection().await.map_err(map_error)?;
-                Ok(Conn::Cluster(conn))
+                Conn::Cluster(conn)
             } else {
-                let client = redis::Client::open(url).map_err(|e| invalid_url(url, e))?;
-                // A few quick retries with short waits: the call's own
-                // timeout bounds the whole, and a reconnect attempt starts
-                // on the next call after a failure.
+                let client = redis::Client::open(url).map_err(|e| invalid_url(shown, e))?;
+                // One attempt per (re)connection, no backoff: redis-rs
+                // 0.32 waits at least a second (backon's minimum delay,
+                // which neither the factor nor max_delay lowers) before
+                // each retry, so retries made every call wait its whole
+                // timeout while Redis refused connections, and the first
+                // calls after Redis returned wait for a sleeping attempt.
+                // Without them a refused connection fails the call at once,
+                // as a connection error, and the next call (or this call's
+                // one more try, see retry_on_new_connection) starts a new
+                // attempt, so the first call after Redis returns connects.
                 let manager_config = ConnectionManagerConfig::new()
                     .set_connection_timeout(connect_timeout)
                     .set_response_timeout(response_timeout)
-                    .set_number_of_retries(2)
-                    .set_factor(5)
-                    .set_max_delay(50);
-                let conn = ConnectionManager::new_with_config(client, manager_config)
+                    .set_number_of_retries(0);
+                let address = client.get_connection_info().addr.to_string();
+                let mut conn = ConnectionManager::new_with_config(client, manager_config)
                     .await
-                    .map_err(map_error)?;
-                Ok(Conn::Node(conn))
-            }
+                    .map_err(|e| connect_error(e, &address))?;
+                // Connecting sends nothing when the URL has no password, so
+                // a Redis that wants one, a cluster node, or a server that
+                // is not Redis would only show at the first decision: ask
+                // now, so that an unusable store stops the caller at start.
+                check_node(&mut conn, &address).await?;
+                Conn::Node(conn)
+            };
+            let store = Self::with_connection(conn.clone(), config, options);
+            // Loading the script proves that scripts can run (on every
+            // master of a cluster) and saves the first call a NOSCRIPT.
+            store.load_script(&mut conn).await.map_err(|e| {
+                StoreError::new(
+                    e.kind(),
+                    format!("Redis at {shown} cannot load the policy's script: {e}"),
+                )
+            })?;
+            Ok(store)
         };
-        let conn = tokio::time::timeout(connect_timeout, connecting)
+        tokio::time::timeout(connect_timeout, connecting)
             .await
             .map_err(|_| {
                 StoreError::new(
                     StoreErrorKind::Timeout,
-                    format!(
-                        "no connection to {url} within {} ms",
-                        options.connect_timeout_ms
-                    ),
+                    format!("no connection to {shown} within {connect_timeout_ms} ms"),
                 )
-            })??;
-        Ok(Self::with_connection(conn, config, options))
+            })?
     }
 
     fn with_connection(conn: Conn, config: PolicyConfig, options: RedisOptions) -> Self {
@@ -390,6 +426,28 @@ impl RedisStore {
             .map_err(|_| self.timed_out())?
     }
 
+    /// Whether a call that failed with `e` goes once more, on a new
+    /// connection, within the same timeout.
+    ///
+    /// A single node's connection can be gone when a call starts: closed by
+    /// Redis's idle `timeout`, by a restart or by `CLIENT KILL`, it is
+    /// noticed only when a call fails on it. The connection manager then
+    /// starts a new connection, but does not repeat the call, so without
+    /// one more try the first call after such a close would get the
+    /// failure policy although Redis has been back for a while.
+    ///
+    /// A connection error does not prove that Redis ran nothing: when the
+    /// connection broke after the script reached Redis and before its
+    /// reply came back, the script ran and the second try runs it again,
+    /// spending that request's cost twice. That is the worst case, and a
+    /// conservative one (later decisions may be stricter, never looser),
+    /// as for a timed-out call (see "The ambiguous outcome" in
+    /// `docs/redis.md`). A timeout is never tried again: the call's time is
+    /// spent. A cluster connection retries such errors itself.
+    fn retry_on_new_connection(&self, e: &RedisError) -> bool {
+        matches!(self.inner.conn, Conn::Node(_)) && e.is_unrecoverable_error() && !e.is_timeout()
+    }
+
     /// Loads the policy's script into the server's script cache, for a
     /// call that met NOSCRIPT (a flushed cache or a restarted node).
     async fn load_script(&self, conn: &mut Conn) -> Result<(), StoreError> {
@@ -412,11 +470,17 @@ impl RedisStore {
         let cmd = self.eval_cmd(key, now_ms, cost);
         let mut conn = self.inner.conn.clone();
         // Server errors arrive as values; extract_error makes them errors.
-        let value = match conn
+        let mut first = conn
             .req_packed_command(&cmd)
             .await
-            .and_then(Value::extract_error)
-        {
+            .and_then(Value::extract_error);
+        if matches!(&first, Err(e) if self.retry_on_new_connection(e)) {
+            first = conn
+                .req_packed_command(&cmd)
+                .await
+                .and_then(Value::extract_error);
+        }
+        let value = match first {
             Err(e) if e.kind() == ErrorKind::NoScriptError => {
                 // The script cache was flushed (or a node restarted): load
                 // it again and repeat; the failed EVALSHA ran nothing.
@@ -509,10 +573,13 @@ impl RedisStore {
                     let (key, cost) = requests[i];
                     pipe.add_command(self.eval_cmd(key, now_ms, cost));
                 }
-                let values = conn
-                    .req_packed_commands(&pipe, 0, todo.len())
-                    .await
-                    .map_err(map_error)?;
+                let mut sent = conn.req_packed_commands(&pipe, 0, todo.len()).await;
+                if matches!(&sent, Err(e) if self.retry_on_new_connection(e)) {
+                    // As for one call: the connection was gone, and the
+                    // batch goes once more on the new one.
+                    sent = conn.req_packed_commands(&pipe, 0, todo.len()).await;
+                }
+                let values = sent.map_err(map_error)?;
                 if values.len() != todo.len() {
                     return Err(StoreError::new(
                         StoreErrorKind::Backend,
@@ -556,12 +623,88 @@ impl RedisStore {
     }
 }
 
-fn invalid_url(url: &str, e: RedisError) -> StoreError {
+/// The `redis://` URL of each seed of a `redis-cluster://` URL (its part
+/// after the scheme). Credentials written once, on the first seed, hold for
+/// every seed: redis-rs wants the same on each.
+fn cluster_nodes(seeds: &str) -> Vec<String> {
+    let seeds: Vec<&str> = seeds.split(',').filter(|s| !s.is_empty()).collect();
+    let credentials = seeds
+        .first()
+        .and_then(|s| s.rsplit_once('@'))
+        .map_or("", |(userinfo, _)| userinfo);
+    seeds
+        .iter()
+        .map(|s| {
+            if s.contains('@') || credentials.is_empty() {
+                format!("redis://{s}")
+            } else {
+                format!("redis://{credentials}@{s}")
+            }
+        })
+        .collect()
+}
+
+/// Checks that a single node can be used: it answers commands (with the
+/// URL's credentials, if any) and is not a cluster node, whose keys a
+/// single-node connection would meet as `MOVED` errors.
+async fn check_node(conn: &mut ConnectionManager, address: &str) -> Result<(), StoreError> {
+    redis::cmd("PING")
+        .query_async::<Value>(conn)
+        .await
+        .and_then(Value::extract_error)
+        .map_err(|e| connect_error(e, address))?;
+    // INFO may be renamed away on some servers: PING proved the node
+    // answers, so only a clear "cluster_enabled:1" refuses.
+    if let Ok(info) = redis::cmd("INFO")
+        .arg("cluster")
+        .query_async::<String>(conn)
+        .await
+    {
+        if info.lines().any(|l| l.trim() == "cluster_enabled:1") {
+            return Err(StoreError::new(
+                StoreErrorKind::InvalidInput,
+                format!(
+                    "Redis at {address} is a cluster node: use \
+                     redis-cluster://HOST:PORT[,HOST:PORT...] (any nodes as seeds)"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A failure to connect or to authenticate, saying what to change when the
+/// cause is the credentials.
+fn connect_error(e: RedisError, address: &str) -> StoreError {
+    if e.code() == Some("NOAUTH") {
+        StoreError::new(
+            StoreErrorKind::InvalidInput,
+            format!(
+                "Redis at {address} requires a password: put it in the URL as \
+                 redis://:PASSWORD@HOST:PORT (or redis://USER:PASSWORD@HOST:PORT for an ACL user)"
+            ),
+        )
+    } else if e.kind() == ErrorKind::AuthenticationFailed || e.code() == Some("WRONGPASS") {
+        StoreError::new(
+            StoreErrorKind::InvalidInput,
+            format!(
+                "Redis at {address} refused the URL's user or password ({e}): \
+                 correct them in redis://[USER]:PASSWORD@HOST:PORT"
+            ),
+        )
+    } else {
+        let e = map_error(e);
+        StoreError::new(e.kind(), format!("Redis at {address} cannot be used: {e}"))
+    }
+}
+
+/// `shown`: the URL without its credentials.
+fn invalid_url(shown: &str, e: RedisError) -> StoreError {
     StoreError::new(
         StoreErrorKind::InvalidInput,
         format!(
-            "{url:?} is not a Redis address ({e}); write redis://HOST:PORT[/DB] or \
-             redis-cluster://HOST:PORT[,HOST:PORT...]"
+            "{shown:?} is not a Redis address ({e}); write {}",
+            crate::url::FORMS
         ),
     )
 }
@@ -666,6 +809,16 @@ mod tests {
 
     fn reply(items: &[i64]) -> Value {
         Value::Array(items.iter().map(|&n| Value::Int(n)).collect())
+    }
+
+    #[test]
+    fn credentials_on_the_first_seed_hold_for_every_seed() {
+        assert_eq!(
+            cluster_nodes(":pw@a:1,b:2,u:q@c:3"),
+            ["redis://:pw@a:1", "redis://:pw@b:2", "redis://u:q@c:3"]
+        );
+        assert_eq!(cluster_nodes("a:1,,b:2"), ["redis://a:1", "redis://b:2"]);
+        assert!(cluster_nodes(",").is_empty());
     }
 
     #[test]

@@ -48,17 +48,25 @@ pub struct RedisServer {
     child: Option<Child>,
     dir: tempfile::TempDir,
     cluster: bool,
+    /// More `redis-server` arguments, such as `--requirepass`.
+    extra: Vec<String>,
 }
 
 impl RedisServer {
     /// Starts a node on a free port and waits until it answers PING.
     pub fn start() -> RedisServer {
-        Self::start_fresh(false)
+        Self::start_fresh(false, &[])
+    }
+
+    /// Starts a node with more `redis-server` arguments (for example
+    /// `["--requirepass", "s3cret"]`) and waits until it answers.
+    pub fn start_with(args: &[&str]) -> RedisServer {
+        Self::start_fresh(false, args)
     }
 
     /// Starts a node on a port found free, trying another port when a
     /// concurrent test took that one first.
-    fn start_fresh(cluster: bool) -> RedisServer {
+    fn start_fresh(cluster: bool, extra: &[&str]) -> RedisServer {
         for _ in 0..5 {
             let dir = tempfile::tempdir().expect("temporary directory");
             let mut server = RedisServer {
@@ -66,6 +74,7 @@ impl RedisServer {
                 child: None,
                 dir,
                 cluster,
+                extra: extra.iter().map(|a| a.to_string()).collect(),
             };
             if server.spawn() {
                 return server;
@@ -90,6 +99,7 @@ impl RedisServer {
             "no",
         ])
         .args(["--dir", &self.dir.path().display().to_string()])
+        .args(&self.extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null());
         if self.cluster {
@@ -107,7 +117,10 @@ impl RedisServer {
             if exited(&mut child) {
                 return false;
             }
-            if raw_command(self.port, "PING").is_some_and(|r| r.starts_with("+PONG")) {
+            // NOAUTH: a server started with --requirepass answers too.
+            if raw_command(self.port, "PING")
+                .is_some_and(|r| r.starts_with("+PONG") || r.starts_with("-NOAUTH"))
+            {
                 if exited(&mut child) {
                     return false;
                 }
@@ -211,6 +224,30 @@ impl RedisServer {
         missing
     }
 
+    /// The longest TTL of any key, in ms (SCAN + PTTL); `None` when there
+    /// is no key. A key without a TTL counts as `i64::MAX`.
+    pub fn longest_ttl_ms(&self) -> Option<i64> {
+        let client = redis::Client::open(self.url()).expect("client");
+        let mut conn = client
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .expect("connect");
+        let keys: Vec<String> = {
+            use redis::Commands;
+            conn.scan::<String>().expect("SCAN").collect()
+        };
+        keys.iter()
+            .map(|key| {
+                let ttl: i64 = redis::cmd("PTTL").arg(key).query(&mut conn).expect("PTTL");
+                // -1: no TTL; -2: gone since the scan.
+                if ttl == -1 {
+                    i64::MAX
+                } else {
+                    ttl
+                }
+            })
+            .max()
+    }
+
     /// The directory the server runs in.
     pub fn dir(&self) -> &Path {
         self.dir.path()
@@ -237,7 +274,7 @@ impl RedisCluster {
     pub fn start() -> RedisCluster {
         let mut nodes: Vec<RedisServer> = Vec::new();
         while nodes.len() < 3 {
-            let node = RedisServer::start_fresh(true);
+            let node = RedisServer::start_fresh(true, &[]);
             if nodes.iter().all(|n| n.port != node.port) {
                 nodes.push(node);
             }
@@ -286,6 +323,12 @@ impl RedisCluster {
     /// The nodes.
     pub fn nodes(&self) -> &[RedisServer] {
         &self.nodes
+    }
+
+    /// The longest TTL of any key on any node, in ms, as
+    /// [`RedisServer::longest_ttl_ms`] gives it.
+    pub fn longest_ttl_ms(&self) -> Option<i64> {
+        self.nodes.iter().filter_map(|n| n.longest_ttl_ms()).max()
     }
 
     /// Keys without a TTL on any node.

@@ -383,3 +383,102 @@ fn corrupt_state_is_a_typed_error_never_an_admit() {
     });
     assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
 }
+
+/// A connection that Redis closed while it was idle (its `timeout`), or
+/// killed (`CLIENT KILL`, as a restart does), is noticed only by the next
+/// call on it: that call goes once more on a new connection and is
+/// decided, rather than getting the failure policy although Redis is up.
+#[test]
+fn a_connection_closed_by_redis_costs_no_call() {
+    let rt = common::runtime();
+    let server = RedisServer::start();
+    rt.block_on(async {
+        // A generous timeout: this test counts outcomes, not latency.
+        let generous = |tag| RedisOptions {
+            timeout_ms: 5_000,
+            ..options(tag)
+        };
+        let store = RedisStore::connect(&server.url(), REFERENCE, generous("closed"))
+            .await
+            .expect("connect");
+        let batch = RedisStore::connect(&server.url(), REFERENCE, generous("closed-batch"))
+            .await
+            .expect("connect");
+        let mut failures = Vec::new();
+        let mut decide = |round: &str, r: Result<_, ratewarden_core::StoreError>| {
+            if let Err(e) = r {
+                failures.push(format!("{round}: {e}"));
+            }
+        };
+        for round in 0..3 {
+            assert_eq!(
+                server.cli(&["CLIENT", "KILL", "TYPE", "normal"]).trim(),
+                "2",
+                "both stores' connections are killed"
+            );
+            decide(
+                &format!("kill {round}"),
+                store.decide(round, None, 1).await.map(drop),
+            );
+            decide(
+                &format!("kill {round}, batch"),
+                batch
+                    .decide_many(&[(round, 1), (round + 10, 1)], None)
+                    .await
+                    .map(drop),
+            );
+        }
+        // Redis closes connections idle for a second (it checks a few
+        // times a second): wait well past it, twice.
+        assert_eq!(server.cli(&["CONFIG", "SET", "timeout", "1"]).trim(), "OK");
+        for round in 0..2 {
+            tokio::time::sleep(Duration::from_millis(2_500)).await;
+            decide(
+                &format!("idle {round}"),
+                store.decide(round, None, 1).await.map(drop),
+            );
+            decide(
+                &format!("idle {round}, batch"),
+                batch.decide_many(&[(round, 1)], None).await.map(drop),
+            );
+        }
+        assert_eq!(failures, Vec::<String>::new());
+    });
+}
+
+/// While Redis refuses connections each call fails at once as a
+/// connection error (not by waiting out its timeout behind a reconnect
+/// backoff), and the first call once Redis is back is decided.
+#[test]
+fn a_refusing_redis_fails_calls_as_connection_errors_and_the_first_call_back_succeeds() {
+    let rt = common::runtime();
+    let mut server = RedisServer::start();
+    let store = rt
+        .block_on(RedisStore::connect(
+            &server.url(),
+            REFERENCE,
+            RedisOptions {
+                // Generous: a call that waited for a reconnect backoff of
+                // a second or more would still end as Timeout within it.
+                timeout_ms: 3_000,
+                ..options("refused")
+            },
+        ))
+        .expect("connect");
+    assert!(rt.block_on(store.decide(1, None, 1)).is_ok());
+    server.kill();
+    let kinds: Vec<StoreErrorKind> = (0..10)
+        .map(|i| {
+            rt.block_on(store.decide(i, None, 1))
+                .expect_err("Redis is down")
+                .kind()
+        })
+        .collect();
+    assert_eq!(kinds, vec![StoreErrorKind::ConnectionDropped; 10]);
+    server.restart();
+    for i in 0..3 {
+        if let Err(e) = rt.block_on(store.decide(i, None, 1)) {
+            panic!("call {i} after Redis returned failed: {e}");
+        }
+    }
+}

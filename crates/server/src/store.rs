@@ -72,13 +72,24 @@ impl StoreFactory for MemoryFactory {
 
 /// Redis (one node, or a cluster): one connection and one Lua script per
 /// rule. Decisions read Redis `TIME`, so every server process on one Redis
-/// shares one clock.
-#[derive(Debug, Clone)]
+/// shares one clock. Its description and `Debug` show the URL without its
+/// credentials.
+#[derive(Clone)]
 pub struct RedisFactory {
-    /// `redis://host:port[/db]` or `redis-cluster://host:port,host:port`.
+    /// `redis://host:port[/db]`, `redis+unix:///path` or
+    /// `redis-cluster://host:port,host:port`.
     pub url: String,
     /// The longest one call may take, in ms.
     pub timeout_ms: u64,
+}
+
+impl fmt::Debug for RedisFactory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisFactory")
+            .field("url", &ratewarden_redis::redact_url(&self.url))
+            .field("timeout_ms", &self.timeout_ms)
+            .finish()
+    }
 }
 
 /// A rule's limiter on Redis. Failures are returned, not answered here: the
@@ -103,7 +114,8 @@ impl Limiter for RedisRuleLimiter {
 
 impl StoreFactory for RedisFactory {
     fn describe(&self) -> String {
-        self.url.clone()
+        // Logged at start: never the password.
+        ratewarden_redis::redact_url(&self.url)
     }
 
     fn build<'a>(
@@ -128,15 +140,32 @@ impl StoreFactory for RedisFactory {
     }
 }
 
-/// What `--store` names.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What `--store` names. `Debug` shows a URL without its credentials.
+#[derive(Clone, PartialEq, Eq)]
 pub enum StoreUrl {
     /// The embedded in-memory store.
     Memory,
-    /// A single Redis server, `redis://host:port/db`.
+    /// A single Redis server, `redis://host:port/db` or
+    /// `redis+unix:///path`.
     Redis(String),
     /// A Redis Cluster, `redis-cluster://host:port,host:port`.
     RedisCluster(String),
+}
+
+impl fmt::Debug for StoreUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreUrl::Memory => f.write_str("Memory"),
+            StoreUrl::Redis(url) => f
+                .debug_tuple("Redis")
+                .field(&ratewarden_redis::redact_url(url))
+                .finish(),
+            StoreUrl::RedisCluster(url) => f
+                .debug_tuple("RedisCluster")
+                .field(&ratewarden_redis::redact_url(url))
+                .finish(),
+        }
+    }
 }
 
 impl std::str::FromStr for StoreUrl {
@@ -145,13 +174,18 @@ impl std::str::FromStr for StoreUrl {
     fn from_str(s: &str) -> Result<Self, String> {
         if s == "memory" {
             Ok(StoreUrl::Memory)
-        } else if s.starts_with("redis://") || s.starts_with("rediss://") {
-            Ok(StoreUrl::Redis(s.to_owned()))
         } else if s.starts_with("redis-cluster://") {
             Ok(StoreUrl::RedisCluster(s.to_owned()))
+        } else if ratewarden_redis::is_store_url(s) {
+            Ok(StoreUrl::Redis(s.to_owned()))
+        } else if s.contains("://") {
+            // Says what is wrong with the form (TLS, for rediss://).
+            Err(ratewarden_redis::url_form_error(s))
         } else {
             Err(format!(
-                "unknown store {s:?}; use memory, redis://host:port or redis-cluster://host:port,host:port"
+                "unknown store {:?}; use memory or a Redis URL: redis://HOST:PORT[/DB], \
+                 redis+unix:///PATH or redis-cluster://HOST:PORT[,HOST:PORT...]",
+                ratewarden_redis::redact_url(s)
             ))
         }
     }

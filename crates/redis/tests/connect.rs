@@ -1,0 +1,162 @@
+//! Connecting: a store that cannot be used is refused at connect, with an
+//! error that says what to change, never at the first decision.
+
+mod common;
+
+use std::net::{Ipv4Addr, TcpListener};
+
+use ratewarden_core::{StoreErrorKind, REFERENCE};
+use ratewarden_redis::test_support::{free_port, RedisCluster, RedisServer};
+use ratewarden_redis::{RedisOptions, RedisStore};
+
+fn options(tag: &str) -> RedisOptions {
+    RedisOptions {
+        prefix: common::fresh_prefix(tag),
+        timeout_ms: 5_000,
+        connect_timeout_ms: 5_000,
+        ..RedisOptions::default()
+    }
+}
+
+/// Connects on a runtime of its own: only for stores that are not used
+/// after (a store's connection lives on the runtime it was made on).
+fn connect(url: &str) -> Result<RedisStore, ratewarden_core::StoreError> {
+    common::runtime().block_on(RedisStore::connect(url, REFERENCE, options("connect")))
+}
+
+#[test]
+fn a_redis_that_wants_a_password_is_refused_at_connect_saying_so() {
+    let server = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let port = server.port();
+    let e = connect(&server.url()).expect_err("no password given");
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    let text = e.to_string();
+    assert!(text.contains("requires a password"), "{text}");
+    assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
+    assert!(text.contains("redis://:PASSWORD@HOST:PORT"), "{text}");
+
+    let e = connect(&format!("redis://:wrong@127.0.0.1:{port}")).expect_err("wrong password");
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(
+        e.to_string().contains("refused the URL's user or password"),
+        "{e}"
+    );
+
+    // The right password: decisions are made.
+    let rt = common::runtime();
+    let url = format!("redis://:s3cret@127.0.0.1:{port}");
+    let decision = rt.block_on(async {
+        let store = RedisStore::connect(&url, REFERENCE, options("auth"))
+            .await
+            .expect("right password");
+        store.decide(1, None, 1).await.expect("decided")
+    });
+    assert!(decision.allowed);
+}
+
+#[test]
+fn a_cluster_node_named_by_redis_url_is_refused_at_connect() {
+    let cluster = RedisCluster::start();
+    let node = &cluster.nodes()[0];
+    let e = connect(&node.url()).expect_err("a cluster node behind redis://");
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(
+        e.to_string()
+            .contains("is a cluster node: use redis-cluster://"),
+        "{e}"
+    );
+    // Its own form works.
+    connect(&cluster.url()).expect("redis-cluster:// connects");
+}
+
+#[test]
+fn a_server_that_is_not_redis_is_refused_at_connect() {
+    // A listener that accepts and closes every connection without a word:
+    // not Redis. Bounded: it serves 10 connections at most, then the
+    // test's end drops it.
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().take(10) {
+            drop(stream);
+        }
+    });
+    let e = connect(&format!("redis://127.0.0.1:{port}")).expect_err("not Redis");
+    assert_ne!(e.kind(), StoreErrorKind::Timeout, "{e}");
+    assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
+}
+
+/// Connecting with the default `connect_timeout_ms` (1 s): the cause of a
+/// failure is reported, not a timeout that hides it.
+fn connect_by_default(url: &str) -> ratewarden_core::StoreError {
+    let options = RedisOptions {
+        prefix: common::fresh_prefix("default"),
+        ..RedisOptions::default()
+    };
+    common::runtime()
+        .block_on(RedisStore::connect(url, REFERENCE, options))
+        .expect_err("the store cannot be used")
+}
+
+#[test]
+fn a_failed_connection_reports_its_cause_not_a_timeout() {
+    let e = connect_by_default(&format!("redis://127.0.0.1:{}", free_port(false)));
+    assert_eq!(e.kind(), StoreErrorKind::ConnectionDropped, "{e}");
+    assert!(e.to_string().contains("Connection refused"), "{e}");
+
+    let server = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let e = connect_by_default(&format!("redis://:wrong@127.0.0.1:{}", server.port()));
+    assert!(
+        e.to_string().contains("refused the URL's user or password"),
+        "{e}"
+    );
+
+    let e = connect_by_default(&format!("redis://:s3cret@127.0.0.1:{}/99", server.port()));
+    assert_ne!(e.kind(), StoreErrorKind::Timeout, "{e}");
+    assert!(e.to_string().contains("DB index is out of range"), "{e}");
+}
+
+#[test]
+fn errors_never_show_the_password() {
+    let server = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let port = server.port();
+    for url in [
+        // Not a URL the client takes.
+        "redis://:pw-not-shown@127.0.0.1:notaport".to_owned(),
+        // Refused credentials.
+        format!("redis://:pw-not-shown@127.0.0.1:{port}"),
+        format!("redis://app:pw-not-shown@127.0.0.1:{port}"),
+        // Nothing listens.
+        format!("redis://:pw-not-shown@127.0.0.1:{}", free_port(false)),
+    ] {
+        let e = connect(&url).expect_err("unusable");
+        assert!(!e.to_string().contains("pw-not-shown"), "{url}: {e}");
+    }
+}
+
+#[test]
+fn a_unix_socket_url_connects_and_tls_is_refused_saying_so() {
+    let socket = std::env::temp_dir().join(format!("ratewarden-test-{}.sock", std::process::id()));
+    let path = socket.display().to_string();
+    let server = RedisServer::start_with(&["--unixsocket", &path, "--unixsocketperm", "700"]);
+    let rt = common::runtime();
+    let decision = rt.block_on(async {
+        let store =
+            RedisStore::connect(&format!("redis+unix://{path}"), REFERENCE, options("unix"))
+                .await
+                .expect("redis+unix:// connects");
+        store.decide(1, None, 1).await.expect("decided")
+    });
+    assert!(decision.allowed);
+    drop(server);
+    let _ = std::fs::remove_file(&socket);
+
+    let e = connect("rediss://127.0.0.1:6379").expect_err("no TLS in this build");
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(
+        e.to_string().contains("TLS (rediss://) is not supported"),
+        "{e}"
+    );
+    let e = connect("http://127.0.0.1:6379").expect_err("not Redis");
+    assert!(e.to_string().contains("redis+unix:///PATH"), "{e}");
+}
