@@ -204,7 +204,7 @@ impl Service {
         let rules = self.rules.load_full();
         let matched = rules.match_key(key, self.settings.key_hash)?;
         let decision = self.take(&matched, cost).await;
-        Ok(self.finish(Some(matched.rule), decision, false))
+        Ok(self.finish(Some(matched.rule), decision, true))
     }
 
     /// Decides a request of several descriptors in `domain`.
@@ -269,7 +269,7 @@ impl Service {
             }
             return Ok(descriptors
                 .iter()
-                .map(|_| self.finish(None, (Decision::admitted(0), false), true))
+                .map(|_| self.finish(None, (Decision::admitted(0), false), false))
                 .collect());
         }
         // Descriptors of one request that reach the same count (one rule,
@@ -302,6 +302,11 @@ impl Service {
             .collect();
 
         let mut decided: Vec<Option<(Decision, bool)>> = vec![None; groups.len()];
+        // Whether a group's decision is its own (taken, or refused for its
+        // cost) rather than a cost-0 check left standing because another
+        // descriptor refused the request: only its own is counted in the
+        // metrics.
+        let mut own = vec![false; groups.len()];
         for (g, (_, cost)) in groups.iter().enumerate() {
             // No limit exceeds 2^53 - 1, so a larger cost never fits: it is
             // refused with no wait, as a cost above the limit is, without
@@ -309,6 +314,7 @@ impl Service {
             // would void every other descriptor's limit in the request.
             if *cost > MAX_SAFE {
                 decided[g] = Some((Decision::refused(None, 0), false));
+                own[g] = true;
             }
         }
         if enforcing.len() > 1 {
@@ -331,6 +337,7 @@ impl Service {
                 if decided[g].is_none() {
                     let (m, cost) = &groups[g];
                     decided[g] = Some(self.take(m, *cost).await);
+                    own[g] = true;
                 }
             }
             if blocked
@@ -363,38 +370,43 @@ impl Service {
             }
             consumed |= !shadow && d.allowed && *cost > 0;
             decided[g] = Some((d, failed));
+            own[g] = true;
         }
         Ok(group_of
             .into_iter()
             .map(|g| match g.and_then(|g| decided[g].map(|d| (g, d))) {
                 Some((g, decision)) => {
-                    self.finish(Some(Arc::clone(&groups[g].0.rule)), decision, false)
+                    // Counted once per group: one count sent twice is one
+                    // decision.
+                    let record = std::mem::take(&mut own[g]);
+                    self.finish(Some(Arc::clone(&groups[g].0.rule)), decision, record)
                 }
-                None => self.finish(None, (Decision::admitted(0), false), true),
+                None => self.finish(None, (Decision::admitted(0), false), false),
             })
             .collect())
     }
 
+    /// The outcome of one descriptor; `record` counts its decision in the
+    /// rule's metrics.
     fn finish(
         &self,
         rule: Option<Arc<Rule>>,
         (decision, failed): (Decision, bool),
-        unmatched: bool,
+        record: bool,
     ) -> DescriptorOutcome {
         let allowed = match &rule {
             Some(r) => {
-                let outcome = match (decision.allowed, r.spec.shadow) {
-                    (true, _) => Outcome::Allowed,
-                    (false, true) => Outcome::ShadowRefused,
-                    (false, false) => Outcome::Refused,
-                };
-                r.metrics.record(outcome);
+                if record {
+                    let outcome = match (decision.allowed, r.spec.shadow) {
+                        (true, _) => Outcome::Allowed,
+                        (false, true) => Outcome::ShadowRefused,
+                        (false, false) => Outcome::Refused,
+                    };
+                    r.metrics.record(outcome);
+                }
                 decision.allowed || r.spec.shadow
             }
-            None => {
-                debug_assert!(unmatched);
-                true
-            }
+            None => true,
         };
         DescriptorOutcome {
             rule,
@@ -558,6 +570,38 @@ shadow = true
             .await
             .unwrap();
         assert_eq!(alone[0].decision.remaining, 8);
+    }
+
+    /// `ratewarden_decisions_total` counts decisions made: not the cost-0
+    /// check of a descriptor whose request another descriptor refused, and
+    /// one count sent twice in a request once.
+    #[tokio::test]
+    async fn metrics_count_each_decision_once() {
+        let s = service(TWO).await;
+        let count = |rule: &str, outcome: &str| {
+            let text = s.metrics.render(&[]);
+            let series =
+                format!("ratewarden_decisions_total{{rule=\"{rule}\",outcome=\"{outcome}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&series)?.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        let both = [d(&[("a", "x")], 1), d(&[("b", "y")], 2)];
+        s.check_descriptors("api", &both).await.unwrap();
+        assert_eq!(
+            (count("api.a", "allowed"), count("api.b", "allowed")),
+            (1, 1)
+        );
+        // "b" is spent: the request is refused, and "a" decides nothing.
+        let out = s.check_descriptors("api", &both).await.unwrap();
+        assert!(out[0].allowed && !out[1].allowed);
+        assert_eq!(
+            (count("api.a", "allowed"), count("api.b", "refused")),
+            (1, 1)
+        );
+        let twice = [d(&[("a", "z")], 1), d(&[("a", "z")], 1)];
+        s.check_descriptors("api", &twice).await.unwrap();
+        assert_eq!(count("api.a", "allowed"), 2);
     }
 
     #[tokio::test]
