@@ -85,7 +85,11 @@ pub struct ServerSettings {
 impl Default for ServerSettings {
     fn default() -> Self {
         ServerSettings {
-            key_hash: KeyHash::Mix32,
+            // 64 bits: the count key is the rule's identity and the key
+            // string, never SPEC's mix32(key) itself, so SPEC's default buys
+            // no portability here, and 32 bits share budgets by chance at a
+            // million users (see docs/serve.md).
+            key_hash: KeyHash::Xxh3_64,
             failure_policy: FailurePolicy::FailClosed,
             store_timeout_ms: 100,
             max_keys: 1 << 22,
@@ -760,7 +764,7 @@ mod tests {
         let c = Config::parse(
             r#"
 [server]
-key_hash = "xxh3-64"
+key_hash = "mix32"
 failure_policy = "open"
 
 [keys]
@@ -790,7 +794,8 @@ shadow = true
             "t.toml",
         )
         .unwrap();
-        assert_eq!(c.server.key_hash, KeyHash::Xxh3_64);
+        assert_eq!(c.server.key_hash, KeyHash::Mix32);
+        assert_eq!(ServerSettings::default().key_hash, KeyHash::Xxh3_64);
         assert_eq!(c.server.failure_policy, FailurePolicy::FailOpen);
         assert_eq!(c.keys.unwrap().policy.window_ms, 60_000);
         let d = &c.domains[0];
