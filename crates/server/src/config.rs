@@ -940,6 +940,28 @@ shadow = true
 mod example {
     use super::*;
 
+    /// docs/serve.md shows the example without its comments: the two
+    /// must not drift apart.
+    #[test]
+    fn the_guide_shows_the_example_as_it_is() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let example = std::fs::read_to_string(root.join("examples/ratewarden.toml")).unwrap();
+        let guide = std::fs::read_to_string(root.join("docs/serve.md")).unwrap();
+        let settings = |text: &str| -> Vec<String> {
+            text.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(str::to_owned)
+                .collect()
+        };
+        let shown = guide
+            .split("```toml\n")
+            .nth(1)
+            .and_then(|rest| rest.split("```").next())
+            .expect("docs/serve.md shows the example in its first toml block");
+        assert_eq!(settings(shown), settings(&example));
+    }
+
     #[test]
     fn the_documented_example_loads() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/ratewarden.toml");
