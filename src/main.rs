@@ -21,6 +21,10 @@ enum Command {
     /// Run conformance vector files against a store.
     Vectors(cmd::vectors::Args),
     /// Run the rate-limit service: HTTP JSON and Envoy RLS v3 gRPC.
+    ///
+    /// SIGHUP reloads the configuration file; SIGTERM and SIGINT stop
+    /// accepting connections, let requests in flight finish (at most 30 s)
+    /// and exit. Everything else: docs/serve.md.
     Serve(cmd::serve::Args),
     /// Measure speed, memory and accuracy of every policy, beside governor.
     Bench(cmd::bench::Args),
