@@ -45,7 +45,9 @@ impl FromStr for StoreArg {
             "memory" => Ok(StoreArg::Memory),
             url if ratewarden_redis::is_store_url(url) => Ok(StoreArg::Redis(url.to_owned())),
             // Says what is wrong with the form (TLS, for rediss://).
-            url if url.contains("://") => Err(ratewarden_redis::url_form_error(url)),
+            url if ratewarden_redis::is_redis_like_url(url) => {
+                Err(ratewarden_redis::url_form_error(url))
+            }
             other => Err(format!(
                 "unknown store {:?}; use memory, redis://HOST:PORT[/DB], \
                  redis+unix:///PATH or redis-cluster://HOST:PORT[,HOST:PORT...]",

@@ -85,6 +85,15 @@ pub fn is_store_url(url: &str) -> bool {
         .any(|p| url.starts_with(p))
 }
 
+/// Whether `url` looks meant for Redis (a Redis-like scheme) though
+/// [`is_store_url`] refuses it: such a URL gets [`url_form_error`], while
+/// anything else is an unknown store to its caller.
+pub fn is_redis_like_url(url: &str) -> bool {
+    ["redis", "valkey", "unix://"]
+        .iter()
+        .any(|p| url.starts_with(p))
+}
+
 /// What is wrong with a store URL whose scheme is not taken, saying what
 /// to write instead.
 pub fn url_form_error(url: &str) -> String {

@@ -178,7 +178,7 @@ impl std::str::FromStr for StoreUrl {
             Ok(StoreUrl::RedisCluster(s.to_owned()))
         } else if ratewarden_redis::is_store_url(s) {
             Ok(StoreUrl::Redis(s.to_owned()))
-        } else if s.contains("://") {
+        } else if ratewarden_redis::is_redis_like_url(s) {
             // Says what is wrong with the form (TLS, for rediss://).
             Err(ratewarden_redis::url_form_error(s))
         } else {
