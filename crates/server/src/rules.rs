@@ -3,7 +3,9 @@
 //!
 //! A reload builds a new [`RuleSet`] and keeps the limiter (and so the
 //! counts) of every rule whose identity and policy configuration are
-//! unchanged; only new or changed rules start from empty counts.
+//! unchanged; only new or changed rules start from empty counts. Limit
+//! overrides are kept likewise while the rule they stand in for keeps what
+//! they take from it.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -191,14 +193,43 @@ impl RuleSet {
             );
         }
         let all = b.all;
-        Ok(RuleSet {
+        let set = RuleSet {
             config,
             keys,
             fallback,
             domains,
             all,
             overrides: Overrides::default(),
-        })
+        };
+        if let Some(p) = previous {
+            // Overrides whose rule keeps its identity, name, policy and
+            // shadow flag would be made again just as they are: keep them,
+            // and their counts, as unchanged rules keep their limiters.
+            let kept: Vec<_> = p
+                .overrides
+                .entries
+                .lock()
+                .values()
+                .filter(|e| e.rule.initialized())
+                .filter(|e| {
+                    // The override takes only these from its rule.
+                    set.base_spec(&e.base_id).is_some_and(|b| {
+                        (&b.name, b.shadow, b.policy.policy)
+                            == (
+                                &e.base_spec.name,
+                                e.base_spec.shadow,
+                                e.base_spec.policy.policy,
+                            )
+                    })
+                })
+                .cloned()
+                .collect();
+            let mut map = set.overrides.entries.lock();
+            for e in kept {
+                map.insert(e.id.clone(), e);
+            }
+        }
+        Ok(set)
     }
 
     /// Every rule, for housekeeping and metrics.
@@ -302,6 +333,10 @@ impl fmt::Debug for Overrides {
 struct OverrideEntry {
     id: String,
     spec: RuleSpec,
+    /// The identity and spec of the rule the override stands in for: a
+    /// reload keeps the entry, and its counts, while both are unchanged.
+    base_id: String,
+    base_spec: RuleSpec,
     metrics: Arc<RuleMetrics>,
     /// The in-memory twin deciding under the `local` failure policy, made
     /// on first need; kept here rather than with the limiter so that it
@@ -417,6 +452,8 @@ impl RuleSet {
                     };
                     let e = Arc::new(OverrideEntry {
                         id: id.clone(),
+                        base_id: base.id.clone().into_owned(),
+                        base_spec: base.spec.clone(),
                         metrics: metrics.rule(&spec.name),
                         spec,
                         failover: std::sync::OnceLock::new(),
@@ -481,6 +518,21 @@ impl RuleSet {
             failover,
             metrics: Arc::clone(&entry.metrics),
         }))
+    }
+
+    /// The spec of the rule an override with base identity `id` stands in
+    /// for in this set, if any: as [`Self::override_base`] finds bases.
+    fn base_spec(&self, id: &str) -> Option<&RuleSpec> {
+        if let Some(rule) = self.all.iter().find(|r| r.id == id) {
+            return Some(&rule.spec);
+        }
+        let reference = self.fallback.is_none()
+            && self
+                .config
+                .domains
+                .iter()
+                .any(|d| domain_id(&d.domain) == id);
+        reference.then_some(&*REFERENCE_SPEC)
     }
 
     fn override_base(
@@ -897,6 +949,76 @@ unlimited = true
             &find(&first, "api.path"),
             &find(&second, "api.path")
         ));
+    }
+
+    #[tokio::test]
+    async fn reload_keeps_overrides_of_unchanged_rules() {
+        let factory = MemoryFactory {
+            options: MemoryOptions::default(),
+        };
+        let metrics = Metrics::default();
+        async fn override_limiter(
+            s: &RuleSet,
+            e: &[(&str, &str)],
+            factory: &MemoryFactory,
+            metrics: &Metrics,
+        ) -> Arc<dyn Limiter> {
+            let over = LimitOverride {
+                limit: 1,
+                window_ms: 3_600_000,
+            };
+            match s
+                .match_override("api", &entries(e), over, factory, metrics)
+                .await
+            {
+                Some(OverrideMatch::Applied(m)) => m.rule.limiter.clone(),
+                other => panic!("{other:?}"),
+            }
+        }
+        let first = RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics)
+            .await
+            .unwrap();
+        let login = [("path", "/login")];
+        let any = [("path", "/other")];
+        let none = [("nothing", "x")];
+        let before = [
+            override_limiter(&first, &login, &factory, &metrics).await,
+            override_limiter(&first, &any, &factory, &metrics).await,
+            override_limiter(&first, &none, &factory, &metrics).await,
+        ];
+        // A new limit on api.path changes nothing the override takes; a new
+        // policy on the login rule does.
+        let changed = TREE.replace("limit = 50", "limit = 60").replace(
+            "value = \"/login\"\n",
+            "value = \"/login\"\npolicy = \"gcra\"\n",
+        );
+        let second = RuleSet::build(
+            Config::parse(&changed, "t").unwrap(),
+            &factory,
+            Some(&first),
+            &metrics,
+        )
+        .await
+        .unwrap();
+        assert!(!Arc::ptr_eq(
+            &before[0],
+            &override_limiter(&second, &login, &factory, &metrics).await
+        ));
+        assert!(Arc::ptr_eq(
+            &before[1],
+            &override_limiter(&second, &any, &factory, &metrics).await
+        ));
+        assert!(Arc::ptr_eq(
+            &before[2],
+            &override_limiter(&second, &none, &factory, &metrics).await
+        ));
+        assert_eq!(
+            override_limiter(&second, &login, &factory, &metrics)
+                .await
+                .config()
+                .policy,
+            ratewarden_core::PolicyKind::Gcra
+        );
     }
 
     #[test]
