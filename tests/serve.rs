@@ -8,8 +8,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use ratewarden_server::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use ratewarden_server::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+    Entry, RateLimitOverride,
+};
 use ratewarden_server::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use ratewarden_server::proto::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use ratewarden_server::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use ratewarden_server::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use ratewarden_server::proto::envoy::service::ratelimit::v3::{
@@ -1097,19 +1100,212 @@ async fn grpc_health_serves_then_turns_not_serving_on_sigterm() {
     server.stop();
 }
 
-/// A descriptor's limit override is not supported: the configured rule
-/// applies, and the override is counted (and logged), never silently lost.
+fn with_override(entries: &[(&str, &str)], limit: u32, unit: Unit) -> RateLimitDescriptor {
+    let mut d = descriptor(entries);
+    d.limit = Some(RateLimitOverride {
+        requests_per_unit: limit,
+        unit: unit as i32,
+    });
+    d
+}
+
+const OVERRIDDEN: &str = r#"
+[[domains]]
+domain = "api"
+
+[[domains.descriptors]]
+key = "user"
+name = "per-user"
+policy = "sliding-log"
+limit = 3
+unit = "minute"
+
+[[domains.descriptors]]
+key = "bucket"
+policy = "token-bucket"
+limit = 3
+unit = "minute"
+burst = 10
+
+[[domains.descriptors]]
+key = "trial"
+policy = "sliding-log"
+limit = 3
+unit = "minute"
+shadow = true
+
+[[domains.descriptors]]
+key = "internal"
+unlimited = true
+"#;
+
+/// A descriptor's limit override replaces the configured limit and window,
+/// with counts of its own, as envoyproxy/ratelimit applies it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_ignored_limit_override_is_counted() {
-    use ratewarden_server::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+async fn a_limit_override_is_applied_with_counts_of_its_own() {
+    let file = ConfigFile::new(OVERRIDDEN);
+    let server = Server::start(&["--config", file.path()]);
+    let mut grpc = server.grpc().await;
+    let limit = |r: &RateLimitResponse| {
+        let l = r.statuses[0].current_limit.clone().unwrap();
+        (l.name, l.requests_per_unit, l.unit)
+    };
+
+    // 1 an hour on a rule of 3 a minute: refused on the second request.
+    let ann = with_override(&[("user", "ann")], 1, Unit::Hour);
+    let r = should(&mut grpc, "api", vec![ann.clone()], 1).await;
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    assert_eq!(
+        limit(&r),
+        ("per-user.override".to_owned(), 1, Unit::Hour as i32)
+    );
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+    let r = should(&mut grpc, "api", vec![ann.clone()], 1).await;
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    assert!(r.statuses[0].duration_until_reset.is_some());
+    // The same descriptor without the override still has the rule's 3.
+    let r = should(&mut grpc, "api", vec![descriptor(&[("user", "ann")])], 1).await;
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    assert_eq!(limit(&r), ("per-user".to_owned(), 3, Unit::Minute as i32));
+    assert_eq!(r.statuses[0].limit_remaining, 2);
+
+    // Different overrides of one descriptor keep different counts.
+    let two = with_override(&[("user", "bob")], 2, Unit::Hour);
+    for expected in [Code::Ok, Code::Ok, Code::OverLimit] {
+        let r = should(&mut grpc, "api", vec![two.clone()], 1).await;
+        assert_eq!(r.overall_code, expected as i32);
+    }
+    let r = should(
+        &mut grpc,
+        "api",
+        vec![with_override(&[("user", "bob")], 5, Unit::Hour)],
+        1,
+    )
+    .await;
+    assert_eq!(r.statuses[0].limit_remaining, 4);
+    let r = should(
+        &mut grpc,
+        "api",
+        vec![with_override(&[("user", "bob")], 2, Unit::Day)],
+        1,
+    )
+    .await;
+    assert_eq!(r.statuses[0].limit_remaining, 1);
+    // And different values of one override keep different counts.
+    let r = should(
+        &mut grpc,
+        "api",
+        vec![with_override(&[("user", "cy")], 2, Unit::Hour)],
+        1,
+    )
+    .await;
+    assert_eq!(r.statuses[0].limit_remaining, 1);
+
+    // No rule matches, or the node is unlimited: the override still
+    // limits, under the reference policy.
+    for entries in [[("nothing", "x")], [("internal", "x")]] {
+        let d = with_override(&entries, 1, Unit::Day);
+        let r = should(&mut grpc, "api", vec![d.clone()], 1).await;
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        assert_eq!(limit(&r), ("api.override".to_owned(), 1, Unit::Day as i32));
+        let r = should(&mut grpc, "api", vec![d], 1).await;
+        assert_eq!(r.overall_code, Code::OverLimit as i32, "{entries:?}");
+    }
+    // An unknown domain stays unlimited.
+    for _ in 0..2 {
+        let d = with_override(&[("user", "ann")], 1, Unit::Day);
+        let r = should(&mut grpc, "nowhere", vec![d], 1).await;
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        assert!(r.statuses[0].current_limit.is_none());
+    }
+
+    // A bucket's burst is the override's limit, not the rule's.
+    let d = with_override(&[("bucket", "x")], 2, Unit::Hour);
+    let r = should(&mut grpc, "api", vec![d.clone()], 1).await;
+    assert_eq!(r.statuses[0].limit_remaining, 1);
+    let r = should(&mut grpc, "api", vec![d.clone()], 1).await;
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    let r = should(&mut grpc, "api", vec![d], 1).await;
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+
+    // A shadow rule's override counts but never refuses.
+    let d = with_override(&[("trial", "x")], 1, Unit::Hour);
+    for _ in 0..2 {
+        let r = should(&mut grpc, "api", vec![d.clone()], 1).await;
+        assert_eq!(r.overall_code, Code::Ok as i32);
+    }
+
+    // With and without the override in one request: two counts. The
+    // override refuses, and the rule's count consumes nothing.
+    let both = vec![
+        with_override(&[("user", "dee")], 1, Unit::Hour),
+        descriptor(&[("user", "dee")]),
+    ];
+    let r = should(&mut grpc, "api", both.clone(), 1).await;
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    assert_eq!(
+        (r.statuses[0].limit_remaining, r.statuses[1].limit_remaining),
+        (0, 2)
+    );
+    let r = should(&mut grpc, "api", both, 1).await;
+    assert_eq!(r.statuses[0].code, Code::OverLimit as i32);
+    assert_eq!(r.statuses[1].code, Code::Ok as i32);
+    // 2 were left: this one takes 1.
+    let r = should(&mut grpc, "api", vec![descriptor(&[("user", "dee")])], 1).await;
+    assert_eq!(r.statuses[0].limit_remaining, 1);
+
+    let client = client();
+    let refused = r#"ratewarden_decisions_total{rule="per-user.override",outcome="refused"}"#;
+    assert_eq!(metric(&client, &server, refused).await, 3.0);
+    let shadow =
+        r#"ratewarden_decisions_total{rule="api.trial.override",outcome="shadow_refused"}"#;
+    assert_eq!(metric(&client, &server, shadow).await, 1.0);
+    // Keys of every override of a rule, summed: ann, bob (three
+    // overrides), cy and dee.
+    let keys = r#"ratewarden_keys_tracked{rule="per-user.override"}"#;
+    assert_eq!(metric(&client, &server, keys).await, 6.0);
+    let ignored = "ratewarden_limit_overrides_ignored_total";
+    assert_eq!(metric(&client, &server, ignored).await, 0.0);
+    server.stop();
+}
+
+/// Each distinct override is a limiter of its own, so their number is
+/// bounded: beyond 256, the configured rule applies, and the override is
+/// counted as ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overrides_beyond_the_bound_are_ignored() {
+    let file = ConfigFile::new(OVERRIDDEN);
+    let server = Server::start(&["--config", file.path()]);
+    let mut grpc = server.grpc().await;
+    let name = |r: &RateLimitResponse| r.statuses[0].current_limit.clone().unwrap().name;
+    for limit in 1..=256 {
+        let d = with_override(&[("user", "ann")], limit, Unit::Hour);
+        let r = should(&mut grpc, "api", vec![d], 1).await;
+        assert_eq!(name(&r), "per-user.override");
+    }
+    let d = with_override(&[("user", "ann")], 1000, Unit::Hour);
+    let r = should(&mut grpc, "api", vec![d], 1).await;
+    assert_eq!(name(&r), "per-user");
+    assert_eq!(r.statuses[0].limit_remaining, 2);
+    // Overrides already made still apply.
+    let d = with_override(&[("user", "ann")], 1, Unit::Hour);
+    let r = should(&mut grpc, "api", vec![d], 1).await;
+    assert_eq!(name(&r), "per-user.override");
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    let ignored = "ratewarden_limit_overrides_ignored_total";
+    assert_eq!(metric(&client(), &server, ignored).await, 1.0);
+    server.stop();
+}
+
+/// An override with no unit (`UNKNOWN`) says no window: it is ignored, the
+/// configured rule applies, and the override is counted (and logged),
+/// never silently lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_override_without_a_unit_is_ignored_and_counted() {
     let file = ConfigFile::new(LONG_WINDOW);
     let server = Server::start(&["--config", file.path()]);
     let mut grpc = server.grpc().await;
-    let mut d = descriptor(&[("path", "/login")]);
-    d.limit = Some(RateLimitOverride {
-        requests_per_unit: 1000,
-        unit: 1,
-    });
+    let d = with_override(&[("path", "/login")], 1000, Unit::Unknown);
     let r = should(&mut grpc, "edge", vec![d], 1).await;
     let limit = r.statuses[0].current_limit.as_ref().unwrap();
     assert_eq!((limit.name.as_str(), limit.requests_per_unit), ("login", 2));

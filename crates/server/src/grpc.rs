@@ -14,6 +14,7 @@ use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::{
     RateLimitService, RateLimitServiceServer,
 };
 use crate::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use crate::rules::LimitOverride;
 use crate::service::{DescriptorOutcome, DescriptorRequest, Service};
 
 /// The rate-limit service's full name, as health checks ask for it.
@@ -53,14 +54,7 @@ impl Rls {
     async fn decide(&self, request: RateLimitRequest) -> Result<RateLimitResponse, Status> {
         // Envoy sends 0 when it means "one hit".
         let request_cost = u64::from(request.hits_addend.max(1));
-        let overrides = request
-            .descriptors
-            .iter()
-            .filter(|d| d.limit.is_some())
-            .count();
-        if overrides > 0 {
-            self.service.limit_overrides_ignored(overrides);
-        }
+        let mut unknown_units = 0;
         let descriptors: Vec<DescriptorRequest> = request
             .descriptors
             .into_iter()
@@ -69,8 +63,23 @@ impl Rls {
                 // A descriptor's own hits_addend, when set, overrides the
                 // request's.
                 cost: d.hits_addend.map_or(request_cost, |h| h),
+                limit: d.limit.and_then(|o| {
+                    let window_ms = unit_ms(o.unit);
+                    // envoyproxy/ratelimit fails the whole call on a unit
+                    // it cannot convert; here that descriptor alone keeps
+                    // its configured rule, counted and logged.
+                    unknown_units += usize::from(window_ms.is_none());
+                    Some(LimitOverride {
+                        limit: u64::from(o.requests_per_unit),
+                        window_ms: window_ms?,
+                    })
+                }),
             })
             .collect();
+        if unknown_units > 0 {
+            self.service
+                .limit_overrides_ignored(unknown_units, "an UNKNOWN (or unrecognised) unit");
+        }
         let outcomes = self
             .service
             .check_descriptors(&request.domain, &descriptors)
@@ -130,6 +139,21 @@ fn unit_of(window_ms: u64) -> Unit {
     }
 }
 
+/// The length of an Envoy unit, as [`unit_of`] maps windows to units;
+/// `None` for `UNKNOWN` and values no unit has.
+fn unit_ms(unit: i32) -> Option<u64> {
+    match Unit::try_from(unit).ok()? {
+        Unit::Unknown => None,
+        Unit::Second => Some(1000),
+        Unit::Minute => Some(60_000),
+        Unit::Hour => Some(3_600_000),
+        Unit::Day => Some(86_400_000),
+        Unit::Week => Some(604_800_000),
+        Unit::Month => Some(2_592_000_000),
+        Unit::Year => Some(31_536_000_000),
+    }
+}
+
 fn duration(ms: u64) -> prost_types::Duration {
     prost_types::Duration {
         seconds: i64::try_from(ms / 1000).unwrap_or(i64::MAX),
@@ -148,6 +172,12 @@ mod tests {
         assert_eq!(unit_of(1500), Unit::Unknown);
         assert_eq!(unit_of(30 * 86_400_000), Unit::Month);
         assert_eq!(unit_of(365 * 86_400_000), Unit::Year);
+        for unit in 1..=7 {
+            let ms = unit_ms(unit).unwrap();
+            assert_eq!(unit_of(ms) as i32, unit);
+        }
+        assert_eq!(unit_ms(Unit::Unknown as i32), None);
+        assert_eq!(unit_ms(99), None);
         assert_eq!(
             duration(1500),
             prost_types::Duration {

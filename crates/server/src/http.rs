@@ -342,7 +342,8 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
         (None, Some(domain), Some(descriptors)) => {
             let descriptors: Vec<DescriptorRequest> = descriptors
                 .into_iter()
-                .map(|d| DescriptorRequest { entries: d.entries.into_iter().map(|e| (e.key, e.value)).collect(), cost })
+                // No override over HTTP: the JSON API has no such field.
+                .map(|d| DescriptorRequest { entries: d.entries.into_iter().map(|e| (e.key, e.value)).collect(), cost, limit: None })
                 .collect();
             service.check_descriptors(&domain, &descriptors).await
         }

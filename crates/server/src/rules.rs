@@ -3,14 +3,19 @@
 //!
 //! A reload builds a new [`RuleSet`] and keeps the limiter (and so the
 //! counts) of every rule whose identity and policy configuration are
-//! unchanged; only new or changed rules start from empty counts.
+//! unchanged; only new or changed rules start from empty counts. Limit
+//! overrides are kept likewise while the rule they stand in for keeps what
+//! they take from it.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use ratewarden_core::{xxh3_64, FailurePolicy, KeyHash, Limiter, LocalLimiter, MemoryOptions};
+use ratewarden_core::{
+    xxh3_64, BoxFuture, Decision, FailurePolicy, KeyHash, Limiter, LocalLimiter, MemoryOptions,
+    PolicyConfig, StoreError, StoreErrorKind, REFERENCE,
+};
 
 use crate::config::{Config, DescriptorSpec, RuleSpec};
 use crate::metrics::{Metrics, RuleMetrics};
@@ -69,6 +74,7 @@ pub struct RuleSet {
     fallback: Option<Arc<Rule>>,
     domains: HashMap<String, Level>,
     all: Vec<Arc<Rule>>,
+    overrides: Overrides,
 }
 
 /// What a descriptor matched.
@@ -187,13 +193,43 @@ impl RuleSet {
             );
         }
         let all = b.all;
-        Ok(RuleSet {
+        let set = RuleSet {
             config,
             keys,
             fallback,
             domains,
             all,
-        })
+            overrides: Overrides::default(),
+        };
+        if let Some(p) = previous {
+            // Overrides whose rule keeps its identity, name, policy and
+            // shadow flag would be made again just as they are: keep them,
+            // and their counts, as unchanged rules keep their limiters.
+            let kept: Vec<_> = p
+                .overrides
+                .entries
+                .lock()
+                .values()
+                .filter(|e| e.rule.initialized())
+                .filter(|e| {
+                    // The override takes only these from its rule.
+                    set.base_spec(&e.base_id).is_some_and(|b| {
+                        (&b.name, b.shadow, b.policy.policy)
+                            == (
+                                &e.base_spec.name,
+                                e.base_spec.shadow,
+                                e.base_spec.policy.policy,
+                            )
+                    })
+                })
+                .cloned()
+                .collect();
+            let mut map = set.overrides.entries.lock();
+            for e in kept {
+                map.insert(e.id.clone(), e);
+            }
+        }
+        Ok(set)
     }
 
     /// Every rule, for housekeeping and metrics.
@@ -250,6 +286,298 @@ impl RuleSet {
             rule: Arc::clone(rule),
             key: descriptor_key(&compose(parts)),
         })
+    }
+}
+
+/// The most distinct override configurations (base rule, limit, window) one
+/// [`RuleSet`] makes limiters for. Clients choose overrides, and each
+/// configuration is a limiter of its own (on Redis, a connection), so their
+/// number is bounded; beyond it the configured rule applies.
+pub const MAX_OVERRIDES: usize = 256;
+
+/// A descriptor's own limit: Envoy's `RateLimitDescriptor.limit`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LimitOverride {
+    /// Permits per window: the override's `requests_per_unit`.
+    pub limit: u64,
+    /// The window: the override's unit, in ms.
+    pub window_ms: u64,
+}
+
+/// How a descriptor with a limit override is decided.
+#[derive(Debug, Clone)]
+pub enum OverrideMatch {
+    /// By the override's own rule and count key.
+    Applied(Matched),
+    /// Not at all: the override is ignored, for the reason given, and the
+    /// configured rule applies.
+    Ignored(&'static str),
+}
+
+/// The limiters of the overrides a [`RuleSet`] has seen, by override
+/// identity. Entries are made on first use and live as long as the set.
+#[derive(Default)]
+struct Overrides {
+    entries: parking_lot::Mutex<HashMap<String, Arc<OverrideEntry>>>,
+}
+
+impl fmt::Debug for Overrides {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Overrides")
+            .field("entries", &self.entries.lock().len())
+            .finish()
+    }
+}
+
+/// One override configuration.
+struct OverrideEntry {
+    id: String,
+    spec: RuleSpec,
+    /// The identity and spec of the rule the override stands in for: a
+    /// reload keeps the entry, and its counts, while both are unchanged.
+    base_id: String,
+    base_spec: RuleSpec,
+    metrics: Arc<RuleMetrics>,
+    /// The in-memory twin deciding under the `local` failure policy, made
+    /// on first need; kept here rather than with the limiter so that it
+    /// also decides (and counts) while the store's limiter cannot be made.
+    failover: std::sync::OnceLock<Option<LocalLimiter>>,
+    /// The rule, made once however many requests ask at the same time; a
+    /// failed attempt leaves it empty and the next request tries again.
+    rule: tokio::sync::OnceCell<Arc<Rule>>,
+}
+
+impl OverrideEntry {
+    fn failover(&self, max_keys: usize) -> Option<LocalLimiter> {
+        self.failover
+            .get_or_init(|| {
+                LocalLimiter::new(
+                    self.spec.policy,
+                    MemoryOptions {
+                        max_keys,
+                        shards: 0,
+                    },
+                )
+                .ok()
+            })
+            .clone()
+    }
+}
+
+/// The limiter of an override whose store limiter could not be made (a
+/// Redis connection refused): every call fails, so the failure policy
+/// decides, as for a rule whose store fails.
+struct Unavailable {
+    config: PolicyConfig,
+    detail: String,
+}
+
+impl Limiter for Unavailable {
+    fn config(&self) -> &PolicyConfig {
+        &self.config
+    }
+
+    fn check(&self, _key: u64, _cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
+        let e = StoreError::new(StoreErrorKind::Backend, self.detail.clone());
+        Box::pin(std::future::ready(Err(e)))
+    }
+}
+
+/// What an override takes from the configuration: the identity, name,
+/// policy and shadow flag of the rule it stands in for.
+struct OverrideBase<'a> {
+    id: std::borrow::Cow<'a, str>,
+    name: std::borrow::Cow<'a, str>,
+    spec: &'a RuleSpec,
+    /// Whether the path through the tree fixes the entries' keys (a
+    /// matched rule); otherwise the domain and keys go into the count key,
+    /// as the fallback's do.
+    on_path: bool,
+}
+
+/// The rule an override stands in for when no configured rule matches and
+/// there is no fallback: the reference policy, never shadow.
+static REFERENCE_SPEC: std::sync::LazyLock<RuleSpec> = std::sync::LazyLock::new(|| RuleSpec {
+    name: String::new(),
+    policy: REFERENCE,
+    shadow: false,
+});
+
+impl RuleSet {
+    /// The rule and count key of a descriptor carrying a limit `over`ride,
+    /// as envoyproxy/ratelimit applies one: in any known domain, whatever
+    /// the tree holds for the descriptor (a rule, no rule, an unlimited
+    /// node). The override keeps the policy, shadow flag and name (suffixed
+    /// `.override`) of the rule that matches, else of the fallback, else
+    /// takes the reference policy; its limit and window replace the rule's,
+    /// and a bucket's burst is the override's limit. Its counts are its
+    /// own: the identity is the rule's, the limit and the window composed,
+    /// and the key composes the descriptor as the rule's key does.
+    ///
+    /// `None` for a domain neither configured nor covered by a fallback:
+    /// unlimited, as without the override. The limiter is made with
+    /// `factory` on first use; if that fails the returned rule's store
+    /// fails every call, so the failure policy decides.
+    pub async fn match_override(
+        &self,
+        domain: &str,
+        entries: &[(String, String)],
+        over: LimitOverride,
+        factory: &dyn StoreFactory,
+        metrics: &Metrics,
+    ) -> Option<OverrideMatch> {
+        let base = self.override_base(domain, entries)?;
+        let limit = over.limit.to_string();
+        let window = over.window_ms.to_string();
+        let id = compose([base.id.as_ref(), "override", &limit, &window]);
+        let entry = {
+            let mut map = self.overrides.entries.lock();
+            match map.get(&id) {
+                Some(e) => Arc::clone(e),
+                None if map.len() >= MAX_OVERRIDES => {
+                    return Some(OverrideMatch::Ignored("the bound of distinct overrides"));
+                }
+                None => {
+                    // The rule's burst was sized for its own limit: the
+                    // bucket's capacity is the override's limit.
+                    let policy =
+                        PolicyConfig::new(base.spec.policy.policy, over.limit, over.window_ms);
+                    if policy.build().is_err() {
+                        return Some(OverrideMatch::Ignored("an override no policy accepts"));
+                    }
+                    let spec = RuleSpec {
+                        name: format!("{}.override", base.name),
+                        policy,
+                        shadow: base.spec.shadow,
+                    };
+                    let e = Arc::new(OverrideEntry {
+                        id: id.clone(),
+                        base_id: base.id.clone().into_owned(),
+                        base_spec: base.spec.clone(),
+                        metrics: metrics.rule(&spec.name),
+                        spec,
+                        failover: std::sync::OnceLock::new(),
+                        rule: tokio::sync::OnceCell::new(),
+                    });
+                    map.insert(id, Arc::clone(&e));
+                    e
+                }
+            }
+        };
+        let rule = match entry
+            .rule
+            .get_or_try_init(|| self.make_override(&entry, factory))
+            .await
+        {
+            Ok(rule) => Arc::clone(rule),
+            Err(e) => Arc::new(Rule {
+                id: entry.id.clone(),
+                spec: entry.spec.clone(),
+                limiter: Arc::new(Unavailable {
+                    config: entry.spec.policy,
+                    detail: format!("cannot make the limiter of the override: {e:#}"),
+                }),
+                local: None,
+                failover: (self.config.server.failure_policy == FailurePolicy::Local)
+                    .then(|| entry.failover(self.config.server.max_keys))
+                    .flatten(),
+                metrics: Arc::clone(&entry.metrics),
+            }),
+        };
+        let key = if base.on_path {
+            descriptor_key(&compose(
+                std::iter::once(rule.id.as_str()).chain(entries.iter().map(|(_, v)| v.as_str())),
+            ))
+        } else {
+            descriptor_key(&compose(
+                [rule.id.as_str(), domain]
+                    .into_iter()
+                    .chain(entries.iter().flat_map(|(k, v)| [k.as_str(), v.as_str()])),
+            ))
+        };
+        Some(OverrideMatch::Applied(Matched { rule, key }))
+    }
+
+    async fn make_override(
+        &self,
+        entry: &OverrideEntry,
+        factory: &dyn StoreFactory,
+    ) -> anyhow::Result<Arc<Rule>> {
+        let built = factory.build(&entry.id, &entry.spec.policy).await?;
+        // As for rules: a networked store under the `local` failure policy
+        // needs the in-memory twin; the memory store is its own.
+        let failover = match (&built.local, self.config.server.failure_policy) {
+            (None, FailurePolicy::Local) => entry.failover(self.config.server.max_keys),
+            _ => None,
+        };
+        Ok(Arc::new(Rule {
+            id: entry.id.clone(),
+            spec: entry.spec.clone(),
+            limiter: built.limiter,
+            local: built.local,
+            failover,
+            metrics: Arc::clone(&entry.metrics),
+        }))
+    }
+
+    /// The spec of the rule an override with base identity `id` stands in
+    /// for in this set, if any: as [`Self::override_base`] finds bases.
+    fn base_spec(&self, id: &str) -> Option<&RuleSpec> {
+        if let Some(rule) = self.all.iter().find(|r| r.id == id) {
+            return Some(&rule.spec);
+        }
+        let reference = self.fallback.is_none()
+            && self
+                .config
+                .domains
+                .iter()
+                .any(|d| domain_id(&d.domain) == id);
+        reference.then_some(&*REFERENCE_SPEC)
+    }
+
+    fn override_base(
+        &self,
+        domain: &str,
+        entries: &[(String, String)],
+    ) -> Option<OverrideBase<'_>> {
+        let level = self.domains.get(domain);
+        if let Some(rule) = level
+            .and_then(|l| walk(l, entries))
+            .and_then(|n| n.rule.as_ref())
+        {
+            return Some(OverrideBase {
+                id: rule.id.as_str().into(),
+                name: rule.spec.name.as_str().into(),
+                spec: &rule.spec,
+                on_path: true,
+            });
+        }
+        if let Some(rule) = &self.fallback {
+            return Some(OverrideBase {
+                id: rule.id.as_str().into(),
+                name: rule.spec.name.as_str().into(),
+                spec: &rule.spec,
+                on_path: false,
+            });
+        }
+        level?;
+        Some(OverrideBase {
+            id: domain_id(domain).into(),
+            name: domain.to_owned().into(),
+            spec: &REFERENCE_SPEC,
+            on_path: false,
+        })
+    }
+
+    /// The rules of the overrides whose limiters are made, for
+    /// housekeeping and metrics.
+    pub fn override_rules(&self) -> Vec<Arc<Rule>> {
+        self.overrides
+            .entries
+            .lock()
+            .values()
+            .filter_map(|e| e.rule.get().cloned())
+            .collect()
     }
 }
 
@@ -621,6 +949,76 @@ unlimited = true
             &find(&first, "api.path"),
             &find(&second, "api.path")
         ));
+    }
+
+    #[tokio::test]
+    async fn reload_keeps_overrides_of_unchanged_rules() {
+        let factory = MemoryFactory {
+            options: MemoryOptions::default(),
+        };
+        let metrics = Metrics::default();
+        async fn override_limiter(
+            s: &RuleSet,
+            e: &[(&str, &str)],
+            factory: &MemoryFactory,
+            metrics: &Metrics,
+        ) -> Arc<dyn Limiter> {
+            let over = LimitOverride {
+                limit: 1,
+                window_ms: 3_600_000,
+            };
+            match s
+                .match_override("api", &entries(e), over, factory, metrics)
+                .await
+            {
+                Some(OverrideMatch::Applied(m)) => m.rule.limiter.clone(),
+                other => panic!("{other:?}"),
+            }
+        }
+        let first = RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics)
+            .await
+            .unwrap();
+        let login = [("path", "/login")];
+        let any = [("path", "/other")];
+        let none = [("nothing", "x")];
+        let before = [
+            override_limiter(&first, &login, &factory, &metrics).await,
+            override_limiter(&first, &any, &factory, &metrics).await,
+            override_limiter(&first, &none, &factory, &metrics).await,
+        ];
+        // A new limit on api.path changes nothing the override takes; a new
+        // policy on the login rule does.
+        let changed = TREE.replace("limit = 50", "limit = 60").replace(
+            "value = \"/login\"\n",
+            "value = \"/login\"\npolicy = \"gcra\"\n",
+        );
+        let second = RuleSet::build(
+            Config::parse(&changed, "t").unwrap(),
+            &factory,
+            Some(&first),
+            &metrics,
+        )
+        .await
+        .unwrap();
+        assert!(!Arc::ptr_eq(
+            &before[0],
+            &override_limiter(&second, &login, &factory, &metrics).await
+        ));
+        assert!(Arc::ptr_eq(
+            &before[1],
+            &override_limiter(&second, &any, &factory, &metrics).await
+        ));
+        assert!(Arc::ptr_eq(
+            &before[2],
+            &override_limiter(&second, &none, &factory, &metrics).await
+        ));
+        assert_eq!(
+            override_limiter(&second, &login, &factory, &metrics)
+                .await
+                .config()
+                .policy,
+            ratewarden_core::PolicyKind::Gcra
+        );
     }
 
     #[test]

@@ -12,7 +12,7 @@ use ratewarden_core::{Decision, FailurePolicy, StoreError, StoreErrorKind, MAX_S
 
 use crate::config::{ConfigSource, ServerSettings};
 use crate::metrics::{Metrics, Outcome};
-use crate::rules::{MatchError, Matched, Rule, RuleSet};
+use crate::rules::{LimitOverride, MatchError, Matched, OverrideMatch, Rule, RuleSet};
 use crate::store::StoreFactory;
 
 /// The most descriptors one request may carry.
@@ -29,6 +29,9 @@ pub struct DescriptorRequest {
     /// What the descriptor costs. Above 2^53 - 1 (more than any limit) it
     /// never fits: the descriptor is refused with no wait.
     pub cost: u64,
+    /// The descriptor's own limit, replacing the configured rule's (see
+    /// [`RuleSet::match_override`]).
+    pub limit: Option<LimitOverride>,
 }
 
 /// What one descriptor got.
@@ -171,7 +174,7 @@ impl Service {
     pub fn housekeeping(&self) -> usize {
         let rules = self.rules.load_full();
         let mut forgotten = 0;
-        for rule in rules.rules() {
+        for rule in rules.rules().iter().chain(&rules.override_rules()) {
             for local in rule.local.iter().chain(rule.failover.iter()) {
                 let now_ms = local.clock().now_ms();
                 forgotten += local
@@ -184,10 +187,12 @@ impl Service {
         forgotten
     }
 
-    /// Keys held per rule in memory, for `/metrics`.
+    /// Keys held per rule in memory, for `/metrics`; the overrides of one
+    /// rule share its name (suffixed `.override`), and their keys are
+    /// summed under it.
     pub fn keys_tracked(&self) -> Vec<(String, usize)> {
-        self.rules
-            .load()
+        let rules = self.rules.load();
+        let mut out: Vec<(String, usize)> = rules
             .rules()
             .iter()
             .filter_map(|r| {
@@ -195,7 +200,15 @@ impl Service {
                     .as_ref()
                     .map(|l| (r.spec.name.clone(), l.store().entries_tracked()))
             })
-            .collect()
+            .collect();
+        let mut overrides: std::collections::BTreeMap<String, usize> = Default::default();
+        for r in rules.override_rules() {
+            if let Some(l) = &r.local {
+                *overrides.entry(r.spec.name.clone()).or_default() += l.store().entries_tracked();
+            }
+        }
+        out.extend(overrides);
+        out
     }
 
     /// Decides a `key` request.
@@ -277,13 +290,38 @@ impl Service {
         // duplicates when, say, route and virtual host both rate-limit on
         // remote_address. Checked one by one, each would fit the budget and
         // the second take would refuse after the first consumed.
+        let mut matches = Vec::with_capacity(descriptors.len());
+        for d in descriptors {
+            let Some(over) = d.limit else {
+                matches.push(rules.match_descriptor(domain, &d.entries));
+                continue;
+            };
+            let m = rules
+                .match_override(
+                    domain,
+                    &d.entries,
+                    over,
+                    self.factory.as_ref(),
+                    &self.metrics,
+                )
+                .await;
+            matches.push(match m {
+                Some(OverrideMatch::Applied(m)) => Some(m),
+                Some(OverrideMatch::Ignored(why)) => {
+                    self.limit_overrides_ignored(1, why);
+                    rules.match_descriptor(domain, &d.entries)
+                }
+                None => None,
+            });
+        }
+        // An override has a rule of its own, so it is a group of its own.
         let mut groups: Vec<(Matched, u64)> = Vec::new();
         let mut group_of: Vec<Option<usize>> = Vec::with_capacity(descriptors.len());
         {
             // Only the grouping needs the rules' addresses.
             let mut index: HashMap<(*const Rule, u64), usize> = HashMap::new();
-            for d in descriptors {
-                let Some(m) = rules.match_descriptor(domain, &d.entries) else {
+            for (d, m) in descriptors.iter().zip(matches) {
+                let Some(m) = m else {
                     group_of.push(None);
                     continue;
                 };
@@ -472,14 +510,15 @@ impl Service {
     }
 
     /// Counts and logs (at most once a second) descriptors whose `limit`
-    /// override is ignored: envoyproxy/ratelimit applies it, this server
-    /// applies the configured rule, and that must not go unnoticed.
-    pub fn limit_overrides_ignored(&self, n: usize) {
+    /// override is ignored because of `why`: envoyproxy/ratelimit would
+    /// apply it, this server applies the configured rule, and that must not
+    /// go unnoticed.
+    pub fn limit_overrides_ignored(&self, n: usize, why: &str) {
         self.metrics.limit_overrides_ignored(n);
         if self.log_now(&self.last_override_log_ms) {
             tracing::warn!(
-                "a request carried a descriptor limit override (RateLimitDescriptor.limit); \
-                 overrides are not supported and the configured rule applies"
+                "a request carried a descriptor limit override (RateLimitDescriptor.limit) that is \
+                 ignored because of {why}; the configured rule applies"
             );
         }
     }
@@ -527,6 +566,7 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             cost,
+            limit: None,
         }
     }
 
@@ -722,6 +762,132 @@ shadow = true
         tokio::time::sleep(Duration::from_millis(5)).await;
         assert_eq!(s.housekeeping(), 10);
         assert_eq!(s.keys_tracked(), vec![("keys".to_owned(), 0)]);
+    }
+
+    /// A memory store whose override limiters count their making, and
+    /// cannot be made while `fail` is set (as a Redis that refuses the
+    /// connection).
+    struct OverrideFactory {
+        memory: crate::store::MemoryFactory,
+        made: AtomicU64,
+        fail: std::sync::atomic::AtomicBool,
+    }
+
+    impl StoreFactory for OverrideFactory {
+        fn describe(&self) -> String {
+            "test".into()
+        }
+
+        fn build<'a>(
+            &'a self,
+            rule_id: &'a str,
+            config: &'a ratewarden_core::PolicyConfig,
+        ) -> ratewarden_core::BoxFuture<'a, anyhow::Result<crate::store::BuiltLimiter>> {
+            Box::pin(async move {
+                if !rule_id.contains("override") {
+                    return self.memory.build(rule_id, config).await;
+                }
+                // Lets concurrent requests reach the making at once.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                if self.fail.load(Ordering::Relaxed) {
+                    anyhow::bail!("connection refused");
+                }
+                self.made.fetch_add(1, Ordering::Relaxed);
+                let built = self.memory.build(rule_id, config).await?;
+                // As a networked store: no in-memory limiter.
+                Ok(crate::store::BuiltLimiter {
+                    limiter: built.limiter,
+                    local: None,
+                })
+            })
+        }
+    }
+
+    async fn override_service(policy: &str, fail: bool) -> (Arc<Service>, Arc<OverrideFactory>) {
+        let text = format!("[server]\nfailure_policy = \"{policy}\"\n{TWO}");
+        let config = Config::parse(&text, "t.toml").unwrap();
+        let factory = Arc::new(OverrideFactory {
+            memory: crate::store::MemoryFactory {
+                options: ratewarden_core::MemoryOptions::default(),
+            },
+            made: AtomicU64::new(0),
+            fail: std::sync::atomic::AtomicBool::new(fail),
+        });
+        let service = Service::with_config(config, ConfigSource { path: None }, factory.clone())
+            .await
+            .unwrap();
+        (Arc::new(service), factory)
+    }
+
+    fn over(entries: &[(&str, &str)], limit: u64) -> DescriptorRequest {
+        DescriptorRequest {
+            limit: Some(LimitOverride {
+                limit,
+                window_ms: 3_600_000,
+            }),
+            ..d(entries, 1)
+        }
+    }
+
+    /// Many requests asking for one new override at once make its limiter
+    /// once, and share its count.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_requests_make_an_override_once() {
+        let (s, factory) = override_service("closed", false).await;
+        let tasks: Vec<_> = (0..16)
+            .map(|_| {
+                let s = Arc::clone(&s);
+                tokio::spawn(async move {
+                    s.check_descriptors("api", &[over(&[("a", "x")], 10)])
+                        .await
+                        .unwrap()[0]
+                        .allowed
+                })
+            })
+            .collect();
+        let mut allowed = 0;
+        for t in tasks {
+            allowed += usize::from(t.await.unwrap());
+        }
+        assert_eq!(allowed, 10);
+        assert_eq!(factory.made.load(Ordering::Relaxed), 1);
+    }
+
+    /// An override whose limiter cannot be made is decided by the failure
+    /// policy, as a rule whose store fails; the making is tried again on
+    /// the next request.
+    #[tokio::test]
+    async fn an_override_whose_limiter_cannot_be_made_gets_the_failure_policy() {
+        for (policy, allowed) in [
+            ("open", [true, true]),
+            ("closed", [false, false]),
+            ("local", [true, false]),
+        ] {
+            let (s, factory) = override_service(policy, true).await;
+            for expected in allowed {
+                let o = &s
+                    .check_descriptors("api", &[over(&[("a", "x")], 1)])
+                    .await
+                    .unwrap()[0];
+                assert!(o.by_failure_policy, "{policy}");
+                assert_eq!(o.allowed, expected, "{policy}");
+                assert_eq!(o.rule.as_ref().unwrap().spec.name, "api.a.override");
+            }
+            let text = s.metrics.render(&[]);
+            assert!(
+                text.contains(
+                    "ratewarden_store_errors_total{rule=\"api.a.override\",kind=\"backend\"} 2\n"
+                ),
+                "{text}"
+            );
+            factory.fail.store(false, Ordering::Relaxed);
+            let o = &s
+                .check_descriptors("api", &[over(&[("a", "x")], 1)])
+                .await
+                .unwrap()[0];
+            assert!(!o.by_failure_policy && o.allowed, "{policy}");
+            assert_eq!(factory.made.load(Ordering::Relaxed), 1);
+        }
     }
 
     #[tokio::test]
