@@ -549,6 +549,16 @@ impl Validator<'_> {
             Some(n) => n.into_inner(),
             None => default_name.to_owned(),
         };
+        if name.ends_with(".override") {
+            return Err(self.err(
+                span,
+                &f("name"),
+                format!(
+                    "the rule's name {name:?} ends in \".override\", which names the limits that \
+                     Envoy's per-descriptor overrides make; choose another name"
+                ),
+            ));
+        }
         if let Some(other) = self.names.get(&name) {
             return Err(self.err(
                 span,
@@ -878,6 +888,13 @@ shadow = true
                 .contains("\"api.a_b_c\" is already the name of domains[0].descriptors[0]"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn names_of_overrides_are_reserved() {
+        let e = parse_err("[keys]\nname = \"api.x.override\"\nlimit = 1\nwindow_ms = 10\n");
+        assert_eq!(e.field, "keys.name");
+        assert!(e.message.contains("ends in \".override\""), "{e}");
     }
 
     #[test]
