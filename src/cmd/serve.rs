@@ -14,8 +14,9 @@ pub struct Args {
     /// sliding-window-counter, 100 per 1000 ms. SIGHUP reloads it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Where counts live: memory, redis://[:password@]host:port[/db],
-    /// redis+unix:///path or redis-cluster://host:port,host:port.
+    /// Where counts live: memory, redis://host:port[/db] (with a password:
+    /// redis://:PASSWORD@host:port), redis+unix:///path or
+    /// redis-cluster://host:port,host:port.
     #[arg(long, default_value = "memory", value_name = "STORE")]
     pub store: StoreUrl,
     /// Address of the HTTP JSON interface, HOST:PORT (a name such as
