@@ -7,7 +7,8 @@ use ratewarden_core::{Decision, PolicyConfig, PolicyKind, StoreError, StoreError
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, Script, Value};
+use redis::cluster_routing::SingleNodeRoutingInfo;
+use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, Script, Value};
 
 const PRELUDE: &str = include_str!("lua/prelude.lua");
 const FIXED_WINDOW: &str = include_str!("lua/fixed_window.lua");
@@ -448,6 +449,64 @@ impl RedisStore {
         matches!(self.inner.conn, Conn::Node(_)) && e.is_unrecoverable_error() && !e.is_timeout()
     }
 
+    /// A script call that a migrating slot's node answered `ASK`, sent to
+    /// the node the key moved to, as one pipeline `ASKING` + the call.
+    ///
+    /// The cluster client follows `ASK` itself, but sends `ASKING` and the
+    /// command as two requests on the node's connection, which concurrent
+    /// requests share: another request's command can fall between them,
+    /// take the `ASKING`, and the command is answered `ASK` again, until
+    /// the client's retries run out (most decisions on a moved key failed
+    /// that way under eight concurrent callers). A pipeline goes out in
+    /// one write, so nothing comes between the two. The node that answered
+    /// `ASK` ran nothing, so this is the call's only run.
+    async fn call_asking(
+        cluster: &mut ClusterConnection,
+        ask: RedisError,
+        cmd: &Cmd,
+    ) -> RedisResult<Value> {
+        let Some((host, port)) = ask
+            .redirect_node()
+            .and_then(|(addr, _slot)| addr.rsplit_once(':'))
+            .and_then(|(host, port)| Some((host.to_owned(), port.parse().ok()?)))
+        else {
+            return Err(ask);
+        };
+        let mut pipe = redis::pipe();
+        pipe.cmd("ASKING").add_command(cmd.clone());
+        let mut values = cluster
+            .route_pipeline(&pipe, 1, 1, SingleNodeRoutingInfo::ByAddress { host, port })
+            .await?;
+        match values.pop() {
+            Some(value) => value.extract_error(),
+            None => Err(ask),
+        }
+    }
+
+    /// One try of a script call: once more on a new connection when the
+    /// old one was found closed (see
+    /// [`RedisStore::retry_on_new_connection`]), and straight to the
+    /// importing node when a migrating slot answers `ASK`.
+    async fn try_call(&self, conn: &mut Conn, cmd: &Cmd) -> RedisResult<Value> {
+        // Server errors arrive as values; extract_error makes them errors.
+        let mut result = conn
+            .req_packed_command(cmd)
+            .await
+            .and_then(Value::extract_error);
+        if matches!(&result, Err(e) if self.retry_on_new_connection(e)) {
+            result = conn
+                .req_packed_command(cmd)
+                .await
+                .and_then(Value::extract_error);
+        }
+        match (result, conn) {
+            (Err(e), Conn::Cluster(cluster)) if e.kind() == ErrorKind::Ask => {
+                Self::call_asking(cluster, e, cmd).await
+            }
+            (result, _) => result,
+        }
+    }
+
     /// Loads the policy's script into the server's script cache, for a
     /// call that met NOSCRIPT (a flushed cache or a restarted node).
     async fn load_script(&self, conn: &mut Conn) -> Result<(), StoreError> {
@@ -469,25 +528,12 @@ impl RedisStore {
     ) -> Result<Decision, StoreError> {
         let cmd = self.eval_cmd(key, now_ms, cost);
         let mut conn = self.inner.conn.clone();
-        // Server errors arrive as values; extract_error makes them errors.
-        let mut first = conn
-            .req_packed_command(&cmd)
-            .await
-            .and_then(Value::extract_error);
-        if matches!(&first, Err(e) if self.retry_on_new_connection(e)) {
-            first = conn
-                .req_packed_command(&cmd)
-                .await
-                .and_then(Value::extract_error);
-        }
-        let value = match first {
+        let value = match self.try_call(&mut conn, &cmd).await {
             Err(e) if e.kind() == ErrorKind::NoScriptError => {
                 // The script cache was flushed (or a node restarted): load
                 // it again and repeat; the failed EVALSHA ran nothing.
                 self.load_script(&mut conn).await?;
-                conn.req_packed_command(&cmd)
-                    .await
-                    .and_then(Value::extract_error)
+                self.try_call(&mut conn, &cmd).await
             }
             other => other,
         }

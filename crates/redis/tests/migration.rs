@@ -1,0 +1,90 @@
+//! Redis Cluster while a slot moves: a key already migrated to the
+//! importing node is answered `ASK` by the old one, and every decision on
+//! it must still be made, exactly, however many run at once.
+
+mod common;
+
+use ratewarden_core::{PolicyConfig, PolicyKind};
+use ratewarden_redis::test_support::RedisCluster;
+use ratewarden_redis::RedisStore;
+
+#[test]
+fn decisions_on_a_key_whose_slot_is_migrating_all_succeed() {
+    let cluster = RedisCluster::start();
+    let rt = common::runtime();
+    // Far above what the test spends: every decision admits.
+    let config = PolicyConfig::new(PolicyKind::FixedWindow, 100_000_000, 86_400_000);
+    let now_ms = Some(1_000);
+    let store = rt.block_on(async {
+        RedisStore::connect(&cluster.url(), config, common::exact_options("migrating"))
+            .await
+            .unwrap()
+    });
+    rt.block_on(async { store.decide(7, now_ms, 1).await.unwrap() });
+    let name = store.key_name(7);
+    let nodes = cluster.nodes();
+    let source = nodes
+        .iter()
+        .position(|n| n.cli(&["EXISTS", &name]).trim() == "1")
+        .expect("one node holds the key");
+    let target = (source + 1) % nodes.len();
+    let (src, dst) = (&nodes[source], &nodes[target]);
+    let slot = src.cli(&["CLUSTER", "KEYSLOT", &name]).trim().to_owned();
+    let src_id = src.cli(&["CLUSTER", "MYID"]).trim().to_owned();
+    let dst_id = dst.cli(&["CLUSTER", "MYID"]).trim().to_owned();
+    // The first half of a slot migration, as redis-cli --cluster reshard
+    // does it: the key moves, the slot still belongs to the source, which
+    // now answers ASK for it.
+    assert_eq!(
+        dst.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id])
+            .trim(),
+        "OK"
+    );
+    assert_eq!(
+        src.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &dst_id])
+            .trim(),
+        "OK"
+    );
+    let port = dst.port().to_string();
+    assert_eq!(
+        src.cli(&["MIGRATE", "127.0.0.1", &port, &name, "0", "5000"])
+            .trim(),
+        "OK"
+    );
+    assert_eq!(src.cli(&["CLUSTER", "COUNTKEYSINSLOT", &slot]).trim(), "0");
+    assert_eq!(dst.cli(&["CLUSTER", "COUNTKEYSINSLOT", &slot]).trim(), "1");
+
+    // Concurrent decisions share the cluster connection's node
+    // connections, where another request's command can fall between a
+    // redirect's ASKING and its command.
+    const TASKS: usize = 8;
+    const EACH: usize = 40;
+    let failures = rt.block_on(async {
+        let runs = (0..TASKS).map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut failed = Vec::new();
+                for _ in 0..EACH {
+                    if let Err(e) = store.decide(7, now_ms, 1).await {
+                        failed.push(e.to_string());
+                    }
+                }
+                failed
+            })
+        });
+        let mut all = Vec::new();
+        for run in futures_util::future::join_all(runs).await {
+            all.extend(run.unwrap());
+        }
+        all
+    });
+    assert!(
+        failures.is_empty(),
+        "{} failed, first: {:?}",
+        failures.len(),
+        failures.first()
+    );
+    // Exactly once each: the first decision and every one since.
+    let peek = rt.block_on(async { store.decide(7, now_ms, 0).await.unwrap() });
+    assert_eq!(peek.remaining, 100_000_000 - 1 - (TASKS * EACH) as u64);
+}
