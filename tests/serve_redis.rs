@@ -365,3 +365,37 @@ async fn a_unix_socket_url_serves() {
     drop(redis);
     let _ = std::fs::remove_file(&socket);
 }
+
+/// A key holding state the script cannot read fails on every request until
+/// it is deleted: under `open` it is refused, not admitted for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_key_is_refused_even_under_open() {
+    let redis = RedisServer::start();
+    let serve = Serve::start(
+        &redis.url(),
+        "[server]\nfailure_policy = \"open\"\n[keys]\nlimit = 5\nwindow_ms = 3600000\n",
+    );
+    let client = reqwest::Client::new();
+    let (status, _) = check(&client, &serve.url(), "victim").await;
+    assert_eq!(status, 200);
+    let keys = redis.cli(&["--scan"]);
+    let keys: Vec<&str> = keys.lines().collect();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    assert_eq!(
+        redis.cli(&["SET", keys[0], "garbage", "KEEPTTL"]).trim(),
+        "OK"
+    );
+    for _ in 0..3 {
+        let (status, body) = check(&client, &serve.url(), "victim").await;
+        assert_eq!(status, 429, "{body}");
+        assert_eq!(body["failure_policy"], true, "{body}");
+    }
+    let text = common::metrics(&client, serve.server.http).await;
+    assert!(
+        text.contains("ratewarden_store_errors_total{rule=\"keys\",kind=\"corrupt_state\"} 3\n"),
+        "{text}"
+    );
+    // Another key of the rule is decided as ever.
+    let (status, body) = check(&client, &serve.url(), "other").await;
+    assert_eq!((status, &body["remaining"]), (200, &json!(4)), "{body}");
+}

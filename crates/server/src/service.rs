@@ -476,7 +476,17 @@ impl Service {
             Ok(d) => (d, false),
             Err(e) => {
                 m.rule.metrics.store_error(e.kind());
-                let policy = self.settings.failure_policy;
+                let policy = match (e.kind(), self.settings.failure_policy) {
+                    // The failure policies are for a store that is away,
+                    // and comes back. A key holding state the script cannot
+                    // read fails on every request until someone deletes it:
+                    // admitting it would lift that key's limit for good, and
+                    // silently, so it is refused (and logged, and counted).
+                    (StoreErrorKind::CorruptState, FailurePolicy::FailOpen) => {
+                        FailurePolicy::FailClosed
+                    }
+                    (_, policy) => policy,
+                };
                 let decision = match policy {
                     // Nothing is known of the budget: report none left, so a
                     // client that reads `remaining` slows down.
