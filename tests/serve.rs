@@ -1316,3 +1316,38 @@ async fn an_override_without_a_unit_is_ignored_and_counted() {
     );
     server.stop();
 }
+
+/// A rule that a reload renames leaves `/metrics` with its old name; the
+/// new name's series start there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renamed_rule_leaves_no_stale_series() {
+    let rules = |name: &str| format!("[keys]\nname = \"{name}\"\nlimit = 5\nwindow_ms = 3600000\n");
+    let file = ConfigFile::new(&rules("before"));
+    let server = Server::start(&["--config", file.path()]);
+    let client = client();
+    let (status, _, _) = post(&client, &server.url(), json!({"key": "k"})).await;
+    assert_eq!(status, 200);
+    let text = common::metrics(&client, server.http).await;
+    assert!(text.contains("rule=\"before\""), "{text}");
+    file.write(&rules("after"));
+    server.signal("HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = common::metrics(&client, server.http).await;
+        if text.contains("ratewarden_config_reloads_total{result=\"ok\"} 1\n") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no reload within 10 s of SIGHUP");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // A rename keeps the counts (the rule's place and numbers are the same).
+    let (status, _, body) = post(&client, &server.url(), json!({"key": "k"})).await;
+    assert_eq!((status, &body["remaining"]), (200, &json!(3)), "{body}");
+    let text = common::metrics(&client, server.http).await;
+    assert!(!text.contains("rule=\"before\""), "{text}");
+    assert!(
+        text.contains("ratewarden_decisions_total{rule=\"after\",outcome=\"allowed\"} 1\n"),
+        "{text}"
+    );
+    server.stop();
+}

@@ -212,12 +212,19 @@ impl Metrics {
     /// the in-memory keys held per rule.
     pub fn render(&self, keys_tracked: &[(String, usize)]) -> String {
         let mut out = String::with_capacity(4096);
-        let rules: Vec<(String, Arc<RuleMetrics>)> = self
-            .rules
-            .lock()
-            .iter()
-            .map(|(k, v)| (k.clone(), Arc::clone(v)))
-            .collect();
+        let rules: Vec<(String, Arc<RuleMetrics>)> = {
+            let mut rules = self.rules.lock();
+            // Only live rules hold their counters besides this map: a rule
+            // a reload renamed or removed is gone once its requests in
+            // flight are, and its series go with it rather than stay in
+            // every scrape until a restart. (A rule kept by a reload holds
+            // the same counters throughout.)
+            rules.retain(|_, m| Arc::strong_count(m) > 1);
+            rules
+                .iter()
+                .map(|(k, v)| (k.clone(), Arc::clone(v)))
+                .collect()
+        };
 
         out.push_str(
             "# HELP ratewarden_decisions_total Descriptor decisions, by rule and outcome.\n",
