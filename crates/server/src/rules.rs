@@ -121,14 +121,28 @@ fn compose<'a>(parts: impl IntoIterator<Item = &'a str>) -> String {
     s
 }
 
-/// The count key of a descriptor: always the 64-bit XXH3 of its composed
-/// string, whatever `key_hash` says. The client chooses the values, and
-/// with an unkeyed 32-bit hash it could search out a value whose key is a
-/// victim's in seconds and share the victim's budget; a targeted 64-bit
-/// collision takes about 2^64 tries. The composition is this service's
-/// own, so no port needs to agree on the hash.
-fn descriptor_key(composed: &str) -> u64 {
-    xxh3_64(composed)
+/// The count key of a descriptor decided by the rule `rule_id`. A rule on
+/// the descriptor's path through the tree (`domain` `None`) takes the
+/// values only, since the path fixes the domain and the keys; a rule off
+/// it (the fallback's, or an override's outside the tree) takes the
+/// domain and every key and value.
+///
+/// Always the 64-bit XXH3 of the composed string, whatever `key_hash`
+/// says. The client chooses the values, and with an unkeyed 32-bit hash it
+/// could search out a value whose key is a victim's in seconds and share
+/// the victim's budget; a targeted 64-bit collision takes about 2^64
+/// tries. The composition is this service's own, so no port needs to
+/// agree on the hash.
+fn count_key(rule_id: &str, domain: Option<&str>, entries: &[(String, String)]) -> u64 {
+    let composed = match domain {
+        None => compose(std::iter::once(rule_id).chain(entries.iter().map(|(_, v)| v.as_str()))),
+        Some(domain) => compose(
+            [rule_id, domain]
+                .into_iter()
+                .chain(entries.iter().flat_map(|(k, v)| [k.as_str(), v.as_str()])),
+        ),
+    };
+    xxh3_64(&composed)
 }
 
 impl RuleSet {
@@ -270,21 +284,16 @@ impl RuleSet {
                 return None;
             }
             if let Some(rule) = node.and_then(|n| n.rule.as_ref()) {
-                let parts = std::iter::once(rule.id.as_str())
-                    .chain(entries.iter().map(|(_, v)| v.as_str()));
                 return Some(Matched {
                     rule: Arc::clone(rule),
-                    key: descriptor_key(&compose(parts)),
+                    key: count_key(&rule.id, None, entries),
                 });
             }
         }
         let rule = self.fallback.as_ref()?;
-        let parts = [rule.id.as_str(), domain]
-            .into_iter()
-            .chain(entries.iter().flat_map(|(k, v)| [k.as_str(), v.as_str()]));
         Some(Matched {
             rule: Arc::clone(rule),
-            key: descriptor_key(&compose(parts)),
+            key: count_key(&rule.id, Some(domain), entries),
         })
     }
 }
@@ -484,17 +493,7 @@ impl RuleSet {
                 metrics: Arc::clone(&entry.metrics),
             }),
         };
-        let key = if base.on_path {
-            descriptor_key(&compose(
-                std::iter::once(rule.id.as_str()).chain(entries.iter().map(|(_, v)| v.as_str())),
-            ))
-        } else {
-            descriptor_key(&compose(
-                [rule.id.as_str(), domain]
-                    .into_iter()
-                    .chain(entries.iter().flat_map(|(k, v)| [k.as_str(), v.as_str()])),
-            ))
-        };
+        let key = count_key(&rule.id, (!base.on_path).then_some(domain), entries);
         Some(OverrideMatch::Applied(Matched { rule, key }))
     }
 
