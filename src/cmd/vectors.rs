@@ -6,13 +6,13 @@
 //! the problem, and a file's other cases still run), a directory holds no
 //! `*.json` file, or the store cannot be used.
 
-use std::fmt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::str::FromStr;
 
 use ratewarden_core::vectors::{self, Case, CaseOutcome, EachCase, Expected};
 use ratewarden_core::{mix32, Decision, MemoryOptions, MemoryStore};
+// The parser `serve --store` uses: one set of forms and messages for both.
+use ratewarden_server::StoreUrl;
 
 /// Arguments of `ratewarden vectors`.
 #[derive(clap::Args)]
@@ -22,48 +22,10 @@ pub struct Args {
     /// `redis-cluster://HOST:PORT[,HOST:PORT...]` (each case under its own
     /// fresh key prefix).
     #[arg(long, default_value = "memory")]
-    pub store: StoreArg,
+    pub store: StoreUrl,
     /// Vector files, or directories searched (recursively) for `*.json`.
     #[arg(required = true)]
     pub paths: Vec<PathBuf>,
-}
-
-/// Which store `--store` names.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StoreArg {
-    /// The embedded in-memory store.
-    Memory,
-    /// Redis or Redis Cluster at this URL.
-    Redis(String),
-}
-
-impl FromStr for StoreArg {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "memory" => Ok(StoreArg::Memory),
-            url if ratewarden_redis::is_store_url(url) => Ok(StoreArg::Redis(url.to_owned())),
-            // Says what is wrong with the form (TLS, for rediss://).
-            url if ratewarden_redis::is_redis_like_url(url) => {
-                Err(ratewarden_redis::url_form_error(url))
-            }
-            other => Err(format!(
-                "unknown store {:?}; use memory, redis://HOST:PORT[/DB], \
-                 redis+unix:///PATH or redis-cluster://HOST:PORT[,HOST:PORT...]",
-                ratewarden_redis::redact_url(other)
-            )),
-        }
-    }
-}
-
-impl fmt::Display for StoreArg {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            StoreArg::Memory => f.write_str("memory"),
-            StoreArg::Redis(url) => f.write_str(&ratewarden_redis::redact_url(url)),
-        }
-    }
 }
 
 /// Runs one case on a fresh, empty store.
@@ -139,8 +101,8 @@ impl CaseRunner for RedisRunner {
 /// Runs the command.
 pub fn run(args: Args) -> ExitCode {
     let mut runner: Box<dyn CaseRunner> = match args.store {
-        StoreArg::Memory => Box::new(MemoryRunner),
-        StoreArg::Redis(url) => {
+        StoreUrl::Memory => Box::new(MemoryRunner),
+        StoreUrl::Redis(url) | StoreUrl::RedisCluster(url) => {
             let runtime = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
