@@ -200,8 +200,9 @@ impl RedisServer {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    /// Keys that have no TTL (SCAN + PTTL), at most 100 listed.
-    pub fn keys_without_ttl(&self) -> Vec<String> {
+    /// Every key with its `PTTL` (SCAN, then PTTL of each): -1 for no TTL,
+    /// -2 for a key gone since the scan.
+    fn key_ttls(&self) -> Vec<(String, i64)> {
         let client = redis::Client::open(self.url()).expect("client");
         let mut conn = client
             .get_connection_with_timeout(Duration::from_secs(2))
@@ -210,41 +211,30 @@ impl RedisServer {
             use redis::Commands;
             conn.scan::<String>().expect("SCAN").collect()
         };
-        let mut missing = Vec::new();
-        for key in keys {
-            let ttl: i64 = redis::cmd("PTTL").arg(&key).query(&mut conn).expect("PTTL");
-            // -1: no TTL; -2: gone since the scan.
-            if ttl == -1 {
-                missing.push(key);
-                if missing.len() == 100 {
-                    break;
-                }
-            }
-        }
-        missing
+        keys.into_iter()
+            .map(|key| {
+                let ttl: i64 = redis::cmd("PTTL").arg(&key).query(&mut conn).expect("PTTL");
+                (key, ttl)
+            })
+            .collect()
     }
 
-    /// The longest TTL of any key, in ms (SCAN + PTTL); `None` when there
-    /// is no key. A key without a TTL counts as `i64::MAX`.
+    /// Keys that have no TTL, at most 100 listed.
+    pub fn keys_without_ttl(&self) -> Vec<String> {
+        self.key_ttls()
+            .into_iter()
+            .filter(|(_, ttl)| *ttl == -1)
+            .map(|(key, _)| key)
+            .take(100)
+            .collect()
+    }
+
+    /// The longest TTL of any key, in ms; `None` when there is no key. A
+    /// key without a TTL counts as `i64::MAX`.
     pub fn longest_ttl_ms(&self) -> Option<i64> {
-        let client = redis::Client::open(self.url()).expect("client");
-        let mut conn = client
-            .get_connection_with_timeout(Duration::from_secs(2))
-            .expect("connect");
-        let keys: Vec<String> = {
-            use redis::Commands;
-            conn.scan::<String>().expect("SCAN").collect()
-        };
-        keys.iter()
-            .map(|key| {
-                let ttl: i64 = redis::cmd("PTTL").arg(key).query(&mut conn).expect("PTTL");
-                // -1: no TTL; -2: gone since the scan.
-                if ttl == -1 {
-                    i64::MAX
-                } else {
-                    ttl
-                }
-            })
+        self.key_ttls()
+            .into_iter()
+            .map(|(_, ttl)| if ttl == -1 { i64::MAX } else { ttl })
             .max()
     }
 
