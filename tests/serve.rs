@@ -610,12 +610,10 @@ async fn a_reload_under_load_loses_no_request_and_resets_no_count() {
     let reloads = |client: reqwest::Client, http: SocketAddr| async move {
         let text = common::metrics(&client, http).await;
         let count = |result: &str| {
-            let prefix = format!("ratewarden_config_reloads_total{{result=\"{result}\"}} ");
-            text.lines()
-                .find_map(|l| l.strip_prefix(&prefix))
-                .unwrap()
-                .parse::<u64>()
-                .unwrap()
+            common::metric_value(
+                &text,
+                &format!("ratewarden_config_reloads_total{{result=\"{result}\"}}"),
+            )
         };
         (count("ok"), count("failed"))
     };
@@ -862,14 +860,6 @@ burst = 9007199254740991
     server.stop();
 }
 
-/// The value of the metric line starting with `series` on `/metrics`.
-async fn metric(client: &reqwest::Client, server: &Server, series: &str) -> f64 {
-    let text = common::metrics(client, server.http).await;
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
-}
-
 /// A request refused by several descriptors waits for the longest of their
 /// waits: it is admitted only once all of them admit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -924,7 +914,7 @@ async fn refusals_are_not_counted_as_bad_requests() {
         let (status, _, _) = post(&client, &server.url(), json!({"key": "k"})).await;
         assert_eq!(status, expected);
     }
-    assert_eq!(metric(&client, &server, bad).await, 0.0);
+    assert_eq!(common::metric(&client, server.http, bad).await, 0);
     let (status, _, _) = post(&client, &server.url(), json!({"key": 1})).await;
     assert_eq!(status, 400);
     let base = format!("http://{}", server.http);
@@ -932,7 +922,7 @@ async fn refusals_are_not_counted_as_bad_requests() {
     assert_eq!(missing.status(), 404);
     let wrong_method = client.get(server.url()).send().await.unwrap();
     assert_eq!(wrong_method.status(), 405);
-    assert_eq!(metric(&client, &server, bad).await, 3.0);
+    assert_eq!(common::metric(&client, server.http, bad).await, 3);
     server.stop();
 }
 
@@ -1256,16 +1246,16 @@ async fn a_limit_override_is_applied_with_counts_of_its_own() {
 
     let client = client();
     let refused = r#"ratewarden_decisions_total{rule="per-user.override",outcome="refused"}"#;
-    assert_eq!(metric(&client, &server, refused).await, 3.0);
+    assert_eq!(common::metric(&client, server.http, refused).await, 3);
     let shadow =
         r#"ratewarden_decisions_total{rule="api.trial.override",outcome="shadow_refused"}"#;
-    assert_eq!(metric(&client, &server, shadow).await, 1.0);
+    assert_eq!(common::metric(&client, server.http, shadow).await, 1);
     // Keys of every override of a rule, summed: ann, bob (three
     // overrides), cy and dee.
     let keys = r#"ratewarden_keys_tracked{rule="per-user.override"}"#;
-    assert_eq!(metric(&client, &server, keys).await, 6.0);
+    assert_eq!(common::metric(&client, server.http, keys).await, 6);
     let ignored = "ratewarden_limit_overrides_ignored_total";
-    assert_eq!(metric(&client, &server, ignored).await, 0.0);
+    assert_eq!(common::metric(&client, server.http, ignored).await, 0);
     server.stop();
 }
 
@@ -1293,7 +1283,7 @@ async fn overrides_beyond_the_bound_are_ignored() {
     assert_eq!(name(&r), "per-user.override");
     assert_eq!(r.overall_code, Code::OverLimit as i32);
     let ignored = "ratewarden_limit_overrides_ignored_total";
-    assert_eq!(metric(&client(), &server, ignored).await, 1.0);
+    assert_eq!(common::metric(&client(), server.http, ignored).await, 1);
     server.stop();
 }
 

@@ -173,16 +173,11 @@ async fn failure_count(
     policy: &str,
     allowed: bool,
 ) -> u64 {
-    let text = common::metrics(client, http).await;
     let outcome = if allowed { "allowed" } else { "refused" };
-    let prefix = format!(
-        "ratewarden_failure_policy_decisions_total{{policy=\"{policy}\",outcome=\"{outcome}\"}} "
+    let series = format!(
+        "ratewarden_failure_policy_decisions_total{{policy=\"{policy}\",outcome=\"{outcome}\"}}"
     );
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .unwrap()
-        .parse()
-        .unwrap()
+    common::metric(client, http, &series).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -148,3 +148,18 @@ pub async fn metrics(client: &reqwest::Client, http: SocketAddr) -> String {
         .await
         .unwrap()
 }
+
+/// The value of `series` (a metric name with its labels, as `/metrics`
+/// writes it) in the text of `/metrics`; panics, showing the text, when
+/// there is no such line.
+pub fn metric_value(text: &str, series: &str) -> u64 {
+    let prefix = format!("{series} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix)?.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+}
+
+/// The value of `series` on the server at `http` now.
+pub async fn metric(client: &reqwest::Client, http: SocketAddr, series: &str) -> u64 {
+    metric_value(&metrics(client, http).await, series)
+}
