@@ -1084,10 +1084,57 @@ async fn grpc_health_serves_then_turns_not_serving_on_sigterm() {
         .unwrap()
         .unwrap();
     assert_eq!(next.status, ServingStatus::NotServing as i32);
-    // The watch is the last call in flight: ending it lets the server stop.
     drop(watch);
     drop(health);
     server.stop();
+}
+
+/// Shutdown waits for calls, not for connections: gRPC peers that hold a
+/// connection open with nothing to finish (one that never sends its
+/// preface, one that stops after it, one watching health) neither delay
+/// the exit to the 30 s drain bound nor make it a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_grpc_peers_and_health_watches_do_not_hold_up_shutdown() {
+    use std::io::Write;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let server = Server::start(&[]);
+    let silent = std::net::TcpStream::connect(server.grpc).unwrap();
+    let mut preface_only = std::net::TcpStream::connect(server.grpc).unwrap();
+    preface_only
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    let mut watch = health
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = tokio::time::timeout(Duration::from_secs(10), watch.message()).await;
+    assert!(matches!(first, Ok(Ok(Some(_)))), "{first:?}");
+    // A call answered just before the signal is answered in full.
+    let mut grpc = server.grpc().await;
+    let r = should(&mut grpc, "any", vec![descriptor(&[("k", "v")])], 1).await;
+    assert_eq!(r.overall_code, Code::Ok as i32);
+
+    let started = Instant::now();
+    // Stops on its own thread: `stop` blocks, and the watch needs this
+    // runtime to answer the server's GOAWAY.
+    let stopped = tokio::task::spawn_blocking(move || server.stop());
+    stopped.await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "shutdown took {:?}",
+        started.elapsed()
+    );
+    drop((silent, preface_only, watch, health));
 }
 
 fn with_override(entries: &[(&str, &str)], limit: u32, unit: Unit) -> RateLimitDescriptor {

@@ -1,7 +1,10 @@
 //! Envoy's rate-limit service, `envoy.service.ratelimit.v3.RateLimitService`.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+
+use tokio::sync::Notify;
 
 use tonic::{Request, Response, Status};
 
@@ -23,15 +26,67 @@ pub const SERVICE_NAME: &str = <RateLimitServiceServer<Rls> as tonic::server::Na
 /// The largest gRPC request decoded, in bytes.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 
-/// The service, sharing `service`.
-pub fn server(service: Arc<Service>) -> RateLimitServiceServer<Rls> {
-    RateLimitServiceServer::new(Rls { service }).max_decoding_message_size(MAX_MESSAGE_BYTES)
+/// The service, sharing `service`; every call is counted in `calls`.
+pub fn server(service: Arc<Service>, calls: Arc<Calls>) -> RateLimitServiceServer<Rls> {
+    RateLimitServiceServer::new(Rls { service, calls }).max_decoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// The `ShouldRateLimit` calls being answered.
+///
+/// Shutdown waits for these, not for connections: an HTTP/2 connection
+/// ends only when its peer lets it (a peer that never sends its preface,
+/// or never answers the GOAWAY's ping, holds it open), and a health
+/// `Watch` stream never ends by itself. Neither has work to finish.
+#[derive(Debug, Default)]
+pub struct Calls {
+    open: AtomicUsize,
+    none_open: Notify,
+}
+
+impl Calls {
+    /// How many calls are being answered now.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::SeqCst)
+    }
+
+    /// Returns once no call is being answered.
+    pub async fn none_open(&self) {
+        loop {
+            let notified = self.none_open.notified();
+            tokio::pin!(notified);
+            // Registered before the check, so a last call ending between
+            // the check and the wait still wakes it.
+            notified.as_mut().enable();
+            if self.open() == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    fn enter(self: &Arc<Self>) -> CallGuard {
+        self.open.fetch_add(1, Ordering::SeqCst);
+        CallGuard(Arc::clone(self))
+    }
+}
+
+/// One call being answered; dropped when the answer is made (or the call
+/// is cancelled).
+struct CallGuard(Arc<Calls>);
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        if self.0.open.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.none_open.notify_waiters();
+        }
+    }
 }
 
 /// The `ShouldRateLimit` implementation.
 #[derive(Debug, Clone)]
 pub struct Rls {
     service: Arc<Service>,
+    calls: Arc<Calls>,
 }
 
 #[tonic::async_trait]
@@ -40,6 +95,7 @@ impl RateLimitService for Rls {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
+        let _call = self.calls.enter();
         let started = Instant::now();
         let result = self.decide(request.into_inner()).await;
         if result.is_err() {

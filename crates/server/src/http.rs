@@ -35,6 +35,8 @@ pub async fn serve(
     // Each connection task holds a sender; when all are gone, every
     // connection has finished.
     let (open_tx, mut open_rx) = mpsc::channel::<()>(1);
+    let mut last_accept_warning = None;
+    let mut failed_accepts = 0u64;
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => Some(accepted),
@@ -45,8 +47,20 @@ pub async fn serve(
             Some(Ok((stream, _))) => stream,
             Some(Err(e)) => {
                 // Out of file descriptors, mostly: wait a little rather than
-                // spin on the error.
-                tracing::warn!("cannot accept an HTTP connection: {e}");
+                // spin on the error, and say so at most once a second, since
+                // it repeats at every attempt while it lasts.
+                failed_accepts += 1;
+                if last_accept_warning
+                    .is_none_or(|at: Instant| at.elapsed() >= Duration::from_secs(1))
+                {
+                    tracing::warn!(
+                        failed_accepts,
+                        "cannot accept an HTTP connection: {e} (the process may be out of file \
+                         descriptors: raise its limit, `ulimit -n`, or find what holds them)"
+                    );
+                    failed_accepts = 0;
+                    last_accept_warning = Some(Instant::now());
+                }
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             }

@@ -134,7 +134,32 @@ pub struct Running {
     pub service: Arc<Service>,
     health: tonic_health::server::HealthReporter,
     shutdown: watch::Sender<bool>,
-    tasks: Vec<JoinHandle<anyhow::Result<()>>>,
+    http_task: JoinHandle<anyhow::Result<()>>,
+    grpc_task: JoinHandle<anyhow::Result<()>>,
+    grpc_calls: Arc<grpc::Calls>,
+    keeper_task: JoinHandle<anyhow::Result<()>>,
+}
+
+/// How long the gRPC side waits, once no call is left to answer, for its
+/// connections to close on their own after the GOAWAY: a peer that answers
+/// it takes a round trip. Connections still open then are dropped.
+pub const GRPC_GOAWAY_GRACE: Duration = Duration::from_secs(1);
+
+/// How long a gRPC connection may stay silent before the server pings it.
+pub const GRPC_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+
+/// How long a ping may go unanswered before the connection is closed.
+pub const GRPC_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Returns once no gRPC call has been open for [`GRPC_GOAWAY_GRACE`].
+async fn grpc_quiet(calls: &grpc::Calls) {
+    loop {
+        calls.none_open().await;
+        tokio::time::sleep(GRPC_GOAWAY_GRACE).await;
+        if calls.open() == 0 {
+            return;
+        }
+    }
 }
 
 impl Running {
@@ -145,10 +170,25 @@ impl Running {
         // watching) to send traffic elsewhere.
         set_health(&self.health, ServingStatus::NotServing).await;
         let _ = self.shutdown.send(true);
-        let all = async {
-            for task in self.tasks {
-                task.await.context("a server task panicked")??;
+        let calls = self.grpc_calls;
+        let mut grpc_task = self.grpc_task;
+        let grpc = async {
+            // tonic's graceful shutdown waits for every connection to
+            // close, which its peer may never do (one that never finished
+            // its handshake, or a health `Watch` stream). What must finish
+            // is the calls: once none is left, the rest are dropped.
+            tokio::select! {
+                done = &mut grpc_task => done,
+                () = grpc_quiet(&calls) => {
+                    grpc_task.abort();
+                    Ok(Ok(()))
+                }
             }
+        };
+        let all = async {
+            self.http_task.await.context("a server task panicked")??;
+            grpc.await.context("a server task panicked")??;
+            self.keeper_task.await.context("a server task panicked")??;
             anyhow::Ok(())
         };
         match tokio::time::timeout(grace, all).await {
@@ -184,26 +224,30 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     let grpc_addr = grpc_listener.local_addr()?;
     let (shutdown, stop) = watch::channel(false);
 
-    let mut tasks = Vec::new();
     let app = http::router(Arc::clone(&service));
     let http_stop = stop.clone();
-    tasks.push(tokio::spawn(async move {
+    let http_task = tokio::spawn(async move {
         http::serve(http_listener, app, http_stop)
             .await
             .context("the HTTP server failed")
-    }));
+    });
 
-    let rls = grpc::server(Arc::clone(&service));
+    let grpc_calls = Arc::new(grpc::Calls::default());
+    let rls = grpc::server(Arc::clone(&service), Arc::clone(&grpc_calls));
     // grpc.health.v1.Health, as envoyproxy/ratelimit serves it: Envoy
     // clusters with grpc_health_check need it.
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, ServingStatus::Serving).await;
     let mut grpc_stop = stop.clone();
-    tasks.push(tokio::spawn(async move {
+    let grpc_task = tokio::spawn(async move {
         tonic::transport::Server::builder()
             // Every call has an end: Envoy's own timeout is shorter, and a
             // client that never finishes must not hold a task forever.
             .timeout(Duration::from_secs(10))
+            // A connection whose peer stops answering pings is closed, so
+            // dead peers do not pile up; Envoy answers them.
+            .http2_keepalive_interval(Some(GRPC_KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(GRPC_KEEPALIVE_TIMEOUT))
             .concurrency_limit_per_connection(1024)
             .add_service(rls)
             .add_service(health_service)
@@ -215,11 +259,11 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
             )
             .await
             .context("the gRPC server failed")
-    }));
+    });
 
     let keeper = Arc::clone(&service);
     let mut keeper_stop = stop;
-    tasks.push(tokio::spawn(async move {
+    let keeper_task = tokio::spawn(async move {
         let period = Duration::from_millis(keeper.settings().housekeeping_interval_ms);
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -234,7 +278,7 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
                 _ = keeper_stop.wait_for(|s| *s) => return Ok(()),
             }
         }
-    }));
+    });
 
     tracing::info!(
         http = %http_addr,
@@ -249,7 +293,10 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
         service,
         health,
         shutdown,
-        tasks,
+        http_task,
+        grpc_task,
+        grpc_calls,
+        keeper_task,
     })
 }
 
