@@ -1388,3 +1388,66 @@ async fn a_renamed_rule_leaves_no_stale_series() {
     );
     server.stop();
 }
+
+/// Each interface holds at most `max_connections` open: one past that is
+/// closed unserved and counted, and a place comes free when a connection
+/// ends. A gRPC peer that never sends the HTTP/2 preface is closed after
+/// 10 s, so silent connections cannot keep the places.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_max_connections_are_closed_and_silent_grpc_peers_time_out() {
+    use std::io::Read;
+    let file =
+        ConfigFile::new("[server]\nmax_connections = 2\n\n[keys]\nlimit = 100\nwindow_ms = 1000\n");
+    let server = Server::start(&["--config", file.path()]);
+    // Whether the server closes the connection within `within` (it may
+    // write first: an HTTP/2 server sends its SETTINGS at once).
+    let closed_within = |mut stream: std::net::TcpStream, within: Duration| {
+        stream.set_read_timeout(Some(within)).unwrap();
+        let mut sink = Vec::new();
+        match stream.read_to_end(&mut sink) {
+            Ok(_) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    };
+    for (api, addr) in [("grpc", server.grpc), ("http", server.http)] {
+        let held: Vec<_> = (0..2)
+            .map(|_| std::net::TcpStream::connect(addr).unwrap())
+            .collect();
+        // Accepted in order: give the server a moment to take both.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let third = std::net::TcpStream::connect(addr).unwrap();
+        assert!(
+            closed_within(third, Duration::from_secs(5)),
+            "{api}: a third connection is closed unserved"
+        );
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // The places came free: HTTP and gRPC both answer again.
+    let client = reqwest::Client::new();
+    let refused = |api| format!("ratewarden_connections_refused_total{{api=\"{api}\"}}");
+    assert_eq!(
+        common::metric(&client, server.http, &refused("http")).await,
+        1
+    );
+    assert_eq!(
+        common::metric(&client, server.http, &refused("grpc")).await,
+        1
+    );
+    drop(client);
+    let mut grpc = server.grpc().await;
+    let r = should(&mut grpc, "any", vec![descriptor(&[("k", "v")])], 1).await;
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    drop(grpc);
+
+    // A silent gRPC peer is closed after the 10 s preface timeout.
+    let silent = std::net::TcpStream::connect(server.grpc).unwrap();
+    let started = Instant::now();
+    assert!(closed_within(silent, Duration::from_secs(20)));
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(9) && waited < Duration::from_secs(15),
+        "closed after {waited:?}"
+    );
+    server.stop();
+}

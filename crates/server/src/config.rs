@@ -80,6 +80,8 @@ pub struct ServerSettings {
     pub housekeeping_interval_ms: u64,
     /// How many keys one housekeeping pass looks at, per rule.
     pub housekeeping_max_scanned: usize,
+    /// The most connections each interface (HTTP, gRPC) holds open at once.
+    pub max_connections: usize,
 }
 
 impl Default for ServerSettings {
@@ -95,6 +97,10 @@ impl Default for ServerSettings {
             max_keys: 1 << 22,
             housekeeping_interval_ms: 1000,
             housekeeping_max_scanned: 65_536,
+            // Well below common open-file limits once both interfaces are
+            // full, and far above what Envoy (a few connections per proxy)
+            // or a fleet of HTTP clients needs.
+            max_connections: 10_000,
         }
     }
 }
@@ -299,6 +305,7 @@ struct RawServer {
     max_keys: Option<Spanned<i64>>,
     housekeeping_interval_ms: Option<Spanned<i64>>,
     housekeeping_max_scanned: Option<Spanned<i64>>,
+    max_connections: Option<Spanned<i64>>,
 }
 
 #[derive(Deserialize)]
@@ -492,6 +499,9 @@ impl Validator<'_> {
         if let Some(v) = raw.housekeeping_max_scanned {
             s.housekeeping_max_scanned =
                 self.positive(&v, "server.housekeeping_max_scanned", 1 << 32)? as usize;
+        }
+        if let Some(v) = raw.max_connections {
+            s.max_connections = self.positive(&v, "server.max_connections", 1 << 20)? as usize;
         }
         Ok(s)
     }

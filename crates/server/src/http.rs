@@ -14,9 +14,9 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use ratewarden_core::MAX_SAFE;
 use serde::{Deserialize, Serialize};
-use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 
+use crate::conn::Acceptor;
 use crate::metrics::Api;
 use crate::service::{BadRequest, DescriptorOutcome, DescriptorRequest, Service};
 
@@ -25,52 +25,28 @@ use crate::service::{BadRequest, DescriptorOutcome, DescriptorRequest, Service};
 /// send nothing cannot pile up.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Serves `app` on `listener` until `stop` turns true, then stops accepting
-/// and lets every open connection finish the request it is on.
+/// Serves `app` on the connections `acceptor` admits until `stop` turns
+/// true, then stops accepting and lets every open connection finish the
+/// request it is on.
 pub async fn serve(
-    listener: TcpListener,
+    mut acceptor: Acceptor,
     app: Router,
     mut stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     // Each connection task holds a sender; when all are gone, every
     // connection has finished.
     let (open_tx, mut open_rx) = mpsc::channel::<()>(1);
-    let mut last_accept_warning = None;
-    let mut failed_accepts = 0u64;
     loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => Some(accepted),
-            _ = stop.wait_for(|s| *s) => None,
+        let (stream, permit) = tokio::select! {
+            accepted = acceptor.accept() => accepted,
+            _ = stop.wait_for(|s| *s) => break,
         };
-        let stream = match accepted {
-            None => break,
-            Some(Ok((stream, _))) => stream,
-            Some(Err(e)) => {
-                // Out of file descriptors, mostly: wait a little rather than
-                // spin on the error, and say so at most once a second, since
-                // it repeats at every attempt while it lasts.
-                failed_accepts += 1;
-                if last_accept_warning
-                    .is_none_or(|at: Instant| at.elapsed() >= Duration::from_secs(1))
-                {
-                    tracing::warn!(
-                        failed_accepts,
-                        "cannot accept an HTTP connection: {e} (the process may be out of file \
-                         descriptors: raise its limit, `ulimit -n`, or find what holds them)"
-                    );
-                    failed_accepts = 0;
-                    last_accept_warning = Some(Instant::now());
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
-            }
-        };
-        let _ = stream.set_nodelay(true);
         let service = TowerToHyperService::new(app.clone());
         let mut conn_stop = stop.clone();
         let open = open_tx.clone();
         tokio::spawn(async move {
             let _open = open;
+            let _permit = permit;
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder
                 .timer(TokioTimer::new())
@@ -89,7 +65,7 @@ pub async fn serve(
     }
     // Closed now, so that a client connecting during shutdown is refused at
     // once instead of waiting on a backlog nobody accepts from.
-    drop(listener);
+    acceptor.close();
     drop(open_tx);
     let _ = open_rx.recv().await;
     Ok(())

@@ -10,6 +10,7 @@
 #![warn(missing_docs)]
 
 pub mod config;
+pub mod conn;
 pub mod grpc;
 pub mod http;
 pub mod metrics;
@@ -75,6 +76,8 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic_health::ServingStatus;
+
+use crate::metrics::Api;
 
 pub use config::{Config, ConfigFileError, ConfigSource, ServerSettings};
 pub use service::Service;
@@ -151,6 +154,32 @@ pub const GRPC_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 /// How long a ping may go unanswered before the connection is closed.
 pub const GRPC_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Accepts gRPC connections on a task of its own until `stop`, handing them
+/// to tonic; the listener closes as soon as `stop` turns true.
+fn grpc_accept(
+    mut acceptor: conn::Acceptor,
+    mut stop: watch::Receiver<bool>,
+) -> tokio::sync::mpsc::Receiver<std::io::Result<conn::GrpcConn>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(async move {
+        loop {
+            let (stream, permit) = tokio::select! {
+                accepted = acceptor.accept() => accepted,
+                _ = stop.wait_for(|s| *s) => break,
+            };
+            if tx
+                .send(Ok(conn::GrpcConn::new(stream, permit)))
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+        acceptor.close();
+    });
+    rx
+}
+
 /// Returns once no gRPC call has been open for [`GRPC_GOAWAY_GRACE`].
 async fn grpc_quiet(calls: &grpc::Calls) {
     loop {
@@ -224,10 +253,18 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     let grpc_addr = grpc_listener.local_addr()?;
     let (shutdown, stop) = watch::channel(false);
 
+    let max_connections = service.settings().max_connections;
+    let metrics = Arc::clone(&service.metrics);
+    let http_acceptor = conn::Acceptor::new(
+        http_listener,
+        Api::Http,
+        max_connections,
+        Arc::clone(&metrics),
+    );
     let app = http::router(Arc::clone(&service));
     let http_stop = stop.clone();
     let http_task = tokio::spawn(async move {
-        http::serve(http_listener, app, http_stop)
+        http::serve(http_acceptor, app, http_stop)
             .await
             .context("the HTTP server failed")
     });
@@ -238,6 +275,10 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     // clusters with grpc_health_check need it.
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, ServingStatus::Serving).await;
+    let grpc_incoming = grpc_accept(
+        conn::Acceptor::new(grpc_listener, Api::Grpc, max_connections, metrics),
+        stop.clone(),
+    );
     let mut grpc_stop = stop.clone();
     let grpc_task = tokio::spawn(async move {
         tonic::transport::Server::builder()
@@ -252,7 +293,7 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
             .add_service(rls)
             .add_service(health_service)
             .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+                tokio_stream::wrappers::ReceiverStream::new(grpc_incoming),
                 async move {
                     let _ = grpc_stop.wait_for(|s| *s).await;
                 },

@@ -91,6 +91,16 @@ pub enum Api {
     Grpc,
 }
 
+impl Api {
+    /// The value of the `api` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Api::Http => "http",
+            Api::Grpc => "grpc",
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Histogram {
     buckets: [AtomicU64; LATENCY_BUCKETS_US.len()],
@@ -136,6 +146,7 @@ pub struct Metrics {
     forgotten: AtomicU64,
     bad_requests_http: AtomicU64,
     bad_requests_grpc: AtomicU64,
+    connections_refused: [AtomicU64; 2],
     unknown_domains: AtomicU64,
     limit_overrides_ignored: AtomicU64,
 }
@@ -206,6 +217,12 @@ impl Metrics {
             Api::Grpc => &self.bad_requests_grpc,
         }
         .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a connection closed unserved because its interface held
+    /// `max_connections` already.
+    pub fn connection_refused(&self, api: Api) {
+        self.connections_refused[api as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// The Prometheus text exposition of every metric. `keys_tracked` lists
@@ -297,6 +314,20 @@ impl Metrics {
             "ratewarden_bad_requests_total{{api=\"grpc\"}} {}",
             self.bad_requests_grpc.load(Ordering::Relaxed)
         );
+
+        out.push_str(
+            "# HELP ratewarden_connections_refused_total Connections closed unserved because \
+             their interface held max_connections already.\n",
+        );
+        out.push_str("# TYPE ratewarden_connections_refused_total counter\n");
+        for api in [Api::Http, Api::Grpc] {
+            let _ = writeln!(
+                out,
+                "ratewarden_connections_refused_total{{api=\"{}\"}} {}",
+                api.label(),
+                self.connections_refused[api as usize].load(Ordering::Relaxed)
+            );
+        }
 
         out.push_str(
             "# HELP ratewarden_unknown_domain_total Requests naming a domain that is not \

@@ -1,0 +1,226 @@
+//! Accepting connections. Each interface holds at most `max_connections`
+//! open at once: a connection past that is closed unserved (and counted),
+//! so a flood of idle connections runs into the cap, not into the process's
+//! file-descriptor limit, where it would stop every interface from
+//! accepting. Failures are logged at most once a second, since they repeat
+//! at every attempt while they last.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Sleep;
+use tonic::transport::server::{Connected, TcpConnectInfo};
+
+use crate::metrics::{Api, Metrics};
+
+/// How long a gRPC peer has to send the HTTP/2 connection preface. Until
+/// then the connection has no HTTP/2 state, so keepalive pings cannot
+/// close it; this does.
+pub const GRPC_PREFACE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The HTTP/2 client connection preface, `PRI * HTTP/2.0...`, in bytes.
+const PREFACE_LEN: usize = 24;
+
+/// A listener that admits at most `max_connections` open connections.
+pub struct Acceptor {
+    listener: TcpListener,
+    permits: Arc<Semaphore>,
+    api: Api,
+    metrics: Arc<Metrics>,
+    max_connections: usize,
+    last_warning: Option<Instant>,
+    refused: u64,
+    failed: u64,
+}
+
+impl Acceptor {
+    /// Admits connections from `listener` for `api`.
+    pub fn new(
+        listener: TcpListener,
+        api: Api,
+        max_connections: usize,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Acceptor {
+            listener,
+            permits: Arc::new(Semaphore::new(max_connections)),
+            api,
+            metrics,
+            max_connections,
+            last_warning: None,
+            refused: 0,
+            failed: 0,
+        }
+    }
+
+    /// The next connection, with its place among the open ones (held until
+    /// the permit is dropped). Connections past the cap are closed here,
+    /// and failures to accept waited out, so this only returns a
+    /// connection to serve.
+    pub async fn accept(&mut self) -> (TcpStream, OwnedSemaphorePermit) {
+        loop {
+            match self.listener.accept().await {
+                Ok((stream, _)) => match Arc::clone(&self.permits).try_acquire_owned() {
+                    Ok(permit) => {
+                        let _ = stream.set_nodelay(true);
+                        return (stream, permit);
+                    }
+                    Err(_) => {
+                        // Closed at once, so the peer learns now rather
+                        // than waiting in a backlog.
+                        drop(stream);
+                        self.metrics.connection_refused(self.api);
+                        self.refused += 1;
+                        self.warn(None);
+                    }
+                },
+                Err(e) => {
+                    // Out of file descriptors, mostly: wait a little rather
+                    // than spin on the error.
+                    self.failed += 1;
+                    self.warn(Some(&e));
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+    }
+
+    /// Logs what went wrong since the last warning, at most once a second.
+    fn warn(&mut self, error: Option<&io::Error>) {
+        if self
+            .last_warning
+            .is_some_and(|at| at.elapsed() < Duration::from_secs(1))
+        {
+            return;
+        }
+        let api = self.api.label();
+        if let Some(e) = error {
+            tracing::warn!(
+                api,
+                failed = self.failed,
+                "cannot accept a connection: {e} (the process may be out of file descriptors: \
+                 raise its limit, `ulimit -n`, or lower server.max_connections)"
+            );
+        } else {
+            tracing::warn!(
+                api,
+                refused = self.refused,
+                "{} connections are open on this interface, server.max_connections: further \
+                 ones are closed unserved",
+                self.max_connections
+            );
+        }
+        self.refused = 0;
+        self.failed = 0;
+        self.last_warning = Some(Instant::now());
+    }
+
+    /// Stops listening: new connections are refused by the system at once.
+    pub fn close(self) {
+        drop(self.listener);
+    }
+}
+
+/// A gRPC connection: closed when its peer has not sent the HTTP/2
+/// preface within [`GRPC_PREFACE_TIMEOUT`], and holding its place among the
+/// open connections until it ends.
+pub struct GrpcConn {
+    inner: TcpStream,
+    preface_deadline: Option<Pin<Box<Sleep>>>,
+    received: usize,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl GrpcConn {
+    /// Wraps an accepted connection.
+    pub fn new(inner: TcpStream, permit: OwnedSemaphorePermit) -> Self {
+        GrpcConn {
+            inner,
+            preface_deadline: Some(Box::pin(tokio::time::sleep(GRPC_PREFACE_TIMEOUT))),
+            received: 0,
+            _permit: permit,
+        }
+    }
+}
+
+impl AsyncRead for GrpcConn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                this.received += buf.filled().len() - before;
+                if this.received >= PREFACE_LEN {
+                    this.preface_deadline = None;
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending => {
+                // Polling the deadline registers this task to be woken at
+                // it, beside the socket's own wake-up.
+                let expired = this
+                    .preface_deadline
+                    .as_mut()
+                    .is_some_and(|deadline| deadline.as_mut().poll(cx).is_ready());
+                if expired {
+                    Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "no HTTP/2 connection preface within 10 s",
+                    )))
+                } else {
+                    Poll::Pending
+                }
+            }
+            ready => ready,
+        }
+    }
+}
+
+impl AsyncWrite for GrpcConn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+impl Connected for GrpcConn {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        self.inner.connect_info()
+    }
+}
