@@ -236,6 +236,18 @@ impl Config {
 /// nothing to someone writing TOML, and a table written with single
 /// brackets where a list of tables belongs needs the fix said.
 fn plain_message(message: &str) -> String {
+    // An integer past i64 reaches serde as an i128, which the message
+    // would name instead of saying that the number is too large.
+    if let Some(number) = message
+        .strip_prefix("invalid type: integer `")
+        .and_then(|rest| rest.split_once("` as i128"))
+        .map(|(number, _)| number)
+    {
+        return format!(
+            "{number} is too large; use a whole number from 0 to {MAX_SAFE} (some settings \
+             allow less)"
+        );
+    }
     let message = message.replace("expected i64", "expected a whole number");
     if message.contains("invalid type: map, expected a sequence") {
         return format!(
@@ -1006,6 +1018,22 @@ mod example {
 #[cfg(test)]
 mod field_names {
     use super::*;
+
+    #[test]
+    fn a_number_past_64_bits_is_said_to_be_too_large() {
+        let e = Config::parse(
+            "[keys]\nlimit = 99999999999999999999\nwindow_ms = 1000\n",
+            "t.toml",
+        )
+        .unwrap_err();
+        assert!(
+            e.message.starts_with(
+                "99999999999999999999 is too large; use a whole number from 0 to 9007199254740991"
+            ),
+            "{e}"
+        );
+        assert!(!e.message.contains("i128"), "{e}");
+    }
 
     #[test]
     fn type_errors_name_the_field_under_its_table() {
