@@ -396,7 +396,7 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
         policies.push(format!("{name};q={};w={window_s}", rule.spec.policy.limit));
         let mut state = format!("{name};r={}", o.decision.remaining);
         if !o.allowed {
-            if let Some(ms) = o.decision.retry_after_ms {
+            if let Some(ms) = o.decision.retry_after_ms_exact() {
                 state.push_str(&format!(";t={}", retry_after_s(ms)));
             }
         }
@@ -411,7 +411,7 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
         }
     }
     if !allowed {
-        if let Some(ms) = main.decision.retry_after_ms {
+        if let Some(ms) = main.decision.retry_after_ms_exact() {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s(ms)));
         }
     }
@@ -427,9 +427,17 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
     (status, headers, axum::Json(body)).into_response()
 }
 
-/// Whole seconds, rounded up, at least 1.
-fn retry_after_s(ms: u64) -> u64 {
-    ms.div_ceil(1000).max(1)
+/// The largest integer a structured field may carry (RFC 9651: at most 15
+/// digits).
+const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
+
+/// Whole seconds, rounded up, at least 1, from the exact wait (the 64-bit
+/// `retry_after_ms` saturates for the longest waits), and at most
+/// `SF_INTEGER_MAX`: `t` must be a structured-field integer, and
+/// `Retry-After` says the same wait so that the two never disagree.
+fn retry_after_s(ms: u128) -> u64 {
+    let secs = ms.div_ceil(1000).max(1);
+    u64::try_from(secs).map_or(SF_INTEGER_MAX, |s| s.min(SF_INTEGER_MAX))
 }
 
 /// A structured-field string (RFC 8941): printable ASCII, with `"` and `\`
@@ -483,6 +491,10 @@ mod tests {
         assert_eq!(retry_after_s(1000), 1);
         assert_eq!(retry_after_s(1001), 2);
         assert_eq!(retry_after_s(0), 1);
+        assert_eq!(retry_after_s(999_999_999_999_999_000), SF_INTEGER_MAX);
+        assert_eq!(retry_after_s(999_999_999_999_999_001), SF_INTEGER_MAX);
+        assert_eq!(retry_after_s(u128::from(u64::MAX)), SF_INTEGER_MAX);
+        assert_eq!(retry_after_s(u128::MAX), SF_INTEGER_MAX);
     }
 
     #[test]
