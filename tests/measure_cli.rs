@@ -262,6 +262,16 @@ fn negative_counts_name_their_flag() {
         &["--keys", "not a negative one"],
     );
     fails_with(
+        &["bench", "--accuracy-duration-ms", "999"],
+        &["--accuracy-duration-ms must be at least one window (1000 ms)"],
+    );
+    let help = ratewarden(&["bench", "--help"]);
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        help.contains("at least 1,000 (one window of the reference configuration)"),
+        "{help}"
+    );
+    fails_with(
         &["bench", "--accuracy-duration-ms", "-1000"],
         &["--accuracy-duration-ms", "not a negative one"],
     );

@@ -50,7 +50,8 @@ pub struct Args {
     /// Threads of `uniform-1m-threads`, at most 256 [default: every core].
     #[arg(long, value_parser = crate::cmd::whole::<usize>)]
     pub threads: Option<usize>,
-    /// How long each accuracy shape lasts, in ms, at most 275,862 (20
+    /// How long each accuracy shape lasts, in ms: at least 1,000 (one
+    /// window of the reference configuration) and at most 275,862 (20
     /// million requests of the largest shape) [default: 60,000; 20,000
     /// with --quick].
     #[arg(long, value_parser = crate::cmd::whole::<u64>)]
