@@ -681,9 +681,14 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
     let (ok, stderr) = run(&["--store", "redis://127.0.0.1:1"]);
     assert!(!ok);
     assert!(
-        stderr.contains("cannot make the limiter of rule \"keys\""),
+        stderr.contains(
+            "cannot make the limiter of rule \"keys\": Redis at 127.0.0.1:1 cannot be used: \
+             connection refused; start redis-server there or change --store (or [server] store) \
+             to where it runs"
+        ),
         "{stderr}"
     );
+    assert_eq!(stderr.matches("connection").count(), 1, "{stderr}");
     let (ok, stderr) = run(&["--store", "mongodb://x"]);
     assert!(!ok);
     assert!(stderr.contains("unknown store"), "{stderr}");

@@ -128,7 +128,17 @@ pub fn run(args: Args) -> ExitCode {
                 ratewarden_core::REFERENCE,
                 probe,
             )) {
-                eprintln!("{}: {e}", ratewarden_redis::redact_url(&url));
+                let url = ratewarden_redis::redact_url(&url);
+                if e.is_connection_dropped() {
+                    // The detail names the address already; say what to
+                    // change rather than the error's kind again.
+                    eprintln!(
+                        "{url}: {}; start redis-server there or change --store to where it runs",
+                        e.detail()
+                    );
+                } else {
+                    eprintln!("{url}: {e}");
+                }
                 return ExitCode::from(2);
             }
             Box::new(RedisRunner {
