@@ -467,6 +467,11 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
         ("{\"key\": \"k\", \"cost\": -1}", 400, "cost is -1"),
         ("{\"key\": \"k\", \"cost\": 1.5}", 400, "cost is 1.5"),
         (
+            "{\"key\": \"k\", \"cost\": null}",
+            400,
+            "cost is null: leave `cost` out for a cost of 1",
+        ),
+        (
             "{\"key\": \"k\", \"cost\": 9007199254740992}",
             400,
             "cost is 9007199254740992",

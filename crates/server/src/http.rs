@@ -145,7 +145,20 @@ struct CheckRequest {
     key: Option<String>,
     domain: Option<String>,
     descriptors: Option<Vec<DescriptorJson>>,
-    cost: Option<serde_json::Number>,
+    /// `None` when absent, `Some(None)` for `null`: serde reads both as
+    /// `None` into a plain option, and null is not the absent cost of 1.
+    #[serde(default, deserialize_with = "present")]
+    cost: Option<Option<serde_json::Number>>,
+}
+
+/// Reads a field that is present, null or not, so that absent (the
+/// default) and null stay apart.
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
 }
 
 #[derive(Deserialize)]
@@ -248,9 +261,20 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
     }
 }
 
-/// Reads `cost`: a whole number from 0 to 2^53 - 1, 1 when absent.
-fn parse_cost(cost: Option<serde_json::Number>) -> Result<u64, String> {
-    let Some(n) = cost else { return Ok(1) };
+/// Reads `cost`: a whole number from 0 to 2^53 - 1, 1 when absent. Null is
+/// refused rather than read as absent: a client that sends it most likely
+/// meant some cost, and the API says a cost is a whole number.
+fn parse_cost(cost: Option<Option<serde_json::Number>>) -> Result<u64, String> {
+    let n = match cost {
+        None => return Ok(1),
+        Some(None) => {
+            return Err(format!(
+                "cost is null: leave `cost` out for a cost of 1, or send a whole number \
+                 from 0 to {MAX_SAFE} (2^53 - 1)"
+            ))
+        }
+        Some(Some(n)) => n,
+    };
     match n.as_u64() {
         Some(c) if c <= MAX_SAFE => Ok(c),
         _ => Err(format!("cost is {n}: it must be a whole number from 0 to {MAX_SAFE} (2^53 - 1), written without a fraction or exponent")),
@@ -465,8 +489,10 @@ mod tests {
 
     #[test]
     fn costs_must_be_whole_and_in_range() {
-        let n = |s: &str| Some(serde_json::from_str::<serde_json::Number>(s).unwrap());
+        let n = |s: &str| Some(Some(serde_json::from_str::<serde_json::Number>(s).unwrap()));
         assert_eq!(parse_cost(None), Ok(1));
+        let e = parse_cost(Some(None)).unwrap_err();
+        assert!(e.contains("leave `cost` out for a cost of 1"), "{e}");
         assert_eq!(parse_cost(n("0")), Ok(0));
         assert_eq!(parse_cost(n("9007199254740991")), Ok(MAX_SAFE));
         for bad in [
