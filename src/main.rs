@@ -27,14 +27,17 @@ enum Command {
     /// and exit. Everything else: docs/serve.md.
     Serve(cmd::serve::Args),
     /// Measure speed, memory and accuracy of every policy, beside governor.
+    #[command(allow_negative_numbers = true)]
     Bench(cmd::bench::Args),
     /// Draw how policies answer a traffic shape (SVG chart, CSV series).
+    #[command(allow_negative_numbers = true)]
     Simulate(cmd::simulate::Args),
     /// Measure one contender's memory in a fresh process (used by `bench`).
     #[command(hide = true)]
     BenchMemory(cmd::bench::MemoryArgs),
     /// Measure the Redis store: pipelined decisions/s, round trips and
     /// server CPU per policy, beside redis-benchmark on the same server.
+    #[command(allow_negative_numbers = true)]
     BenchRedis(cmd::bench_redis::Args),
 }
 

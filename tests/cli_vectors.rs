@@ -189,3 +189,38 @@ fn a_wrong_mix32_value_is_named_and_fails_without_counting_as_a_case() {
     assert!(text.contains("mix32 values: 1 matched, 1 differ"), "{text}");
     assert_eq!(text.lines().last(), Some("0 passed, 0 failed"));
 }
+
+/// A reader that stops early (`ratewarden vectors DIR | head`) is not a
+/// failure: the run ends quietly, with the status its cases give, rather
+/// than panicking on the broken pipe.
+#[test]
+fn a_closed_standard_output_ends_the_run_quietly() {
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    // A failing case, so that there are lines to write and the status the
+    // run would have had is 1, not 0.
+    let path = scratch(
+        &dir,
+        "fails.json",
+        r#"{"cases": [
+            {"description": "wrong wait", "policy": "fixed-window", "limit": 1, "window_ms": 10,
+             "steps": [{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0},
+                       {"key": 1, "now_ms": 3, "cost": 1, "allowed": false, "retry_after_ms": 6, "remaining": 0}]}]}"#,
+    );
+    let path = path.to_str().unwrap();
+    let expected = ratewarden(&["vectors", path]);
+    assert_eq!(expected.status.code(), Some(1), "{}", stderr(&expected));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+        .args(["vectors", path])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Closing the read end before the child has started up means its first
+    // write finds no reader.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("Broken pipe"), "{}", stderr(&out));
+}

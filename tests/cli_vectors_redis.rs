@@ -68,7 +68,16 @@ fn an_unreachable_redis_is_an_unusable_store() {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
-    assert!(String::from_utf8_lossy(&out.stderr).contains("127.0.0.1"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("127.0.0.1"), "{stderr}");
+    assert!(
+        stderr.contains(
+            "cannot be used: connection refused; start redis-server there or change --store \
+             to where it runs"
+        ),
+        "{stderr}"
+    );
+    assert_eq!(stderr.matches("connection").count(), 1, "{stderr}");
 }
 
 #[test]

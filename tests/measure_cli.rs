@@ -237,6 +237,56 @@ fn fails_with(args: &[&str], words: &[&str]) {
     }
 }
 
+/// A negative count is a value for its flag, not an unknown flag: the
+/// answer names the flag and says what is wrong.
+#[test]
+fn negative_counts_name_their_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = scratch(&dir, "never.svg");
+    let svg = svg.to_str().unwrap();
+    let simulate = [
+        "simulate",
+        "--policy",
+        "gcra",
+        "--shape",
+        "steady-2x",
+        "--out",
+        svg,
+    ];
+    for flag in ["--limit", "--window-ms", "--duration-ms", "--bucket-ms"] {
+        let args: Vec<&str> = simulate.iter().copied().chain([flag, "-1"]).collect();
+        fails_with(&args, &[flag, "not a negative one"]);
+    }
+    fails_with(
+        &["bench", "--keys", "-5"],
+        &["--keys", "not a negative one"],
+    );
+    fails_with(
+        &["bench", "--accuracy-duration-ms", "999"],
+        &["--accuracy-duration-ms must be at least one window (1000 ms)"],
+    );
+    let help = ratewarden(&["bench", "--help"]);
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        help.contains("at least 1,000 (one window of the reference configuration)"),
+        "{help}"
+    );
+    fails_with(
+        &["bench", "--accuracy-duration-ms", "-1000"],
+        &["--accuracy-duration-ms", "not a negative one"],
+    );
+    fails_with(
+        &[
+            "bench-redis",
+            "--store",
+            "redis://127.0.0.1:1",
+            "--pipeline",
+            "-2",
+        ],
+        &["--pipeline", "not a negative one"],
+    );
+}
+
 #[test]
 fn bad_arguments_exit_non_zero_with_a_clear_message() {
     let dir = tempfile::tempdir().unwrap();

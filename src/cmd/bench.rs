@@ -37,26 +37,27 @@ pub struct Args {
     pub json: bool,
     /// Distinct keys of the `*-1m` workloads and of the memory rows, at
     /// most 16,777,216 [default: 1,000,000].
-    #[arg(long)]
+    #[arg(long, value_parser = crate::cmd::whole::<usize>)]
     pub keys: Option<usize>,
     /// Decisions per repetition of a speed workload, at most 100,000,000
     /// [default: 2,000,000; 500,000 with --quick].
-    #[arg(long)]
+    #[arg(long, value_parser = crate::cmd::whole::<usize>)]
     pub decisions: Option<usize>,
     /// Repetitions of each speed workload, at most 1,000; the median is
     /// reported [default: 5; 3 with --quick].
-    #[arg(long)]
+    #[arg(long, value_parser = crate::cmd::whole::<usize>)]
     pub reps: Option<usize>,
     /// Threads of `uniform-1m-threads`, at most 256 [default: every core].
-    #[arg(long)]
+    #[arg(long, value_parser = crate::cmd::whole::<usize>)]
     pub threads: Option<usize>,
-    /// How long each accuracy shape lasts, in ms, at most 275,862 (20
+    /// How long each accuracy shape lasts, in ms: at least 1,000 (one
+    /// window of the reference configuration) and at most 275,862 (20
     /// million requests of the largest shape) [default: 60,000; 20,000
     /// with --quick].
-    #[arg(long)]
+    #[arg(long, value_parser = crate::cmd::whole::<u64>)]
     pub accuracy_duration_ms: Option<u64>,
     /// The seed of every key sequence and traffic shape [default: 1].
-    #[arg(long)]
+    #[arg(long, value_parser = crate::cmd::whole::<u64>)]
     pub seed: Option<u64>,
 }
 
@@ -88,7 +89,7 @@ pub struct MemoryArgs {
     #[arg(long)]
     pub contender: String,
     /// Keys to insert.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::cmd::whole::<usize>)]
     pub keys: usize,
 }
 

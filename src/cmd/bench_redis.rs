@@ -44,23 +44,23 @@ pub struct Args {
     pub store: String,
     /// Decisions per pipelined measurement (per policy, and per script in
     /// each round).
-    #[arg(long, default_value_t = 200_000)]
+    #[arg(long, default_value_t = 200_000, value_parser = crate::cmd::whole::<u64>)]
     pub requests: u64,
     /// Requests per pipelined batch.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = crate::cmd::whole::<usize>)]
     pub pipeline: usize,
     /// Connections used at once, each with its own batches.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = crate::cmd::whole::<usize>)]
     pub connections: usize,
     /// Distinct keys the requests spread over.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, default_value_t = 10_000, value_parser = crate::cmd::whole::<u64>)]
     pub keys: u64,
     /// Single calls timed for the round-trip percentiles (per policy).
-    #[arg(long, default_value_t = 5_000)]
+    #[arg(long, default_value_t = 5_000, value_parser = crate::cmd::whole::<usize>)]
     pub round_trips: usize,
     /// Interleaved rounds measuring the two targets; each target is judged
     /// by the median of its per-round ratios [default: 5; 3 with --quick].
-    #[arg(long)]
+    #[arg(long, value_parser = crate::cmd::whole::<usize>)]
     pub rounds: Option<usize>,
     /// A shorter run: a tenth of the requests and round trips, 3 rounds.
     #[arg(long)]

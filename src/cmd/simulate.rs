@@ -29,20 +29,20 @@ pub struct Args {
     #[arg(long)]
     pub shape: String,
     /// Requests admitted per window.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = crate::cmd::whole::<u64>)]
     pub limit: u64,
     /// The window, in ms.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, value_parser = crate::cmd::whole::<u64>)]
     pub window_ms: u64,
     /// How long the traffic lasts, in ms.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, default_value_t = 10_000, value_parser = crate::cmd::whole::<u64>)]
     pub duration_ms: u64,
     /// The traffic's random seed.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::cmd::whole::<u64>)]
     pub seed: u64,
     /// The width of one time bucket of the chart, in ms [default: a
     /// twentieth of the window].
-    #[arg(long)]
+    #[arg(long, value_parser = crate::cmd::whole::<u64>)]
     pub bucket_ms: Option<u64>,
     /// Where to write the chart (SVG).
     #[arg(long)]

@@ -6,6 +6,7 @@
 //! the problem, and a file's other cases still run), a directory holds no
 //! `*.json` file, or the store cannot be used.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -128,7 +129,17 @@ pub fn run(args: Args) -> ExitCode {
                 ratewarden_core::REFERENCE,
                 probe,
             )) {
-                eprintln!("{}: {e}", ratewarden_redis::redact_url(&url));
+                let url = ratewarden_redis::redact_url(&url);
+                if e.is_connection_dropped() {
+                    // The detail names the address already; say what to
+                    // change rather than the error's kind again.
+                    eprintln!(
+                        "{url}: {}; start redis-server there or change --store to where it runs",
+                        e.detail()
+                    );
+                } else {
+                    eprintln!("{url}: {e}");
+                }
                 return ExitCode::from(2);
             }
             Box::new(RedisRunner {
@@ -160,6 +171,7 @@ pub fn run(args: Args) -> ExitCode {
             Ok(()) => {}
         }
     }
+    let mut out = Out::new();
     let mut tally = Tally::default();
     for path in &files {
         let file = match std::fs::read_to_string(path)
@@ -173,7 +185,7 @@ pub fn run(args: Args) -> ExitCode {
                 continue;
             }
         };
-        run_file(path, &file, runner.as_mut(), &mut tally);
+        run_file(path, &file, runner.as_mut(), &mut tally, &mut out);
     }
     if tally.malformed_cases > 0 {
         let noun = if tally.malformed_cases == 1 {
@@ -181,17 +193,23 @@ pub fn run(args: Args) -> ExitCode {
         } else {
             "cases"
         };
-        println!("{} malformed {noun} not run", tally.malformed_cases);
+        out.line(format_args!(
+            "{} malformed {noun} not run",
+            tally.malformed_cases
+        ));
         malformed += tally.malformed_cases;
     }
     if tally.mix32_matched + tally.mix32_differ > 0 {
-        println!(
+        out.line(format_args!(
             "mix32 values: {} matched, {} differ",
             tally.mix32_matched, tally.mix32_differ
-        );
+        ));
     }
     // The closing line counts cases only; mix32 values have their own line.
-    println!("{} passed, {} failed", tally.passed, tally.failed);
+    out.line(format_args!(
+        "{} passed, {} failed",
+        tally.passed, tally.failed
+    ));
     if malformed > 0 {
         ExitCode::from(2)
     } else if tally.failed > 0 || tally.mix32_differ > 0 {
@@ -224,6 +242,37 @@ fn collect(path: &Path, out: &mut Vec<PathBuf>) -> Result<(), String> {
     Ok(())
 }
 
+/// Standard output that goes quiet once it cannot be written: a reader
+/// that stopped early (`ratewarden vectors DIR | head`) is no failure of the
+/// vectors, so the run goes on and exits with the status its cases give,
+/// where `println!` would panic on the broken pipe.
+struct Out {
+    stdout: std::io::StdoutLock<'static>,
+    closed: bool,
+}
+
+impl Out {
+    fn new() -> Self {
+        Out {
+            stdout: std::io::stdout().lock(),
+            closed: false,
+        }
+    }
+
+    /// Writes one line, unless an earlier line could not be written.
+    fn line(&mut self, args: std::fmt::Arguments<'_>) {
+        if self.closed {
+            return;
+        }
+        if let Err(e) = writeln!(self.stdout, "{args}") {
+            self.closed = true;
+            if e.kind() != std::io::ErrorKind::BrokenPipe {
+                eprintln!("cannot write to standard output: {e}");
+            }
+        }
+    }
+}
+
 /// What the files so far gave.
 #[derive(Default)]
 struct Tally {
@@ -236,19 +285,25 @@ struct Tally {
 }
 
 /// Runs every mix32 value and case of one file, printing each failure.
-fn run_file(path: &Path, file: &EachCase, runner: &mut dyn CaseRunner, tally: &mut Tally) {
+fn run_file(
+    path: &Path,
+    file: &EachCase,
+    runner: &mut dyn CaseRunner,
+    tally: &mut Tally,
+    out: &mut Out,
+) {
     for (i, m) in file.mix32.iter().enumerate() {
         let actual = mix32(&m.input);
         if actual == m.output {
             tally.mix32_matched += 1;
         } else {
             tally.mix32_differ += 1;
-            println!(
+            out.line(format_args!(
                 "FAIL {} mix32[{i}] {:?}: expected {}, got {actual}",
                 path.display(),
                 m.input,
                 m.output
-            );
+            ));
         }
     }
     for (i, case) in file.cases.iter().enumerate() {
@@ -269,7 +324,7 @@ fn run_file(path: &Path, file: &EachCase, runner: &mut dyn CaseRunner, tally: &m
             } => {
                 tally.failed += 1;
                 let s = &case.steps[step];
-                println!(
+                out.line(format_args!(
                     "FAIL {} case {i} ({:?}, {}): step {step} (key {}, now_ms {}, cost {}): expected {}, got {}",
                     path.display(),
                     case.description,
@@ -279,16 +334,16 @@ fn run_file(path: &Path, file: &EachCase, runner: &mut dyn CaseRunner, tally: &m
                     s.cost,
                     show_expected(&expected),
                     show_actual(&actual)
-                );
+                ));
             }
             CaseOutcome::StoreFailed { step, error } => {
                 tally.failed += 1;
-                println!(
+                out.line(format_args!(
                     "FAIL {} case {i} ({:?}, {}): step {step}: store error: {error}",
                     path.display(),
                     case.description,
                     case.config
-                );
+                ));
             }
         }
     }

@@ -388,26 +388,51 @@ pub fn run_single<C: Contender>(c: &C, sequence: &[u64], decisions_per_ms: usize
 /// Runs one sequence per thread at once and returns wall-clock
 /// nanoseconds per decision over all threads (so decisions per second is
 /// the aggregate throughput).
+///
+/// Each worker reads the clock itself, right after the barrier and after
+/// its last decision, and the wall time runs from the earliest start to the
+/// latest end. A clock read by the spawning thread would be wrong whenever
+/// there are more threads than free cores: that thread can be scheduled
+/// after the workers have finished, and the run then reads close to 0 ns.
 pub fn run_threads<C: Contender + Sync>(c: &C, sequences: &[Vec<u64>]) -> f64 {
     let total: usize = sequences.iter().map(Vec::len).sum();
-    let barrier = std::sync::Barrier::new(sequences.len() + 1);
-    let start = std::thread::scope(|scope| {
-        for (t, sequence) in sequences.iter().enumerate() {
-            let barrier = &barrier;
-            scope.spawn(move || {
-                barrier.wait();
-                for (i, &key) in sequence.iter().enumerate() {
-                    if t == 0 && i % DECISIONS_PER_MS == 0 {
-                        c.tick();
+    let barrier = std::sync::Barrier::new(sequences.len());
+    let spans: Vec<(Instant, Instant)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = sequences
+            .iter()
+            .enumerate()
+            .map(|(t, sequence)| {
+                let barrier = &barrier;
+                scope.spawn(move || {
+                    barrier.wait();
+                    let start = Instant::now();
+                    for (i, &key) in sequence.iter().enumerate() {
+                        if t == 0 && i % DECISIONS_PER_MS == 0 {
+                            c.tick();
+                        }
+                        black_box(c.check(black_box(key)));
                     }
-                    black_box(c.check(black_box(key)));
-                }
-            });
-        }
-        barrier.wait();
-        Instant::now()
+                    (start, Instant::now())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a benchmark thread panicked"))
+            .collect()
     });
-    start.elapsed().as_nanos() as f64 / total.max(1) as f64
+    wall_span(&spans).as_nanos() as f64 / total.max(1) as f64
+}
+
+/// The time from the earliest start to the latest end of `spans` (zero for
+/// none).
+fn wall_span(spans: &[(Instant, Instant)]) -> Duration {
+    let start = spans.iter().map(|s| s.0).min();
+    let end = spans.iter().map(|s| s.1).max();
+    match (start, end) {
+        (Some(start), Some(end)) => end.saturating_duration_since(start),
+        _ => Duration::ZERO,
+    }
 }
 
 /// The median of `values` (the mean of the middle two for an even count).
@@ -440,6 +465,44 @@ mod tests {
         // Rank 1 takes about 1 / H(10,000) ~ 10% of a Zipf(1.0) draw.
         let top = zipf.iter().filter(|&&k| k == keys[0]).count();
         assert!((700..1400).contains(&top), "{top}");
+    }
+
+    #[test]
+    fn the_wall_span_runs_from_the_first_start_to_the_last_end() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        // Staggered workers: the span is not any one worker's own time.
+        let spans = [
+            (t0 + ms(5), t0 + ms(20)),
+            (t0, t0 + ms(10)),
+            (t0 + ms(2), t0 + ms(30)),
+        ];
+        assert_eq!(wall_span(&spans), ms(30));
+        assert_eq!(wall_span(&[]), Duration::ZERO);
+    }
+
+    /// A contender that takes at least 1 ms per decision.
+    struct Slow;
+
+    impl Contender for Slow {
+        fn check(&self, _key: u64) -> bool {
+            std::thread::sleep(Duration::from_millis(1));
+            true
+        }
+        fn tick(&self) {}
+        fn entries_tracked(&self) -> usize {
+            0
+        }
+    }
+
+    #[test]
+    fn thread_runs_count_the_time_the_workers_spent() {
+        // More threads than the machine's cores are likely to be free, each
+        // asleep for 10 ms at least: the wall time cannot be under 10 ms,
+        // whenever the spawning thread gets to run.
+        let sequences = vec![vec![1u64; 10]; 8];
+        let ns = run_threads(&Slow, &sequences);
+        assert!(ns * 80.0 >= 10_000_000.0, "{ns} ns per decision");
     }
 
     #[test]

@@ -739,8 +739,20 @@ fn connect_error(e: RedisError, address: &str) -> StoreError {
             ),
         )
     } else {
+        let refused = e.is_connection_refusal();
         let e = map_error(e);
-        StoreError::new(e.kind(), format!("Redis at {address} cannot be used: {e}"))
+        // The detail, not the whole error: shown, the error starts with its
+        // kind ("store connection dropped: "), which the caller's showing
+        // of this error says already.
+        let cause = if refused {
+            "connection refused"
+        } else {
+            e.detail()
+        };
+        StoreError::new(
+            e.kind(),
+            format!("Redis at {address} cannot be used: {cause}"),
+        )
     }
 }
 

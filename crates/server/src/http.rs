@@ -145,7 +145,20 @@ struct CheckRequest {
     key: Option<String>,
     domain: Option<String>,
     descriptors: Option<Vec<DescriptorJson>>,
-    cost: Option<serde_json::Number>,
+    /// `None` when absent, `Some(None)` for `null`: serde reads both as
+    /// `None` into a plain option, and null is not the absent cost of 1.
+    #[serde(default, deserialize_with = "present")]
+    cost: Option<Option<serde_json::Number>>,
+}
+
+/// Reads a field that is present, null or not, so that absent (the
+/// default) and null stay apart.
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
 }
 
 #[derive(Deserialize)]
@@ -248,9 +261,20 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
     }
 }
 
-/// Reads `cost`: a whole number from 0 to 2^53 - 1, 1 when absent.
-fn parse_cost(cost: Option<serde_json::Number>) -> Result<u64, String> {
-    let Some(n) = cost else { return Ok(1) };
+/// Reads `cost`: a whole number from 0 to 2^53 - 1, 1 when absent. Null is
+/// refused rather than read as absent: a client that sends it most likely
+/// meant some cost, and the API says a cost is a whole number.
+fn parse_cost(cost: Option<Option<serde_json::Number>>) -> Result<u64, String> {
+    let n = match cost {
+        None => return Ok(1),
+        Some(None) => {
+            return Err(format!(
+                "cost is null: leave `cost` out for a cost of 1, or send a whole number \
+                 from 0 to {MAX_SAFE} (2^53 - 1)"
+            ))
+        }
+        Some(Some(n)) => n,
+    };
     match n.as_u64() {
         Some(c) if c <= MAX_SAFE => Ok(c),
         _ => Err(format!("cost is {n}: it must be a whole number from 0 to {MAX_SAFE} (2^53 - 1), written without a fraction or exponent")),
@@ -396,7 +420,7 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
         policies.push(format!("{name};q={};w={window_s}", rule.spec.policy.limit));
         let mut state = format!("{name};r={}", o.decision.remaining);
         if !o.allowed {
-            if let Some(ms) = o.decision.retry_after_ms {
+            if let Some(ms) = o.decision.retry_after_ms_exact() {
                 state.push_str(&format!(";t={}", retry_after_s(ms)));
             }
         }
@@ -411,7 +435,7 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
         }
     }
     if !allowed {
-        if let Some(ms) = main.decision.retry_after_ms {
+        if let Some(ms) = main.decision.retry_after_ms_exact() {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s(ms)));
         }
     }
@@ -427,9 +451,17 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
     (status, headers, axum::Json(body)).into_response()
 }
 
-/// Whole seconds, rounded up, at least 1.
-fn retry_after_s(ms: u64) -> u64 {
-    ms.div_ceil(1000).max(1)
+/// The largest integer a structured field may carry (RFC 9651: at most 15
+/// digits).
+const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
+
+/// Whole seconds, rounded up, at least 1, from the exact wait (the 64-bit
+/// `retry_after_ms` saturates for the longest waits), and at most
+/// `SF_INTEGER_MAX`: `t` must be a structured-field integer, and
+/// `Retry-After` says the same wait so that the two never disagree.
+fn retry_after_s(ms: u128) -> u64 {
+    let secs = ms.div_ceil(1000).max(1);
+    u64::try_from(secs).map_or(SF_INTEGER_MAX, |s| s.min(SF_INTEGER_MAX))
 }
 
 /// A structured-field string (RFC 8941): printable ASCII, with `"` and `\`
@@ -457,8 +489,10 @@ mod tests {
 
     #[test]
     fn costs_must_be_whole_and_in_range() {
-        let n = |s: &str| Some(serde_json::from_str::<serde_json::Number>(s).unwrap());
+        let n = |s: &str| Some(Some(serde_json::from_str::<serde_json::Number>(s).unwrap()));
         assert_eq!(parse_cost(None), Ok(1));
+        let e = parse_cost(Some(None)).unwrap_err();
+        assert!(e.contains("leave `cost` out for a cost of 1"), "{e}");
         assert_eq!(parse_cost(n("0")), Ok(0));
         assert_eq!(parse_cost(n("9007199254740991")), Ok(MAX_SAFE));
         for bad in [
@@ -483,6 +517,10 @@ mod tests {
         assert_eq!(retry_after_s(1000), 1);
         assert_eq!(retry_after_s(1001), 2);
         assert_eq!(retry_after_s(0), 1);
+        assert_eq!(retry_after_s(999_999_999_999_999_000), SF_INTEGER_MAX);
+        assert_eq!(retry_after_s(999_999_999_999_999_001), SF_INTEGER_MAX);
+        assert_eq!(retry_after_s(u128::from(u64::MAX)), SF_INTEGER_MAX);
+        assert_eq!(retry_after_s(u128::MAX), SF_INTEGER_MAX);
     }
 
     #[test]

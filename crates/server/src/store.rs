@@ -131,12 +131,27 @@ impl StoreFactory for RedisFactory {
                 timeout_ms: self.timeout_ms,
                 ..Default::default()
             };
-            let store = ratewarden_redis::RedisStore::connect(&self.url, *config, options).await?;
+            let store = ratewarden_redis::RedisStore::connect(&self.url, *config, options)
+                .await
+                .map_err(unreachable_hint)?;
             Ok(BuiltLimiter {
                 limiter: Arc::new(RedisRuleLimiter { store }),
                 local: None,
             })
         })
+    }
+}
+
+/// A connect error, with what to change when Redis could not be reached.
+/// The detail alone: the error's kind would repeat what the detail says.
+fn unreachable_hint(e: ratewarden_core::StoreError) -> anyhow::Error {
+    if e.is_connection_dropped() {
+        anyhow::anyhow!(
+            "{}; start redis-server there or change --store (or [server] store) to where it runs",
+            e.detail()
+        )
+    } else {
+        e.into()
     }
 }
 

@@ -1,5 +1,7 @@
-//! An axum server that limits `GET /` to the reference configuration
-//! (sliding-window-counter, 100 requests per second) per client IP.
+//! An axum server that serves `GET /` and limits every request to it to the
+//! reference configuration (sliding-window-counter, 100 requests per
+//! second) per client IP: the layer wraps the whole router, so requests
+//! answered `404` or `405` spend budget too.
 //!
 //! ```text
 //! cargo run --example axum_server -- --addr 127.0.0.1:3000
@@ -29,14 +31,17 @@ const HOUSEKEEPING_EVERY: Duration = Duration::from_secs(1);
 const HOUSEKEEPING_MAX_SCANNED: usize = 65_536;
 
 #[derive(Debug, Parser)]
-#[command(about = "An axum server limiting GET / to 100 requests per second per client IP")]
+#[command(
+    about = "An axum server serving GET /, limiting every request to 100 per second per client IP"
+)]
 struct Args {
     /// The address to listen on, e.g. 127.0.0.1:3000.
     #[arg(long, default_value = "127.0.0.1:3000")]
     addr: SocketAddr,
 }
 
-/// The application: `GET /` behind the rate limit, keyed by the peer's IP.
+/// The application: `GET /`, with every request to the router (a `404` or
+/// `405` too) behind the rate limit, keyed by the peer's IP.
 pub fn app(limiter: Arc<dyn Limiter>) -> Router {
     Router::new()
         .route("/", get(hello))

@@ -69,6 +69,17 @@ pub const fn window_secs(window_ms: u64) -> u64 {
     retry_after_secs(window_ms)
 }
 
+/// The wait of `decision` as both `t` and `Retry-After` say it: whole
+/// seconds from the exact wait (the 64-bit `retry_after_ms` saturates for
+/// the longest waits), rounded up, at least 1, and at most
+/// `SF_INTEGER_MAX` because `t` is a structured-field integer and the two
+/// headers should not disagree.
+fn header_wait_secs(decision: &Decision) -> Option<u64> {
+    let ms = decision.retry_after_ms_exact()?;
+    let secs = ms.div_ceil(1000).max(1);
+    Some(u64::try_from(secs).map_or(SF_INTEGER_MAX, sf_integer))
+}
+
 /// The quota advertised as `q`: the limit per window, or for the buckets the
 /// smaller of the limit and the burst (a bucket smaller than its refill can
 /// never admit a whole window's limit at once).
@@ -188,10 +199,8 @@ impl RateLimitHeaders {
     /// ```
     pub fn ratelimit(&self, decision: &Decision) -> HeaderValue {
         let r = sf_integer(decision.remaining);
-        let value = match (decision.allowed, decision.retry_after_ms) {
-            (false, Some(ms)) => {
-                format!("{};r={r};t={}", self.name, sf_integer(retry_after_secs(ms)))
-            }
+        let value = match (decision.allowed, header_wait_secs(decision)) {
+            (false, Some(t)) => format!("{};r={r};t={t}", self.name),
             _ => format!("{};r={r}", self.name),
         };
         // The name was checked to be printable ASCII and the rest is digits,
@@ -212,8 +221,8 @@ impl RateLimitHeaders {
     /// assert!(h.retry_after(&Decision::admitted(5)).is_none());
     /// ```
     pub fn retry_after(&self, decision: &Decision) -> Option<HeaderValue> {
-        match (decision.allowed, decision.retry_after_ms) {
-            (false, Some(ms)) => Some(HeaderValue::from(retry_after_secs(ms))),
+        match (decision.allowed, header_wait_secs(decision)) {
+            (false, Some(secs)) => Some(HeaderValue::from(secs)),
             _ => None,
         }
     }
@@ -265,7 +274,15 @@ mod tests {
             h.ratelimit(&d),
             "\"big\";r=999999999999999;t=999999999999999"
         );
-        // Retry-After is not a structured field and keeps the true wait.
-        assert_eq!(h.retry_after(&d).unwrap(), "18446744073709552");
+        // Retry-After says the same clamped wait rather than the 64-bit
+        // one, which is neither the true wait nor a valid `t`.
+        assert_eq!(h.retry_after(&d).unwrap(), "999999999999999");
+        let d = Decision::refused_exact(Some(u128::from(u64::MAX) * 1000), 0);
+        assert_eq!(h.retry_after(&d).unwrap(), "999999999999999");
+        assert_eq!(h.ratelimit(&d), "\"big\";r=0;t=999999999999999");
+        let d = Decision::refused(Some(999_999_999_999_998_001), 0);
+        assert_eq!(h.retry_after(&d).unwrap(), "999999999999999");
+        let d = Decision::refused(Some(999_999_999_999_997_001), 0);
+        assert_eq!(h.retry_after(&d).unwrap(), "999999999999998");
     }
 }

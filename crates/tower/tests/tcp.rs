@@ -32,9 +32,18 @@ struct Reply {
 }
 
 async fn get(sender: &mut hyper::client::conn::http1::SendRequest<Empty<Bytes>>) -> Reply {
+    send(sender, "GET", "/").await
+}
+
+async fn send(
+    sender: &mut hyper::client::conn::http1::SendRequest<Empty<Bytes>>,
+    method: &str,
+    uri: &str,
+) -> Reply {
     sender.ready().await.expect("connection ready");
     let request = Request::builder()
-        .uri("/")
+        .method(method)
+        .uri(uri)
         .header("host", "127.0.0.1")
         .body(Empty::<Bytes>::new())
         .unwrap();
@@ -116,6 +125,16 @@ async fn example_server_limits_a_real_client_over_tcp() {
                 .unwrap();
         let other_connection = tokio::spawn(other_connection);
         assert_eq!(get(&mut other).await.body, "hello; 98 left this second\n");
+
+        // The layer wraps the whole router: a path that is no route (404)
+        // and a method the route does not take (405) spend budget too.
+        let missing = send(&mut other, "GET", "/missing").await;
+        assert_eq!(missing.status, StatusCode::NOT_FOUND);
+        assert_eq!(missing.ratelimit.as_deref(), Some("\"default\";r=97"));
+        let post = send(&mut other, "POST", "/").await;
+        assert_eq!(post.status, StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(post.ratelimit.as_deref(), Some("\"default\";r=96"));
+        assert_eq!(get(&mut other).await.body, "hello; 95 left this second\n");
 
         drop((sender, other));
         let _ = connection.await;
