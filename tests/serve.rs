@@ -1463,3 +1463,35 @@ async fn connections_past_max_connections_are_closed_and_silent_grpc_peers_time_
     );
     server.stop();
 }
+
+/// Two descriptors matching one rule (each with a count of its own) give
+/// that rule one member in each header, the one that binds most: members
+/// of one name could not be told apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_ratelimit_member_per_rule_the_one_that_binds_most() {
+    let file = ConfigFile::new(LONG_WINDOW);
+    let server = Server::start(&["--config", file.path()]);
+    let client = reqwest::Client::new();
+    let address = |a: &str| json!({"entries": [{"key": "remote_address", "value": a}]});
+    for _ in 0..3 {
+        let (status, _, _) = post(
+            &client,
+            &server.url(),
+            json!({"domain": "edge", "descriptors": [address("192.0.2.1")]}),
+        )
+        .await;
+        assert_eq!(status, 200);
+    }
+    let (status, headers, body) = post(
+        &client,
+        &server.url(),
+        json!({"domain": "edge", "descriptors": [address("192.0.2.2"), address("192.0.2.1")]}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(body["descriptors"][0]["remaining"], 99);
+    assert_eq!(body["descriptors"][1]["remaining"], 96);
+    assert_eq!(headers["ratelimit-policy"], "\"per-address\";q=100;w=3600");
+    assert_eq!(headers["ratelimit"], "\"per-address\";r=96");
+    server.stop();
+}

@@ -402,19 +402,50 @@ fn deciding(outcomes: &[DescriptorOutcome]) -> usize {
         .map_or(0, |(i, _)| i)
 }
 
+/// Whether `a` binds the request more than `b`, as [`deciding`] orders
+/// them: a refusal before an admission, the longer wait among refusals,
+/// the less remaining among admissions; on a tie, `b` (the earlier) stays.
+fn binds_more(a: &DescriptorOutcome, b: &DescriptorOutcome) -> bool {
+    let wait = |o: &DescriptorOutcome| o.decision.retry_after_ms_exact().map_or(u128::MAX, |ms| ms);
+    match (a.allowed, b.allowed) {
+        (false, true) => true,
+        (true, false) => false,
+        (false, false) => wait(a) > wait(b),
+        (true, true) => a.decision.remaining < b.decision.remaining,
+    }
+}
+
 /// The answer; `listed` adds every descriptor's decision (for descriptor
 /// requests).
 fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
     let allowed = outcomes.iter().all(|o| o.allowed);
     let main = &outcomes[deciding(&outcomes)];
     let mut headers = HeaderMap::new();
-    let mut policies = Vec::new();
-    let mut states = Vec::new();
+    // One list member per enforcing rule: several descriptors can match one
+    // rule (each with a count of its own), and members of one name would
+    // leave a client unable to tell them apart. The one that binds most
+    // speaks for the rule.
+    let mut speaking: Vec<&DescriptorOutcome> = Vec::new();
     for o in &outcomes {
         let Some(rule) = &o.rule else { continue };
         if rule.spec.shadow {
             continue;
         }
+        let same_rule = speaking.iter_mut().find(|s| {
+            s.rule
+                .as_ref()
+                .is_some_and(|r| r.spec.name == rule.spec.name)
+        });
+        match same_rule {
+            Some(s) if binds_more(o, s) => *s = o,
+            Some(_) => {}
+            None => speaking.push(o),
+        }
+    }
+    let mut policies = Vec::new();
+    let mut states = Vec::new();
+    for o in speaking {
+        let Some(rule) = &o.rule else { continue };
         let name = sf_string(&rule.spec.name);
         let window_s = rule.spec.policy.window_ms.div_ceil(1000);
         policies.push(format!("{name};q={};w={window_s}", rule.spec.policy.limit));
