@@ -386,25 +386,26 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
 /// at some time still admits later (time only ever frees budget), so the
 /// request's smallest wait is the largest of theirs.
 fn deciding(outcomes: &[DescriptorOutcome]) -> usize {
-    let refusals = outcomes.iter().enumerate().filter(|(_, o)| !o.allowed);
-    // `None` (never) sorts above every wait; the first of equal waits wins.
-    if let Some((i, _)) = refusals
-        .rev()
-        .max_by_key(|(_, o)| o.decision.retry_after_ms_exact().map_or(u128::MAX, |ms| ms))
-    {
-        return i;
-    }
+    // Refusals all enforce (shadow rules and unmatched descriptors always
+    // admit); among admissions only the enforcing ones speak.
     outcomes
         .iter()
         .enumerate()
-        .filter(|(_, o)| o.rule.as_ref().is_some_and(|r| !r.spec.shadow))
-        .min_by_key(|(_, o)| o.decision.remaining)
+        .filter(|(_, o)| !o.allowed || o.rule.as_ref().is_some_and(|r| !r.spec.shadow))
+        .reduce(|best, next| {
+            if binds_more(next.1, best.1) {
+                next
+            } else {
+                best
+            }
+        })
         .map_or(0, |(i, _)| i)
 }
 
-/// Whether `a` binds the request more than `b`, as [`deciding`] orders
-/// them: a refusal before an admission, the longer wait among refusals,
-/// the less remaining among admissions; on a tie, `b` (the earlier) stays.
+/// Whether `a` binds the request more than `b`: a refusal before an
+/// admission, the longer wait among refusals (a refusal that no wait admits
+/// longest), the less remaining among admissions; on a tie, `b` (the
+/// earlier) stays.
 fn binds_more(a: &DescriptorOutcome, b: &DescriptorOutcome) -> bool {
     let wait = |o: &DescriptorOutcome| o.decision.retry_after_ms_exact().map_or(u128::MAX, |ms| ms);
     match (a.allowed, b.allowed) {
