@@ -13,6 +13,8 @@ use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use ratewarden_core::MAX_SAFE;
+// The middleware's header rules, so that both say a wait alike.
+use ratewarden_tower::headers::header_wait_secs;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 
@@ -452,8 +454,8 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
         policies.push(format!("{name};q={};w={window_s}", rule.spec.policy.limit));
         let mut state = format!("{name};r={}", o.decision.remaining);
         if !o.allowed {
-            if let Some(ms) = o.decision.retry_after_ms_exact() {
-                state.push_str(&format!(";t={}", retry_after_s(ms)));
+            if let Some(secs) = header_wait_secs(&o.decision) {
+                state.push_str(&format!(";t={secs}"));
             }
         }
         states.push(state);
@@ -467,8 +469,8 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
         }
     }
     if !allowed {
-        if let Some(ms) = main.decision.retry_after_ms_exact() {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s(ms)));
+        if let Some(secs) = header_wait_secs(&main.decision) {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
     }
     let body = CheckResponse {
@@ -481,19 +483,6 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
         StatusCode::TOO_MANY_REQUESTS
     };
     (status, headers, axum::Json(body)).into_response()
-}
-
-/// The largest integer a structured field may carry (RFC 9651: at most 15
-/// digits).
-const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
-
-/// Whole seconds, rounded up, at least 1, from the exact wait (the 64-bit
-/// `retry_after_ms` saturates for the longest waits), and at most
-/// `SF_INTEGER_MAX`: `t` must be a structured-field integer, and
-/// `Retry-After` says the same wait so that the two never disagree.
-fn retry_after_s(ms: u128) -> u64 {
-    let secs = ms.div_ceil(1000).max(1);
-    u64::try_from(secs).map_or(SF_INTEGER_MAX, |s| s.min(SF_INTEGER_MAX))
 }
 
 /// A structured-field string (RFC 8941): printable ASCII, with `"` and `\`
@@ -541,18 +530,6 @@ mod tests {
                 "{bad}: {e}"
             );
         }
-    }
-
-    #[test]
-    fn retry_after_rounds_up_to_at_least_a_second() {
-        assert_eq!(retry_after_s(1), 1);
-        assert_eq!(retry_after_s(1000), 1);
-        assert_eq!(retry_after_s(1001), 2);
-        assert_eq!(retry_after_s(0), 1);
-        assert_eq!(retry_after_s(999_999_999_999_999_000), SF_INTEGER_MAX);
-        assert_eq!(retry_after_s(999_999_999_999_999_001), SF_INTEGER_MAX);
-        assert_eq!(retry_after_s(u128::from(u64::MAX)), SF_INTEGER_MAX);
-        assert_eq!(retry_after_s(u128::MAX), SF_INTEGER_MAX);
     }
 
     #[test]

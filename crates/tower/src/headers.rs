@@ -73,8 +73,16 @@ pub const fn window_secs(window_ms: u64) -> u64 {
 /// seconds from the exact wait (the 64-bit `retry_after_ms` saturates for
 /// the longest waits), rounded up, at least 1, and at most
 /// `SF_INTEGER_MAX` because `t` is a structured-field integer and the two
-/// headers should not disagree.
-fn header_wait_secs(decision: &Decision) -> Option<u64> {
+/// headers should not disagree. `None` when no wait admits the request.
+///
+/// ```
+/// use ratewarden_core::Decision;
+/// use ratewarden_tower::headers::{header_wait_secs, SF_INTEGER_MAX};
+/// assert_eq!(header_wait_secs(&Decision::refused(Some(1001), 0)), Some(2));
+/// assert_eq!(header_wait_secs(&Decision::refused_exact(Some(u128::MAX), 0)), Some(SF_INTEGER_MAX));
+/// assert_eq!(header_wait_secs(&Decision::refused(None, 0)), None);
+/// ```
+pub fn header_wait_secs(decision: &Decision) -> Option<u64> {
     let ms = decision.retry_after_ms_exact()?;
     let secs = ms.div_ceil(1000).max(1);
     Some(u64::try_from(secs).map_or(SF_INTEGER_MAX, sf_integer))
@@ -230,6 +238,21 @@ impl RateLimitHeaders {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn header_waits_round_up_to_at_least_a_second_and_clamp_to_15_digits() {
+        use super::{header_wait_secs, SF_INTEGER_MAX};
+        use ratewarden_core::Decision;
+        let secs = |ms: u128| header_wait_secs(&Decision::refused_exact(Some(ms), 0)).unwrap();
+        assert_eq!(secs(1), 1);
+        assert_eq!(secs(1000), 1);
+        assert_eq!(secs(1001), 2);
+        assert_eq!(secs(0), 1);
+        assert_eq!(secs(999_999_999_999_999_000), SF_INTEGER_MAX);
+        assert_eq!(secs(999_999_999_999_999_001), SF_INTEGER_MAX);
+        assert_eq!(secs(u128::from(u64::MAX)), SF_INTEGER_MAX);
+        assert_eq!(secs(u128::MAX), SF_INTEGER_MAX);
+    }
+
     use super::*;
     use ratewarden_core::PolicyKind;
 
