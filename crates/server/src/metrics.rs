@@ -144,8 +144,7 @@ pub struct Metrics {
     reloads_ok: AtomicU64,
     reloads_failed: AtomicU64,
     forgotten: AtomicU64,
-    bad_requests_http: AtomicU64,
-    bad_requests_grpc: AtomicU64,
+    bad_requests: [AtomicU64; 2],
     connections_refused: [AtomicU64; 2],
     unknown_domains: AtomicU64,
     limit_overrides_ignored: AtomicU64,
@@ -212,11 +211,7 @@ impl Metrics {
 
     /// Counts a request rejected as invalid.
     pub fn bad_request(&self, api: Api) {
-        match api {
-            Api::Http => &self.bad_requests_http,
-            Api::Grpc => &self.bad_requests_grpc,
-        }
-        .fetch_add(1, Ordering::Relaxed);
+        self.bad_requests[api as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a connection closed unserved because its interface held
@@ -302,32 +297,18 @@ impl Metrics {
             self.partial_consumptions.load(Ordering::Relaxed)
         );
 
-        out.push_str("# HELP ratewarden_bad_requests_total Requests rejected as invalid.\n");
-        out.push_str("# TYPE ratewarden_bad_requests_total counter\n");
-        let _ = writeln!(
-            out,
-            "ratewarden_bad_requests_total{{api=\"http\"}} {}",
-            self.bad_requests_http.load(Ordering::Relaxed)
+        per_api(
+            &mut out,
+            "ratewarden_bad_requests_total",
+            "Requests rejected as invalid.",
+            &self.bad_requests,
         );
-        let _ = writeln!(
-            out,
-            "ratewarden_bad_requests_total{{api=\"grpc\"}} {}",
-            self.bad_requests_grpc.load(Ordering::Relaxed)
+        per_api(
+            &mut out,
+            "ratewarden_connections_refused_total",
+            "Connections closed unserved because their interface held max_connections already.",
+            &self.connections_refused,
         );
-
-        out.push_str(
-            "# HELP ratewarden_connections_refused_total Connections closed unserved because \
-             their interface held max_connections already.\n",
-        );
-        out.push_str("# TYPE ratewarden_connections_refused_total counter\n");
-        for api in [Api::Http, Api::Grpc] {
-            let _ = writeln!(
-                out,
-                "ratewarden_connections_refused_total{{api=\"{}\"}} {}",
-                api.label(),
-                self.connections_refused[api as usize].load(Ordering::Relaxed)
-            );
-        }
 
         out.push_str(
             "# HELP ratewarden_unknown_domain_total Requests naming a domain that is not \
@@ -412,6 +393,16 @@ fn escape(value: &str) -> String {
         }
     }
     s
+}
+
+/// Writes a counter kept per interface, with its `api` label.
+fn per_api(out: &mut String, name: &str, help: &str, counts: &[AtomicU64; 2]) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} counter");
+    for api in [Api::Http, Api::Grpc] {
+        let count = counts[api as usize].load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}{{api=\"{}\"}} {count}", api.label());
+    }
 }
 
 #[cfg(test)]
