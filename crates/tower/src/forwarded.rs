@@ -122,7 +122,16 @@ impl ProxyTrust {
             // exceeded) rather than collect a padded line whole.
             let keep = MAX_ELEMENTS - scanned + 1;
             let mut tail = VecDeque::with_capacity(keep.min(8));
-            for element in SplitUnquoted::new(line, b',') {
+            // `X-Forwarded-For` has no quoted strings, and in a `Forwarded`
+            // line a quote that never closes is not one: either way every
+            // comma splits. Otherwise a client's stray `"` would swallow
+            // the elements its proxies appended after it, and its own
+            // `for=` would be read as theirs.
+            let quotes = match self.header {
+                ForwardedHeader::XForwardedFor => false,
+                ForwardedHeader::Forwarded => quotes_close(line),
+            };
+            for element in SplitUnquoted::new(line, b',', quotes) {
                 if tail.len() == keep {
                     tail.pop_front();
                 }
@@ -180,16 +189,38 @@ fn canonical_net(net: IpNet) -> IpNet {
 
 /// The elements of a list, split at `sep` outside double-quoted strings
 /// (which may contain backslash escapes), as RFC 7239 and RFC 9110 lists
-/// require; left to right, without allocating.
+/// require, or at every `sep` when `quotes` is false; left to right,
+/// without allocating.
 struct SplitUnquoted<'a> {
     rest: Option<&'a str>,
     sep: u8,
+    quotes: bool,
 }
 
 impl<'a> SplitUnquoted<'a> {
-    fn new(s: &'a str, sep: u8) -> Self {
-        SplitUnquoted { rest: Some(s), sep }
+    fn new(s: &'a str, sep: u8, quotes: bool) -> Self {
+        SplitUnquoted {
+            rest: Some(s),
+            sep,
+            quotes,
+        }
     }
+}
+
+/// Whether every double-quoted string in `s` ends (the rules
+/// [`SplitUnquoted`] reads quotes by).
+fn quotes_close(s: &str) -> bool {
+    let (mut quoted, mut escaped) = (false, false);
+    for b in s.bytes() {
+        if escaped {
+            escaped = false;
+        } else if quoted && b == b'\\' {
+            escaped = true;
+        } else if b == b'"' {
+            quoted = !quoted;
+        }
+    }
+    !quoted
 }
 
 impl<'a> Iterator for SplitUnquoted<'a> {
@@ -205,7 +236,7 @@ impl<'a> Iterator for SplitUnquoted<'a> {
                 escaped = false;
             } else if quoted && b == b'\\' {
                 escaped = true;
-            } else if b == b'"' {
+            } else if b == b'"' && self.quotes {
                 quoted = !quoted;
             } else if b == self.sep && !quoted {
                 self.rest = Some(&s[i + 1..]);
@@ -223,8 +254,13 @@ impl<'a> Iterator for SplitUnquoted<'a> {
 /// 7239 §4 allows each parameter at most once per element, and of two
 /// values neither can be believed.
 fn forwarded_for(element: &str) -> Hop {
+    // A quote that never closes (the line was split at every comma
+    // because of it): the element cannot be read.
+    if !quotes_close(element) {
+        return Hop::Unknown;
+    }
     let mut value = None;
-    for pair in SplitUnquoted::new(element, b';') {
+    for pair in SplitUnquoted::new(element, b';', true) {
         let Some((name, v)) = pair.split_once('=') else {
             continue;
         };
@@ -365,6 +401,31 @@ mod tests {
         let t = trust(ForwardedHeader::XForwardedFor);
         let h = headers("x-forwarded-for", &["198.51.100.7, not-an-ip, 10.0.0.2"]);
         assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.2"));
+    }
+
+    #[test]
+    fn a_stray_quote_cannot_swallow_what_the_proxy_appended() {
+        // The client wrote up to the stray quote; the trusted proxy
+        // appended ", for=<peer>" (or ", <peer>") on the same line.
+        let t = trust(ForwardedHeader::Forwarded);
+        let h = headers("forwarded", &[r#"for=6.6.6.6;host="a, for=198.51.100.7"#]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("198.51.100.7"));
+        // Reached only through trusted hops, the unreadable element stops
+        // the walk at the proxy that wrote it.
+        let h = headers("forwarded", &[r#"for=6.6.6.6;host="a, for=10.0.0.2"#]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.2"));
+        // Quoted commas in a well-formed line still do not split.
+        let h = headers(
+            "forwarded",
+            &[r#"for=198.51.100.8;host="a,b", for=10.0.0.2"#],
+        );
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("198.51.100.8"));
+
+        let t = trust(ForwardedHeader::XForwardedFor);
+        let h = headers("x-forwarded-for", &[r#"", 198.51.100.9"#]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("198.51.100.9"));
+        let h = headers("x-forwarded-for", &[r#"6.6.6.6 "x, 198.51.100.9"#]);
+        assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("198.51.100.9"));
     }
 
     #[test]
