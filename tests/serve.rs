@@ -688,8 +688,7 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
     assert!(
         stderr.contains(
             "cannot make the limiter of rule \"keys\": Redis at 127.0.0.1:1 cannot be used: \
-             connection refused; start redis-server there or change --store (or [server] store) \
-             to where it runs"
+             connection refused; start redis-server there or change --store to where it runs"
         ),
         "{stderr}"
     );

@@ -147,7 +147,7 @@ impl StoreFactory for RedisFactory {
 fn unreachable_hint(e: ratewarden_core::StoreError) -> anyhow::Error {
     if e.is_connection_dropped() {
         anyhow::anyhow!(
-            "{}; start redis-server there or change --store (or [server] store) to where it runs",
+            "{}; start redis-server there or change --store to where it runs",
             e.detail()
         )
     } else {
