@@ -207,20 +207,42 @@ impl<'a> SplitUnquoted<'a> {
     }
 }
 
-/// Whether every double-quoted string in `s` ends (the rules
-/// [`SplitUnquoted`] reads quotes by).
-fn quotes_close(s: &str) -> bool {
-    let (mut quoted, mut escaped) = (false, false);
-    for b in s.bytes() {
-        if escaped {
-            escaped = false;
-        } else if quoted && b == b'\\' {
-            escaped = true;
-        } else if b == b'"' {
-            quoted = !quoted;
+/// Where the bytes of a list stand against its double-quoted strings
+/// (which may contain backslash escapes), fed left to right: the one
+/// reading of quotes that splitting and [`quotes_close`] share.
+#[derive(Default)]
+struct Quoting {
+    quoted: bool,
+    escaped: bool,
+}
+
+impl Quoting {
+    /// Reads `b`: true when it is a quote or lies within a quoted string,
+    /// so that it cannot separate elements.
+    fn quoted(&mut self, b: u8) -> bool {
+        if self.escaped {
+            self.escaped = false;
+            return true;
         }
+        if self.quoted && b == b'\\' {
+            self.escaped = true;
+            return true;
+        }
+        if b == b'"' {
+            self.quoted = !self.quoted;
+            return true;
+        }
+        self.quoted
     }
-    !quoted
+}
+
+/// Whether every double-quoted string in `s` ends.
+fn quotes_close(s: &str) -> bool {
+    let mut quoting = Quoting::default();
+    for b in s.bytes() {
+        quoting.quoted(b);
+    }
+    !quoting.quoted
 }
 
 impl<'a> Iterator for SplitUnquoted<'a> {
@@ -228,17 +250,14 @@ impl<'a> Iterator for SplitUnquoted<'a> {
 
     fn next(&mut self) -> Option<&'a str> {
         let s = self.rest?;
-        let (mut quoted, mut escaped) = (false, false);
+        let mut quoting = Quoting::default();
         // The separators and quotes are ASCII, so every split falls on a
         // character boundary.
         for (i, b) in s.bytes().enumerate() {
-            if escaped {
-                escaped = false;
-            } else if quoted && b == b'\\' {
-                escaped = true;
-            } else if b == b'"' && self.quotes {
-                quoted = !quoted;
-            } else if b == self.sep && !quoted {
+            if self.quotes && quoting.quoted(b) {
+                continue;
+            }
+            if b == self.sep {
                 self.rest = Some(&s[i + 1..]);
                 return Some(&s[..i]);
             }
