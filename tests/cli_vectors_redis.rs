@@ -113,11 +113,12 @@ fn the_documented_url_forms_are_taken_and_tls_is_refused_saying_so() {
     drop(server);
     let _ = std::fs::remove_file(&socket);
 
-    let out = vectors("rediss://127.0.0.1:6379");
+    let out = vectors("rediss://:pw-not-shown@127.0.0.1:6379");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
         stderr.contains("TLS (rediss://) is not supported"),
         "{stderr}"
     );
+    assert!(!stderr.contains("pw-not-shown"), "{stderr}");
 }

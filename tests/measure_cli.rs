@@ -445,3 +445,36 @@ fn bad_arguments_exit_non_zero_with_a_clear_message() {
         "a failed run left a chart behind"
     );
 }
+
+/// `bench-redis` measures one standalone server. Pointed at a cluster, by
+/// URL or at one of its nodes, it says what it takes instead, without
+/// sending the user to `redis-cluster://` and back, and without showing a
+/// password.
+#[test]
+fn bench_redis_refuses_a_cluster_saying_what_it_takes() {
+    let out = ratewarden(&[
+        "bench-redis",
+        "--store",
+        "redis-cluster://:pw-not-shown@127.0.0.1:1",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("one standalone redis-server"), "{stderr}");
+    assert!(stderr.contains(":***@127.0.0.1:1"), "{stderr}");
+    assert!(!stderr.contains("pw-not-shown"), "{stderr}");
+
+    let node = ratewarden_redis::test_support::RedisServer::start_with(&[
+        "--cluster-enabled",
+        "yes",
+        "--requirepass",
+        "pw-not-shown",
+    ]);
+    let url = format!("redis://:pw-not-shown@127.0.0.1:{}", node.port());
+    let out = ratewarden(&["bench-redis", "--store", &url, "--quick"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("is a cluster node"), "{stderr}");
+    assert!(stderr.contains("without cluster-enabled"), "{stderr}");
+    assert!(!stderr.contains("redis-cluster://"), "{stderr}");
+    assert!(!stderr.contains("pw-not-shown"), "{stderr}");
+}

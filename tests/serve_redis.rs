@@ -331,12 +331,21 @@ fn the_password_is_never_logged() {
 
 #[test]
 fn tls_urls_are_refused_saying_so() {
-    let (status, stderr) = serve_refused("rediss://127.0.0.1:6379");
+    let (status, stderr) = serve_refused("rediss://:pw-not-shown@127.0.0.1:6379");
     assert!(!status.success(), "{stderr}");
     assert!(
         stderr.contains("TLS (rediss://) is not supported"),
         "{stderr}"
     );
+    // The argument parser's refusal shows the URL redacted, and only so.
+    assert!(stderr.contains("rediss://:***@127.0.0.1:6379"), "{stderr}");
+    assert!(!stderr.contains("pw-not-shown"), "{stderr}");
+    for refused in ["valkey://:pw-not-shown@h:1", "memroy:pw-not-shown@h"] {
+        let (status, stderr) = serve_refused(refused);
+        assert_eq!(status.code(), Some(2), "{refused}: {stderr}");
+        assert!(stderr.contains("--store"), "{refused}: {stderr}");
+        assert!(!stderr.contains("pw-not-shown"), "{refused}: {stderr}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -753,7 +753,7 @@ pub fn run(args: Args) -> ExitCode {
                      `ratewarden bench-redis --store {}` takes its own sizes (--requests, \
                      --keys, --pipeline, --connections, --round-trips, --rounds)",
                     ignored.join(", "),
-                    args.store
+                    ratewarden_redis::redact_url(&args.store)
                 );
                 return ExitCode::from(2);
             }
@@ -763,7 +763,7 @@ pub fn run(args: Args) -> ExitCode {
         }
         eprintln!(
             "ratewarden bench: unknown store {:?}; use memory or redis://HOST:PORT",
-            args.store
+            ratewarden_redis::redact_url(&args.store)
         );
         return ExitCode::from(2);
     }

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ratewarden_core::{PolicyConfig, PolicyKind, REFERENCE};
-use ratewarden_redis::{RedisOptions, RedisStore};
+use ratewarden_redis::{redact_url, RedisOptions, RedisStore};
 use serde_json::json;
 
 const MINIMAL_SWC: &str = include_str!("lua/minimal_swc.lua");
@@ -338,7 +338,24 @@ fn run_inner(args: &Args) -> Result<(), String> {
     let client = redis::Client::open(args.store.as_str()).map_err(|e| e.to_string())?;
     let mut admin = client
         .get_connection_with_timeout(Duration::from_secs(2))
-        .map_err(|e| format!("cannot connect to {}: {e}", args.store))?;
+        .map_err(|e| format!("cannot connect to {}: {e}", redact_url(&args.store)))?;
+    // The store's own refusal of a cluster node points at redis-cluster://,
+    // which this benchmark does not take: say here what it does take.
+    let cluster_info: String = redis::cmd("INFO")
+        .arg("cluster")
+        .query(&mut admin)
+        .unwrap_or_default();
+    if cluster_info
+        .lines()
+        .any(|l| l.trim() == "cluster_enabled:1")
+    {
+        return Err(format!(
+            "Redis at {} is a cluster node; bench-redis measures one standalone \
+             redis-server (its keys all on that server, as redis-benchmark's are): point \
+             --store at a redis-server started without cluster-enabled",
+            redact_url(&args.store)
+        ));
+    }
     let prefix = format!("ratewarden-bench:{}", std::process::id());
 
     let mut figures = Vec::new();
@@ -473,7 +490,7 @@ fn run_inner(args: &Args) -> Result<(), String> {
     println!(
         "Redis at {}: {} requests per measurement, pipeline {}, {} connections, {} keys; \
          reference numbers ({} per {} ms); {} rounds",
-        args.store,
+        redact_url(&args.store),
         plan.requests,
         args.pipeline,
         args.connections,
@@ -621,9 +638,14 @@ fn print_json(
 }
 
 fn host_port(url: &str) -> Result<(String, String), String> {
-    let rest = url
-        .strip_prefix("redis://")
-        .ok_or_else(|| format!("{url:?}: the Redis benchmark takes one node, redis://HOST:PORT"))?;
+    let rest = url.strip_prefix("redis://").ok_or_else(|| {
+        format!(
+            "{:?}: bench-redis measures one standalone redis-server, named \
+                 redis://HOST:PORT (not a cluster: its keys would hash to other nodes, and \
+                 redis-benchmark, the peer it is measured against, drives one node)",
+            redact_url(url)
+        )
+    })?;
     let authority = rest.split('/').next().unwrap_or_default();
     let authority = authority.rsplit('@').next().unwrap_or_default();
     match authority.rsplit_once(':') {

@@ -6,6 +6,8 @@ pub mod serve;
 pub mod simulate;
 pub mod vectors;
 
+use ratewarden_server::StoreUrl;
+
 /// Parses a count or a duration flag. The subcommands with such flags take
 /// negative numbers as values (rather than as unknown flags, clap's default)
 /// so that `--limit -1` is answered here, naming the flag, instead of with
@@ -16,6 +18,37 @@ pub fn whole<T: std::str::FromStr>(s: &str) -> Result<T, String> {
     }
     s.parse()
         .map_err(|_| format!("must be a whole number, 0 or more, not `{s}`"))
+}
+
+/// Parses `--store` into a [`StoreUrl`]. clap's own message for a refused
+/// value quotes the raw text, and a store URL can hold a password: this
+/// parser's message shows only the redacted URL that [`StoreUrl`]'s own
+/// error names.
+#[derive(Clone)]
+pub struct StoreUrlParser;
+
+impl clap::builder::TypedValueParser for StoreUrlParser {
+    type Value = StoreUrl;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<StoreUrl, clap::Error> {
+        let name = arg.map_or_else(|| "--store".to_owned(), ToString::to_string);
+        let refused = |kind, why: String| {
+            clap::Error::raw(kind, format!("invalid value for '{name}': {why}\n")).with_cmd(cmd)
+        };
+        let Some(text) = value.to_str() else {
+            return Err(refused(
+                clap::error::ErrorKind::InvalidUtf8,
+                "not valid UTF-8; a store URL is text".to_owned(),
+            ));
+        };
+        text.parse()
+            .map_err(|why| refused(clap::error::ErrorKind::ValueValidation, why))
+    }
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ pub struct Args {
     /// Where counts live: memory, redis://host:port[/db] (with a password:
     /// redis://:PASSWORD@host:port), redis+unix:///path or
     /// redis-cluster://host:port,host:port.
-    #[arg(long, default_value = "memory", value_name = "STORE")]
+    #[arg(long, default_value = "memory", value_name = "STORE", value_parser = super::StoreUrlParser)]
     pub store: StoreUrl,
     /// Address of the HTTP JSON interface, HOST:PORT (a name such as
     /// localhost is resolved at start; port 0 picks a free port).

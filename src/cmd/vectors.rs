@@ -22,7 +22,7 @@ pub struct Args {
     /// `redis://HOST:PORT[/DB]`, `redis+unix:///PATH` or
     /// `redis-cluster://HOST:PORT[,HOST:PORT...]` (each case under its own
     /// fresh key prefix).
-    #[arg(long, default_value = "memory")]
+    #[arg(long, default_value = "memory", value_parser = super::StoreUrlParser)]
     pub store: StoreUrl,
     /// Vector files, or directories searched (recursively) for `*.json`.
     #[arg(required = true)]
