@@ -770,7 +770,7 @@ async fn the_example_configuration_serves() {
     assert!(body.get("burst").is_none(), "no bucket: {body}");
     let login = json!({"domain": "api", "descriptors": [{"entries": [
         {"key": "path", "value": "/login"}, {"key": "user", "value": "ann"}]}]});
-    let (status, _, body) = post(&client, &server.url(), login).await;
+    let (status, headers, body) = post(&client, &server.url(), login).await;
     assert_eq!(status, 200);
     assert_eq!(body["rule"], "login-per-user");
     assert_eq!((&body["limit"], &body["burst"]), (&json!(5), &json!(10)));
@@ -778,6 +778,11 @@ async fn the_example_configuration_serves() {
         body["remaining"], 9,
         "a bucket's remaining can pass its limit"
     );
+    // The headers cannot say so: `r` never exceeds the advertised `q`.
+    let policy = headers["ratelimit-policy"].to_str().unwrap();
+    let state = headers["ratelimit"].to_str().unwrap();
+    assert!(policy.contains("\"login-per-user\";q=5;w="), "{policy}");
+    assert!(state.contains("\"login-per-user\";r=5"), "{state}");
     server.stop();
 }
 

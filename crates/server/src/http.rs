@@ -14,7 +14,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use ratewarden_core::MAX_SAFE;
 // The middleware's header rules, so that both say a wait alike.
-use ratewarden_tower::headers::header_wait_secs;
+use ratewarden_tower::headers::{advertised_remaining, header_wait_secs, quota, window_secs};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 
@@ -450,9 +450,14 @@ fn respond(outcomes: Vec<DescriptorOutcome>, listed: bool) -> Response {
     for o in speaking {
         let Some(rule) = &o.rule else { continue };
         let name = sf_string(&rule.spec.name);
-        let window_s = rule.spec.policy.window_ms.div_ceil(1000);
-        policies.push(format!("{name};q={};w={window_s}", rule.spec.policy.limit));
-        let mut state = format!("{name};r={}", o.decision.remaining);
+        let policy = &rule.spec.policy;
+        policies.push(format!(
+            "{name};q={};w={}",
+            quota(policy),
+            window_secs(policy.window_ms)
+        ));
+        let r = advertised_remaining(policy, o.decision.remaining);
+        let mut state = format!("{name};r={r}");
         if !o.allowed {
             if let Some(secs) = header_wait_secs(&o.decision) {
                 state.push_str(&format!(";t={secs}"));

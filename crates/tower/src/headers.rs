@@ -90,7 +90,7 @@ pub fn header_wait_secs(decision: &Decision) -> Option<u64> {
 
 /// The quota advertised as `q`: the limit per window, or for the buckets the
 /// smaller of the limit and the burst (a bucket smaller than its refill can
-/// never admit a whole window's limit at once).
+/// never admit a whole window's limit at once), at most [`SF_INTEGER_MAX`].
 ///
 /// ```
 /// use ratewarden_core::{PolicyConfig, PolicyKind, REFERENCE};
@@ -100,11 +100,29 @@ pub fn header_wait_secs(decision: &Decision) -> Option<u64> {
 /// assert_eq!(quota(&bucket), 4);
 /// ```
 pub fn quota(config: &PolicyConfig) -> u64 {
-    if config.policy.has_burst() {
+    let q = if config.policy.has_burst() {
         config.limit.min(config.effective_burst())
     } else {
         config.limit
-    }
+    };
+    sf_integer(q)
+}
+
+/// The remaining count advertised as `r`: `remaining`, but never above
+/// [`quota`]. A bucket whose burst exceeds its limit can hold more than `q`
+/// (a full bucket of 200 under a limit of 100 per second); saying so would
+/// contradict `q`, and a client told less than it may send is never refused
+/// for believing it.
+///
+/// ```
+/// use ratewarden_core::{PolicyConfig, PolicyKind, REFERENCE};
+/// use ratewarden_tower::headers::advertised_remaining;
+/// assert_eq!(advertised_remaining(&REFERENCE, 99), 99);
+/// let bucket = PolicyConfig::new(PolicyKind::TokenBucket, 100, 1000).with_burst(200);
+/// assert_eq!(advertised_remaining(&bucket, 199), 100);
+/// ```
+pub fn advertised_remaining(config: &PolicyConfig, remaining: u64) -> u64 {
+    remaining.min(quota(config))
 }
 
 /// Checks that `name` can be written as a structured-field String: printable
@@ -152,6 +170,8 @@ fn sf_integer(n: u64) -> u64 {
 pub struct RateLimitHeaders {
     name: String,
     policy: HeaderValue,
+    /// `q`, which bounds every `r`.
+    quota: u64,
 }
 
 impl RateLimitHeaders {
@@ -169,15 +189,19 @@ impl RateLimitHeaders {
     /// Builds the headers for a name that passed [`check_policy_name`].
     fn checked(name: &str, config: &PolicyConfig) -> Self {
         let name = sf_string(name);
+        let quota = quota(config);
         let policy = format!(
-            "{name};q={};w={}",
-            sf_integer(quota(config)),
+            "{name};q={quota};w={}",
             sf_integer(window_secs(config.window_ms))
         );
         // A checked name and digits always make a valid value; an empty
         // value would still be a valid field rather than a panic.
         let policy = HeaderValue::try_from(policy).unwrap_or_else(|_| HeaderValue::from_static(""));
-        RateLimitHeaders { name, policy }
+        RateLimitHeaders {
+            name,
+            policy,
+            quota,
+        }
     }
 
     /// The `RateLimit-Policy` value.
@@ -192,7 +216,8 @@ impl RateLimitHeaders {
         &self.policy
     }
 
-    /// The `RateLimit` value for `decision`: `r` is the remaining count; `t`,
+    /// The `RateLimit` value for `decision`: `r` is the remaining count (as
+    /// [`advertised_remaining`] bounds it); `t`,
     /// the wait in whole seconds rounded up, is present only on a refusal
     /// that some wait can end. An admitted request has no wait to report,
     /// and a request that can never be admitted must not promise one.
@@ -206,7 +231,7 @@ impl RateLimitHeaders {
     /// assert_eq!(h.ratelimit(&Decision::refused(None, 100)), "\"default\";r=100");
     /// ```
     pub fn ratelimit(&self, decision: &Decision) -> HeaderValue {
-        let r = sf_integer(decision.remaining);
+        let r = decision.remaining.min(self.quota);
         let value = match (decision.allowed, header_wait_secs(decision)) {
             (false, Some(t)) => format!("{};r={r};t={t}", self.name),
             _ => format!("{};r={r}", self.name),
@@ -284,6 +309,19 @@ mod tests {
         assert!(err.contains("printable ASCII"), "{err}");
         let long = "x".repeat(MAX_POLICY_NAME_LEN + 1);
         assert!(RateLimitHeaders::new(&long, &ratewarden_core::REFERENCE).is_err());
+    }
+
+    #[test]
+    fn remaining_never_exceeds_the_advertised_quota() {
+        let bucket = PolicyConfig::new(PolicyKind::TokenBucket, 100, 1000).with_burst(200);
+        let h = RateLimitHeaders::new("b", &bucket).unwrap();
+        assert_eq!(h.policy(), "\"b\";q=100;w=1");
+        assert_eq!(h.ratelimit(&Decision::admitted(199)), "\"b\";r=100");
+        assert_eq!(h.ratelimit(&Decision::admitted(42)), "\"b\";r=42");
+        let small = PolicyConfig::new(PolicyKind::Gcra, 100, 1000).with_burst(5);
+        let h = RateLimitHeaders::new("g", &small).unwrap();
+        assert_eq!(h.policy(), "\"g\";q=5;w=1");
+        assert_eq!(h.ratelimit(&Decision::admitted(4)), "\"g\";r=4");
     }
 
     #[test]

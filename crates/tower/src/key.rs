@@ -229,9 +229,14 @@ impl KeyExtractor for GlobalKey {
 /// `header:<name>:<value>`, with the header's lower-case name.
 ///
 /// A request without the header, with it twice, with an empty value, or with
-/// a value that is not visible ASCII is answered `400 Bad Request` (or the
-/// status set with [`HeaderKey::missing_status`]): a client must not be able
-/// to escape its budget by leaving the header out.
+/// a value holding bytes other than visible ASCII, space and tab is answered
+/// `400 Bad Request` (or the status set with [`HeaderKey::missing_status`]):
+/// a client must not be able to escape its budget by leaving the header out.
+/// Spaces inside the value are kept: `Bearer k1` is one key.
+///
+/// Each distinct value is a key of its own in the store, so a client that
+/// sends a fresh value on every request can fill a store's `max_keys`;
+/// authenticate the values first, or limit by address outside this layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeaderKey {
     name: HeaderName,
@@ -265,7 +270,9 @@ impl KeyExtractor for HeaderKey {
         if values.next().is_some() {
             return Err(reject("is sent more than once; send it once"));
         }
-        let value = value.to_str().map_err(|_| reject("is not visible ASCII"))?;
+        let value = value
+            .to_str()
+            .map_err(|_| reject("holds bytes other than visible ASCII, space and tab"))?;
         if value.is_empty() {
             return Err(reject("is empty"));
         }
@@ -506,6 +513,22 @@ mod tests {
             .contains("more than once"));
         let empty = parts(|b| b.header("x-api-key", ""));
         assert!(key.extract(&empty).unwrap_err().message().contains("empty"));
+        let spaced = parts(|b| b.header("x-api-key", "Bearer k1"));
+        assert_eq!(
+            key.extract(&spaced).unwrap(),
+            RequestKey::Name("header:x-api-key:Bearer k1".into())
+        );
+        let binary = parts(|b| {
+            b.header(
+                "x-api-key",
+                http::HeaderValue::from_bytes(b"k\xff1").expect("obs-text is a valid value"),
+            )
+        });
+        assert!(key
+            .extract(&binary)
+            .unwrap_err()
+            .message()
+            .contains("other than visible ASCII, space and tab"));
         let key = key.missing_status(StatusCode::UNAUTHORIZED);
         assert_eq!(
             key.extract(&parts(|b| b)).unwrap_err().status(),

@@ -44,11 +44,11 @@ pub struct Refusal<'a> {
 
 impl Refusal<'_> {
     /// Whole seconds until the same request would be admitted (rounded up,
-    /// at least 1); `None` when no wait ever admits it.
+    /// at least 1), exactly as `Retry-After` says it (so at most
+    /// [`SF_INTEGER_MAX`](crate::headers::SF_INTEGER_MAX)); `None` when no
+    /// wait ever admits it.
     pub fn retry_after_secs(&self) -> Option<u64> {
-        self.decision
-            .retry_after_ms
-            .map(crate::headers::retry_after_secs)
+        crate::headers::header_wait_secs(&self.decision)
     }
 }
 
@@ -62,8 +62,11 @@ pub enum BuildError {
     PolicyName(String),
     /// The fallback limiter for [`FailurePolicy::Local`] could not be built.
     Fallback(ConfigError),
-    /// The limiter timeout is zero: every call would fail.
+    /// The limiter timeout is under a millisecond: every call would fail.
     ZeroTimeout,
+    /// A fallback limiter was given with a failure policy other than
+    /// [`FailurePolicy::Local`], which would never use it.
+    FallbackUnused(FailurePolicy),
     /// The fallback limiter's configuration differs from the limiter's.
     FallbackConfig {
         /// The limiter's configuration.
@@ -79,7 +82,12 @@ impl fmt::Display for BuildError {
             BuildError::PolicyName(why) => f.write_str(why),
             BuildError::Fallback(e) => write!(f, "the local fallback limiter: {e}"),
             BuildError::ZeroTimeout => f.write_str(
-                "check_timeout is 0: every limiter call would time out; use 1 ms or more",
+                "check_timeout is under 1 ms: every limiter call would time out; use 1 ms or more",
+            ),
+            BuildError::FallbackUnused(policy) => write!(
+                f,
+                "a local fallback limiter is set but the failure policy is FailurePolicy::{policy:?}, which \
+                 never uses it; set .failure_policy(FailurePolicy::Local) or drop .local_fallback(..)"
             ),
             BuildError::FallbackConfig { limiter, fallback } => write!(
                 f,
@@ -179,7 +187,9 @@ impl RateLimitBuilder {
 
     /// The in-memory limiter that [`FailurePolicy::Local`] falls back to
     /// (default: a [`LocalLimiter`] on the system clock with the limiter's
-    /// configuration). Its configuration must equal the limiter's.
+    /// configuration). Its configuration must equal the limiter's, and the
+    /// failure policy must be `Local` ([`build`](Self::build) refuses a
+    /// fallback that would never be used).
     pub fn local_fallback(mut self, fallback: LocalLimiter) -> Self {
         self.fallback = Some(fallback);
         self
@@ -220,7 +230,8 @@ impl RateLimitBuilder {
             (FailurePolicy::Local, None) => {
                 Some(LocalLimiter::new(config, Default::default()).map_err(BuildError::Fallback)?)
             }
-            (_, _) => None,
+            (policy, Some(_)) => return Err(BuildError::FallbackUnused(policy)),
+            (_, None) => None,
         };
         Ok(RateLimitLayer {
             shared: Arc::new(Shared {
@@ -550,4 +561,39 @@ fn rejection_response(rejection: KeyRejection) -> Response<Bytes> {
         tracing::debug!(%status, "no rate-limit key for the request: {detail}");
     }
     text_response(status, format!("{}\n", rejection.message()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::headers::SF_INTEGER_MAX;
+    use ratewarden_core::REFERENCE;
+
+    #[test]
+    fn a_refusal_states_the_wait_its_retry_after_header_states() {
+        let (parts, ()) = Request::new(()).into_parts();
+        let refusal = |decision| Refusal {
+            decision,
+            config: &REFERENCE,
+            parts: &parts,
+            cost: 1,
+        };
+        assert_eq!(
+            refusal(Decision::refused(Some(1001), 0)).retry_after_secs(),
+            Some(2)
+        );
+        assert_eq!(
+            refusal(Decision::refused(Some(0), 0)).retry_after_secs(),
+            Some(1)
+        );
+        assert_eq!(refusal(Decision::refused(None, 0)).retry_after_secs(), None);
+        // A wait past 15 digits of seconds is clamped as the header's is.
+        let huge = Decision::refused(Some(u64::MAX), 0);
+        let headers = RateLimitHeaders::default_name(&REFERENCE);
+        assert_eq!(refusal(huge).retry_after_secs(), Some(SF_INTEGER_MAX));
+        assert_eq!(
+            headers.retry_after(&huge).unwrap(),
+            SF_INTEGER_MAX.to_string().as_str()
+        );
+    }
 }

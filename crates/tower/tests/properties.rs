@@ -18,7 +18,7 @@ use axum::Router;
 use http::header::RETRY_AFTER;
 use http::{Request, Response, StatusCode};
 use proptest::prelude::*;
-use ratewarden_core::{LocalLimiter, ManualClock, PolicyConfig, PolicyKind};
+use ratewarden_core::{Limiter, LocalLimiter, ManualClock, PolicyConfig, PolicyKind};
 use ratewarden_tower::headers::{retry_after_secs, RATELIMIT, SF_INTEGER_MAX};
 use ratewarden_tower::key::GlobalKey;
 use ratewarden_tower::RateLimitLayer;
@@ -88,7 +88,15 @@ async fn send(
     let expected = twin.check_now(0, cost).unwrap();
     prop_assert_eq!(response.status() == StatusCode::OK, expected.allowed);
     let (r, _) = ratelimit(&response);
-    prop_assert_eq!(r, i128::from(expected.remaining.min(SF_INTEGER_MAX)));
+    // `r` never exceeds `q`: for a bucket, the smaller of limit and burst.
+    let config = twin.config();
+    let q = if config.policy.has_burst() {
+        config.limit.min(config.effective_burst())
+    } else {
+        config.limit
+    };
+    let advertised = expected.remaining.min(q).min(SF_INTEGER_MAX);
+    prop_assert_eq!(r, i128::from(advertised));
     let wait = match expected.retry_after_ms {
         Some(ms) if !expected.allowed => Some(retry_after_secs(ms)),
         _ => None,

@@ -768,6 +768,22 @@ fn bad_configuration_is_an_error_that_says_what_to_change() {
         .build()
         .unwrap_err();
     assert!(err.to_string().contains("use 1 ms or more"), "{err}");
+    let err = RateLimitLayer::builder(Arc::new(limiter.clone()), GlobalKey::new(0))
+        .check_timeout(Duration::from_micros(999))
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("under 1 ms"), "{err}");
+    let (unused, _clock) = local(REFERENCE);
+    let err = RateLimitLayer::builder(Arc::new(limiter.clone()), GlobalKey::new(0))
+        .failure_policy(FailurePolicy::FailOpen)
+        .local_fallback(unused)
+        .build()
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("set .failure_policy(FailurePolicy::Local) or drop .local_fallback"),
+        "{err}"
+    );
     let (other, _clock) = local(PolicyConfig::new(PolicyKind::Gcra, 100, 1000));
     let err = RateLimitLayer::builder(Arc::new(limiter), GlobalKey::new(0))
         .failure_policy(FailurePolicy::Local)
