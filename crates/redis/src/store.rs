@@ -1,7 +1,7 @@
 //! The store: connection, key names, script calls, replies and errors.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
 
 use ratewarden_core::{Decision, PolicyConfig, PolicyKind, StoreError, StoreErrorKind, MAX_SAFE};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -90,10 +90,101 @@ pub fn escape_key_part(part: &str) -> String {
     out
 }
 
+/// One call's handle on the connection: cheap to clone.
 #[derive(Clone)]
 enum Conn {
     Node(ConnectionManager),
     Cluster(ClusterConnection),
+}
+
+/// The store's connection.
+enum Backend {
+    Node(ConnectionManager),
+    Cluster(Arc<Cluster>),
+}
+
+/// The least time between two starts of a new cluster connection, so that
+/// a cluster that keeps timing out is not sent a storm of connections.
+const CLUSTER_REBUILD_INTERVAL: Duration = Duration::from_secs(1);
+
+/// A Redis Cluster connection that is replaced by a new one when calls
+/// time out.
+///
+/// redis-rs 0.32 reads the cluster's slot map again only when a node
+/// answers `MOVED` or a connection fails. A master that hangs (a frozen
+/// process or host) does neither: its connection stays open, every call
+/// routed to it times out, and after its replica takes over its slots the
+/// client still sends them to the hung node, until that node dies or comes
+/// back. A new connection reads the slot map afresh and finds the new
+/// master; calls already under way finish on the old one. A timed-out call
+/// is never tried again (it may have been applied): only later calls go
+/// to the new connection.
+struct Cluster {
+    client: ClusterClient,
+    conn: RwLock<ClusterConnection>,
+    /// When the last new connection was started, and whether one is being
+    /// made now: at most one at a time, at most one per
+    /// [`CLUSTER_REBUILD_INTERVAL`].
+    rebuild: Mutex<Rebuild>,
+    /// The most making a new connection may take.
+    connect_timeout: Duration,
+}
+
+#[derive(Default)]
+struct Rebuild {
+    in_flight: bool,
+    last_started: Option<Instant>,
+}
+
+impl Cluster {
+    fn conn(&self) -> ClusterConnection {
+        self.conn
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// A call timed out: starts making a new connection in the background,
+    /// unless one is being made or was started less than
+    /// [`CLUSTER_REBUILD_INTERVAL`] ago. Never makes the caller wait.
+    fn timed_out(self: &Arc<Self>) {
+        {
+            let mut rebuild = self.rebuild.lock().unwrap_or_else(PoisonError::into_inner);
+            let now = Instant::now();
+            if rebuild.in_flight
+                || rebuild
+                    .last_started
+                    .is_some_and(|t| now.duration_since(t) < CLUSTER_REBUILD_INTERVAL)
+            {
+                return;
+            }
+            rebuild.in_flight = true;
+            rebuild.last_started = Some(now);
+        }
+        /// Ends the rebuild however its task ends (even cancelled, when the
+        /// runtime shuts down), so that a later timeout can start another.
+        struct Done(Arc<Cluster>);
+        impl Drop for Done {
+            fn drop(&mut self) {
+                self.0
+                    .rebuild
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .in_flight = false;
+            }
+        }
+        let done = Done(Arc::clone(self));
+        tokio::spawn(async move {
+            let cluster = &done.0;
+            let connecting = cluster.client.get_async_connection();
+            // A failed attempt keeps the old connection: it may still
+            // serve the slots of every node that answers.
+            if let Ok(Ok(conn)) = tokio::time::timeout(cluster.connect_timeout, connecting).await {
+                *cluster.conn.write().unwrap_or_else(PoisonError::into_inner) = conn;
+            }
+            drop(done);
+        });
+    }
 }
 
 impl ConnectionLike for Conn {
@@ -132,7 +223,7 @@ pub struct RedisStore {
 }
 
 struct Inner {
-    conn: Conn,
+    backend: Backend,
     config: PolicyConfig,
     script: Script,
     /// The escaped prefix and the configuration, joined by `:`, ending in `:`.
@@ -214,7 +305,7 @@ impl RedisStore {
         let connect_timeout = Duration::from_millis(connect_timeout_ms);
         let response_timeout = Duration::from_millis(options.timeout_ms);
         let connecting = async move {
-            let mut conn = if let Some(seeds) = url.strip_prefix("redis-cluster://") {
+            let backend = if let Some(seeds) = url.strip_prefix("redis-cluster://") {
                 let nodes = cluster_nodes(seeds);
                 if nodes.is_empty() {
                     return Err(StoreError::new(
@@ -224,8 +315,14 @@ impl RedisStore {
                         ),
                     ));
                 }
+                // Each node's connection gets a part of the time to
+                // connect: the cluster connection waits for every seed, and
+                // then for every node of the slot map, so one node that
+                // accepts connections but never answers would otherwise
+                // spend the whole time alone.
+                let node_connect_timeout = Duration::from_millis(connect_timeout_ms.div_ceil(4));
                 let client = ClusterClient::builder(nodes)
-                    .connection_timeout(connect_timeout)
+                    .connection_timeout(node_connect_timeout)
                     .response_timeout(response_timeout)
                     .retries(2)
                     .min_retry_wait(5)
@@ -233,7 +330,12 @@ impl RedisStore {
                     .build()
                     .map_err(|e| invalid_url(shown, e))?;
                 let conn = client.get_async_connection().await.map_err(map_error)?;
-                Conn::Cluster(conn)
+                Backend::Cluster(Arc::new(Cluster {
+                    client,
+                    conn: RwLock::new(conn),
+                    rebuild: Mutex::default(),
+                    connect_timeout,
+                }))
             } else {
                 let client = redis::Client::open(url).map_err(|e| invalid_url(shown, e))?;
                 // One attempt per (re)connection, no backoff: redis-rs
@@ -259,12 +361,12 @@ impl RedisStore {
                 // is not Redis would only show at the first decision: ask
                 // now, so that an unusable store stops the caller at start.
                 check_node(&mut conn, &address).await?;
-                Conn::Node(conn)
+                Backend::Node(conn)
             };
-            let store = Self::with_connection(conn.clone(), config, options);
+            let store = Self::with_connection(backend, config, options);
             // Loading the script proves that scripts can run (on every
             // master of a cluster) and saves the first call a NOSCRIPT.
-            store.load_script(&mut conn).await.map_err(|e| {
+            store.load_script(&mut store.conn()).await.map_err(|e| {
                 StoreError::new(
                     e.kind(),
                     format!("Redis at {shown} cannot load the policy's script: {e}"),
@@ -282,7 +384,7 @@ impl RedisStore {
             })?
     }
 
-    fn with_connection(conn: Conn, config: PolicyConfig, options: RedisOptions) -> Self {
+    fn with_connection(backend: Backend, config: PolicyConfig, options: RedisOptions) -> Self {
         let body = match config.policy {
             PolicyKind::FixedWindow => FIXED_WINDOW,
             PolicyKind::SlidingWindowCounter => SLIDING_WINDOW_COUNTER,
@@ -314,7 +416,7 @@ impl RedisStore {
         ];
         RedisStore {
             inner: Arc::new(Inner {
-                conn,
+                backend,
                 config,
                 script,
                 key_prefix,
@@ -398,7 +500,32 @@ impl RedisStore {
         Ok(())
     }
 
+    /// A handle on the current connection, for one call.
+    fn conn(&self) -> Conn {
+        match &self.inner.backend {
+            Backend::Node(c) => Conn::Node(c.clone()),
+            Backend::Cluster(c) => Conn::Cluster(c.conn()),
+        }
+    }
+
+    /// A failed call's error, the same for every timeout (the store's own
+    /// or the client's): a timeout says that the request may have been
+    /// applied.
+    fn call_error(&self, e: StoreError) -> StoreError {
+        if e.is_timeout() {
+            self.timed_out()
+        } else {
+            e
+        }
+    }
+
+    /// The error for a call that took its whole timeout. On a cluster, a
+    /// timeout also starts a new connection (see [`Cluster`]), for later
+    /// calls.
     fn timed_out(&self) -> StoreError {
+        if let Backend::Cluster(cluster) = &self.inner.backend {
+            cluster.timed_out();
+        }
         StoreError::new(
             StoreErrorKind::Timeout,
             format!(
@@ -422,9 +549,10 @@ impl RedisStore {
     ) -> Result<Decision, StoreError> {
         Self::check(now_ms, cost)?;
         let timeout = Duration::from_millis(self.inner.options.timeout_ms);
-        tokio::time::timeout(timeout, self.call_one(key, now_ms, cost))
-            .await
-            .map_err(|_| self.timed_out())?
+        match tokio::time::timeout(timeout, self.call_one(key, now_ms, cost)).await {
+            Ok(result) => result.map_err(|e| self.call_error(e)),
+            Err(_) => Err(self.timed_out()),
+        }
     }
 
     /// Whether a call that failed with `e` goes once more, on a new
@@ -446,7 +574,9 @@ impl RedisStore {
     /// `docs/redis.md`). A timeout is never tried again: the call's time is
     /// spent. A cluster connection retries such errors itself.
     fn retry_on_new_connection(&self, e: &RedisError) -> bool {
-        matches!(self.inner.conn, Conn::Node(_)) && e.is_unrecoverable_error() && !e.is_timeout()
+        matches!(self.inner.backend, Backend::Node(_))
+            && e.is_unrecoverable_error()
+            && !e.is_timeout()
     }
 
     /// A script call that a migrating slot's node answered `ASK`, sent to
@@ -527,7 +657,7 @@ impl RedisStore {
         cost: u64,
     ) -> Result<Decision, StoreError> {
         let cmd = self.eval_cmd(key, now_ms, cost);
-        let mut conn = self.inner.conn.clone();
+        let mut conn = self.conn();
         let value = match self.try_call(&mut conn, &cmd).await {
             Err(e) if e.kind() == ErrorKind::NoScriptError => {
                 // The script cache was flushed (or a node restarted): load
@@ -568,7 +698,7 @@ impl RedisStore {
             Self::check(now_ms, cost)?;
         }
         let timeout = Duration::from_millis(self.inner.options.timeout_ms);
-        if let Conn::Cluster(_) = self.inner.conn {
+        if let Backend::Cluster(_) = self.inner.backend {
             // A cluster pipeline may not cross slots: the keys go out at
             // once instead (the cluster connection pipelines them on each
             // node's connection), and each key's requests one after the
@@ -590,7 +720,7 @@ impl RedisStore {
                 .map_err(|_| self.timed_out())?;
             let mut results: Vec<Option<Result<Decision, StoreError>>> = vec![None; requests.len()];
             for (i, r) in all.into_iter().flatten() {
-                results[i] = Some(r);
+                results[i] = Some(r.map_err(|e| self.call_error(e)));
             }
             return Ok(results
                 .into_iter()
@@ -605,7 +735,7 @@ impl RedisStore {
                 .collect());
         }
         let call = async {
-            let mut conn = self.inner.conn.clone();
+            let mut conn = self.conn();
             let mut results: Vec<Option<Result<Decision, StoreError>>> = vec![None; requests.len()];
             let mut todo: Vec<usize> = (0..requests.len()).collect();
             // Twice at most: once, and once more for the requests that met
@@ -625,7 +755,7 @@ impl RedisStore {
                     // batch goes once more on the new one.
                     sent = conn.req_packed_commands(&pipe, 0, todo.len()).await;
                 }
-                let values = sent.map_err(map_error)?;
+                let values = sent.map_err(|e| self.call_error(map_error(e)))?;
                 if values.len() != todo.len() {
                     return Err(StoreError::new(
                         StoreErrorKind::Backend,

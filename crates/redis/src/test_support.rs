@@ -252,19 +252,37 @@ impl Drop for RedisServer {
     }
 }
 
-/// A Redis Cluster of three masters (no replicas), killed when dropped.
+/// A Redis Cluster of three masters, with or without a replica each,
+/// killed when dropped.
 pub struct RedisCluster {
     nodes: Vec<RedisServer>,
 }
+
+/// How long `redis-cli --cluster create` may take to bring every node to
+/// `cluster_state:ok` (and every replica to its master).
+const CLUSTER_START_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl RedisCluster {
     /// Starts three cluster-enabled nodes, joins them with
     /// `redis-cli --cluster create`, and waits until every node reports
     /// `cluster_state:ok`.
     pub fn start() -> RedisCluster {
+        Self::start_nodes(3, 0, &[])
+    }
+
+    /// Three masters and one replica of each (`--cluster-replicas 1`), with
+    /// a `cluster-node-timeout` of 1000 ms, so that a replica takes over a
+    /// failed master in about 2 to 3 s. Waits until every node reports
+    /// `cluster_state:ok` and every replica's link to its master is up.
+    /// The first three nodes are the masters.
+    pub fn start_with_replicas() -> RedisCluster {
+        Self::start_nodes(6, 1, &["--cluster-node-timeout", "1000"])
+    }
+
+    fn start_nodes(count: usize, replicas: usize, extra: &[&str]) -> RedisCluster {
         let mut nodes: Vec<RedisServer> = Vec::new();
-        while nodes.len() < 3 {
-            let node = RedisServer::start_fresh(true, &[]);
+        while nodes.len() < count {
+            let node = RedisServer::start_fresh(true, extra);
             if nodes.iter().all(|n| n.port != node.port) {
                 nodes.push(node);
             }
@@ -274,7 +292,7 @@ impl RedisCluster {
         let out = Command::new("redis-cli")
             .args(["--cluster", "create"])
             .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .stdin(Stdio::null())
             .output()
             .expect("run redis-cli --cluster create");
@@ -283,21 +301,65 @@ impl RedisCluster {
             "cluster create failed: {}",
             String::from_utf8_lossy(&out.stdout)
         );
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + CLUSTER_START_TIMEOUT;
         loop {
             let ok = ports.iter().all(|&p| {
                 raw_command(p, "CLUSTER INFO").is_some_and(|r| r.contains("cluster_state:ok"))
+                    && raw_command(p, "INFO replication").is_some_and(|r| {
+                        r.contains("role:master") || r.contains("master_link_status:up")
+                    })
             });
             if ok {
                 break;
             }
             assert!(
                 Instant::now() < deadline,
-                "cluster did not reach cluster_state:ok in 20 s"
+                "cluster did not reach cluster_state:ok in {CLUSTER_START_TIMEOUT:?}"
             );
             std::thread::sleep(Duration::from_millis(50));
         }
         RedisCluster { nodes }
+    }
+
+    /// The node id of the node at `index` (`CLUSTER MYID`).
+    pub fn node_id(&self, index: usize) -> String {
+        self.nodes[index]
+            .cli(&["CLUSTER", "MYID"])
+            .trim()
+            .to_owned()
+    }
+
+    /// Whether the node at `index` is a master (`ROLE`).
+    pub fn is_master(&self, index: usize) -> bool {
+        self.nodes[index].cli(&["ROLE"]).lines().next() == Some("master")
+    }
+
+    /// The index of the replica of the master at `master`, as the node at
+    /// `asked` sees it (`CLUSTER NODES`).
+    pub fn replica_of(&self, master: usize, asked: usize) -> Option<usize> {
+        let id = self.node_id(master);
+        let listing = self.nodes[asked].cli(&["CLUSTER", "NODES"]);
+        listing.lines().find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.get(3) != Some(&id.as_str()) || !fields.get(2)?.contains("slave") {
+                return None;
+            }
+            let port: u16 = fields.get(1)?.split(['@', ':']).nth(1)?.parse().ok()?;
+            self.nodes.iter().position(|n| n.port == port)
+        })
+    }
+
+    /// Waits until the node at `index` is a master, at most `within`;
+    /// whether it became one.
+    pub fn wait_until_master(&self, index: usize, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if self.is_master(index) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
     }
 
     /// `redis-cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3`.
