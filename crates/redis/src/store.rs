@@ -36,7 +36,11 @@ pub struct RedisOptions {
     /// The most a call may take, in ms, connection and reply included; a
     /// call that takes longer returns [`StoreErrorKind::Timeout`].
     pub timeout_ms: u64,
-    /// The most connecting may take, in ms.
+    /// The most connecting may take, in ms. On a cluster each node's
+    /// connection may take a quarter of it, so that a node that accepts
+    /// connections but never answers cannot use up the whole time; a
+    /// new cluster connection (see `docs/redis.md`, "A hung cluster
+    /// node") may take all of it.
     pub connect_timeout_ms: u64,
     /// Added to every TTL, in ms. With Redis `TIME` (the default) 0 is
     /// exact: keys expire by the clock the scripts read. When callers pass

@@ -271,12 +271,15 @@ impl RedisCluster {
     }
 
     /// Three masters and one replica of each (`--cluster-replicas 1`), with
-    /// a `cluster-node-timeout` of 1000 ms, so that a replica takes over a
-    /// failed master in about 2 to 3 s. Waits until every node reports
-    /// `cluster_state:ok` and every replica's link to its master is up.
-    /// The first three nodes are the masters.
-    pub fn start_with_replicas() -> RedisCluster {
-        Self::start_nodes(6, 1, &["--cluster-node-timeout", "1000"])
+    /// a `cluster-node-timeout` of `node_timeout_ms` (with 1000 a replica
+    /// takes over a failed master in about 2 to 3 s; Redis's default is
+    /// 15000). Waits until every node reports `cluster_state:ok`, every
+    /// replica's link to its master is up, and every node lists every
+    /// replica in `CLUSTER SLOTS` (Redis lists a replica only once it has
+    /// replicated something). The first three nodes are the masters.
+    pub fn start_with_replicas(node_timeout_ms: u64) -> RedisCluster {
+        let node_timeout_ms = node_timeout_ms.to_string();
+        Self::start_nodes(6, 1, &["--cluster-node-timeout", &node_timeout_ms])
     }
 
     fn start_nodes(count: usize, replicas: usize, extra: &[&str]) -> RedisCluster {
@@ -317,6 +320,30 @@ impl RedisCluster {
                 "cluster did not reach cluster_state:ok in {CLUSTER_START_TIMEOUT:?}"
             );
             std::thread::sleep(Duration::from_millis(50));
+        }
+        if replicas > 0 {
+            // A write on each master (FLUSHALL of an empty node) gives its
+            // replica a replication offset, without which Redis leaves the
+            // replica out of CLUSTER SLOTS, so clients would never see it.
+            for node in &nodes {
+                if raw_command(node.port, "ROLE").is_some_and(|r| r.contains("master")) {
+                    raw_command(node.port, "FLUSHALL");
+                }
+            }
+            loop {
+                let listed = ports.iter().all(|&p| {
+                    raw_command(p, "CLUSTER SLOTS")
+                        .is_some_and(|r| ports.iter().all(|q| r.contains(&format!(":{q}\r\n"))))
+                });
+                if listed {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "CLUSTER SLOTS did not list every replica in {CLUSTER_START_TIMEOUT:?}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
         }
         RedisCluster { nodes }
     }

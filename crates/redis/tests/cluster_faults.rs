@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::net::{Ipv4Addr, TcpListener};
 use std::time::{Duration, Instant};
 
 use ratewarden_core::REFERENCE;
@@ -34,7 +35,7 @@ async fn round(store: &RedisStore) -> usize {
 
 #[test]
 fn a_hung_master_costs_its_slots_only_until_its_replica_takes_over() {
-    let cluster = RedisCluster::start_with_replicas();
+    let cluster = RedisCluster::start_with_replicas(1000);
     assert!(
         (0..3).all(|i| cluster.is_master(i)),
         "nodes 0-2 are masters"
@@ -91,5 +92,53 @@ fn a_hung_master_costs_its_slots_only_until_its_replica_takes_over() {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    });
+}
+
+/// A node that accepts connections and never answers (a listener whose
+/// connections the kernel accepts and no one reads), named first among
+/// the seeds, costs connecting only its own part of the time.
+#[test]
+fn a_seed_that_never_answers_does_not_stop_connecting() {
+    let cluster = RedisCluster::start();
+    let silent = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind");
+    let silent_port = silent.local_addr().expect("address").port();
+    let url = cluster.url().replacen(
+        "redis-cluster://",
+        &format!("redis-cluster://127.0.0.1:{silent_port},"),
+        1,
+    );
+    let rt = common::runtime();
+    rt.block_on(async {
+        let store = RedisStore::connect(&url, REFERENCE, options("silent-seed"))
+            .await
+            .expect("the other seeds are enough");
+        assert_eq!(round(&store).await, 0, "every key is decided");
+    });
+    drop(silent);
+}
+
+/// A replica that hangs, named by no seed, is found in the slot map and
+/// connected to: it costs connecting only its own part of the time.
+#[test]
+fn a_hung_replica_does_not_stop_connecting() {
+    // Redis's default node timeout: the hung replica stays in the slot map
+    // (rather than flagged as failed) while the store connects.
+    let cluster = RedisCluster::start_with_replicas(15_000);
+    let masters: Vec<String> = cluster.nodes()[..3]
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port()))
+        .collect();
+    let url = format!("redis-cluster://{}", masters.join(","));
+    let replica = cluster
+        .replica_of(0, 1)
+        .expect("the first master has a replica");
+    cluster.nodes()[replica].pause();
+    let rt = common::runtime();
+    rt.block_on(async {
+        let store = RedisStore::connect(&url, REFERENCE, options("hung-replica"))
+            .await
+            .expect("a hung replica does not stop connecting");
+        assert_eq!(round(&store).await, 0, "every key is decided");
     });
 }
