@@ -257,7 +257,8 @@ impl RedisStore {
     /// - `redis+unix:///PATH[?db=DB&user=USER&pass=PASSWORD]`: one node over
     ///   a Unix socket;
     /// - `redis-cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]`: Redis
-    ///   Cluster, any of its nodes as seeds.
+    ///   Cluster, any of its nodes as seeds, each with its port, none with
+    ///   a `/DB` (Redis Cluster has only database 0).
     ///
     /// Connecting checks that the store can be used, so that a store that
     /// cannot is refused here rather than at every decision: a single node
@@ -310,7 +311,7 @@ impl RedisStore {
         let response_timeout = Duration::from_millis(options.timeout_ms);
         let connecting = async move {
             let backend = if let Some(seeds) = url.strip_prefix("redis-cluster://") {
-                let nodes = cluster_nodes(seeds);
+                let nodes = cluster_nodes(seeds, shown)?;
                 if nodes.is_empty() {
                     return Err(StoreError::new(
                         StoreErrorKind::InvalidInput,
@@ -806,13 +807,46 @@ impl RedisStore {
 /// The `redis://` URL of each seed of a `redis-cluster://` URL (its part
 /// after the scheme). Credentials written once, on the first seed, hold for
 /// every seed: redis-rs wants the same on each.
-fn cluster_nodes(seeds: &str) -> Vec<String> {
+///
+/// Each seed must be `[[USER]:PASSWORD@]HOST:PORT`: a `/DB` is refused
+/// (Redis Cluster has only database 0, so a number there would be ignored
+/// and a reader misled), and so is a seed without a port (rather than
+/// taking 6379 silently). `shown`: the URL without its credentials, for
+/// the message.
+fn cluster_nodes(seeds: &str, shown: &str) -> Result<Vec<String>, StoreError> {
     let seeds: Vec<&str> = seeds.split(',').filter(|s| !s.is_empty()).collect();
+    let refuse = |what: String| {
+        StoreError::new(
+            StoreErrorKind::InvalidInput,
+            format!("{shown:?}: {what}, as in redis-cluster://HOST:PORT[,HOST:PORT...]"),
+        )
+    };
+    for seed in &seeds {
+        // The node without its credentials: the part after the last `@`.
+        let node = seed.rsplit_once('@').map_or(*seed, |(_, node)| node);
+        if let Some(i) = node.find(['/', '?']) {
+            return Err(refuse(format!(
+                "Redis Cluster has only database 0, so a cluster URL takes no /DB (nor \
+                 options): drop {:?} after {:?}",
+                &node[i..],
+                &node[..i]
+            )));
+        }
+        let valid = node.rsplit_once(':').is_some_and(|(host, port)| {
+            !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0)
+        });
+        if !valid {
+            return Err(refuse(format!(
+                "the node {node:?} needs a host and a port (1 to 65535): write each node \
+                 as HOST:PORT"
+            )));
+        }
+    }
     let credentials = seeds
         .first()
         .and_then(|s| s.rsplit_once('@'))
         .map_or("", |(userinfo, _)| userinfo);
-    seeds
+    Ok(seeds
         .iter()
         .map(|s| {
             if s.contains('@') || credentials.is_empty() {
@@ -821,7 +855,7 @@ fn cluster_nodes(seeds: &str) -> Vec<String> {
                 format!("redis://{credentials}@{s}")
             }
         })
-        .collect()
+        .collect())
 }
 
 /// Checks that a single node can be used: it answers commands (with the
@@ -1005,12 +1039,51 @@ mod tests {
 
     #[test]
     fn credentials_on_the_first_seed_hold_for_every_seed() {
+        let nodes = |seeds| cluster_nodes(seeds, "shown").unwrap();
         assert_eq!(
-            cluster_nodes(":pw@a:1,b:2,u:q@c:3"),
+            nodes(":pw@a:1,b:2,u:q@c:3"),
             ["redis://:pw@a:1", "redis://:pw@b:2", "redis://u:q@c:3"]
         );
-        assert_eq!(cluster_nodes("a:1,,b:2"), ["redis://a:1", "redis://b:2"]);
-        assert!(cluster_nodes(",").is_empty());
+        assert_eq!(nodes("a:1,,b:2"), ["redis://a:1", "redis://b:2"]);
+        assert_eq!(nodes("[::1]:7000"), ["redis://[::1]:7000"]);
+        assert!(nodes(",").is_empty());
+    }
+
+    #[test]
+    fn a_cluster_seed_with_a_database_or_without_a_port_is_refused() {
+        let refused = |seeds: &str| {
+            let shown = crate::redact_url(&format!("redis-cluster://{seeds}"));
+            let e = cluster_nodes(seeds, &shown).unwrap_err();
+            assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{seeds}: {e}");
+            assert!(!e.to_string().contains("s3cret"), "{e}");
+            assert!(e.to_string().contains("redis-cluster://HOST:PORT"), "{e}");
+            e.to_string()
+        };
+        for seeds in [
+            "a:1/2",
+            "a:1/0",
+            "a:1/",
+            ":s3cret@a:1,b:2/3",
+            "a:1?protocol=3",
+        ] {
+            let text = refused(seeds);
+            assert!(text.contains("only database 0"), "{seeds}: {text}");
+        }
+        for seeds in [
+            "a",
+            "a:1,b",
+            ":s3cret@a",
+            "a:",
+            ":7000",
+            "a:x",
+            "a:0",
+            "a:65536",
+            "[::1]",
+        ] {
+            let text = refused(seeds);
+            assert!(text.contains("HOST:PORT"), "{seeds}: {text}");
+            assert!(text.contains("needs a host and a port"), "{seeds}: {text}");
+        }
     }
 
     #[test]
