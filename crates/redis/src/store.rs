@@ -8,6 +8,7 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::SingleNodeRoutingInfo;
+use redis::AsyncConnectionConfig;
 use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, Script, Value};
 
 const PRELUDE: &str = include_str!("lua/prelude.lua");
@@ -266,9 +267,10 @@ impl RedisStore {
     /// script is loaded (on every master of a cluster).
     ///
     /// Errors: an invalid configuration or URL, a Redis that wants a
-    /// password the URL lacks, refuses the URL's credentials, or is a
-    /// cluster node behind `redis://` ([`StoreErrorKind::InvalidInput`],
-    /// saying what to change); no connection, or a node that cannot be
+    /// password the URL lacks, refuses the URL's credentials, is a cluster
+    /// node behind `redis://` or a single node behind `redis-cluster://`
+    /// ([`StoreErrorKind::InvalidInput`], naming the node and saying what
+    /// to change); no connection, or a node that cannot be
     /// used, within `connect_timeout_ms` ([`StoreErrorKind::ConnectionDropped`],
     /// [`StoreErrorKind::Backend`] or [`StoreErrorKind::Timeout`]).
     pub async fn connect(
@@ -326,7 +328,7 @@ impl RedisStore {
                 // accepts connections but never answers would otherwise
                 // spend the whole time alone.
                 let node_connect_timeout = Duration::from_millis(connect_timeout_ms.div_ceil(4));
-                let client = ClusterClient::builder(nodes)
+                let client = ClusterClient::builder(nodes.clone())
                     .connection_timeout(node_connect_timeout)
                     .response_timeout(response_timeout)
                     .retries(2)
@@ -334,7 +336,14 @@ impl RedisStore {
                     .max_retry_wait(50)
                     .build()
                     .map_err(|e| invalid_url(shown, e))?;
-                let conn = client.get_async_connection().await.map_err(map_error)?;
+                let conn = match client.get_async_connection().await {
+                    Ok(conn) => conn,
+                    Err(e) => {
+                        return Err(
+                            cluster_connect_error(e, &nodes, shown, node_connect_timeout).await,
+                        )
+                    }
+                };
                 Backend::Cluster(Arc::new(Cluster {
                     client,
                     conn: RwLock::new(conn),
@@ -360,7 +369,7 @@ impl RedisStore {
                 let address = client.get_connection_info().addr.to_string();
                 let mut conn = ConnectionManager::new_with_config(client, manager_config)
                     .await
-                    .map_err(|e| connect_error(e, &address))?;
+                    .map_err(|e| connect_error(e, &address, false))?;
                 // Connecting sends nothing when the URL has no password, so
                 // a Redis that wants one, a cluster node, or a server that
                 // is not Redis would only show at the first decision: ask
@@ -858,6 +867,94 @@ fn cluster_nodes(seeds: &str, shown: &str) -> Result<Vec<String>, StoreError> {
         .collect())
 }
 
+/// Why a cluster connection could not be made, found by asking each seed
+/// on its own (each within `node_timeout`): a seed that wants a password,
+/// refuses the URL's credentials or is not a cluster node is named, saying
+/// what to change; when no seed could be reached, each seed's failure is
+/// listed ([`StoreErrorKind::ConnectionDropped`] when every one refused or
+/// dropped the connection: nothing answered); otherwise the cluster
+/// connection's own error, as [`StoreErrorKind::Backend`] unless it was a
+/// timeout (something answered, so it is not a Redis to start).
+///
+/// `nodes`: the seeds' `redis://` URLs; `shown`: the cluster URL without
+/// its credentials.
+async fn cluster_connect_error(
+    e: RedisError,
+    nodes: &[String],
+    shown: &str,
+    node_timeout: Duration,
+) -> StoreError {
+    let probes = nodes.iter().map(|node| async move {
+        let client = redis::Client::open(node.as_str()).map_err(|e| invalid_url(shown, e))?;
+        let address = client.get_connection_info().addr.to_string();
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(node_timeout)
+            .set_response_timeout(node_timeout);
+        let mut conn = client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+            .map_err(|e| connect_error(e, &address, true))?;
+        redis::cmd("PING")
+            .query_async::<Value>(&mut conn)
+            .await
+            .and_then(Value::extract_error)
+            .map_err(|e| connect_error(e, &address, true))?;
+        // As for a single node, only a clear answer refuses.
+        if let Ok(info) = redis::cmd("INFO")
+            .arg("cluster")
+            .query_async::<String>(&mut conn)
+            .await
+        {
+            if info.lines().any(|l| l.trim() == "cluster_enabled:0") {
+                return Err(StoreError::new(
+                    StoreErrorKind::InvalidInput,
+                    format!(
+                        "Redis at {address} is not a cluster node (cluster_enabled:0): \
+                         use redis://{address}"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    });
+    let probed = futures_util::future::join_all(probes).await;
+    if let Some(Err(refused)) = probed
+        .iter()
+        .find(|p| matches!(p, Err(e) if e.kind() == StoreErrorKind::InvalidInput))
+    {
+        return refused.clone();
+    }
+    if probed.iter().all(Result::is_err) {
+        let failures: Vec<&StoreError> = probed.iter().filter_map(|p| p.as_ref().err()).collect();
+        let kind = if failures
+            .iter()
+            .all(|f| f.kind() == StoreErrorKind::ConnectionDropped)
+        {
+            StoreErrorKind::ConnectionDropped
+        } else {
+            failures
+                .iter()
+                .map(|f| f.kind())
+                .find(|&k| k != StoreErrorKind::ConnectionDropped)
+                .unwrap_or(StoreErrorKind::Backend)
+        };
+        let each: Vec<&str> = failures.iter().map(|f| f.detail()).collect();
+        return StoreError::new(
+            kind,
+            format!("no seed of {shown} could be used: {}", each.join("; ")),
+        );
+    }
+    let e = map_error(e);
+    let kind = match e.kind() {
+        StoreErrorKind::Timeout => StoreErrorKind::Timeout,
+        _ => StoreErrorKind::Backend,
+    };
+    StoreError::new(
+        kind,
+        format!("Redis Cluster at {shown} cannot be used: {}", e.detail()),
+    )
+}
+
 /// Checks that a single node can be used: it answers commands (with the
 /// URL's credentials, if any) and is not a cluster node, whose keys a
 /// single-node connection would meet as `MOVED` errors.
@@ -866,7 +963,7 @@ async fn check_node(conn: &mut ConnectionManager, address: &str) -> Result<(), S
         .query_async::<Value>(conn)
         .await
         .and_then(Value::extract_error)
-        .map_err(|e| connect_error(e, address))?;
+        .map_err(|e| connect_error(e, address, false))?;
     // INFO may be renamed away on some servers: PING proved the node
     // answers, so only a clear "cluster_enabled:1" refuses.
     if let Ok(info) = redis::cmd("INFO")
@@ -887,15 +984,22 @@ async fn check_node(conn: &mut ConnectionManager, address: &str) -> Result<(), S
     Ok(())
 }
 
-/// A failure to connect or to authenticate, saying what to change when the
-/// cause is the credentials.
-fn connect_error(e: RedisError, address: &str) -> StoreError {
+/// A failure to connect or to authenticate to the node at `address`,
+/// saying what to change when the cause is the credentials. `cluster`: the
+/// URL is a `redis-cluster://` one, so the advice shows that form.
+fn connect_error(e: RedisError, address: &str, cluster: bool) -> StoreError {
+    let (scheme, more) = if cluster {
+        ("redis-cluster", "[,HOST:PORT...]")
+    } else {
+        ("redis", "")
+    };
     if e.code() == Some("NOAUTH") {
         StoreError::new(
             StoreErrorKind::InvalidInput,
             format!(
                 "Redis at {address} requires a password: put it in the URL as \
-                 redis://:PASSWORD@HOST:PORT (or redis://USER:PASSWORD@HOST:PORT for an ACL user)"
+                 {scheme}://:PASSWORD@HOST:PORT{more} (or {scheme}://USER:PASSWORD@HOST:PORT{more} \
+                 for an ACL user)"
             ),
         )
     } else if e.kind() == ErrorKind::AuthenticationFailed || e.code() == Some("WRONGPASS") {
@@ -903,7 +1007,7 @@ fn connect_error(e: RedisError, address: &str) -> StoreError {
             StoreErrorKind::InvalidInput,
             format!(
                 "Redis at {address} refused the URL's user or password ({e}): \
-                 correct them in redis://[USER]:PASSWORD@HOST:PORT"
+                 correct them in {scheme}://[USER]:PASSWORD@HOST:PORT{more}"
             ),
         )
     } else {

@@ -169,3 +169,90 @@ fn a_unix_socket_url_connects_and_tls_is_refused_saying_so() {
     let e = connect("http://127.0.0.1:6379").expect_err("not Redis");
     assert!(e.to_string().contains("redis+unix:///PATH"), "{e}");
 }
+
+#[test]
+fn a_cluster_that_wants_a_password_is_refused_at_connect_saying_so() {
+    let cluster = RedisCluster::start();
+    // Set after the cluster is formed: the nodes talk over the cluster
+    // bus, which needs no password.
+    for node in cluster.nodes() {
+        assert_eq!(
+            node.cli(&["CONFIG", "SET", "requirepass", "s3cret"]).trim(),
+            "OK"
+        );
+    }
+    let first = format!("127.0.0.1:{}", cluster.nodes()[0].port());
+    let names_a_node = |text: &str| {
+        cluster
+            .nodes()
+            .iter()
+            .any(|n| text.contains(&format!("Redis at 127.0.0.1:{} ", n.port())))
+    };
+
+    let e = connect_by_default(&cluster.url());
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    let text = e.to_string();
+    assert!(text.contains("requires a password"), "{text}");
+    assert!(
+        text.contains("redis-cluster://:PASSWORD@HOST:PORT"),
+        "{text}"
+    );
+    assert!(names_a_node(&text), "{text}");
+
+    let wrong = cluster
+        .url()
+        .replacen("redis-cluster://", "redis-cluster://:pw-not-shown@", 1);
+    let e = connect_by_default(&wrong);
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains("refused the URL's user or password"),
+        "{text}"
+    );
+    assert!(!text.contains("pw-not-shown"), "{text}");
+    assert!(!text.contains("redis-server"), "{text}");
+    assert!(names_a_node(&text), "{text}");
+
+    let right = format!("redis-cluster://:s3cret@{first}");
+    let decision = common::runtime().block_on(async {
+        let store = RedisStore::connect(&right, REFERENCE, options("cluster-auth"))
+            .await
+            .expect("right password");
+        store.decide(1, None, 1).await.expect("decided")
+    });
+    assert!(decision.allowed);
+}
+
+#[test]
+fn a_single_node_behind_a_cluster_url_is_refused_saying_so() {
+    let server = RedisServer::start();
+    let port = server.port();
+    let e = connect_by_default(&format!("redis-cluster://127.0.0.1:{port}"));
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(
+        e.to_string().contains(&format!(
+            "Redis at 127.0.0.1:{port} is not a cluster node (cluster_enabled:0): \
+             use redis://127.0.0.1:{port}"
+        )),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_cluster_url_where_nothing_listens_says_which_nodes_refused() {
+    let (a, b) = (free_port(false), free_port(false));
+    let e = connect_by_default(&format!(
+        "redis-cluster://:pw-not-shown@127.0.0.1:{a},127.0.0.1:{b}"
+    ));
+    assert_eq!(e.kind(), StoreErrorKind::ConnectionDropped, "{e}");
+    let text = e.to_string();
+    for port in [a, b] {
+        assert!(
+            text.contains(&format!(
+                "Redis at 127.0.0.1:{port} cannot be used: connection refused"
+            )),
+            "{text}"
+        );
+    }
+    assert!(!text.contains("pw-not-shown"), "{text}");
+}
