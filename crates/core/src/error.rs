@@ -74,7 +74,9 @@ pub enum StoreErrorKind {
     /// The store did not answer within the configured timeout. The request
     /// may or may not have been applied.
     Timeout,
-    /// The connection to the store was lost or could not be made.
+    /// The connection to the store was lost or could not be made. On a
+    /// cluster, also: the node holding the key cannot be reached (it is
+    /// down, or a failover is under way).
     ConnectionDropped,
     /// The store holds its maximum number of keys and cannot track a new
     /// one: the request was not decided (never silently admitted).

@@ -1041,6 +1041,13 @@ fn invalid_url(shown: &str, e: RedisError) -> StoreError {
 
 /// Classifies a client error so that a limiter can choose its failure
 /// policy without parsing messages.
+///
+/// On a cluster, the errors that say the key's node cannot be reached (a
+/// master that died or hangs, a failover under way) count as a dropped
+/// connection, as the same node's failure on a single node would: the
+/// cluster is down or not serving the slot (`CLUSTERDOWN`, `TRYAGAIN`,
+/// `MASTERDOWN`), the client has no connection for it, or its redirection
+/// (`MOVED`) could not be followed within the client's retries.
 pub(crate) fn map_error(e: RedisError) -> StoreError {
     let text = e.to_string();
     let kind = if text.contains("RATEWARDEN_CORRUPT")
@@ -1055,7 +1062,11 @@ pub(crate) fn map_error(e: RedisError) -> StoreError {
         || e.is_io_error()
         || matches!(
             e.kind(),
-            ErrorKind::ClusterConnectionNotFound | ErrorKind::ClusterDown
+            ErrorKind::ClusterConnectionNotFound
+                | ErrorKind::ClusterDown
+                | ErrorKind::TryAgain
+                | ErrorKind::MasterDown
+                | ErrorKind::Moved
         )
     {
         StoreErrorKind::ConnectionDropped
@@ -1188,6 +1199,40 @@ mod tests {
             assert!(text.contains("HOST:PORT"), "{seeds}: {text}");
             assert!(text.contains("needs a host and a port"), "{seeds}: {text}");
         }
+    }
+
+    /// A server's error reply, as the client reads it.
+    fn server_error(reply: &str) -> RedisError {
+        redis::parse_redis_value(format!("-{reply}\r\n").as_bytes())
+            .unwrap()
+            .extract_error()
+            .unwrap_err()
+    }
+
+    #[test]
+    fn a_cluster_node_out_of_reach_is_a_dropped_connection() {
+        for reply in [
+            "CLUSTERDOWN The cluster is down",
+            "CLUSTERDOWN Hash slot not served",
+            "TRYAGAIN Multiple keys request during rehashing of slot",
+            "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+            "MOVED 3999 127.0.0.1:6381",
+        ] {
+            let e = map_error(server_error(reply));
+            assert_eq!(e.kind(), StoreErrorKind::ConnectionDropped, "{reply}: {e}");
+        }
+        let lost = RedisError::from((ErrorKind::ClusterConnectionNotFound, "no connection"));
+        assert_eq!(map_error(lost).kind(), StoreErrorKind::ConnectionDropped);
+        // The server's own errors stay backend errors, corrupt state stays
+        // corrupt state, and a timeout stays a timeout.
+        let e = map_error(server_error("ERR Error running script"));
+        assert_eq!(e.kind(), StoreErrorKind::Backend, "{e}");
+        let e = map_error(server_error(
+            "WRONGTYPE Operation against a key holding the wrong kind of value",
+        ));
+        assert_eq!(e.kind(), StoreErrorKind::CorruptState, "{e}");
+        let timeout = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
+        assert_eq!(map_error(timeout).kind(), StoreErrorKind::Timeout);
     }
 
     #[test]

@@ -376,6 +376,11 @@ impl RedisCluster {
         })
     }
 
+    /// Kills the node at `index` (SIGKILL), as a crash would.
+    pub fn kill_node(&mut self, index: usize) {
+        self.nodes[index].kill();
+    }
+
     /// Waits until the node at `index` is a master, at most `within`;
     /// whether it became one.
     pub fn wait_until_master(&self, index: usize, within: Duration) -> bool {

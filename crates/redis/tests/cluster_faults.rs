@@ -1,12 +1,13 @@
-//! Redis Cluster failures: a master that hangs (SIGSTOP) while its replica
-//! takes over, and nodes that accept connections but never answer.
+//! Redis Cluster failures: a master that hangs (SIGSTOP) or dies (SIGKILL)
+//! while its replica takes over, and nodes that accept connections but
+//! never answer.
 
 mod common;
 
 use std::net::{Ipv4Addr, TcpListener};
 use std::time::{Duration, Instant};
 
-use ratewarden_core::REFERENCE;
+use ratewarden_core::{StoreError, StoreErrorKind, REFERENCE};
 use ratewarden_redis::test_support::RedisCluster;
 use ratewarden_redis::{RedisOptions, RedisStore};
 
@@ -25,12 +26,17 @@ fn options(tag: &str) -> RedisOptions {
 
 /// One decision for each of the keys, all at once; how many failed.
 async fn round(store: &RedisStore) -> usize {
+    failures(store).await.len()
+}
+
+/// One decision for each of the keys, all at once; the errors.
+async fn failures(store: &RedisStore) -> Vec<StoreError> {
     let calls = (0..KEYS).map(|key| store.decide(key, None, 1));
     futures_util::future::join_all(calls)
         .await
-        .iter()
-        .filter(|r| r.is_err())
-        .count()
+        .into_iter()
+        .filter_map(Result::err)
+        .collect()
 }
 
 #[test]
@@ -57,23 +63,68 @@ fn a_hung_master_costs_its_slots_only_until_its_replica_takes_over() {
     });
 
     cluster.nodes()[0].pause();
-    // Decisions go on while the cluster notices the hung master; the
-    // replica's promotion is watched from a thread of its own.
+    let promoted_at = decide_until_master(&cluster, &store, &rt, replica);
+    decided_again(&store, &rt, promoted_at);
+}
+
+/// A master killed (SIGKILL) while decisions go on: its slots fail as
+/// dropped connections or timeouts, never as errors of Redis's own, until
+/// its replica takes over.
+#[test]
+fn a_killed_master_costs_its_slots_only_until_its_replica_takes_over() {
+    let mut cluster = RedisCluster::start_with_replicas(1000);
+    let replica = cluster
+        .replica_of(0, 1)
+        .expect("the first master has a replica");
+    let rt = common::runtime();
+    let store = rt.block_on(async {
+        RedisStore::connect(&cluster.url(), REFERENCE, options("killed-master"))
+            .await
+            .expect("connect")
+    });
+    cluster.kill_node(0);
+    let promoted_at = decide_until_master(&cluster, &store, &rt, replica);
+    decided_again(&store, &rt, promoted_at);
+}
+
+/// Decides every key, again and again, until the node at `replica` is a
+/// master (at most 20 s); checks that every failure meanwhile is a
+/// timeout or a dropped connection. Returns when the promotion was seen.
+fn decide_until_master(
+    cluster: &RedisCluster,
+    store: &RedisStore,
+    rt: &tokio::runtime::Runtime,
+    replica: usize,
+) -> Instant {
     let promoted = std::thread::scope(|scope| {
         let watcher = scope.spawn(|| cluster.wait_until_master(replica, Duration::from_secs(20)));
         rt.block_on(async {
             while !watcher.is_finished() {
-                round(&store).await;
+                // A hung node's calls time out, saying that they may have
+                // been applied; a node out of reach is a dropped
+                // connection, never an error of Redis's own.
+                for e in failures(store).await {
+                    match e.kind() {
+                        StoreErrorKind::Timeout => assert!(
+                            e.detail().contains("may or may not have been applied"),
+                            "{e}"
+                        ),
+                        StoreErrorKind::ConnectionDropped => {}
+                        _ => panic!("a failover gave {e}"),
+                    }
+                }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         });
         watcher.join().expect("watcher")
     });
     assert!(promoted, "the replica was not promoted within 20 s");
-    let promoted_at = Instant::now();
+    Instant::now()
+}
 
-    // Within a bound after the promotion every key is decided again, and
-    // stays so: the hung master's slots are served by the new master.
+/// Within a bound after the promotion every key is decided again, and
+/// stays so: the old master's slots are served by the new master.
+fn decided_again(store: &RedisStore, rt: &tokio::runtime::Runtime, promoted_at: Instant) {
     let recovery_bound = Duration::from_secs(10);
     rt.block_on(async {
         let mut clean_rounds = 0;
@@ -84,7 +135,7 @@ fn a_hung_master_costs_its_slots_only_until_its_replica_takes_over() {
                 "{last_failed} of {KEYS} decisions still failed {recovery_bound:?} after the \
                  replica took over"
             );
-            last_failed = round(&store).await;
+            last_failed = round(store).await;
             if last_failed == 0 {
                 clean_rounds += 1;
             } else {
