@@ -323,12 +323,15 @@ fn integer_field(
                 &here(),
                 format!("{v} is out of range: the largest allowed is {max}"),
             )),
-            // A whole float too large to be sure of (see `exact_whole`).
+            // A whole float too large to be sure of (see `exact_whole`),
+            // or an integer above 2^64 - 1, which JSON readers take as a
+            // float too: the text no longer tells the two apart.
             None if n.as_f64().is_some_and(|f| f >= 0.0 && f.fract() == 0.0) => Err(err(
                 &here(),
                 format!(
-                    "{n} is written as a float above 2^53 - 1, where it may already be \
-                     rounded; write the number as an integer"
+                    "{n} is above 2^64 - 1, or written as a float above 2^53 - 1 (where it \
+                     may already be rounded); write a whole number from 0 to {max} as an \
+                     integer"
                 ),
             )),
             None => Err(err(
@@ -528,9 +531,18 @@ mod tests {
         );
         let e = parse(&rounded).unwrap_err().to_string();
         assert!(
-            e.contains("cases[0].steps[0].key: 1e+17 is written as a float"),
+            e.contains("cases[0].steps[0].key: 1e+17 is above 2^64 - 1, or written as a float"),
             "{e}"
         );
+        // An integer key past 2^64 - 1 reads as a float too: the message
+        // names both causes.
+        let too_big = case_with(
+            r#""policy": "fixed-window", "limit": 1, "window_ms": 10"#,
+            r#"{"key": 18446744073709551616, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#,
+        );
+        let e = parse(&too_big).unwrap_err().to_string();
+        assert!(e.contains("is above 2^64 - 1"), "{e}");
+        assert!(e.contains("from 0 to 18446744073709551615"), "{e}");
     }
 
     #[test]
