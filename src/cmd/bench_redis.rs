@@ -38,8 +38,9 @@ const SLICES: u64 = 4;
 /// Arguments of `ratewarden bench-redis`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The Redis to measure: `redis://HOST:PORT` (one node; redis-benchmark
-    /// is pointed at the same host and port).
+    /// The Redis to measure: `redis://[[USER]:PASSWORD@]HOST:PORT[/DB]`
+    /// (one standalone node; redis-benchmark is pointed at the same host,
+    /// port, database and credentials).
     #[arg(long)]
     pub store: String,
     /// Decisions per pipelined measurement (per policy, and per script in
@@ -327,7 +328,7 @@ fn run_inner(args: &Args) -> Result<(), String> {
     }
     let started = Instant::now();
     let load_at_start = super::bench::load_average();
-    let (host, port) = host_port(&args.store)?;
+    let target = redis_benchmark_target(&args.store)?;
     // One client thread, as redis-benchmark has: on a small machine a
     // second worker thread only takes a core from the server it measures,
     // and hands every reply across threads.
@@ -389,37 +390,22 @@ fn run_inner(args: &Args) -> Result<(), String> {
     let minimal_usec = usec_per_call(&mut admin, "evalsha")?;
     let slice_requests = (plan.requests / SLICES).max(1);
     let common_with = |n: u64| -> Vec<String> {
-        [
-            "-h",
-            host.as_str(),
-            "-p",
-            port.as_str(),
-            "-n",
-            &n.to_string(),
-            "-c",
-            &args.connections.to_string(),
-            "-P",
-            &args.pipeline.to_string(),
-            "-q",
-        ]
-        .map(str::to_owned)
-        .to_vec()
+        let mut common = target.clone();
+        common.extend(
+            [
+                "-n",
+                &n.to_string(),
+                "-c",
+                &args.connections.to_string(),
+                "-P",
+                &args.pipeline.to_string(),
+                "-q",
+            ]
+            .map(str::to_owned),
+        );
+        common
     };
-    let common: Vec<String> = [
-        "-h",
-        host.as_str(),
-        "-p",
-        port.as_str(),
-        "-n",
-        &plan.requests.to_string(),
-        "-c",
-        &args.connections.to_string(),
-        "-P",
-        &args.pipeline.to_string(),
-        "-q",
-    ]
-    .map(str::to_owned)
-    .to_vec();
+    let common = common_with(plan.requests);
     let incr = redis_benchmark(&common, &["-t".to_owned(), "incr".to_owned()])?;
     let keys = args.keys.to_string();
     let minimal_args: Vec<String> = [
@@ -637,31 +623,44 @@ fn print_json(
     println!("{}", json!({ "elapsed_s": elapsed_s }));
 }
 
-fn host_port(url: &str) -> Result<(String, String), String> {
-    let rest = url.strip_prefix("redis://").ok_or_else(|| {
-        format!(
+/// Where `redis-benchmark` is pointed: the store URL's host, port,
+/// database and credentials, as its own options.
+fn redis_benchmark_target(url: &str) -> Result<Vec<String>, String> {
+    if !url.starts_with("redis://") {
+        return Err(format!(
             "{:?}: bench-redis measures one standalone redis-server, named \
-                 redis://HOST:PORT (not a cluster: its keys would hash to other nodes, and \
-                 redis-benchmark, the peer it is measured against, drives one node)",
+             redis://HOST:PORT (not a cluster: its keys would hash to other nodes, and \
+             redis-benchmark, the peer it is measured against, drives one node)",
             redact_url(url)
-        )
-    })?;
-    let authority = rest.split('/').next().unwrap_or_default();
-    let authority = authority.rsplit('@').next().unwrap_or_default();
-    match authority.rsplit_once(':') {
-        Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok() => {
-            Ok((h.to_owned(), p.to_owned()))
-        }
-        _ => Ok((
-            if authority.is_empty() {
-                "127.0.0.1"
-            } else {
-                authority
-            }
-            .to_owned(),
-            "6379".to_owned(),
-        )),
+        ));
     }
+    let info: redis::ConnectionInfo = url
+        .parse()
+        .map_err(|e| format!("{:?} is not a Redis URL: {e}", redact_url(url)))?;
+    let redis::ConnectionAddr::Tcp(host, port) = info.addr else {
+        return Err(format!(
+            "{:?}: bench-redis takes redis://HOST:PORT",
+            redact_url(url)
+        ));
+    };
+    let mut target = vec!["-h".to_owned(), host, "-p".to_owned(), port.to_string()];
+    if info.redis.db != 0 {
+        target.extend(["--dbnum".to_owned(), info.redis.db.to_string()]);
+    }
+    // redis-benchmark reads a password only from its command line (unlike
+    // redis-cli, it ignores REDISCLI_AUTH), where other users of this
+    // machine can see it while it runs: say so.
+    if let Some(password) = info.redis.password {
+        eprintln!(
+            "bench-redis: the URL's password is passed to redis-benchmark as -a, visible in \
+             this machine's process list while it runs"
+        );
+        if let Some(user) = info.redis.username {
+            target.extend(["--user".to_owned(), user]);
+        }
+        target.extend(["-a".to_owned(), password]);
+    }
+    Ok(target)
 }
 
 async fn connect_all(
@@ -851,22 +850,51 @@ fn redis_benchmark(common: &[String], extra: &[String]) -> Result<f64, String> {
     let text = String::from_utf8_lossy(&out.stdout);
     // Quiet mode ends with "NAME: 123456.78 requests per second, p50=...";
     // progress lines before it are separated by carriage returns.
-    text.split(['\r', '\n'])
-        .rev()
-        .find_map(|l| {
-            let (_, rest) = l.rsplit_once(": ")?;
-            rest.split(" requests per second")
-                .next()?
-                .trim()
-                .parse::<f64>()
-                .ok()
-        })
-        .ok_or_else(|| format!("no figure in redis-benchmark's output: {text}"))
+    let figure = text.split(['\r', '\n']).rev().find_map(|l| {
+        let (_, rest) = l.rsplit_once(": ")?;
+        rest.split(" requests per second")
+            .next()?
+            .trim()
+            .parse::<f64>()
+            .ok()
+    });
+    figure.ok_or_else(|| {
+        // Its errors (NOAUTH, a refused connection) go to either stream.
+        let both = format!("{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        let said: Vec<&str> = both
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .take(4)
+            .collect();
+        format!(
+            "redis-benchmark gave no figure ({}): {}",
+            out.status,
+            said.join(" / ")
+        )
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn redis_benchmark_gets_the_urls_database_and_credentials() {
+        let args = |url: &str| redis_benchmark_target(url).unwrap().join(" ");
+        assert_eq!(args("redis://127.0.0.1:6380"), "-h 127.0.0.1 -p 6380");
+        assert_eq!(args("redis://h:6379/3"), "-h h -p 6379 --dbnum 3");
+        assert_eq!(args("redis://:pw@h:1"), "-h h -p 1 -a pw");
+        assert_eq!(
+            args("redis://app:pw@h:1/2"),
+            "-h h -p 1 --dbnum 2 --user app -a pw"
+        );
+        let e = redis_benchmark_target("redis-cluster://:pw@h:1").unwrap_err();
+        assert!(e.contains("one standalone redis-server"), "{e}");
+        assert!(!e.contains("pw@"), "{e}");
+        let e = redis_benchmark_target("redis+unix:///tmp/r.sock").unwrap_err();
+        assert!(e.contains("redis://HOST:PORT"), "{e}");
+    }
 
     fn round(minimal_usec: f64, ours_usec: f64, minimal_per_s: f64, ours_per_s: f64) -> Round {
         Round {
