@@ -487,20 +487,24 @@ impl Service {
                     }
                     (_, policy) => policy,
                 };
+                // Retry within a second (or the window, when shorter): the
+                // store may be back by then.
+                let closed =
+                    || Decision::refused(Some(m.rule.spec.policy.window_ms.clamp(1, 1000)), 0);
                 let decision = match policy {
                     // Nothing is known of the budget: report none left, so a
                     // client that reads `remaining` slows down.
                     FailurePolicy::FailOpen => Decision::admitted(0),
-                    // Retry within a second (or the window, when
-                    // shorter): the store may be back by then.
-                    FailurePolicy::FailClosed => {
-                        Decision::refused(Some(m.rule.spec.policy.window_ms.clamp(1, 1000)), 0)
-                    }
+                    FailurePolicy::FailClosed => closed(),
                     FailurePolicy::Local => {
                         let local = m.rule.failover.as_ref().or(m.rule.local.as_ref());
                         match local.map(|l| l.check_now(m.key, cost)) {
                             Some(Ok(d)) => d,
-                            _ => Decision::refused(None, 0),
+                            // The local limiter cannot decide either (on the
+                            // embedded store it is the store that failed, full
+                            // of keys): refused as under `closed`, with a wait,
+                            // never as a request no wait admits.
+                            _ => closed(),
                         }
                     }
                 };
@@ -902,7 +906,9 @@ shadow = true
 
     #[tokio::test]
     async fn a_full_store_gets_the_failure_policy() {
-        for (policy, allowed) in [("open", true), ("closed", false)] {
+        // Under `local` on the embedded store the local limiter is the
+        // store that is full: it refuses as `closed` does, with a wait.
+        for (policy, allowed) in [("open", true), ("closed", false), ("local", false)] {
             let text = format!(
                 "[server]\nmax_keys = 1\nfailure_policy = \"{policy}\"\n[keys]\nlimit = 5\nwindow_ms = 3600000\n"
             );
