@@ -501,8 +501,17 @@ fn sf_string(s: &str) -> String {
                 out.push('\\');
                 out.push(c);
             }
-            ' '..='~' => out.push(c),
-            _ => out.push('?'),
+            // A structured-field string holds printable ASCII only. The
+            // rest is percent-encoded, `%` too, so that two different
+            // names never read the same in a header (a `?` for each such
+            // character made `d.k_\u{fc}` and `d.k_\u{e9}` one name).
+            ' '..='~' if c != '%' => out.push(c),
+            _ => {
+                let mut bytes = [0; 4];
+                for b in c.encode_utf8(&mut bytes).bytes() {
+                    out.push_str(&format!("%{b:02X}"));
+                }
+            }
         }
     }
     out.push('"');
@@ -540,6 +549,10 @@ mod tests {
     #[test]
     fn names_become_valid_structured_strings() {
         assert_eq!(sf_string("api.path_/login"), "\"api.path_/login\"");
-        assert_eq!(sf_string("a\"b\\c\u{e9}"), "\"a\\\"b\\\\c?\"");
+        assert_eq!(sf_string("a\"b\\c\u{e9}"), "\"a\\\"b\\\\c%C3%A9\"");
+        // Distinct names stay distinct: `%` is encoded as well.
+        assert_eq!(sf_string("k_\u{fc}"), "\"k_%C3%BC\"");
+        assert_eq!(sf_string("k_%C3%BC"), "\"k_%25C3%25BC\"");
+        assert_eq!(sf_string("tab\there"), "\"tab%09here\"");
     }
 }
