@@ -624,7 +624,7 @@ impl Validator<'_> {
                 return Err(self.err(
                     span,
                     &f("window_ms"),
-                    "the rule has no window; add window_ms = <ms> or unit = \"second\" (or minute, hour, day, week)",
+                    "the rule has no window; add window_ms = <ms> or unit = \"second\" (or minute, hour, day, week, month, year)",
                 ))
             }
         };

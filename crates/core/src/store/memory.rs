@@ -717,7 +717,8 @@ impl<P: Policy> MemoryStore<P> {
                     StoreErrorKind::CapacityExhausted,
                     format!(
                         "the in-memory store holds its maximum of {} keys and none can be \
-                         forgotten yet; raise max_keys or call forget_idle more often",
+                         forgotten yet; raise max_keys, or forget idle keys more often (forget_idle; \
+                         ratewarden serve does so every housekeeping_interval_ms)",
                         self.max_keys()
                     ),
                 ));
