@@ -11,7 +11,7 @@
 //! prefix) and optionally a limit (or `unlimited = true`) and nested
 //! descriptors. See `docs/serve.md` and `examples/ratewarden.toml`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -658,6 +658,10 @@ impl Validator<'_> {
         depth: usize,
     ) -> Result<Vec<DescriptorSpec>, ConfigFileError> {
         let mut out: Vec<DescriptorSpec> = Vec::with_capacity(raw.len());
+        // The (key, value) pairs seen at this level: a set, since a level
+        // may hold up to MAX_RULE_NODES nodes, and comparing each with all
+        // before it took a minute at that size.
+        let mut seen: HashSet<(String, Option<String>)> = HashSet::with_capacity(raw.len());
         for (i, node) in raw.into_iter().enumerate() {
             let field = format!("{parent_field}.descriptors[{i}]");
             let span = node.span();
@@ -692,7 +696,7 @@ impl Validator<'_> {
                 .take()
                 .map(|v| v.into_inner())
                 .filter(|v| !v.is_empty());
-            if out.iter().any(|d| d.key == key && d.value == value) {
+            if !seen.insert((key.clone(), value.clone())) {
                 let what = match &value {
                     Some(v) => format!("key {key:?} with value {v:?}"),
                     None => format!("key {key:?} with any value"),
