@@ -84,6 +84,44 @@ pub struct ServerSettings {
     pub max_connections: usize,
 }
 
+impl ServerSettings {
+    /// The names of the settings that differ between `self` and `other`, as
+    /// a configuration file spells them.
+    pub fn changed(&self, other: &ServerSettings) -> Vec<&'static str> {
+        // Destructured, so that a new setting cannot be left out here.
+        let ServerSettings {
+            key_hash,
+            failure_policy,
+            store_timeout_ms,
+            max_keys,
+            housekeeping_interval_ms,
+            housekeeping_max_scanned,
+            max_connections,
+        } = self;
+        [
+            ("key_hash", *key_hash != other.key_hash),
+            ("failure_policy", *failure_policy != other.failure_policy),
+            (
+                "store_timeout_ms",
+                *store_timeout_ms != other.store_timeout_ms,
+            ),
+            ("max_keys", *max_keys != other.max_keys),
+            (
+                "housekeeping_interval_ms",
+                *housekeeping_interval_ms != other.housekeeping_interval_ms,
+            ),
+            (
+                "housekeeping_max_scanned",
+                *housekeeping_max_scanned != other.housekeeping_max_scanned,
+            ),
+            ("max_connections", *max_connections != other.max_connections),
+        ]
+        .into_iter()
+        .filter_map(|(name, differs)| differs.then_some(name))
+        .collect()
+    }
+}
+
 impl Default for ServerSettings {
     fn default() -> Self {
         ServerSettings {
@@ -976,6 +1014,18 @@ shadow = true
                 .starts_with("/nonexistent/ratewarden.toml: cannot read the file"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_reload_names_the_server_settings_that_changed() {
+        let old = ServerSettings::default();
+        assert!(old.changed(&old).is_empty());
+        let new = ServerSettings {
+            max_keys: 5,
+            failure_policy: FailurePolicy::FailOpen,
+            ..ServerSettings::default()
+        };
+        assert_eq!(old.changed(&new), ["failure_policy", "max_keys"]);
     }
 }
 

@@ -140,15 +140,18 @@ impl Service {
             if config.server != self.settings {
                 // The running server keeps its settings (limiters are built
                 // with them too); the file's apply at the next start.
+                let changed = self.settings.changed(&config.server).join(", ");
                 config.server = self.settings.clone();
                 tracing::warn!(
-                    "the [server] settings changed; they take effect at the next start, not on reload"
+                    "the [server] settings changed ({changed}); they take effect at the next \
+                     start, not on reload"
                 );
             }
             let current = self.rules.load_full();
-            let rules = RuleSet::build(config, self.factory.as_ref(), Some(&current), &self.metrics)
-                .await
-                .map_err(|e| format!("{e:#}"))?;
+            let rules =
+                RuleSet::build(config, self.factory.as_ref(), Some(&current), &self.metrics)
+                    .await
+                    .map_err(|e| format!("{e:#}"))?;
             let count = rules.rules().len();
             self.rules.store(Arc::new(rules));
             Ok::<_, String>(count)
