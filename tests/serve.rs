@@ -496,12 +496,20 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
         ),
         ("{\"key\": \"\"}", 400, "key is empty"),
         ("[1]", 400, "malformed JSON: the body must be a JSON object"),
+        (
+            "{key: \"k\"}",
+            400,
+            "line 1 column 2: a member name must be a string in double quotes",
+        ),
     ];
     for (body, status, needle) in cases {
         let (got, text) = raw(body).await;
         assert_eq!(got, *status, "{body} -> {text}");
         assert!(text.contains(needle), "{body} -> {text}");
     }
+    // A byte order mark before the JSON is ignored, as RFC 8259 allows.
+    let (got, text) = raw("\u{feff}{\"key\": \"bom\"}").await;
+    assert_eq!(got, 200, "{text}");
     let huge = format!("{{\"key\": \"{}\"}}", "x".repeat(100_000));
     let r = client.post(&url).body(huge).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 413);

@@ -323,7 +323,10 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
         }
         Err(e) => return bad(StatusCode::BAD_REQUEST, format!("the request body could not be read: {e}")),
     };
-    let request: CheckRequest = match serde_json::from_slice(&body) {
+    // RFC 8259 lets a reader ignore a byte order mark, which some clients
+    // (PowerShell, Windows editors) put before the JSON.
+    let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&body);
+    let request: CheckRequest = match serde_json::from_slice(body) {
         Ok(r) => r,
         // serde reads a struct from an array too, and then names a field's
         // type, which misleads: say what the body must be.
@@ -331,6 +334,19 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
             return bad(
                 StatusCode::BAD_REQUEST,
                 "malformed JSON: the body must be a JSON object, such as {\"key\": \"user:42\", \"cost\": 1}",
+            )
+        }
+        // serde_json's "key must be a string" means an unquoted member
+        // name, which reads as if the "key" field were meant.
+        Err(e) if e.to_string().starts_with("key must be a string") => {
+            return bad(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "malformed JSON at line {} column {}: a member name must be a string in \
+                     double quotes, as in {{\"key\": \"user:42\"}}",
+                    e.line(),
+                    e.column()
+                ),
             )
         }
         Err(e) => {
