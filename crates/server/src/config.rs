@@ -648,11 +648,12 @@ impl Validator<'_> {
         let limit = self.number(&limit, &f("limit"))?;
         let window_ms = match (raw.window_ms, raw.unit) {
             (Some(w), None) => {
-                let w_ms = self.number(&w, &f("window_ms"))?;
-                if w_ms == 0 {
-                    return Err(self.err(w.span(), &f("window_ms"), "a window must last at least 1 ms; set window_ms to 1 or more"));
+                // Below 1 (0 or negative) gets the window's own message,
+                // rather than the general one's "from 0".
+                if *w.get_ref() < 1 {
+                    return Err(self.err(w.span(), &f("window_ms"), format!("{} is not a window: a window must last at least 1 ms; set window_ms to 1 or more", w.get_ref())));
                 }
-                w_ms
+                self.number(&w, &f("window_ms"))?
             }
             (None, Some(u)) => unit_ms(u.get_ref()).map_err(|m| self.err(u.span(), &f("unit"), m))?,
             (Some(w), Some(_)) => {
@@ -899,6 +900,9 @@ shadow = true
 
         let e = parse_err("[keys]\nlimit = 5\nwindow_ms = 0\n");
         assert_eq!((e.line, e.field.as_str()), (Some(3), "keys.window_ms"));
+        let e = parse_err("[keys]\nlimit = 5\nwindow_ms = -1\n");
+        assert!(e.message.contains("-1 is not a window"), "{e}");
+        assert!(e.message.contains("at least 1 ms"), "{e}");
 
         let e = parse_err("[keys]\nlimit = 5\nwindow_ms = 10\npolicy = \"leaky\"\n");
         assert_eq!((e.line, e.field.as_str()), (Some(4), "keys.policy"));
