@@ -293,6 +293,11 @@ fn plain_message(message: &str) -> String {
              [[domains.descriptors]], with double brackets"
         );
     }
+    if message == "duplicate key" {
+        return "written twice (a setting, or a [table] header); keep one, or for a list \
+                of tables write [[double brackets]]"
+            .to_owned();
+    }
     message
 }
 
@@ -900,6 +905,12 @@ shadow = true
 
         let e = parse_err("[keys]\nlimit = 5\nwindow_ms = 0\n");
         assert_eq!((e.line, e.field.as_str()), (Some(3), "keys.window_ms"));
+        let e = parse_err("[keys]\nlimit = 5\nwindow_ms = 10\n[keys]\nlimit = 6\n");
+        assert_eq!(e.line, Some(4), "{e}");
+        assert!(e.message.contains("written twice"), "{e}");
+        let e = parse_err("[keys]\nlimit = 5\nlimit = 6\nwindow_ms = 10\n");
+        assert_eq!((e.line, e.field.as_str()), (Some(3), "keys.limit"), "{e}");
+        assert!(e.message.contains("written twice"), "{e}");
         let e = parse_err("[keys]\nlimit = 5\nwindow_ms = -1\n");
         assert!(e.message.contains("-1 is not a window"), "{e}");
         assert!(e.message.contains("at least 1 ms"), "{e}");
