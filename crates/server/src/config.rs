@@ -302,9 +302,11 @@ fn plain_message(message: &str) -> String {
 }
 
 /// The dotted name of the `key = value` line holding `offset`, under the
-/// nearest table header above it (`keys.limit`,
-/// `domains.descriptors.window_ms`); empty when the line is not one. The
-/// parser's own messages name the type problem; this names the field.
+/// nearest table header above it, with the index of each list of tables
+/// as validation errors give it (`keys.limit`,
+/// `domains[0].descriptors[2].window_ms`); empty when the line is not
+/// one. The parser's own messages name the type problem; this names the
+/// field.
 fn field_at(text: &str, offset: usize) -> String {
     let offset = offset.min(text.len());
     let line_start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
@@ -320,16 +322,54 @@ fn field_at(text: &str, offset: usize) -> String {
     {
         return String::new();
     }
-    let table = text[..line_start]
-        .lines()
-        .rev()
-        .map(str::trim)
-        .find(|l| l.starts_with('['))
-        .map(|l| l.trim_matches(|c| c == '[' || c == ']').trim().to_owned());
-    match table {
+    match table_at(&text[..line_start]) {
         Some(t) if !t.is_empty() => format!("{t}.{key}"),
         _ => key.to_owned(),
     }
+}
+
+/// The table that the last header in `text` opens, each list of tables
+/// (`[[domains]]`, `[[domains.descriptors]]`) with its index within its
+/// parent: `domains[1].descriptors[0]`. A header opens a new element of
+/// its list, and the lists nested under that path start counting again.
+fn table_at(text: &str) -> Option<String> {
+    // The number of elements of each list of tables seen so far, within
+    // the current element of its parent.
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    let mut last: Option<String> = None;
+    for line in text.lines().map(str::trim) {
+        if let Some(path) = line
+            .strip_prefix("[[")
+            .and_then(|l| l.split_once("]]"))
+            .map(|(p, _)| p.trim())
+        {
+            let nested = format!("{path}.");
+            counts.retain(|p, _| !p.starts_with(&nested));
+            *counts.entry(path.to_owned()).or_default() += 1;
+            last = Some(path.to_owned());
+        } else if let Some(path) = line
+            .strip_prefix('[')
+            .and_then(|l| l.split_once(']'))
+            .map(|(p, _)| p.trim())
+        {
+            last = Some(path.to_owned());
+        }
+    }
+    let last = last?;
+    let mut out = String::new();
+    let mut prefix = String::new();
+    for part in last.split('.') {
+        if !prefix.is_empty() {
+            prefix.push('.');
+            out.push('.');
+        }
+        prefix.push_str(part);
+        out.push_str(part);
+        if let Some(n) = counts.get(&prefix) {
+            out.push_str(&format!("[{}]", n - 1));
+        }
+    }
+    Some(out)
 }
 
 /// Which hash a key string goes through, by its configuration name.
@@ -1111,13 +1151,26 @@ mod field_names {
         let e = Config::parse(text, "t.toml").unwrap_err();
         assert_eq!(
             (e.line, e.field.as_str()),
-            (Some(5), "domains.descriptors.limit")
+            (Some(5), "domains[0].descriptors[0].limit")
         );
         assert!(
             e.to_string()
-                .starts_with("t.toml:5:9: domains.descriptors.limit: invalid type"),
+                .starts_with("t.toml:5:9: domains[0].descriptors[0].limit: invalid type"),
             "{e}"
         );
+        // Each list counts within its parent's current element, as the
+        // validation's own messages do.
+        let text = "[server]\nmax_keys = 5\n\
+            [[domains]]\ndomain = \"a\"\n[[domains.descriptors]]\nkey = \"k\"\nlimit = 1\nunit = \"second\"\n\
+            [[domains]]\ndomain = \"b\"\n[[domains.descriptors]]\nkey = \"k\"\nlimit = 1\nunit = \"second\"\n\
+            [[domains.descriptors]]\nkey = \"j\"\n[[domains.descriptors.descriptors]]\nkey = \"x\"\nshadow = 1\n";
+        let e = Config::parse(text, "t.toml").unwrap_err();
+        assert_eq!(
+            e.field, "domains[1].descriptors[1].descriptors[0].shadow",
+            "{e}"
+        );
+        assert_eq!(table_at("[server]\nx = 1\n").as_deref(), Some("server"));
+        assert_eq!(table_at("x = 1\n"), None);
         assert_eq!(field_at("shadow = 1\n", 9), "shadow");
         assert_eq!(field_at("[keys\n", 2), "");
     }
