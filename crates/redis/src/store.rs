@@ -830,14 +830,18 @@ fn cluster_nodes(seeds: &str, shown: &str) -> Result<Vec<String>, StoreError> {
             format!("{shown:?}: {what}, as in redis-cluster://HOST:PORT[,HOST:PORT...]"),
         )
     };
-    for seed in &seeds {
+    // A seed is echoed only when it cannot hold a password: what follows
+    // a `/` or `?` may (`?pass=...`), and so may a seed without `@` in a
+    // URL that has one (a password holding a `,` splits into two "seeds").
+    let credentials_anywhere = seeds.iter().any(|s| s.contains('@'));
+    for (n, seed) in seeds.iter().enumerate() {
         // The node without its credentials: the part after the last `@`.
         let node = seed.rsplit_once('@').map_or(*seed, |(_, node)| node);
         if let Some(i) = node.find(['/', '?']) {
             return Err(refuse(format!(
                 "Redis Cluster has only database 0, so a cluster URL takes no /DB (nor \
-                 options): drop {:?} after {:?}",
-                &node[i..],
+                 options): drop everything from the {:?} after {:?}",
+                &node[i..=i],
                 &node[..i]
             )));
         }
@@ -845,9 +849,14 @@ fn cluster_nodes(seeds: &str, shown: &str) -> Result<Vec<String>, StoreError> {
             !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0)
         });
         if !valid {
+            let which = if credentials_anywhere && !seed.contains('@') {
+                format!("seed {} of the URL", n + 1)
+            } else {
+                format!("the node {node:?}")
+            };
             return Err(refuse(format!(
-                "the node {node:?} needs a host and a port (1 to 65535): write each node \
-                 as HOST:PORT"
+                "{which} needs a host and a port (1 to 65535): write each node as HOST:PORT \
+                 (a password holding ',' must be written %2C)"
             )));
         }
     }
@@ -1171,6 +1180,7 @@ mod tests {
             let e = cluster_nodes(seeds, &shown).unwrap_err();
             assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{seeds}: {e}");
             assert!(!e.to_string().contains("s3cret"), "{e}");
+            assert!(!e.to_string().contains(":pa"), "{e}");
             assert!(e.to_string().contains("redis-cluster://HOST:PORT"), "{e}");
             e.to_string()
         };
@@ -1180,6 +1190,8 @@ mod tests {
             "a:1/",
             ":s3cret@a:1,b:2/3",
             "a:1?protocol=3",
+            "a:1?password=s3cret",
+            "a:1/0?pass=s3cret",
         ] {
             let text = refused(seeds);
             assert!(text.contains("only database 0"), "{seeds}: {text}");
@@ -1194,6 +1206,7 @@ mod tests {
             "a:0",
             "a:65536",
             "[::1]",
+            ":pa,s3cret@a:1",
         ] {
             let text = refused(seeds);
             assert!(text.contains("HOST:PORT"), "{seeds}: {text}");

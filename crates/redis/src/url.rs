@@ -16,6 +16,8 @@
 /// );
 /// assert_eq!(redact_url("redis+unix:///run/r.sock?pass=pw&db=1"), "redis+unix:///run/r.sock?pass=***&db=1");
 /// assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+/// // A password with an unescaped `,` is not shown in part either.
+/// assert_eq!(redact_url("redis-cluster://:pa,ss@a:1,b:2"), "redis-cluster://***,***@a:1,b:2");
 /// ```
 pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
@@ -31,7 +33,20 @@ pub fn redact_url(url: &str) -> String {
         Some((r, q)) => (r, Some(q)),
         None => (rest, None),
     };
-    let nodes: Vec<String> = rest.split(',').map(redact_userinfo).collect();
+    // A password holding an unescaped `,` splits into two "nodes", the
+    // first without `@`: in a URL with credentials, such a node that is not
+    // HOST:PORT[/...] is hidden whole.
+    let has_credentials = rest.contains('@');
+    let nodes: Vec<String> = rest
+        .split(',')
+        .map(|node| {
+            if has_credentials && !node.contains('@') && !looks_like_host_port(node) {
+                "***".to_owned()
+            } else {
+                redact_userinfo(node)
+            }
+        })
+        .collect();
     let mut out = format!("{scheme}://{}", nodes.join(","));
     if let Some(query) = query {
         let pairs: Vec<String> = query
@@ -47,6 +62,14 @@ pub fn redact_url(url: &str) -> String {
         out.push_str(&pairs.join("&"));
     }
     out
+}
+
+/// Whether `node` (up to its first `/`) is `HOST:PORT` with a numeric port.
+fn looks_like_host_port(node: &str) -> bool {
+    let authority = node.split('/').next().unwrap_or_default();
+    authority.rsplit_once(':').is_some_and(|(host, port)| {
+        !host.is_empty() && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
+    })
 }
 
 /// `user:password@host...` to `***:***@host...`, `:password@` to `:***@`.
