@@ -133,12 +133,17 @@ struct Cluster {
     rebuild: Mutex<Rebuild>,
     /// The most making a new connection may take.
     connect_timeout: Duration,
+    /// The store's call timeout: calls begun on a replaced connection end
+    /// within it, so their timeouts say nothing of the new one.
+    call_timeout: Duration,
 }
 
 #[derive(Default)]
 struct Rebuild {
     in_flight: bool,
     last_started: Option<Instant>,
+    /// When a new connection last replaced the old one.
+    last_swapped: Option<Instant>,
 }
 
 impl Cluster {
@@ -150,16 +155,19 @@ impl Cluster {
     }
 
     /// A call timed out: starts making a new connection in the background,
-    /// unless one is being made or was started less than
-    /// [`CLUSTER_REBUILD_INTERVAL`] ago. Never makes the caller wait.
+    /// unless one is being made, or was started less than
+    /// [`CLUSTER_REBUILD_INTERVAL`] ago, or replaced the old one less than
+    /// a call timeout ago (the timeout may be a late one of a call begun on
+    /// the old connection). Never makes the caller wait.
     fn timed_out(self: &Arc<Self>) {
         {
             let mut rebuild = self.rebuild.lock().unwrap_or_else(PoisonError::into_inner);
             let now = Instant::now();
+            let within =
+                |t: Option<Instant>, d: Duration| t.is_some_and(|t| now.duration_since(t) < d);
             if rebuild.in_flight
-                || rebuild
-                    .last_started
-                    .is_some_and(|t| now.duration_since(t) < CLUSTER_REBUILD_INTERVAL)
+                || within(rebuild.last_started, CLUSTER_REBUILD_INTERVAL)
+                || within(rebuild.last_swapped, self.call_timeout)
             {
                 return;
             }
@@ -186,6 +194,11 @@ impl Cluster {
             // serve the slots of every node that answers.
             if let Ok(Ok(conn)) = tokio::time::timeout(cluster.connect_timeout, connecting).await {
                 *cluster.conn.write().unwrap_or_else(PoisonError::into_inner) = conn;
+                cluster
+                    .rebuild
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .last_swapped = Some(Instant::now());
             }
             drop(done);
         });
@@ -328,9 +341,16 @@ impl RedisStore {
                 // accepts connections but never answers would otherwise
                 // spend the whole time alone.
                 let node_connect_timeout = Duration::from_millis(connect_timeout_ms.div_ceil(4));
+                // redis-rs re-sends a request whose node connection timed
+                // out, unless the caller has stopped waiting: its response
+                // timeout is longer than the store's, so the store's always
+                // ends a call first and a timed-out call is never sent
+                // again (it may have been applied).
+                let node_response_timeout =
+                    response_timeout + (response_timeout / 2).max(Duration::from_millis(50));
                 let client = ClusterClient::builder(nodes.clone())
                     .connection_timeout(node_connect_timeout)
-                    .response_timeout(response_timeout)
+                    .response_timeout(node_response_timeout)
                     .retries(2)
                     .min_retry_wait(5)
                     .max_retry_wait(50)
@@ -349,6 +369,7 @@ impl RedisStore {
                     conn: RwLock::new(conn),
                     rebuild: Mutex::default(),
                     connect_timeout,
+                    call_timeout: response_timeout,
                 }))
             } else {
                 let client = redis::Client::open(url).map_err(|e| invalid_url(shown, e))?;
