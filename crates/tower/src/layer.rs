@@ -55,8 +55,10 @@ impl Refusal<'_> {
 type CostFn = dyn Fn(&Parts) -> u64 + Send + Sync;
 type RefusalFn = dyn for<'a> Fn(&Refusal<'a>) -> Response<Bytes> + Send + Sync;
 
-/// Why a layer could not be built.
+/// Why a layer could not be built. New reasons may be added: match with a
+/// catch-all arm.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum BuildError {
     /// The policy name cannot be written into the headers.
     PolicyName(String),
