@@ -346,10 +346,7 @@ fn run_inner(args: &Args) -> Result<(), String> {
         .arg("cluster")
         .query(&mut admin)
         .unwrap_or_default();
-    if cluster_info
-        .lines()
-        .any(|l| l.trim() == "cluster_enabled:1")
-    {
+    if ratewarden_redis::cluster_enabled(&cluster_info) == Some(true) {
         return Err(format!(
             "Redis at {} is a cluster node; bench-redis measures one standalone \
              redis-server (its keys all on that server, as redis-benchmark's are): point \

@@ -395,7 +395,7 @@ impl RedisStore {
                 // a Redis that wants one, a cluster node, or a server that
                 // is not Redis would only show at the first decision: ask
                 // now, so that an unusable store stops the caller at start.
-                check_node(&mut conn, &address).await?;
+                check_node(&mut conn, &address, false).await?;
                 Backend::Node(conn)
             };
             let store = Self::with_connection(backend, config, options);
@@ -924,28 +924,7 @@ async fn cluster_connect_error(
             .get_multiplexed_async_connection_with_config(&config)
             .await
             .map_err(|e| connect_error(e, &address, true))?;
-        redis::cmd("PING")
-            .query_async::<Value>(&mut conn)
-            .await
-            .and_then(Value::extract_error)
-            .map_err(|e| connect_error(e, &address, true))?;
-        // As for a single node, only a clear answer refuses.
-        if let Ok(info) = redis::cmd("INFO")
-            .arg("cluster")
-            .query_async::<String>(&mut conn)
-            .await
-        {
-            if info.lines().any(|l| l.trim() == "cluster_enabled:0") {
-                return Err(StoreError::new(
-                    StoreErrorKind::InvalidInput,
-                    format!(
-                        "Redis at {address} is not a cluster node (cluster_enabled:0): \
-                         use redis://{address}"
-                    ),
-                ));
-            }
-        }
-        Ok(())
+        check_node(&mut conn, &address, true).await
     });
     let probed = futures_util::future::join_all(probes).await;
     if let Some(Err(refused)) = probed
@@ -987,31 +966,57 @@ async fn cluster_connect_error(
 
 /// Checks that a single node can be used: it answers commands (with the
 /// URL's credentials, if any) and is not a cluster node, whose keys a
-/// single-node connection would meet as `MOVED` errors.
-async fn check_node(conn: &mut ConnectionManager, address: &str) -> Result<(), StoreError> {
+/// single-node connection would meet as `MOVED` errors. With `cluster`
+/// (a seed of a `redis-cluster://` URL) the other way round: the node must
+/// be a cluster node.
+async fn check_node<C: ConnectionLike>(
+    conn: &mut C,
+    address: &str,
+    cluster: bool,
+) -> Result<(), StoreError> {
     redis::cmd("PING")
         .query_async::<Value>(conn)
         .await
         .and_then(Value::extract_error)
-        .map_err(|e| connect_error(e, address, false))?;
+        .map_err(|e| connect_error(e, address, cluster))?;
     // INFO may be renamed away on some servers: PING proved the node
-    // answers, so only a clear "cluster_enabled:1" refuses.
-    if let Ok(info) = redis::cmd("INFO")
+    // answers, so only a clear "cluster_enabled" line refuses.
+    let Ok(info) = redis::cmd("INFO")
         .arg("cluster")
         .query_async::<String>(conn)
         .await
-    {
-        if info.lines().any(|l| l.trim() == "cluster_enabled:1") {
-            return Err(StoreError::new(
-                StoreErrorKind::InvalidInput,
-                format!(
-                    "Redis at {address} is a cluster node: use \
-                     redis-cluster://HOST:PORT[,HOST:PORT...] (any nodes as seeds)"
-                ),
-            ));
-        }
-    }
-    Ok(())
+    else {
+        return Ok(());
+    };
+    let advice = match (cluster_enabled(&info), cluster) {
+        (Some(true), false) => format!(
+            "Redis at {address} is a cluster node: use \
+             redis-cluster://HOST:PORT[,HOST:PORT...] (any nodes as seeds)"
+        ),
+        (Some(false), true) => format!(
+            "Redis at {address} is not a cluster node (cluster_enabled:0): use \
+             redis://{address}"
+        ),
+        _ => return Ok(()),
+    };
+    Err(StoreError::new(StoreErrorKind::InvalidInput, advice))
+}
+
+/// Whether a server is a cluster node, as its `INFO cluster` reply says
+/// (`cluster_enabled:1` or `:0`); `None` when the reply does not say.
+///
+/// ```
+/// use ratewarden_redis::cluster_enabled;
+/// assert_eq!(cluster_enabled("# Cluster\r\ncluster_enabled:1\r\n"), Some(true));
+/// assert_eq!(cluster_enabled("# Cluster\r\ncluster_enabled:0\r\n"), Some(false));
+/// assert_eq!(cluster_enabled(""), None);
+/// ```
+pub fn cluster_enabled(info_cluster: &str) -> Option<bool> {
+    info_cluster.lines().find_map(|l| match l.trim() {
+        "cluster_enabled:1" => Some(true),
+        "cluster_enabled:0" => Some(false),
+        _ => None,
+    })
 }
 
 /// A failure to connect or to authenticate to the node at `address`,
