@@ -31,8 +31,9 @@ fn bench_json_rows_parse_with_the_named_fields() {
     let out = ratewarden(&[
         "bench",
         "--json",
+        // Enough keys for bytes_per_key to be measured.
         "--keys",
-        "2000",
+        "100000",
         "--decisions",
         "4000",
         "--reps",
@@ -40,7 +41,7 @@ fn bench_json_rows_parse_with_the_named_fields() {
         "--threads",
         "2",
         "--accuracy-duration-ms",
-        "2000",
+        "5000",
     ]);
     assert!(
         out.status.success(),
@@ -72,7 +73,7 @@ fn bench_json_rows_parse_with_the_named_fields() {
             assert_eq!(row["time_source"], "supplied", "{row}");
         }
         let uniform = find(policy, "uniform-1m");
-        assert_eq!(uniform["entries_tracked"], 2000, "{uniform}");
+        assert_eq!(uniform["entries_tracked"], 100000, "{uniform}");
         assert!(uniform["bytes_per_key"].is_number(), "{uniform}");
         assert_eq!(find(policy, "hot-key")["entries_tracked"], 1);
         assert_eq!(find(policy, "hot-key-every-ms")["entries_tracked"], 1);
@@ -86,8 +87,37 @@ fn bench_json_rows_parse_with_the_named_fields() {
     }
     assert_eq!(
         find("baseline-atomic", "uniform-1m")["entries_tracked"],
-        2000
+        100000
     );
+    // The first line says what the rows were measured with.
+    let run = &rows[0];
+    assert_eq!(run["workload"], "run", "{run}");
+    assert_eq!(
+        (
+            &run["keys"],
+            &run["decisions"],
+            &run["reps"],
+            &run["threads"],
+            &run["accuracy_duration_ms"],
+            &run["seed"],
+            &run["limit"],
+            &run["window_ms"],
+        ),
+        (
+            &100000.into(),
+            &4000.into(),
+            &1.into(),
+            &2.into(),
+            &5000.into(),
+            &1.into(),
+            &100.into(),
+            &1000.into(),
+        ),
+        "{run}"
+    );
+    let published = find("sliding-window-counter", "published");
+    assert_eq!(published["wrong_pct"], 0.003, "{published}");
+    assert!(published["source"].as_str().unwrap().contains("Cloudflare"));
     for shape in [
         "steady-0.8x",
         "steady-2x",
@@ -96,6 +126,7 @@ fn bench_json_rows_parse_with_the_named_fields() {
         "heavy-tail-keys",
     ] {
         let exact = find("sliding-log", shape);
+        assert!(exact["requests"].as_u64().unwrap() > 0, "{exact}");
         assert_eq!(exact["false_admit_pct"], 0.0, "{exact}");
         assert_eq!(exact["false_reject_pct"], 0.0, "{exact}");
         assert!(
@@ -215,7 +246,9 @@ fn simulate_writes_an_svg_chart_and_the_csv_series() {
     ]);
     assert!(!out.status.success());
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("writing /nonexistent/dir/series.csv"),
+        String::from_utf8_lossy(&out.stderr).contains(
+            "--csv /nonexistent/dir/series.csv: the folder /nonexistent/dir does not exist"
+        ),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
@@ -226,6 +259,168 @@ fn simulate_writes_an_svg_chart_and_the_csv_series() {
         .filter(|e| e.file_name().to_string_lossy().starts_with(".ratewarden-"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// Paths are compared and checked as the files they name, before the run:
+/// no spelling of one file gets both outputs, and a path that cannot be
+/// written replaces nothing.
+#[test]
+fn simulate_checks_its_output_paths_before_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = scratch(&dir, "chart.svg");
+    std::fs::write(&svg, "old chart").unwrap();
+    let folder = scratch(&dir, "folder");
+    std::fs::create_dir(&folder).unwrap();
+    let run = |out: &str, csv: &str| {
+        ratewarden(&[
+            "simulate",
+            "--policy",
+            "gcra",
+            "--shape",
+            "steady-2x",
+            "--out",
+            out,
+            "--csv",
+            csv,
+        ])
+    };
+    let svg_text = svg.to_str().unwrap();
+    let dotted = format!("{}/./chart.svg", dir.path().display());
+    let out = run(svg_text, &dotted);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("are the same file"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A CSV path that is a folder: refused, and the old chart stays.
+    let out = run(svg_text, folder.to_str().unwrap());
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("is a folder; give a file path"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(std::fs::read_to_string(&svg).unwrap(), "old chart");
+    fails_with(
+        &[
+            "simulate",
+            "--policy",
+            "gcra",
+            "--shape",
+            "steady-2x",
+            "--out",
+            &format!("{}/", folder.display()),
+        ],
+        &["names a folder; give a file path, such as"],
+    );
+    // A symbolic link is followed: the file it points to gets the chart.
+    #[cfg(unix)]
+    {
+        let link = scratch(&dir, "link.svg");
+        std::os::unix::fs::symlink(&svg, &link).unwrap();
+        let out = ratewarden(&[
+            "simulate",
+            "--policy",
+            "gcra",
+            "--shape",
+            "steady-2x",
+            "--out",
+            link.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
+    }
+}
+
+#[test]
+fn simulate_refuses_what_would_draw_a_misleading_chart() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = scratch(&dir, "never.svg");
+    let svg = svg.to_str().unwrap();
+    fails_with(
+        &[
+            "simulate",
+            "--policy",
+            "gcra,sliding-log,gcra",
+            "--shape",
+            "steady-2x",
+            "--out",
+            svg,
+        ],
+        &["--policy names gcra twice"],
+    );
+    // The attack's first requests are at 999 and 1000 ms.
+    fails_with(
+        &[
+            "simulate",
+            "--policy",
+            "gcra",
+            "--shape",
+            "boundary-attack",
+            "--duration-ms",
+            "1000",
+            "--out",
+            svg,
+        ],
+        &["give --duration-ms 1001 or more"],
+    );
+    fails_with(
+        &[
+            "simulate",
+            "--policy",
+            "gcra",
+            "--shape",
+            "steady-2x",
+            "--duration-ms",
+            "3600000",
+            "--out",
+            svg,
+        ],
+        &["give --bucket-ms 180 or more"],
+    );
+    assert!(!std::path::Path::new(svg).exists());
+}
+
+/// The last bucket, cut short by the end of the run, is a rate over its
+/// own length.
+#[test]
+fn simulate_rates_a_short_last_bucket_over_its_length() {
+    let dir = tempfile::tempdir().unwrap();
+    let (svg, csv) = (scratch(&dir, "s.svg"), scratch(&dir, "s.csv"));
+    let out = ratewarden(&[
+        "simulate",
+        "--policy",
+        "sliding-log",
+        "--shape",
+        "boundary-attack",
+        "--duration-ms",
+        "1001",
+        "--bucket-ms",
+        "500",
+        "--out",
+        svg.to_str().unwrap(),
+        "--csv",
+        csv.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let series = std::fs::read_to_string(&csv).unwrap();
+    let last: Vec<&str> = series.lines().last().unwrap().split(',').collect();
+    // 100 requests in the 1 ms from 1000 to 1001: 100,000 per second
+    // offered, none admitted (the log is full from the 100 at 999).
+    assert_eq!(&last[..4], ["sliding-log", "1000", "100000", "0"]);
 }
 
 fn fails_with(args: &[&str], words: &[&str]) {
@@ -263,12 +458,17 @@ fn negative_counts_name_their_flag() {
     );
     fails_with(
         &["bench", "--accuracy-duration-ms", "999"],
-        &["--accuracy-duration-ms must be at least one window (1000 ms)"],
+        &["--accuracy-duration-ms must reach past the first window edge"],
+    );
+    // At exactly one window the boundary attack would offer nothing.
+    fails_with(
+        &["bench", "--accuracy-duration-ms", "1000"],
+        &["give 1001 or more"],
     );
     let help = ratewarden(&["bench", "--help"]);
     let help = String::from_utf8_lossy(&help.stdout);
     assert!(
-        help.contains("at least 1,000 (one window of the reference configuration)"),
+        help.contains("at least 1,001 (past the first window edge"),
         "{help}"
     );
     fails_with(
@@ -364,7 +564,7 @@ fn bad_arguments_exit_non_zero_with_a_clear_message() {
             "--csv",
             svg,
         ],
-        &["--csv and --out name the same file"],
+        &["are the same file; give the series its own path"],
     );
     // A shape of about 200 billion requests is refused before any is made.
     fails_with(

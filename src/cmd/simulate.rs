@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, ensure, Context, Result};
+use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use ratewarden_core::{PolicyConfig, PolicyKind};
 
@@ -21,7 +22,9 @@ const MAX_BUCKETS: u64 = 20_000;
 /// Arguments of `ratewarden simulate`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Policies to compare, by registry name, separated by commas.
+    /// Policies to compare, by registry name (fixed-window,
+    /// sliding-window-counter, sliding-log, token-bucket, gcra), separated
+    /// by commas, each once.
     #[arg(long, value_delimiter = ',', required = true)]
     pub policy: Vec<String>,
     /// The traffic shape: steady-0.8x, steady-2x, boundary-attack,
@@ -34,17 +37,17 @@ pub struct Args {
     /// The window, in ms.
     #[arg(long, default_value_t = 1000, value_parser = crate::cmd::whole::<u64>)]
     pub window_ms: u64,
-    /// How long the traffic lasts, in ms.
+    /// How long the traffic lasts, in ms, at most 3,600,000 (one hour).
     #[arg(long, default_value_t = 10_000, value_parser = crate::cmd::whole::<u64>)]
     pub duration_ms: u64,
     /// The traffic's random seed.
     #[arg(long, default_value_t = 1, value_parser = crate::cmd::whole::<u64>)]
     pub seed: u64,
-    /// The width of one time bucket of the chart, in ms [default: a
-    /// twentieth of the window].
+    /// The width of one time bucket of the chart, in ms, at most 20,000
+    /// buckets in all [default: a twentieth of the window].
     #[arg(long, value_parser = crate::cmd::whole::<u64>)]
     pub bucket_ms: Option<u64>,
-    /// Where to write the chart (SVG).
+    /// Where to write the chart (SVG); replaced only when the run succeeds.
     #[arg(long)]
     pub out: PathBuf,
     /// Where to write the series as CSV.
@@ -67,9 +70,11 @@ fn simulate(args: &Args) -> Result<()> {
         PolicyConfig::new(kind, args.limit, args.window_ms)
             .build()
             .with_context(|| format!("--limit {} --window-ms {}", args.limit, args.window_ms))?;
-        if !kinds.contains(&kind) {
-            kinds.push(kind);
-        }
+        ensure!(
+            !kinds.contains(&kind),
+            "--policy names {kind} twice; name each policy once"
+        );
+        kinds.push(kind);
     }
     ensure!(
         (1..=MAX_DURATION_MS).contains(&args.duration_ms),
@@ -80,18 +85,32 @@ fn simulate(args: &Args) -> Result<()> {
     ensure!(bucket_ms >= 1, "--bucket-ms must be at least 1");
     ensure!(
         args.duration_ms.div_ceil(bucket_ms) <= MAX_BUCKETS,
-        "--duration-ms / --bucket-ms gives more than {MAX_BUCKETS} buckets; raise --bucket-ms"
-    );
-    ensure!(
-        args.csv.as_ref() != Some(&args.out),
-        "--csv and --out name the same file, {}; give the series its own path",
-        args.out.display()
+        "--duration-ms {} in buckets of {bucket_ms} ms is more than {MAX_BUCKETS} buckets; \
+         give --bucket-ms {} or more",
+        args.duration_ms,
+        args.duration_ms.div_ceil(MAX_BUCKETS)
     );
     ensure!(
         args.limit >= 1,
         "--limit must be at least 1: every shape offers traffic in proportion to the limit, \
          so a limit of 0 offers none"
     );
+    // Where the files go is checked before the run, so that a mistake in
+    // a path costs no simulation and replaces no file.
+    let out = Output::check("--out", &args.out)?;
+    let csv = args
+        .csv
+        .as_ref()
+        .map(|csv| Output::check("--csv", csv))
+        .transpose()?;
+    if let Some(csv) = &csv {
+        ensure!(
+            csv.target != out.target,
+            "--csv {} and --out {} are the same file; give the series its own path",
+            csv.given.display(),
+            out.given.display()
+        );
+    }
     let params = ShapeParams {
         limit: args.limit,
         window_ms: args.window_ms,
@@ -109,6 +128,23 @@ fn simulate(args: &Args) -> Result<()> {
         args.duration_ms
     );
     let requests = shape.generate(&params);
+    if requests.is_empty() {
+        if shape == Shape::BoundaryAttack {
+            bail!(
+                "{shape} sends its first requests at ms {} and {}, at the first window edge; \
+                 give --duration-ms {} or more",
+                args.window_ms - 1,
+                args.window_ms,
+                args.window_ms + 1
+            );
+        }
+        bail!(
+            "{shape} made no request in --duration-ms {} with --seed {}; give a longer \
+             --duration-ms (or another --seed)",
+            args.duration_ms,
+            args.seed
+        );
+    }
     let mut runs = Vec::new();
     for kind in kinds {
         let admitted = decisions(kind, args.limit, args.window_ms, &requests)?;
@@ -123,36 +159,125 @@ fn simulate(args: &Args) -> Result<()> {
     }
     // Both files are made in memory and written only when both exist, so
     // a failed run leaves neither behind, nor half of an older one.
-    let mut files = vec![(args.out.as_path(), draw(shape, args, bucket_ms, &runs)?)];
-    if let Some(csv) = &args.csv {
-        files.push((csv.as_path(), csv_text(args, &runs)));
+    let mut files = vec![(out, draw(shape, args, bucket_ms, &runs)?)];
+    if let Some(csv) = csv {
+        files.push((csv, csv_text(args, &runs)));
     }
     publish(&files)
 }
 
-/// Writes each `(path, text)` to a temporary file beside its path and,
-/// once every one is written, moves each into place: a run that fails
-/// to write any file leaves every path as it was.
-fn publish(files: &[(&Path, String)]) -> Result<()> {
-    let mut written = Vec::with_capacity(files.len());
-    for (path, text) in files {
-        let dir = match path.parent() {
+/// A file to write: the path as given, and the file it names.
+struct Output<'a> {
+    flag: &'static str,
+    given: &'a Path,
+    /// The folder's canonical path joined with the file name, or, when
+    /// the file exists, its own canonical path (a symbolic link is
+    /// followed, so that the file it points to is replaced, not the link).
+    target: PathBuf,
+}
+
+impl<'a> Output<'a> {
+    /// Checks that `given` names a regular file, new or old, in a folder
+    /// that exists, saying what to change if not.
+    fn check(flag: &'static str, given: &'a Path) -> Result<Output<'a>> {
+        let shown = given.display();
+        let example = given.join(if flag == "--csv" {
+            "series.csv"
+        } else {
+            "chart.svg"
+        });
+        let Some(name) = given
+            .file_name()
+            .filter(|_| !given.as_os_str().to_string_lossy().ends_with('/'))
+        else {
+            bail!(
+                "{flag} {shown} names a folder; give a file path, such as {}",
+                example.display()
+            );
+        };
+        let folder = match given.parent() {
             Some(dir) if !dir.as_os_str().is_empty() => dir,
             _ => Path::new("."),
         };
+        let folder = std::fs::canonicalize(folder).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => anyhow::anyhow!(
+                "{flag} {shown}: the folder {} does not exist; create it or give another path",
+                folder.display()
+            ),
+            _ => anyhow::anyhow!(
+                "{flag} {shown}: cannot reach the folder {}: {e}",
+                folder.display()
+            ),
+        })?;
+        ensure!(
+            folder.is_dir(),
+            "{flag} {shown}: {} is not a folder",
+            folder.display()
+        );
+        let target = match std::fs::canonicalize(given) {
+            Ok(existing) => {
+                let meta =
+                    std::fs::metadata(&existing).with_context(|| format!("{flag} {shown}"))?;
+                ensure!(
+                    !meta.is_dir(),
+                    "{flag} {shown} is a folder; give a file path, such as {}",
+                    example.display()
+                );
+                ensure!(
+                    meta.is_file(),
+                    "{flag} {shown} is not a regular file (a device, a pipe or a socket); \
+                     give a file path"
+                );
+                existing
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => folder.join(name),
+            Err(e) => bail!("{flag} {shown}: {e}"),
+        };
+        Ok(Output {
+            flag,
+            given,
+            target,
+        })
+    }
+}
+
+/// Writes each file's text to a temporary file beside its target and,
+/// once every one is written, moves each into place. A run that fails to
+/// write any file leaves every path as it was; the targets were checked
+/// before the run, so a move fails only if one changed since.
+fn publish(files: &[(Output, String)]) -> Result<()> {
+    let mut written = Vec::with_capacity(files.len());
+    for (output, text) in files {
+        let dir = output.target.parent().unwrap_or(Path::new("."));
         let temp = temp_beside(dir)
             .and_then(|mut temp| {
                 temp.write_all(text.as_bytes())?;
                 temp.flush()?;
                 Ok(temp)
             })
-            .with_context(|| format!("writing {}", path.display()))?;
-        written.push((temp, *path));
+            // The temporary file's own name would only confuse: say
+            // what could not be written, and where.
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "{} {}: cannot write a file in {}: {}",
+                    output.flag,
+                    output.given.display(),
+                    dir.display(),
+                    std::io::Error::from(e.kind())
+                )
+            })?;
+        written.push((temp, output));
     }
-    for (temp, path) in written {
-        temp.persist(path)
+    for (temp, output) in written {
+        temp.persist(&output.target)
             .map_err(|e| e.error)
-            .with_context(|| format!("writing {}", path.display()))?;
+            .with_context(|| {
+                format!(
+                    "{} {}: moving the new file into place",
+                    output.flag,
+                    output.given.display()
+                )
+            })?;
     }
     Ok(())
 }
@@ -179,12 +304,24 @@ fn temp_beside(dir: &Path) -> std::io::Result<tempfile::NamedTempFile> {
     builder.tempfile_in(dir)
 }
 
+/// A series drawn as steps: each bucket's value held from its start to
+/// its end, so that a line shows the bucket it stands for.
+fn steps(points: &[Point], value: impl Fn(&Point) -> f64) -> Vec<(f64, f64)> {
+    points
+        .iter()
+        .flat_map(|p| {
+            let v = value(p);
+            [(p.start_ms as f64, v), (p.end_ms as f64, v)]
+        })
+        .collect()
+}
+
 /// The chart, as SVG text.
 fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<String> {
     let points = || runs.iter().flat_map(|r| r.points.iter());
     // Headroom above the highest line keeps the legend clear of the data.
     let rate_top = points()
-        .map(|p| p.offered_per_sec.max(p.admitted_per_sec))
+        .map(|p| p.offered_per_sec().max(p.admitted_per_sec()))
         .fold(1.0, f64::max)
         * 1.7;
     let count_top = points()
@@ -197,9 +334,15 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
     let root = SVGBackend::with_string(&mut svg, (1200, 720)).into_drawing_area();
     let result = (|| -> Result<(), Box<dyn std::error::Error>> {
         root.fill(&WHITE)?;
+        // The boundary attack draws no random numbers: no seed to name.
+        let seed = if shape.is_seeded() {
+            format!(", seed {}", args.seed)
+        } else {
+            String::new()
+        };
         let caption = format!(
-            "{}: limit {} per {} ms, seed {}; rates in {} ms buckets",
-            shape, args.limit, args.window_ms, args.seed, bucket_ms
+            "{}: limit {} per {} ms{seed}; rates in {} ms buckets",
+            shape, args.limit, args.window_ms, bucket_ms
         );
         let mut chart = ChartBuilder::on(&root)
             .caption(caption, ("sans-serif", 22))
@@ -213,6 +356,7 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
             .configure_mesh()
             .x_desc("time (ms)")
             .y_desc("offered and admitted rate (requests/s), solid")
+            .x_label_formatter(&|ms| format!("{ms:.0}"))
             .label_style(("sans-serif", 15))
             .draw()?;
         chart
@@ -227,10 +371,7 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
         if let Some(first) = runs.first() {
             chart
                 .draw_series(LineSeries::new(
-                    first
-                        .points
-                        .iter()
-                        .map(|p| (p.start_ms as f64, p.offered_per_sec)),
+                    steps(&first.points, Point::offered_per_sec),
                     grey.stroke_width(1),
                 ))?
                 .label("offered rate")
@@ -247,7 +388,9 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
                 BLACK.stroke_width(2),
             ))?
             .label(format!("limit: {} per {} ms", args.limit, args.window_ms))
-            .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(2)));
+            .legend(|(x, y)| {
+                DashedPathElement::new([(x, y), (x + 20, y)], 3, 3, BLACK.stroke_width(2))
+            });
         for (i, run) in runs.iter().enumerate() {
             let color = PALETTE[i % PALETTE.len()];
             // Earlier policies are drawn wider, so a policy that decides
@@ -255,9 +398,7 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
             let width = 2 * (runs.len() - i) as u32;
             chart
                 .draw_series(LineSeries::new(
-                    run.points
-                        .iter()
-                        .map(|p| (p.start_ms as f64, p.admitted_per_sec)),
+                    steps(&run.points, Point::admitted_per_sec),
                     color.stroke_width(width),
                 ))?
                 .label(format!("{}: admitted rate", run.kind))
@@ -266,9 +407,7 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
                 });
             chart
                 .draw_secondary_series(DashedLineSeries::new(
-                    run.points
-                        .iter()
-                        .map(|p| (p.start_ms as f64, p.trailing_count as f64)),
+                    steps(&run.points, |p| p.trailing_count as f64),
                     8,
                     4,
                     color.stroke_width(width),
@@ -278,7 +417,7 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
                     run.kind
                 ))
                 .legend(move |(x, y)| {
-                    PathElement::new([(x, y), (x + 7, y)], color.stroke_width(3))
+                    DashedPathElement::new([(x, y), (x + 20, y)], 6, 3, color.stroke_width(3))
                 });
         }
         chart
@@ -308,8 +447,8 @@ fn csv_text(args: &Args, runs: &[Run]) -> String {
                 "{},{},{},{},{},{}\n",
                 run.kind,
                 p.start_ms,
-                p.offered_per_sec,
-                p.admitted_per_sec,
+                p.offered_per_sec(),
+                p.admitted_per_sec(),
                 p.trailing_count,
                 args.limit
             ));

@@ -127,13 +127,36 @@ pub fn max_in_window(requests: &[Request], admitted: &[bool], window_ms: u64) ->
 pub struct Point {
     /// The bucket's start.
     pub start_ms: u64,
-    /// Requests offered in the bucket, as a rate per second.
-    pub offered_per_sec: f64,
-    /// Requests admitted in the bucket, as a rate per second.
-    pub admitted_per_sec: f64,
+    /// The bucket's end (exclusive): `bucket_ms` after its start, or the
+    /// end of the run for a last bucket cut short.
+    pub end_ms: u64,
+    /// Requests offered in the bucket.
+    pub offered: u64,
+    /// Requests admitted in the bucket.
+    pub admitted: u64,
     /// The highest count of admitted requests of the busiest key in the
     /// trailing `window_ms`, over the bucket.
     pub trailing_count: u64,
+}
+
+impl Point {
+    /// Requests offered in the bucket, as a rate per second of the
+    /// bucket's own length.
+    pub fn offered_per_sec(&self) -> f64 {
+        self.per_sec(self.offered)
+    }
+
+    /// Requests admitted in the bucket, as a rate per second of the
+    /// bucket's own length.
+    pub fn admitted_per_sec(&self) -> f64 {
+        self.per_sec(self.admitted)
+    }
+
+    // One division of whole numbers, so that a rate that is whole prints
+    // whole (adding a fraction per request would print 400.00000000000006).
+    fn per_sec(&self, count: u64) -> f64 {
+        (count as f64 * 1000.0) / (self.end_ms - self.start_ms) as f64
+    }
 }
 
 /// The series of one policy over a shape, in buckets of `bucket_ms`.
@@ -147,12 +170,12 @@ pub fn series(
     bucket_ms: u64,
 ) -> Vec<Point> {
     let buckets = duration_ms.div_ceil(bucket_ms) as usize;
-    let scale = 1000.0 / bucket_ms as f64;
-    let mut points: Vec<Point> = (0..buckets)
+    let mut points: Vec<Point> = (0..buckets as u64)
         .map(|i| Point {
-            start_ms: i as u64 * bucket_ms,
-            offered_per_sec: 0.0,
-            admitted_per_sec: 0.0,
+            start_ms: i * bucket_ms,
+            end_ms: ((i + 1) * bucket_ms).min(duration_ms),
+            offered: 0,
+            admitted: 0,
             trailing_count: 0,
         })
         .collect();
@@ -162,9 +185,9 @@ pub fn series(
         let Some(point) = points.get_mut((r.at_ms / bucket_ms) as usize) else {
             continue;
         };
-        point.offered_per_sec += scale;
+        point.offered += 1;
         if a {
-            point.admitted_per_sec += scale;
+            point.admitted += 1;
         }
         if a && Some(r.key) == busiest {
             while trailing.front().is_some_and(|&t| r.at_ms - t >= window_ms) {
@@ -280,10 +303,24 @@ mod tests {
         let points = series(&requests, &[true, false, true, true], 10, 20, 10);
         assert_eq!(points.len(), 2);
         // Three offered and two admitted in 10 ms: 300 and 200 per second.
-        assert_eq!(points[0].offered_per_sec, 300.0);
-        assert_eq!(points[0].admitted_per_sec, 200.0);
+        assert_eq!(points[0].offered_per_sec(), 300.0);
+        assert_eq!(points[0].admitted_per_sec(), 200.0);
         assert_eq!(points[0].trailing_count, 2);
         // At 12 the admission at 0 has left the window (12 - 0 >= 10).
         assert_eq!(points[1].trailing_count, 2);
+    }
+
+    #[test]
+    fn a_last_bucket_cut_short_is_a_rate_over_its_own_length() {
+        let requests: Vec<Request> = [0, 10, 11].map(|at_ms| Request { key: 3, at_ms }).to_vec();
+        // 12 ms in buckets of 10: the second bucket is 10..12, 2 ms long.
+        let points = series(&requests, &[true, true, false], 10, 12, 10);
+        assert_eq!((points[1].start_ms, points[1].end_ms), (10, 12));
+        assert_eq!(points[1].offered_per_sec(), 1000.0);
+        assert_eq!(points[1].admitted_per_sec(), 500.0);
+        // A rate that is whole prints whole: 6 requests in 15 ms.
+        let requests: Vec<Request> = (0..6).map(|at_ms| Request { key: 3, at_ms }).collect();
+        let points = series(&requests, &[true; 6], 300, 15, 15);
+        assert_eq!(points[0].offered_per_sec().to_string(), "400");
     }
 }

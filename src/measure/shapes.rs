@@ -89,6 +89,12 @@ impl Shape {
         }
     }
 
+    /// Whether the shape draws random numbers (the boundary attack is
+    /// the same for every seed).
+    pub const fn is_seeded(self) -> bool {
+        !matches!(self, Shape::BoundaryAttack)
+    }
+
     /// How many requests the shape generates for `p`: the boundary
     /// attack's exact count, the other shapes' mean (the heavy tail's
     /// without its cap, so never below the mean). What callers bound by
