@@ -46,6 +46,6 @@ if ttl < 0 then ttl = 0 elseif ttl > MAX_TTL then ttl = MAX_TTL end
 if ttl <= 0 and GRACE == 0 then
   if s then redis.call('DEL', KEYS[1]) end
 else
-  redis.call('SET', KEYS[1], struct.pack('>dd', start, current), 'PX', ttl + GRACE)
+  redis.call('SET', KEYS[1], struct.pack('>dd', start, current), 'PX', string.format('%.0f', ttl + GRACE))
 end
 return result

@@ -89,6 +89,6 @@ if ttl <= 0 and GRACE == 0 then
   if s then redis.call('DEL', KEYS[1]) end
 else
   if ttl < 0 then ttl = 0 end
-  redis.call('SET', KEYS[1], value, 'PX', ttl + GRACE)
+  redis.call('SET', KEYS[1], value, 'PX', string.format('%.0f', ttl + GRACE))
 end
 return result

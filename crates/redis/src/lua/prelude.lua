@@ -20,8 +20,11 @@
 -- the arithmetic. Each policy ends the same way: an already forgettable
 -- key with no grace is deleted; any other is written with a PX of the ms
 -- until forgetting it can change no decision, plus the grace (at least 1,
--- as a PX must be). Numbers below 2^53 are passed to redis.call as they
--- are: Redis writes them as plain integers.
+-- as a PX must be). That PX is passed as a decimal string
+-- (string.format '%.0f', exact for integers below 2^53), not as a Lua
+-- number: Redis 7.2.0 to 7.2.4 write a number argument with fpconv_dtoa,
+-- which puts a whole number with trailing zeros in exponent form (10^8
+-- becomes '1e+08'), and SET refuses such a PX (redis/redis#13113).
 --
 -- Arguments of every script: KEYS[1] the key; ARGV = limit, window_ms,
 -- burst, cost, now_ms ('' reads Redis TIME), grace_ms, max_ttl_ms.

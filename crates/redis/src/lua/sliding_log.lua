@@ -89,6 +89,6 @@ if ttl <= 0 and GRACE == 0 then
 else
   local body = ''
   if kept > 0 then body = string.sub(s, 9 + (first - 1) * 16, 8 + last * 16) end
-  redis.call('SET', KEYS[1], struct.pack('>d', used) .. body .. tail, 'PX', ttl + GRACE)
+  redis.call('SET', KEYS[1], struct.pack('>d', used) .. body .. tail, 'PX', string.format('%.0f', ttl + GRACE))
 end
 return result

@@ -108,6 +108,6 @@ end
 if ttl <= 0 and GRACE == 0 then
   if s then redis.call('DEL', KEYS[1]) end
 else
-  redis.call('SET', KEYS[1], struct.pack('>ddd', start, previous, current), 'PX', ttl + GRACE)
+  redis.call('SET', KEYS[1], struct.pack('>ddd', start, previous, current), 'PX', string.format('%.0f', ttl + GRACE))
 end
 return result
