@@ -7,8 +7,8 @@
 # keys, pipeline 16, Redis TIME), with the reference configuration (100 per
 # 1000 ms); only the instructions inside EVALSHA are counted.
 #
-# Usage: scripts/redis-script-cost.sh [CALLS]   (default 5000; about 10 s
-# per script). Needs redis-server, redis-benchmark, redis-cli, valgrind.
+# Usage: scripts/redis-script-cost.sh [CALLS]   (default 5000; about 40 s
+# for the six scripts). Needs redis-server, redis-benchmark, redis-cli, valgrind.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 calls="${1:-5000}"
