@@ -3,12 +3,11 @@
 //! and housekeeping.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use ratewarden_core::{Decision, FailurePolicy, StoreError, StoreErrorKind, MAX_SAFE};
+use ratewarden_core::{Decision, FailurePolicy, LogGate, StoreError, StoreErrorKind, MAX_SAFE};
 
 use crate::config::{ConfigSource, ServerSettings};
 use crate::metrics::{Metrics, Outcome};
@@ -75,9 +74,10 @@ pub struct Service {
     pub metrics: Arc<Metrics>,
     reload_lock: tokio::sync::Mutex<()>,
     started: Instant,
-    last_error_log_ms: AtomicU64,
-    last_domain_log_ms: AtomicU64,
-    last_override_log_ms: AtomicU64,
+    /// One line a second for each warning repeated on every request.
+    error_log: LogGate,
+    domain_log: LogGate,
+    override_log: LogGate,
 }
 
 impl std::fmt::Debug for Service {
@@ -108,9 +108,9 @@ impl Service {
             metrics,
             reload_lock: tokio::sync::Mutex::new(()),
             started: Instant::now(),
-            last_error_log_ms: AtomicU64::new(0),
-            last_domain_log_ms: AtomicU64::new(0),
-            last_override_log_ms: AtomicU64::new(0),
+            error_log: LogGate::new(1000),
+            domain_log: LogGate::new(1000),
+            override_log: LogGate::new(1000),
         })
     }
 
@@ -275,7 +275,7 @@ impl Service {
             // refuse all traffic over a typo in its domain; the warning and
             // the counter make the typo visible instead.
             self.metrics.unknown_domain();
-            if self.log_now(&self.last_domain_log_ms) {
+            if self.log_now(&self.domain_log) {
                 let shown: String = domain.chars().take(100).collect();
                 tracing::warn!(
                     domain = %shown.escape_debug(),
@@ -521,7 +521,7 @@ impl Service {
     /// Logs a store failure, at most one line a second: a store that is
     /// down fails every request, and the metrics count them all.
     fn log_store_error(&self, rule: &Rule, e: &StoreError, policy: FailurePolicy) {
-        if self.log_now(&self.last_error_log_ms) {
+        if self.log_now(&self.error_log) {
             tracing::warn!(rule = %rule.spec.name, failure_policy = %policy, "store failed: {e}");
         }
     }
@@ -532,7 +532,7 @@ impl Service {
     /// go unnoticed.
     pub fn limit_overrides_ignored(&self, n: usize, why: &str) {
         self.metrics.limit_overrides_ignored(n);
-        if self.log_now(&self.last_override_log_ms) {
+        if self.log_now(&self.override_log) {
             tracing::warn!(
                 "a request carried a descriptor limit override (RateLimitDescriptor.limit) that is \
                  ignored because of {why}; the configured rule applies"
@@ -541,15 +541,10 @@ impl Service {
     }
 
     /// Whether a warning repeated on every request may be logged now: at
-    /// most once a second per `last` (the time of the last one, in ms since
-    /// start, 0 for never).
-    fn log_now(&self, last_ms: &AtomicU64) -> bool {
+    /// most once a second per gate (the metrics count every occurrence).
+    fn log_now(&self, gate: &LogGate) -> bool {
         let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let last = last_ms.load(Ordering::Relaxed);
-        (now_ms >= last + 1000 || last == 0)
-            && last_ms
-                .compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
+        gate.pass(now_ms).is_some()
     }
 }
 
@@ -567,6 +562,7 @@ mod tests {
     use super::*;
     use crate::config::Config;
     use crate::store::StoreUrl;
+    use std::sync::atomic::{AtomicU64, Ordering};
 
     async fn service(text: &str) -> Service {
         let config = Config::parse(text, "t.toml").unwrap();

@@ -3,15 +3,15 @@
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, StatusCode};
 use ratewarden_core::{
-    BoxFuture, ConfigError, Decision, FailurePolicy, KeyHash, Limiter, LocalLimiter, PolicyConfig,
-    StoreError,
+    BoxFuture, ConfigError, Decision, FailurePolicy, KeyHash, Limiter, LocalLimiter, LogGate,
+    PolicyConfig, StoreError,
 };
 use tower_layer::Layer;
 use tower_service::Service;
@@ -114,6 +114,31 @@ struct Shared {
     fallback: Option<LocalLimiter>,
     check_timeout: Duration,
     headers: RateLimitHeaders,
+    logs: FailureLogs,
+}
+
+/// One warning a second while the limiter fails, and one for a failing
+/// fallback: a limiter that is down fails every request, and a line per
+/// request would let any client flood the log.
+struct FailureLogs {
+    limiter: LogGate,
+    fallback: LogGate,
+    /// The origin of the gates' milliseconds (monotonic).
+    started: Instant,
+}
+
+impl FailureLogs {
+    fn new() -> Self {
+        FailureLogs {
+            limiter: LogGate::new(1000),
+            fallback: LogGate::new(1000),
+            started: Instant::now(),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
 }
 
 /// Configures a [`RateLimitLayer`]; made by [`RateLimitLayer::builder`].
@@ -246,6 +271,7 @@ impl RateLimitBuilder {
                 fallback,
                 check_timeout: self.check_timeout,
                 headers,
+                logs: FailureLogs::new(),
             }),
         })
     }
@@ -298,6 +324,7 @@ impl RateLimitLayer {
                 failure_policy: FailurePolicy::FailClosed,
                 fallback: None,
                 check_timeout: DEFAULT_CHECK_TIMEOUT,
+                logs: FailureLogs::new(),
             }),
         }
     }
@@ -406,7 +433,15 @@ impl Shared {
             Err(e) if e.is_invalid_input() => return Verdict::Invalid(e),
             Err(e) => e,
         };
-        tracing::warn!(%error, failure_policy = %self.failure_policy, "rate limiter failed");
+        let now_ms = self.logs.now_ms();
+        if let Some(held_back) = self.logs.limiter.pass(now_ms) {
+            tracing::warn!(
+                %error,
+                failure_policy = %self.failure_policy,
+                failures_not_logged = held_back,
+                "rate limiter failed"
+            );
+        }
         match self.failure_policy {
             FailurePolicy::FailOpen => Verdict::AdmitUndecided,
             FailurePolicy::FailClosed => Verdict::Unavailable,
@@ -414,7 +449,14 @@ impl Shared {
                 Some(Ok(decision)) => Verdict::Decided(decision),
                 Some(Err(e)) if e.is_invalid_input() => Verdict::Invalid(e),
                 Some(Err(fallback_error)) => {
-                    tracing::warn!(%error, %fallback_error, "rate limiter and local fallback failed; refusing");
+                    if let Some(held_back) = self.logs.fallback.pass(now_ms) {
+                        tracing::warn!(
+                            %error,
+                            %fallback_error,
+                            failures_not_logged = held_back,
+                            "rate limiter and local fallback failed; refusing"
+                        );
+                    }
                     Verdict::Unavailable
                 }
                 None => Verdict::Unavailable,
@@ -464,6 +506,17 @@ fn text_response(status: StatusCode, body: String) -> Response<Bytes> {
 pub fn default_refusal(refusal: &Refusal<'_>) -> Response<Bytes> {
     let body = match refusal.retry_after_secs() {
         Some(secs) => format!("rate limit exceeded; retry in {secs} s\n"),
+        // A bucket that never refills refuses every cost once its burst
+        // is spent, not only a cost above what it holds.
+        None if refusal.config.policy.has_burst()
+            && refusal.config.limit == 0
+            && refusal.cost <= refusal.config.effective_burst() =>
+        {
+            format!(
+                "rate limit exceeded; {} never refills, and its burst is spent\n",
+                refusal.config
+            )
+        }
         None => format!(
             "rate limit exceeded; a request of cost {} is above what {} can ever admit\n",
             refusal.cost, refusal.config

@@ -718,6 +718,25 @@ async fn a_request_that_never_fits_claims_no_retry_time() {
     );
 }
 
+/// A bucket that never refills admits its burst, then refuses for good:
+/// the body says why, rather than blaming the cost.
+#[tokio::test]
+async fn a_bucket_that_never_refills_says_so_once_its_burst_is_spent() {
+    for kind in [PolicyKind::TokenBucket, PolicyKind::Gcra] {
+        let config = PolicyConfig::new(kind, 0, 1000).with_burst(2);
+        let (limiter, _clock) = local(config);
+        let app = router(RateLimitLayer::new(Arc::new(limiter), GlobalKey::new(0)));
+        assert_eq!(admitted(&app, || Request::builder().uri("/"), 2).await, 2);
+        let (response, body) = send(&app, Request::builder().uri("/")).await;
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(header(&response, &RETRY_AFTER), None);
+        assert_eq!(
+            body,
+            format!("rate limit exceeded; {kind} 0 per 1000 ms (burst 2) never refills, and its burst is spent\n")
+        );
+    }
+}
+
 #[tokio::test]
 async fn the_refusal_response_is_configurable() {
     let config = PolicyConfig::new(PolicyKind::FixedWindow, 1, 1000);
@@ -843,6 +862,60 @@ async fn fail_open_admits_without_rate_limit_headers() {
         assert_eq!(body, "undecided");
         assert_eq!(header(&response, &RATELIMIT), None);
     }
+}
+
+/// What a writer of log lines wrote, shared with the test.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A limiter that is down fails every request: the layer logs one line a
+/// second, not one a request (which any client could turn into a flood).
+#[tokio::test]
+async fn a_failing_limiter_is_logged_once_a_second_not_per_request() {
+    let log = Captured::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    // A current-thread runtime: the requests run on this thread.
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let layer = RateLimitLayer::builder(failing(), GlobalKey::new(0))
+        .failure_policy(FailurePolicy::FailOpen)
+        .build()
+        .unwrap();
+    let app = router(layer);
+    let started = std::time::Instant::now();
+    for _ in 0..150 {
+        let (response, _) = send(&app, Request::builder().uri("/")).await;
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    let seconds = started.elapsed().as_secs() as usize;
+    let text = String::from_utf8_lossy(&log.0.lock().unwrap()).into_owned();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("rate limiter failed"))
+        .collect();
+    // One line for the first failure, and at most one more per second
+    // the requests took (far less than a second, unless the machine is
+    // very busy).
+    assert!(!lines.is_empty() && lines.len() <= 1 + seconds, "{text}");
+    assert!(
+        lines[0].contains("WARN") && lines[0].contains("connection refused"),
+        "{text}"
+    );
+    assert!(lines[0].contains("failures_not_logged=0"), "{text}");
 }
 
 #[tokio::test]
