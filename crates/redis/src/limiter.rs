@@ -1,12 +1,13 @@
 //! [`RedisLimiter`]: the Redis store behind the core's `Limiter` trait,
 //! with a failure policy for when Redis fails.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use ratewarden_core::{
-    BoxFuture, Clock, ConfigError, Decision, FailurePolicy, Limiter, LocalLimiter, MemoryOptions,
-    PolicyConfig, StoreError, StoreErrorKind,
+    BoxFuture, Clock, ConfigError, Decision, FailurePolicy, Limiter, LocalLimiter, LogGate,
+    MemoryOptions, PolicyConfig, StoreError, StoreErrorKind,
 };
 
 use crate::RedisStore;
@@ -78,6 +79,11 @@ pub struct Checked {
 /// the limit alone until Redis returns. Corrupt state and invalid input are
 /// returned as errors: retrying cannot fix them and admitting would hide
 /// them. The connection reconnects by itself when Redis returns.
+///
+/// A failure answered by the policy is logged with `tracing::warn!`, at
+/// most one line a second (each line says how many failures it stands for),
+/// and the first decision by Redis after failures with `tracing::info!`;
+/// [`failure_counts`](RedisLimiter::failure_counts) counts every one.
 #[derive(Clone)]
 pub struct RedisLimiter {
     inner: Arc<Inner>,
@@ -89,6 +95,13 @@ struct Inner {
     failure_policy: FailurePolicy,
     fallback: LocalLimiter,
     counters: Counters,
+    /// One warning a second while Redis fails.
+    failure_log: LogGate,
+    /// Whether the last call failed, so that the first success says Redis
+    /// answers again.
+    failing: AtomicBool,
+    /// The origin of the gate's milliseconds (monotonic).
+    started: Instant,
 }
 
 impl std::fmt::Debug for RedisLimiter {
@@ -126,6 +139,9 @@ impl RedisLimiter {
                 failure_policy,
                 fallback,
                 counters: Counters::default(),
+                failure_log: LogGate::new(1000),
+                failing: AtomicBool::new(false),
+                started: Instant::now(),
             }),
         })
     }
@@ -165,10 +181,15 @@ impl RedisLimiter {
         };
         let error = match inner.store.decide(key, now_ms, cost).await {
             Ok(decision) => {
+                if inner.failing.load(Ordering::Relaxed)
+                    && inner.failing.swap(false, Ordering::Relaxed)
+                {
+                    tracing::info!(redis = inner.store.url(), "Redis answers again");
+                }
                 return Ok(Checked {
                     decision,
                     failure: None,
-                })
+                });
             }
             Err(e) if e.is_transient() => e,
             Err(e) => return Err(e),
@@ -180,6 +201,16 @@ impl RedisLimiter {
             _ => &c.backend_errors,
         }
         .fetch_add(1, Ordering::Relaxed);
+        inner.failing.store(true, Ordering::Relaxed);
+        let now_ms = u64::try_from(inner.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        if let Some(held_back) = inner.failure_log.pass(now_ms) {
+            tracing::warn!(
+                redis = inner.store.url(),
+                failure_policy = %inner.failure_policy,
+                failures_not_logged = held_back,
+                "Redis failed, the failure policy answers: {error}"
+            );
+        }
         let decision = match inner.failure_policy {
             FailurePolicy::FailOpen => {
                 c.failed_open.fetch_add(1, Ordering::Relaxed);

@@ -249,11 +249,14 @@ struct Inner {
     /// ARGV 1..3: limit, window_ms, burst.
     config_args: [String; 3],
     options: RedisOptions,
+    /// The URL connected to, redacted.
+    url: String,
 }
 
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
+            .field("url", &self.inner.url)
             .field("config", &self.inner.config)
             .field("key_prefix", &self.inner.key_prefix)
             .field("options", &self.inner.options)
@@ -398,7 +401,7 @@ impl RedisStore {
                 check_node(&mut conn, &address, false).await?;
                 Backend::Node(conn)
             };
-            let store = Self::with_connection(backend, config, options);
+            let store = Self::with_connection(backend, crate::redact_url(url), config, options);
             // Loading the script proves that scripts can run (on every
             // master of a cluster) and saves the first call a NOSCRIPT.
             store.load_script(&mut store.conn()).await.map_err(|e| {
@@ -419,7 +422,12 @@ impl RedisStore {
             })?
     }
 
-    fn with_connection(backend: Backend, config: PolicyConfig, options: RedisOptions) -> Self {
+    fn with_connection(
+        backend: Backend,
+        url: String,
+        config: PolicyConfig,
+        options: RedisOptions,
+    ) -> Self {
         let body = match config.policy {
             PolicyKind::FixedWindow => FIXED_WINDOW,
             PolicyKind::SlidingWindowCounter => SLIDING_WINDOW_COUNTER,
@@ -457,8 +465,15 @@ impl RedisStore {
                 key_prefix,
                 config_args,
                 options,
+                url,
             }),
         }
+    }
+
+    /// The URL the store connected to, with any password replaced by
+    /// `***`: what logs and messages name it by.
+    pub fn url(&self) -> &str {
+        &self.inner.url
     }
 
     /// The configuration every key is decided by.

@@ -193,6 +193,103 @@ fn the_failure_policies_decide_as_documented() {
     });
 }
 
+/// What a writer of log lines wrote, shared with the test.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn lines(&self, containing: &str) -> Vec<String> {
+        String::from_utf8_lossy(&self.0.lock().unwrap())
+            .lines()
+            .filter(|l| l.contains(containing))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+/// An outage is logged, one line a second saying how many failures it
+/// stands for (not one per request, which any client could turn into a
+/// flood), and so is the first answer after it.
+#[test]
+fn failures_are_logged_once_a_second_and_the_recovery_once() {
+    let log = Captured::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    // The calls below run on this thread (block_on), where this applies.
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let rt = common::runtime();
+    let mut server = RedisServer::start();
+    let limiter = rt.block_on(limiter(&server, FailurePolicy::FailOpen));
+    server.kill();
+    let started = Instant::now();
+    rt.block_on(async {
+        for i in 0..50 {
+            assert!(limiter
+                .check_detailed(i, 1)
+                .await
+                .unwrap()
+                .failure
+                .is_some());
+        }
+    });
+    let seconds = started.elapsed().as_secs() as usize;
+    let warned = log.lines("Redis failed, the failure policy answers");
+    // One line for the first failure, at most one more per second the
+    // calls took (far less than a second, unless the machine is very busy).
+    assert!(
+        !warned.is_empty() && warned.len() <= 1 + seconds,
+        "{warned:?}"
+    );
+    assert!(warned[0].contains("WARN"), "{warned:?}");
+    assert!(warned[0].contains(&server.url()), "{warned:?}");
+    assert!(warned[0].contains("failures_not_logged=0"), "{warned:?}");
+    // A second later the next failure is logged, with the count of those
+    // held back: every failure is either a line or counted in one.
+    std::thread::sleep(Duration::from_millis(1100));
+    rt.block_on(async { limiter.check_detailed(0, 1).await.unwrap() });
+    let after = log.lines("Redis failed, the failure policy answers");
+    assert_eq!(after.len(), warned.len() + 1, "{after:?}");
+    let held: usize = after
+        .iter()
+        .map(|l| {
+            let n = l.split("failures_not_logged=").nth(1).unwrap();
+            let digits: String = n.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse::<usize>().unwrap()
+        })
+        .sum();
+    assert_eq!(held + after.len(), 51, "{after:?}");
+
+    server.restart();
+    rt.block_on(async {
+        until_redis_answers(&limiter).await;
+        for i in 0..10 {
+            assert!(limiter
+                .check_detailed(i, 1)
+                .await
+                .unwrap()
+                .failure
+                .is_none());
+        }
+    });
+    let back = log.lines("Redis answers again");
+    assert_eq!(back.len(), 1, "{back:?}");
+    assert!(back[0].contains("INFO"), "{back:?}");
+}
+
 /// The bare store as a `Limiter` applies no failure policy: a dead Redis
 /// reaches the caller as a typed error, so a layer above can apply its own.
 #[test]
