@@ -284,3 +284,47 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 2_000,
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
+        ..ProptestConfig::default()
+    })]
+
+    /// A bare policy fed times and costs above 2^53 - 1 (which stores
+    /// refuse before deciding) decides something unspecified, but never
+    /// panics: a debug build panics on any overflow, so this is the check.
+    #[test]
+    fn bare_policies_never_panic_past_the_range(
+        (config, trace) in (
+            proptest::sample::select(PolicyKind::ALL.to_vec()),
+            edgy(),
+            prop_oneof![Just(1u64), edgy().prop_map(|w| w.max(1))],
+            proptest::option::of(edgy()),
+        )
+            .prop_flat_map(|(policy, limit, window_ms, burst)| {
+                let config = PolicyConfig {
+                    policy,
+                    limit,
+                    window_ms,
+                    burst: if policy.has_burst() { burst } else { None },
+                };
+                let anything = prop_oneof![
+                    Just(u64::MAX),
+                    Just(u64::MAX - 1),
+                    edgy(),
+                    any::<u64>(),
+                ];
+                let step = (anything.clone(), anything);
+                (Just(config), proptest::collection::vec(step, 1..12))
+            }),
+    ) {
+        let policy = config.build().unwrap();
+        let mut state = policy.new_state(trace[0].0);
+        for &(now, cost) in &trace {
+            let _ = policy.decide(&mut state, now, cost);
+            let _ = policy.is_forgettable(&state, now);
+        }
+    }
+}

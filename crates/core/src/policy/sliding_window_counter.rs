@@ -82,20 +82,22 @@ impl SlidingWindowCounter {
             if s.previous > need {
                 let e = self.first_elapsed(s.previous, need);
                 if e < w {
-                    return window + e;
+                    return window.saturating_add(e);
                 }
             }
         }
-        let next = window + w;
+        // Saturating: in range (SPEC's 2^53 - 1) nothing here comes near
+        // 2^64, and a bare policy fed a time above it must not panic.
+        let next = window.saturating_add(w);
         let need = self.limit - cost;
         if s.current <= need {
             return next;
         }
         let e = self.first_elapsed(s.current, need);
         if e < w {
-            next + e
+            next.saturating_add(e)
         } else {
-            next + w
+            next.saturating_add(w)
         }
     }
 }
