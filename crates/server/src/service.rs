@@ -522,7 +522,15 @@ impl Service {
     /// down fails every request, and the metrics count them all.
     fn log_store_error(&self, rule: &Rule, e: &StoreError, policy: FailurePolicy) {
         if self.log_now(&self.error_log) {
-            tracing::warn!(rule = %rule.spec.name, failure_policy = %policy, "store failed: {e}");
+            // The store's own advice names the library's knobs; here they
+            // are settings of the configuration file.
+            let hint = if e.is_capacity_exhausted() {
+                " (in ratewarden serve: raise [server] max_keys, or lower \
+                 housekeeping_interval_ms)"
+            } else {
+                ""
+            };
+            tracing::warn!(rule = %rule.spec.name, failure_policy = %policy, "store failed: {e}{hint}");
         }
     }
 

@@ -65,13 +65,26 @@ use crate::policy::Policy;
 use crate::registry::{AnyPolicy, PolicyConfig};
 use crate::{ConfigError, Decision, StoreError, StoreErrorKind, MAX_SAFE};
 
+/// The fewest keys per shard when the store picks its shard count.
+const MIN_KEYS_PER_AUTO_SHARD: usize = 1024;
+
+/// The largest power of two at most `n` (`n >= 1`).
+const fn prev_power_of_two(n: usize) -> usize {
+    1 << (usize::BITS - 1 - n.leading_zeros())
+}
+
 /// Limits and layout of a [`MemoryStore`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryOptions {
-    /// The most keys the store holds at once (split evenly over shards).
+    /// The most keys the store holds at once, split evenly over the
+    /// shards: each holds `max_keys / shards`, rounded up, at least 1. A
+    /// new key whose shard is full is refused, so a store can fill a
+    /// little before `max_keys` keys in all.
     pub max_keys: usize,
-    /// Number of shards, rounded up to a power of two; 0 picks four per
-    /// available core (at least 16).
+    /// Number of shards, rounded up to a power of two, at most 65,536; 0
+    /// picks four per available core (at least 16), but no more than give
+    /// each shard 1,024 keys (a small store gets fewer shards, down to one,
+    /// so that it holds `max_keys` keys exactly).
     pub shards: usize,
 }
 
@@ -97,6 +110,34 @@ pub struct Housekeeping {
 
 /// The in-memory store for one policy. Cloning is cheap: clones share the
 /// same keys (one budget), through a reference-counted pointer.
+///
+/// Time is passed in; the store holds at most `max_keys` keys and forgets
+/// them only when asked, or when a full shard needs room:
+///
+/// ```
+/// use ratewarden_core::{MemoryOptions, MemoryStore, PolicyConfig, PolicyKind};
+/// // 2 per second, fixed windows, at most 3 keys.
+/// let config = PolicyConfig::new(PolicyKind::FixedWindow, 2, 1000);
+/// let options = MemoryOptions { max_keys: 3, shards: 0 };
+/// let store = MemoryStore::for_config(&config, options).unwrap();
+///
+/// assert!(store.decide(7, 0, 1).unwrap().allowed);
+/// assert!(store.decide(7, 10, 1).unwrap().allowed);
+/// let refused = store.decide(7, 20, 1).unwrap(); // a value, not an error
+/// assert_eq!((refused.allowed, refused.retry_after_ms), (false, Some(980)));
+///
+/// // Two more keys fill the store; a fourth is an error while all three
+/// // still count, never a silent admit.
+/// store.decide(8, 20, 1).unwrap();
+/// store.decide(9, 20, 1).unwrap();
+/// assert!(store.decide(10, 30, 1).unwrap_err().is_capacity_exhausted());
+///
+/// // A window later none of them counts: forget_idle drops them (a
+/// // timer would call it with a small bound, over and over).
+/// let swept = store.forget_idle(1000, 1024);
+/// assert_eq!((swept.scanned, swept.forgotten), (3, 3));
+/// assert_eq!(store.entries_tracked(), 0);
+/// ```
 pub struct MemoryStore<P: Policy = AnyPolicy> {
     inner: Arc<Inner<P>>,
 }
@@ -410,7 +451,10 @@ impl<P: Policy> MemoryStore<P> {
     pub fn new(policy: P, options: MemoryOptions) -> Self {
         let wanted = if options.shards == 0 {
             let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-            (cores * 4).max(16)
+            // Every shard fills on its own: with few keys per shard, one
+            // fills while the store as a whole is far from max_keys.
+            let fits = (options.max_keys / MIN_KEYS_PER_AUTO_SHARD).max(1);
+            (cores * 4).max(16).min(prev_power_of_two(fits))
         } else {
             options.shards
         };
@@ -455,7 +499,9 @@ impl<P: Policy> MemoryStore<P> {
     /// The most keys this store holds (rounded up to a multiple of the
     /// shard count).
     pub fn max_keys(&self) -> usize {
-        self.inner.max_keys_per_shard * self.inner.shards.len()
+        self.inner
+            .max_keys_per_shard
+            .saturating_mul(self.inner.shards.len())
     }
 
     /// Decides a request of `cost` for `key` at `now_ms`.
@@ -716,10 +762,15 @@ impl<P: Policy> MemoryStore<P> {
                 return Err(StoreError::new(
                     StoreErrorKind::CapacityExhausted,
                     format!(
-                        "the in-memory store holds its maximum of {} keys and none can be \
-                         forgotten yet; raise max_keys, or forget idle keys more often (forget_idle; \
-                         ratewarden serve does so every housekeeping_interval_ms)",
-                        self.max_keys()
+                        "the in-memory store's shard for this key is full ({} keys: max_keys \
+                         {} over {}) and none of them can be forgotten yet; raise max_keys, \
+                         or forget idle keys more often (MemoryStore::forget_idle)",
+                        inner.max_keys_per_shard,
+                        self.max_keys(),
+                        match inner.shards.len() {
+                            1 => "1 shard".to_owned(),
+                            n => format!("{n} shards"),
+                        }
                     ),
                 ));
             }
@@ -1308,6 +1359,46 @@ mod tests {
         // and takes the new one.
         assert!(store.decide(99, 1000, 1).unwrap().allowed);
         assert_eq!(store.entries_tracked(), 1);
+    }
+
+    /// A small store picks few shards, so that one shard does not fill
+    /// while the store is far from max_keys: it holds max_keys exactly.
+    #[test]
+    fn a_small_store_with_automatic_shards_holds_max_keys_exactly() {
+        let config = PolicyConfig::new(PolicyKind::FixedWindow, 10, 1000);
+        for max_keys in [1, 100, 1023, 3000] {
+            let options = MemoryOptions {
+                max_keys,
+                shards: 0,
+            };
+            let store = MemoryStore::for_config(&config, options).unwrap();
+            let shards = store.inner.shards.len();
+            assert!(shards * MIN_KEYS_PER_AUTO_SHARD <= max_keys.max(MIN_KEYS_PER_AUTO_SHARD));
+            if max_keys < MIN_KEYS_PER_AUTO_SHARD {
+                assert_eq!(store.max_keys(), max_keys, "{max_keys}");
+                for key in 0..max_keys as u64 {
+                    store.decide(key, 0, 1).unwrap();
+                }
+                let err = store.decide(u64::MAX, 0, 1).unwrap_err();
+                assert!(err.is_capacity_exhausted(), "{err}");
+                assert!(
+                    err.to_string().contains(&format!(
+                        "full ({max_keys} keys: max_keys {max_keys} over 1 shard)"
+                    )),
+                    "{err}"
+                );
+            }
+        }
+        // The default keeps four shards per core, at least 16.
+        let store = MemoryStore::for_config(&config, MemoryOptions::default()).unwrap();
+        assert!(store.inner.shards.len() >= 16);
+        // No overflow at the extreme.
+        let options = MemoryOptions {
+            max_keys: usize::MAX,
+            shards: 0,
+        };
+        let store = MemoryStore::for_config(&config, options).unwrap();
+        assert_eq!(store.max_keys(), usize::MAX);
     }
 
     /// A state whose packing is one of the store's reserved values
