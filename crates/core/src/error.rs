@@ -5,7 +5,10 @@
 use std::fmt;
 
 /// A policy configuration that cannot be used, with what to change.
+///
+/// Non-exhaustive: a later version may tell more cases apart.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// `window_ms` was 0; a window must last at least one millisecond.
     ZeroWindow,
@@ -26,13 +29,15 @@ pub enum ConfigError {
         /// The registry name of the policy.
         policy: &'static str,
     },
-    /// A field could not be read as a whole number (negative, fractional,
-    /// not a number).
-    NotAnInteger {
-        /// The field's name, as the configuration spells it.
-        field: &'static str,
-        /// The value given, as written.
-        value: String,
+    /// A name that is not one of a setting's choices (a failure policy, a
+    /// key hash).
+    UnknownName {
+        /// What the name is for, e.g. `failure policy`.
+        setting: &'static str,
+        /// The name given.
+        name: String,
+        /// The names taken, e.g. `open, closed, local`.
+        choices: &'static str,
     },
 }
 
@@ -40,7 +45,10 @@ impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ConfigError::ZeroWindow => {
-                write!(f, "window_ms is 0: a window must last at least 1 ms; set window_ms to 1 or more")
+                write!(
+                    f,
+                    "window_ms is 0: a window must last at least 1 ms; set window_ms to 1 or more"
+                )
             }
             ConfigError::OutOfRange { field, value } => write!(
                 f,
@@ -50,17 +58,22 @@ impl fmt::Display for ConfigError {
             ConfigError::UnknownPolicy { name } => write!(
                 f,
                 "unknown policy {name:?}; use one of: {}",
-                crate::PolicyKind::ALL.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
+                crate::PolicyKind::ALL
+                    .iter()
+                    .map(|k| k.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
             ConfigError::BurstNotAllowed { policy } => write!(
                 f,
                 "burst is given for {policy}, which has no bucket; remove burst, \
                  or use token-bucket or gcra"
             ),
-            ConfigError::NotAnInteger { field, value } => write!(
-                f,
-                "{field} is {value}: it must be a whole number from 0 to 9007199254740991 (2^53 - 1)"
-            ),
+            ConfigError::UnknownName {
+                setting,
+                name,
+                choices,
+            } => write!(f, "unknown {setting} {name:?}; use one of: {choices}"),
         }
     }
 }
@@ -69,7 +82,10 @@ impl std::error::Error for ConfigError {}
 
 /// What kind of failure a [`StoreError`] is, so that a caller can choose to
 /// fail open, fail closed or fall back without parsing messages.
+///
+/// Non-exhaustive: a later store may fail in a new way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum StoreErrorKind {
     /// The store did not answer within the configured timeout. The request
     /// may or may not have been applied.
@@ -87,6 +103,38 @@ pub enum StoreErrorKind {
     InvalidInput,
     /// The store answered with an error of its own.
     Backend,
+}
+
+impl StoreErrorKind {
+    /// Every kind, in the order declared.
+    pub const ALL: [StoreErrorKind; 6] = [
+        StoreErrorKind::Timeout,
+        StoreErrorKind::ConnectionDropped,
+        StoreErrorKind::CapacityExhausted,
+        StoreErrorKind::CorruptState,
+        StoreErrorKind::InvalidInput,
+        StoreErrorKind::Backend,
+    ];
+
+    /// The kind's name in snake case, as metrics label it and
+    /// [`Display`](fmt::Display) writes it: `timeout`, `connection_dropped`,
+    /// `capacity_exhausted`, `corrupt_state`, `invalid_input`, `backend`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            StoreErrorKind::Timeout => "timeout",
+            StoreErrorKind::ConnectionDropped => "connection_dropped",
+            StoreErrorKind::CapacityExhausted => "capacity_exhausted",
+            StoreErrorKind::CorruptState => "corrupt_state",
+            StoreErrorKind::InvalidInput => "invalid_input",
+            StoreErrorKind::Backend => "backend",
+        }
+    }
+}
+
+impl fmt::Display for StoreErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// A store failed to decide a request. The request was not decided.

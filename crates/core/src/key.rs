@@ -67,6 +67,43 @@ impl KeyHash {
             KeyHash::Xxh3_64 => xxh3_64(key),
         }
     }
+
+    /// The hash's name in configurations: `mix32` or `xxh3-64`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            KeyHash::Mix32 => "mix32",
+            KeyHash::Xxh3_64 => "xxh3-64",
+        }
+    }
+}
+
+impl std::fmt::Display for KeyHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// ```
+/// use ratewarden_core::KeyHash;
+/// assert_eq!("xxh3-64".parse::<KeyHash>().unwrap(), KeyHash::Xxh3_64);
+/// assert_eq!(KeyHash::Mix32.to_string(), "mix32");
+/// let err = "xxh3".parse::<KeyHash>().unwrap_err();
+/// assert_eq!(err.to_string(), r#"unknown key hash "xxh3"; use one of: mix32, xxh3-64"#);
+/// ```
+impl std::str::FromStr for KeyHash {
+    type Err = crate::ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, crate::ConfigError> {
+        match s {
+            "mix32" => Ok(KeyHash::Mix32),
+            "xxh3-64" => Ok(KeyHash::Xxh3_64),
+            other => Err(crate::ConfigError::UnknownName {
+                setting: "key hash",
+                name: other.to_owned(),
+                choices: "mix32, xxh3-64",
+            }),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -69,16 +69,20 @@ impl fmt::Display for FailurePolicy {
 }
 
 impl FromStr for FailurePolicy {
-    type Err = String;
+    type Err = ConfigError;
 
-    fn from_str(s: &str) -> Result<Self, String> {
+    /// `open`, `closed` or `local`, as [`Display`](std::fmt::Display)
+    /// writes them.
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
         match s {
             "open" => Ok(FailurePolicy::FailOpen),
             "closed" => Ok(FailurePolicy::FailClosed),
             "local" => Ok(FailurePolicy::Local),
-            other => Err(format!(
-                "unknown failure policy {other:?}; use one of: open, closed, local"
-            )),
+            other => Err(ConfigError::UnknownName {
+                setting: "failure policy",
+                name: other.to_owned(),
+                choices: "open, closed, local",
+            }),
         }
     }
 }
@@ -172,7 +176,10 @@ mod tests {
         ] {
             assert_eq!(p.name().parse::<FailurePolicy>().unwrap(), p);
         }
-        let err = "fail-open".parse::<FailurePolicy>().unwrap_err();
+        let err = "fail-open"
+            .parse::<FailurePolicy>()
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("open, closed, local"), "{err}");
     }
 }

@@ -79,7 +79,11 @@ impl FromStr for PolicyKind {
 
 /// A policy's configuration as a user writes it; [`PolicyConfig::build`]
 /// validates it once and yields the policy.
+///
+/// Read with serde, a field it does not know is refused: `"burts": 5`
+/// would otherwise mean no burst at all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct PolicyConfig {
     /// Which policy.
     pub policy: PolicyKind,
@@ -343,6 +347,18 @@ mod tests {
             let json = serde_json::to_string(&kind).unwrap();
             assert_eq!(json, format!("\"{}\"", kind.name()));
         }
+    }
+
+    #[test]
+    fn a_misspelt_field_is_refused_not_ignored() {
+        let good = r#"{"policy":"token-bucket","limit":10,"window_ms":1000,"burst":5}"#;
+        let config: PolicyConfig = serde_json::from_str(good).unwrap();
+        assert_eq!(config.burst, Some(5));
+        let typo = r#"{"policy":"token-bucket","limit":10,"window_ms":1000,"burts":5}"#;
+        let err = serde_json::from_str::<PolicyConfig>(typo)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown field `burts`"), "{err}");
     }
 
     #[test]

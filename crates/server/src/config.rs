@@ -372,15 +372,6 @@ fn table_at(text: &str) -> Option<String> {
     Some(out)
 }
 
-/// Which hash a key string goes through, by its configuration name.
-fn parse_key_hash(name: &str) -> Result<KeyHash, String> {
-    match name {
-        "mix32" => Ok(KeyHash::Mix32),
-        "xxh3-64" => Ok(KeyHash::Xxh3_64),
-        other => Err(format!("unknown key hash {other:?}; use mix32 or xxh3-64")),
-    }
-}
-
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
@@ -572,14 +563,16 @@ impl Validator<'_> {
     fn server(&mut self, raw: RawServer) -> Result<ServerSettings, ConfigFileError> {
         let mut s = ServerSettings::default();
         if let Some(v) = raw.key_hash {
-            s.key_hash = parse_key_hash(v.get_ref())
-                .map_err(|m| self.err(v.span(), "server.key_hash", m))?;
+            s.key_hash = v
+                .get_ref()
+                .parse::<KeyHash>()
+                .map_err(|e| self.err(v.span(), "server.key_hash", e.to_string()))?;
         }
         if let Some(v) = raw.failure_policy {
             s.failure_policy = v
                 .get_ref()
-                .parse()
-                .map_err(|m: String| self.err(v.span(), "server.failure_policy", m))?;
+                .parse::<FailurePolicy>()
+                .map_err(|e| self.err(v.span(), "server.failure_policy", e.to_string()))?;
         }
         if let Some(v) = raw.store_timeout_ms {
             s.store_timeout_ms = self.positive(&v, "server.store_timeout_ms", 3_600_000)?;

@@ -18,25 +18,7 @@ const LATENCY_BUCKETS_US: [u64; 14] = [
     25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
 ];
 
-const STORE_ERROR_KINDS: [StoreErrorKind; 6] = [
-    StoreErrorKind::Timeout,
-    StoreErrorKind::ConnectionDropped,
-    StoreErrorKind::CapacityExhausted,
-    StoreErrorKind::CorruptState,
-    StoreErrorKind::InvalidInput,
-    StoreErrorKind::Backend,
-];
-
-fn kind_name(kind: StoreErrorKind) -> &'static str {
-    match kind {
-        StoreErrorKind::Timeout => "timeout",
-        StoreErrorKind::ConnectionDropped => "connection_dropped",
-        StoreErrorKind::CapacityExhausted => "capacity_exhausted",
-        StoreErrorKind::CorruptState => "corrupt_state",
-        StoreErrorKind::InvalidInput => "invalid_input",
-        StoreErrorKind::Backend => "backend",
-    }
-}
+const STORE_ERROR_KINDS: [StoreErrorKind; 6] = StoreErrorKind::ALL;
 
 fn kind_index(kind: StoreErrorKind) -> usize {
     STORE_ERROR_KINDS
@@ -263,7 +245,7 @@ impl Metrics {
             let rule = escape(name);
             for kind in STORE_ERROR_KINDS {
                 let v = m.store_errors[kind_index(kind)].load(Ordering::Relaxed);
-                let kind = kind_name(kind);
+                let kind = kind.name();
                 let _ = writeln!(
                     out,
                     "ratewarden_store_errors_total{{rule=\"{rule}\",kind=\"{kind}\"}} {v}"

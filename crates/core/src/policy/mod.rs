@@ -18,7 +18,7 @@ mod token_bucket;
 
 pub use fixed_window::{FixedWindow, FixedWindowState};
 pub use gcra::{Gcra, GcraState};
-pub use sliding_log::{SlidingLog, SlidingLogState};
+pub use sliding_log::{LogEntry, SlidingLog, SlidingLogState};
 pub use sliding_window_counter::{SlidingWindowCounter, SlidingWindowCounterState};
 pub use token_bucket::{TokenBucket, TokenBucketState};
 
