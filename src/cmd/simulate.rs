@@ -263,7 +263,10 @@ fn publish(files: &[(Output, String)]) -> Result<()> {
                     output.flag,
                     output.given.display(),
                     dir.display(),
-                    std::io::Error::from(e.kind())
+                    e.raw_os_error().map_or_else(
+                        || std::io::Error::from(e.kind()),
+                        std::io::Error::from_raw_os_error
+                    )
                 )
             })?;
         written.push((temp, output));

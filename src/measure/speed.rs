@@ -50,9 +50,13 @@ pub struct Store<P: Policy> {
 impl<P: Policy> Store<P> {
     /// A store for `policy` holding up to `max_keys` keys, its time at 1 ms.
     pub fn new(policy: P, max_keys: usize) -> Self {
+        // The default store's shard count whatever `--keys` is: a small
+        // store would pick fewer shards, and the threaded rows would then
+        // measure fewer locks than a store of a million keys has.
+        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
         let options = MemoryOptions {
             max_keys,
-            shards: 0,
+            shards: (cores * 4).max(16),
         };
         Store {
             store: MemoryStore::new(policy, options),

@@ -58,15 +58,35 @@ pub struct Decision {
 #[serde(deny_unknown_fields)]
 struct DecisionFields {
     allowed: bool,
-    retry_after_ms: Option<u128>,
+    retry_after_ms: Option<Wait>,
     remaining: u64,
+}
+
+/// A wait in ms, written as a `u64` when it fits (every format takes one)
+/// and as a `u128` only past `u64::MAX`; read from either.
+#[derive(Clone, Copy)]
+struct Wait(u128);
+
+impl Serialize for Wait {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match u64::try_from(self.0) {
+            Ok(ms) => s.serialize_u64(ms),
+            Err(_) => s.serialize_u128(self.0),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Wait {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        u128::deserialize(d).map(Wait)
+    }
 }
 
 impl From<Decision> for DecisionFields {
     fn from(d: Decision) -> Self {
         DecisionFields {
             allowed: d.allowed,
-            retry_after_ms: d.retry_after_ms_exact(),
+            retry_after_ms: d.retry_after_ms_exact().map(Wait),
             remaining: d.remaining,
         }
     }
@@ -76,11 +96,14 @@ impl TryFrom<DecisionFields> for Decision {
     type Error = String;
 
     fn try_from(f: DecisionFields) -> Result<Self, String> {
-        match (f.allowed, f.retry_after_ms) {
+        match (f.allowed, f.retry_after_ms.map(|w| w.0)) {
             (true, Some(0)) => Ok(Decision::admitted(f.remaining)),
-            (true, other) => Err(format!(
-                "allowed is true, so retry_after_ms must be 0, not {other:?}"
+            (true, Some(ms)) => Err(format!(
+                "allowed is true, so retry_after_ms must be 0, not {ms}"
             )),
+            (true, None) => {
+                Err("allowed is true, so retry_after_ms must be 0, not null".to_owned())
+            }
             (false, Some(0)) => Err(
                 "allowed is false, so retry_after_ms must be at least 1 (or null for never), not 0"
                     .to_owned(),
@@ -196,6 +219,12 @@ mod tests {
             let json = serde_json::to_string(&d).unwrap();
             assert_eq!(serde_json::from_str::<Decision>(&json).unwrap(), d);
         }
+        // A wait that fits is a plain u64, so a buffered value (as
+        // untagged enums and flatten use) holds it.
+        let d = Decision::refused(Some(u64::MAX), 0);
+        let value = serde_json::to_value(d).unwrap();
+        assert_eq!(value["retry_after_ms"], serde_json::json!(u64::MAX));
+        assert_eq!(serde_json::from_value::<Decision>(value).unwrap(), d);
         for bad in [
             r#"{"allowed":false,"retry_after_ms":0,"remaining":0}"#,
             r#"{"allowed":true,"retry_after_ms":null,"remaining":0}"#,

@@ -106,8 +106,9 @@ pub enum StoreErrorKind {
 }
 
 impl StoreErrorKind {
-    /// Every kind, in the order declared.
-    pub const ALL: [StoreErrorKind; 6] = [
+    /// Every kind, in the order declared (a slice: a later kind must not
+    /// change its type).
+    pub const ALL: &'static [StoreErrorKind] = &[
         StoreErrorKind::Timeout,
         StoreErrorKind::ConnectionDropped,
         StoreErrorKind::CapacityExhausted,

@@ -201,9 +201,12 @@ impl RedisLimiter {
             _ => &c.backend_errors,
         }
         .fetch_add(1, Ordering::Relaxed);
-        inner.failing.store(true, Ordering::Relaxed);
         let now_ms = u64::try_from(inner.started.elapsed().as_millis()).unwrap_or(u64::MAX);
         if let Some(held_back) = inner.failure_log.pass(now_ms) {
+            // Only a logged failure arms the recovery line: with failures
+            // and successes interleaved (one cluster node down), a line
+            // per recovery would be a line per failure.
+            inner.failing.store(true, Ordering::Relaxed);
             tracing::warn!(
                 redis = inner.store.url(),
                 failure_policy = %inner.failure_policy,

@@ -1202,6 +1202,32 @@ mod tests {
         Value::Array(items.iter().map(|&n| Value::Int(n)).collect())
     }
 
+    /// Every TTL reaches Redis as a decimal string: Redis 7.2.0 to 7.2.4
+    /// write a Lua number such as 100000000 as `1e+08`, which `PX` refuses
+    /// (redis/redis#13113). The Redis these tests run on does not, so
+    /// `tests/round_ttls.rs` alone could not catch a script that passes a
+    /// number again; this reads the scripts.
+    #[test]
+    fn every_px_is_formatted_as_a_whole_number() {
+        for (name, script) in [
+            ("fixed_window", FIXED_WINDOW),
+            ("sliding_window_counter", SLIDING_WINDOW_COUNTER),
+            ("sliding_log", SLIDING_LOG),
+            ("token_bucket", TOKEN_BUCKET),
+            ("gcra", GCRA),
+        ] {
+            let uses: Vec<&str> = script.split("'PX',").skip(1).collect();
+            assert!(!uses.is_empty(), "{name} sets no PX");
+            for after in uses {
+                assert!(
+                    after.trim_start().starts_with("string.format('%.0f',"),
+                    "{name}: a PX not formatted as a whole number: {}",
+                    after.lines().next().unwrap_or("")
+                );
+            }
+        }
+    }
+
     #[test]
     fn credentials_on_the_first_seed_hold_for_every_seed() {
         let nodes = |seeds| cluster_nodes(seeds, "shown").unwrap();

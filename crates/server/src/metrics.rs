@@ -18,7 +18,7 @@ const LATENCY_BUCKETS_US: [u64; 14] = [
     25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
 ];
 
-const STORE_ERROR_KINDS: [StoreErrorKind; 6] = StoreErrorKind::ALL;
+const STORE_ERROR_KINDS: &[StoreErrorKind] = StoreErrorKind::ALL;
 
 fn kind_index(kind: StoreErrorKind) -> usize {
     STORE_ERROR_KINDS
@@ -44,7 +44,7 @@ pub struct RuleMetrics {
     allowed: AtomicU64,
     refused: AtomicU64,
     shadow_refused: AtomicU64,
-    store_errors: [AtomicU64; 6],
+    store_errors: [AtomicU64; STORE_ERROR_KINDS.len()],
 }
 
 impl RuleMetrics {
@@ -243,7 +243,7 @@ impl Metrics {
         out.push_str("# TYPE ratewarden_store_errors_total counter\n");
         for (name, m) in &rules {
             let rule = escape(name);
-            for kind in STORE_ERROR_KINDS {
+            for &kind in STORE_ERROR_KINDS {
                 let v = m.store_errors[kind_index(kind)].load(Ordering::Relaxed);
                 let kind = kind.name();
                 let _ = writeln!(

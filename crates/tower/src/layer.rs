@@ -123,6 +123,9 @@ struct Shared {
 struct FailureLogs {
     limiter: LogGate,
     fallback: LogGate,
+    /// Requests the layer cannot rate-limit for the operator's reasons (a
+    /// missing `ConnectInfo`, a cost out of range).
+    rejection: LogGate,
     /// The origin of the gates' milliseconds (monotonic).
     started: Instant,
 }
@@ -132,6 +135,7 @@ impl FailureLogs {
         FailureLogs {
             limiter: LogGate::new(1000),
             fallback: LogGate::new(1000),
+            rejection: LogGate::new(1000),
             started: Instant::now(),
         }
     }
@@ -554,7 +558,9 @@ where
             let (mut parts, body) = request.into_parts();
             let key = match shared.key.extract(&parts) {
                 Ok(key) => shared.key(key),
-                Err(rejection) => return Ok(rejection_response(rejection).map(ResBody::from)),
+                Err(rejection) => {
+                    return Ok(rejection_response(rejection, &shared.logs).map(ResBody::from))
+                }
             };
             let cost = shared.cost.as_ref().map_or(1, |cost| cost(&parts));
             match shared.decide(key, cost).await {
@@ -582,7 +588,16 @@ where
                 // fix is theirs: the log says what is wrong, the client
                 // only that the server failed.
                 Verdict::Invalid(error) => {
-                    tracing::error!(%error, cost, "the request cannot be rate-limited");
+                    // Once a second: a cost taken from the request could
+                    // otherwise be sent to flood the log.
+                    if let Some(held_back) = shared.logs.rejection.pass(shared.logs.now_ms()) {
+                        tracing::error!(
+                            %error,
+                            cost,
+                            rejections_not_logged = held_back,
+                            "the request cannot be rate-limited"
+                        );
+                    }
                     Ok(text_response(
                         StatusCode::INTERNAL_SERVER_ERROR,
                         "internal server error\n".to_owned(),
@@ -604,14 +619,21 @@ where
     inner.call(request).await
 }
 
-fn rejection_response(rejection: KeyRejection) -> Response<Bytes> {
+fn rejection_response(rejection: KeyRejection, logs: &FailureLogs) -> Response<Bytes> {
     let status = rejection.status();
     let detail = rejection.detail().unwrap_or(rejection.message());
-    // A server error is the operator's to fix, so it is logged loudly. A
-    // client error is the client's doing (a missing API key, an anonymous
-    // user): logging it above debug would let any client flood the log.
+    // A server error is the operator's to fix, so it is logged loudly, but
+    // at most once a second: it fails every request alike. A client error
+    // is the client's doing (a missing API key, an anonymous user):
+    // logging it above debug would let any client flood the log.
     if status.is_server_error() {
-        tracing::error!(%status, "no rate-limit key for the request: {detail}");
+        if let Some(held_back) = logs.rejection.pass(logs.now_ms()) {
+            tracing::error!(
+                %status,
+                rejections_not_logged = held_back,
+                "no rate-limit key for the request: {detail}"
+            );
+        }
     } else {
         tracing::debug!(%status, "no rate-limit key for the request: {detail}");
     }

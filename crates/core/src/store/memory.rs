@@ -762,9 +762,10 @@ impl<P: Policy> MemoryStore<P> {
                 return Err(StoreError::new(
                     StoreErrorKind::CapacityExhausted,
                     format!(
-                        "the in-memory store's shard for this key is full ({} keys: max_keys \
-                         {} over {}) and none of them can be forgotten yet; raise max_keys, \
-                         or forget idle keys more often (MemoryStore::forget_idle)",
+                        "the in-memory store's shard for this key is full ({} keys; the \
+                         store holds at most {} over {}) and none of them can be forgotten \
+                         yet; raise max_keys, or forget idle keys more often \
+                         (MemoryStore::forget_idle)",
                         inner.max_keys_per_shard,
                         self.max_keys(),
                         match inner.shards.len() {
@@ -1383,7 +1384,7 @@ mod tests {
                 assert!(err.is_capacity_exhausted(), "{err}");
                 assert!(
                     err.to_string().contains(&format!(
-                        "full ({max_keys} keys: max_keys {max_keys} over 1 shard)"
+                        "full ({max_keys} keys; the store holds at most {max_keys} over 1 shard)"
                     )),
                     "{err}"
                 );
