@@ -54,6 +54,23 @@ fn edgy() -> impl Strategy<Value = u64> {
     ]
 }
 
+/// A configuration of any policy with numbers from [`edgy`] (the window
+/// at least 1).
+fn edgy_config() -> impl Strategy<Value = PolicyConfig> {
+    (
+        proptest::sample::select(PolicyKind::ALL.to_vec()),
+        edgy(),
+        prop_oneof![Just(1u64), edgy().prop_map(|w| w.max(1))],
+        proptest::option::of(edgy()),
+    )
+        .prop_map(|(policy, limit, window_ms, burst)| PolicyConfig {
+            policy,
+            limit,
+            window_ms,
+            burst: if policy.has_burst() { burst } else { None },
+        })
+}
+
 /// Runs a trace from `start_ms`, clamping time at 0.
 fn times(start_ms: u64, trace: &[Req]) -> Vec<u64> {
     let mut now = start_ms as i64;
@@ -245,19 +262,9 @@ proptest! {
     /// packs to a value the store reserves, or widens its shard.
     #[test]
     fn memory_store_matches_the_policy_at_any_scale(
-        (config, trace) in (
-            proptest::sample::select(PolicyKind::ALL.to_vec()),
-            edgy(),
-            prop_oneof![Just(1u64), edgy().prop_map(|w| w.max(1))],
-            proptest::option::of(edgy()),
-        )
-            .prop_flat_map(|(policy, limit, window_ms, burst)| {
-                let config = PolicyConfig {
-                    policy,
-                    limit,
-                    window_ms,
-                    burst: if policy.has_burst() { burst } else { None },
-                };
+        (config, trace) in edgy_config()
+            .prop_flat_map(|config| {
+                let limit = config.limit;
                 let cost = prop_oneof![
                     Just(limit),
                     Just(limit.saturating_sub(1)),
@@ -297,19 +304,8 @@ proptest! {
     /// panics: a debug build panics on any overflow, so this is the check.
     #[test]
     fn bare_policies_never_panic_past_the_range(
-        (config, trace) in (
-            proptest::sample::select(PolicyKind::ALL.to_vec()),
-            edgy(),
-            prop_oneof![Just(1u64), edgy().prop_map(|w| w.max(1))],
-            proptest::option::of(edgy()),
-        )
-            .prop_flat_map(|(policy, limit, window_ms, burst)| {
-                let config = PolicyConfig {
-                    policy,
-                    limit,
-                    window_ms,
-                    burst: if policy.has_burst() { burst } else { None },
-                };
+        (config, trace) in edgy_config()
+            .prop_flat_map(|config| {
                 let anything = prop_oneof![
                     Just(u64::MAX),
                     Just(u64::MAX - 1),
