@@ -194,6 +194,18 @@ fn simulate_writes_an_svg_chart_and_the_csv_series() {
     ] {
         assert!(chart.contains(text), "the chart lacks `{text}`");
     }
+    // Tick labels are written as numbers are read: `200`, never `200.0`.
+    let labels: Vec<&str> = chart
+        .split("</text>")
+        .filter_map(|t| t.rsplit('>').next())
+        .map(str::trim)
+        .filter(|t| t.starts_with(|c: char| c.is_ascii_digit()))
+        .collect();
+    assert!(labels.contains(&"200"), "no tick 200 among {labels:?}");
+    assert!(
+        labels.iter().all(|t| !t.ends_with(".0")),
+        "a tick ends in .0: {labels:?}"
+    );
     let series = std::fs::read_to_string(&csv).unwrap();
     let mut lines = series.lines();
     assert_eq!(

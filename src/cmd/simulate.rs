@@ -319,6 +319,18 @@ fn steps(points: &[Point], value: impl Fn(&Point) -> f64) -> Vec<(f64, f64)> {
         .collect()
 }
 
+/// An axis tick as a reader writes it: `3000`, not `3000.0`; `0.25`, not
+/// `0.25000000000000006`.
+fn tick_label(v: f64) -> String {
+    let text = format!("{v:.3}");
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    if text == "-0" {
+        "0".to_string()
+    } else {
+        text.to_string()
+    }
+}
+
 /// The chart, as SVG text.
 fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<String> {
     let points = || runs.iter().flat_map(|r| r.points.iter());
@@ -360,6 +372,7 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
             .x_desc("time (ms)")
             .y_desc("offered and admitted rate (requests/s), solid")
             .x_label_formatter(&|ms| format!("{ms:.0}"))
+            .y_label_formatter(&|v| tick_label(*v))
             .label_style(("sans-serif", 15))
             .draw()?;
         chart
@@ -368,6 +381,7 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
                 "admitted in the trailing {} ms (requests), dashed",
                 args.window_ms
             ))
+            .y_label_formatter(&|v| tick_label(*v))
             .label_style(("sans-serif", 15))
             .draw()?;
         let grey = RGBColor(0x99, 0x99, 0x99);
