@@ -1016,6 +1016,16 @@ async fn long_values_and_huge_costs_never_void_the_other_limits() {
         assert_eq!(r.overall_code, expected as i32, "request {i}");
         assert_eq!(r.statuses[1].code, expected as i32, "request {i}");
     }
+    // Envoy's default header budget (60 KiB) in every one of the 64
+    // descriptors a request may carry: a message of nearly 4 MB.
+    let mut many: Vec<_> = (0..63)
+        .map(|i| descriptor(&[(format!("header{i}").as_str(), long.as_str())]))
+        .collect();
+    many.push(descriptor(&[("path", "/login")]));
+    let r = should(&mut grpc, "edge", many, 1).await;
+    assert_eq!(r.statuses.len(), 64);
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    assert_eq!(r.statuses[63].code, Code::OverLimit as i32);
     for huge in [(1u64 << 53), u64::MAX] {
         let mut costly = descriptor(&[("remote_address", "10.8.8.8")]);
         costly.hits_addend = Some(huge);
@@ -1261,6 +1271,24 @@ async fn a_limit_override_is_applied_with_counts_of_its_own() {
     )
     .await;
     assert_eq!(r.statuses[0].limit_remaining, 1);
+
+    // Without an override, an unlimited node has all there is left, and a
+    // descriptor no rule matches nothing, as envoyproxy/ratelimit answers:
+    // a client can tell the two apart.
+    let r = should(
+        &mut grpc,
+        "api",
+        vec![
+            descriptor(&[("internal", "x")]),
+            descriptor(&[("nothing", "x")]),
+        ],
+        1,
+    )
+    .await;
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    assert!(r.statuses.iter().all(|s| s.current_limit.is_none()));
+    assert_eq!(r.statuses[0].limit_remaining, u32::MAX);
+    assert_eq!(r.statuses[1].limit_remaining, 0);
 
     // No rule matches, or the node is unlimited: the override still
     // limits, under the reference policy.

@@ -258,7 +258,15 @@ impl Config {
                 .span()
                 .map(|span| field_at(text, span.start))
                 .unwrap_or_default();
-            lines.error(source, e.span(), field, plain_message(e.message().trim()))
+            let mut message = plain_message(e.message().trim());
+            if looks_like_yaml(text) {
+                message.push_str(
+                    "; the file looks like YAML, but the configuration is TOML \
+                     (see examples/ratewarden.toml, and docs/serve.md for \
+                     envoyproxy/ratelimit's fields)",
+                );
+            }
+            lines.error(source, e.span(), field, message)
         })?;
         let mut v = Validator {
             source,
@@ -293,12 +301,54 @@ fn plain_message(message: &str) -> String {
              [[domains.descriptors]], with double brackets"
         );
     }
+    // envoyproxy/ratelimit's names, met by anyone porting its YAML.
+    for (field, hint) in [
+        (
+            "shadow_mode",
+            "the setting here is shadow = true, on the descriptor",
+        ),
+        (
+            "rate_limit",
+            "limits sit on the descriptor itself: limit = N and unit = \"minute\" (or \
+             window_ms) in place of rate_limit's requests_per_unit and unit",
+        ),
+        ("requests_per_unit", "the setting here is limit = N"),
+        (
+            "replaces",
+            "replaces is not supported: every matched rule is decided, and a request is \
+             refused when any is over its limit",
+        ),
+        (
+            "detailed_metric",
+            "detailed_metric is not supported: metrics are per rule name, never per value",
+        ),
+    ] {
+        if message.starts_with(&format!("unknown field `{field}`")) {
+            return format!("{message}; {hint}");
+        }
+    }
     if message == "duplicate key" {
         return "written twice (a setting, or a [table] header); keep one, or for a list \
                 of tables write [[double brackets]]"
             .to_owned();
     }
     message
+}
+
+/// Whether the first setting of a file that TOML refused is written
+/// `key: value`, as in envoyproxy/ratelimit's YAML files.
+fn looks_like_yaml(text: &str) -> bool {
+    text.lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.starts_with('#') && l != &"---")
+        .is_some_and(|l| {
+            let l = l.strip_prefix("- ").unwrap_or(l);
+            l.split_once(':').is_some_and(|(key, _)| {
+                !key.is_empty()
+                    && !key.contains('=')
+                    && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            })
+        })
 }
 
 /// The dotted name of the `key = value` line holding `offset`, under the
@@ -532,6 +582,18 @@ impl Validator<'_> {
                     span,
                     &format!("{field}.domain"),
                     format!("domain {name:?} is configured twice; merge the two into one"),
+                ));
+            }
+            if raw_domain.descriptors.is_empty() {
+                // A domain with no descriptors limits nothing: most likely a
+                // file cut short after its header while being rewritten.
+                return Err(self.err(
+                    span,
+                    &format!("{field}.descriptors"),
+                    format!(
+                        "domain {name:?} has no descriptors, so it would limit nothing; add \
+                         [[domains.descriptors]] with a key and a limit, or remove the domain"
+                    ),
                 ));
             }
             let descriptors = self.descriptors(raw_domain.descriptors, &field, &name, 1)?;
@@ -969,8 +1031,11 @@ shadow = true
         let e = parse_err("[[domains]]\ndomain = \"a\"\n[[domains.descriptors]]\nkey = \"k\"\n");
         assert!(e.message.contains("neither a limit nor nested"), "{e}");
 
-        let e = parse_err("[[domains]]\ndomain = \"a\"\n[[domains]]\ndomain = \"a\"\n");
-        assert_eq!(e.line, Some(3));
+        let e = parse_err(
+            "[[domains]]\ndomain = \"a\"\n[[domains.descriptors]]\nkey = \"k\"\nunlimited = true\n\
+             [[domains]]\ndomain = \"a\"\n",
+        );
+        assert_eq!(e.line, Some(6));
         assert!(e.message.contains("twice"), "{e}");
 
         let e = parse_err("[server]\nfailure_policy = \"maybe\"\n");
@@ -1027,8 +1092,56 @@ shadow = true
                 "{text:?}: {e}"
             );
         }
-        // One domain, even without descriptors, is a configuration.
-        Config::parse("[[domains]]\ndomain = \"api\"\n", "test.toml").unwrap();
+        // A domain without descriptors limits nothing: most likely a file
+        // cut short after its header.
+        let e = parse_err("[keys]\nlimit = 1\nwindow_ms = 10\n[[domains]]\ndomain = \"api\"\n");
+        assert_eq!(
+            (e.line, e.field.as_str()),
+            (Some(4), "domains[0].descriptors")
+        );
+        assert!(
+            e.message.contains("domain \"api\" has no descriptors"),
+            "{e}"
+        );
+        // One domain with a descriptor is a configuration.
+        Config::parse(
+            "[[domains]]\ndomain = \"api\"\n[[domains.descriptors]]\nkey = \"k\"\nunlimited = true\n",
+            "test.toml",
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn envoyproxy_fields_get_a_hint() {
+        let node = "[[domains]]\ndomain = \"d\"\n[[domains.descriptors]]\nkey = \"k\"\n";
+        for (extra, hint) in [
+            (
+                "shadow_mode = true\nlimit = 1\nunit = \"second\"\n",
+                "shadow = true",
+            ),
+            (
+                "[domains.descriptors.rate_limit]\nunit = \"second\"\n",
+                "limit = N and unit",
+            ),
+            ("requests_per_unit = 5\n", "limit = N"),
+            (
+                "replaces = []\nlimit = 1\nunit = \"second\"\n",
+                "replaces is not supported",
+            ),
+            (
+                "detailed_metric = true\nlimit = 1\nunit = \"second\"\n",
+                "per rule name",
+            ),
+        ] {
+            let e = parse_err(&format!("{node}{extra}"));
+            assert!(e.message.contains(hint), "{extra:?}: {e}");
+        }
+        let yaml = "# rules\n---\ndomain: api\ndescriptors:\n  - key: remote_address\n";
+        let e = parse_err(yaml);
+        assert!(e.message.contains("looks like YAML"), "{e}");
+        // A TOML mistake is not called YAML.
+        let e = parse_err("[keys]\nlimit 5\n");
+        assert!(!e.message.contains("YAML"), "{e}");
     }
 
     #[test]

@@ -23,8 +23,13 @@ use crate::service::{DescriptorOutcome, DescriptorRequest, Service};
 /// The rate-limit service's full name, as health checks ask for it.
 pub const SERVICE_NAME: &str = <RateLimitServiceServer<Rls> as tonic::server::NamedService>::NAME;
 
-/// The largest gRPC request decoded, in bytes.
-pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
+/// The largest gRPC request decoded, in bytes: grpc-go's default, which
+/// envoyproxy/ratelimit keeps. Envoy fills descriptor values from request
+/// headers (60 KiB of them by default), and one value may appear in each
+/// of the 64 descriptors a request may carry; a message refused for its
+/// size is an error, which Envoy's default `failure_mode_deny: false`
+/// answers by letting the request through unlimited.
+pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
 /// The service, sharing `service`; every call is counted in `calls`.
 pub fn server(service: Arc<Service>, calls: Arc<Calls>) -> RateLimitServiceServer<Rls> {
@@ -158,6 +163,10 @@ fn status(o: &DescriptorOutcome) -> DescriptorStatus {
     let Some(rule) = &o.rule else {
         return DescriptorStatus {
             code: Code::Ok as i32,
+            // As envoyproxy/ratelimit answers: an unlimited descriptor has
+            // all there is left, so that a client can tell it from one that
+            // matched no rule.
+            limit_remaining: if o.unlimited { u32::MAX } else { 0 },
             ..Default::default()
         };
     };

@@ -267,6 +267,15 @@ impl RuleSet {
         })
     }
 
+    /// Whether a descriptor's entries reach an `unlimited = true` node of
+    /// the domain's tree: matched, and never limited.
+    pub fn is_unlimited(&self, domain: &str, entries: &[(String, String)]) -> bool {
+        self.domains
+            .get(domain)
+            .and_then(|level| walk(level, entries))
+            .is_some_and(|n| n.unlimited)
+    }
+
     /// The rule a descriptor's entries match, as envoyproxy/ratelimit
     /// matches them: entry by entry down the domain's tree, a node with the
     /// entry's key and value first, else the node with the key and any
@@ -299,9 +308,12 @@ impl RuleSet {
 }
 
 /// The most distinct override configurations (base rule, limit, window) one
-/// [`RuleSet`] makes limiters for. Clients choose overrides, and each
-/// configuration is a limiter of its own (on Redis, a connection), so their
-/// number is bounded; beyond it the configured rule applies.
+/// [`RuleSet`] holds limiters for at once. Clients choose overrides, and
+/// each configuration is a limiter of its own (on Redis, a connection), so
+/// their number is bounded. A new override past the bound takes the place
+/// of the least recently used one that holds no count and serves no
+/// request, which changes no decision; when every one holds counts, the
+/// configured rule applies.
 pub const MAX_OVERRIDES: usize = 256;
 
 /// A descriptor's own limit: Envoy's `RateLimitDescriptor.limit`.
@@ -324,10 +336,26 @@ pub enum OverrideMatch {
 }
 
 /// The limiters of the overrides a [`RuleSet`] has seen, by override
-/// identity. Entries are made on first use and live as long as the set.
+/// identity. Entries are made on first use and live as long as the set,
+/// unless a new one needs the place of one that holds nothing.
 #[derive(Default)]
 struct Overrides {
     entries: parking_lot::Mutex<HashMap<String, Arc<OverrideEntry>>>,
+    /// Uses so far, the clock of `OverrideEntry::last_use`.
+    uses: std::sync::atomic::AtomicU64,
+}
+
+impl Overrides {
+    /// Drops the least recently used entry that holds nothing, to make room
+    /// for a new one; false when every entry holds something.
+    fn evict_one(map: &mut HashMap<String, Arc<OverrideEntry>>) -> bool {
+        let victim = map
+            .iter()
+            .filter(|(_, e)| e.holds_nothing())
+            .min_by_key(|(_, e)| e.last_use.load(std::sync::atomic::Ordering::Relaxed))
+            .map(|(id, _)| id.clone());
+        victim.is_some_and(|id| map.remove(&id).is_some())
+    }
 }
 
 impl fmt::Debug for Overrides {
@@ -354,9 +382,30 @@ struct OverrideEntry {
     /// The rule, made once however many requests ask at the same time; a
     /// failed attempt leaves it empty and the next request tries again.
     rule: tokio::sync::OnceCell<Arc<Rule>>,
+    /// `Overrides::uses` at the entry's last use.
+    last_use: std::sync::atomic::AtomicU64,
 }
 
 impl OverrideEntry {
+    /// Whether dropping the entry can change no later decision: no request
+    /// or other rule set holds it (an entry is cloned only under the map's
+    /// lock, which the caller holds), and no count lives in it. An
+    /// in-memory limiter holds counts until housekeeping forgets its keys
+    /// as idle; a Redis limiter keeps them in Redis, where a limiter made
+    /// again for the same override finds them; the `local` failure
+    /// policy's twin holds counts of its own while Redis fails.
+    fn holds_nothing(self: &Arc<Self>) -> bool {
+        let empty = |l: &LocalLimiter| l.store().entries_tracked() == 0;
+        if Arc::strong_count(self) > 1
+            || self.failover.get().into_iter().flatten().any(|f| !empty(f))
+        {
+            return false;
+        }
+        self.rule.get().is_none_or(|rule| {
+            Arc::strong_count(rule) == 1 && rule.local.iter().chain(rule.failover.iter()).all(empty)
+        })
+    }
+
     fn failover(&self, max_keys: usize) -> Option<LocalLimiter> {
         self.failover
             .get_or_init(|| {
@@ -441,10 +490,12 @@ impl RuleSet {
         let id = compose([base.id.as_ref(), "override", &limit, &window]);
         let entry = {
             let mut map = self.overrides.entries.lock();
-            match map.get(&id) {
-                Some(e) => Arc::clone(e),
-                None if map.len() >= MAX_OVERRIDES => {
-                    return Some(OverrideMatch::Ignored("the bound of distinct overrides"));
+            match map.get(&id).cloned() {
+                Some(e) => e,
+                None if map.len() >= MAX_OVERRIDES && !Overrides::evict_one(&mut map) => {
+                    return Some(OverrideMatch::Ignored(
+                        "the bound of distinct overrides, all holding counts",
+                    ));
                 }
                 None => {
                     // The rule's burst was sized for its own limit: the
@@ -467,12 +518,20 @@ impl RuleSet {
                         spec,
                         failover: std::sync::OnceLock::new(),
                         rule: tokio::sync::OnceCell::new(),
+                        last_use: Default::default(),
                     });
                     map.insert(id, Arc::clone(&e));
                     e
                 }
             }
         };
+        let use_now = self
+            .overrides
+            .uses
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        entry
+            .last_use
+            .store(use_now, std::sync::atomic::Ordering::Relaxed);
         let rule = match entry
             .rule
             .get_or_try_init(|| self.make_override(&entry, factory))
@@ -1018,6 +1077,59 @@ unlimited = true
                 .policy,
             ratewarden_core::PolicyKind::Gcra
         );
+    }
+
+    #[tokio::test]
+    async fn a_new_override_takes_the_place_of_one_that_holds_nothing() {
+        let factory = MemoryFactory {
+            options: MemoryOptions::default(),
+        };
+        let metrics = Metrics::default();
+        let set = RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics)
+            .await
+            .unwrap();
+        let login = entries(&[("path", "/login")]);
+        let over = |limit| LimitOverride {
+            limit,
+            window_ms: 3_600_000,
+        };
+        let find = |limit| {
+            let (set, login, factory, metrics) = (&set, &login, &factory, &metrics);
+            async move {
+                match set
+                    .match_override("api", login, over(limit), factory, metrics)
+                    .await
+                {
+                    Some(OverrideMatch::Applied(m)) => Some(m),
+                    Some(OverrideMatch::Ignored(_)) => None,
+                    None => panic!("api is a configured domain"),
+                }
+            }
+        };
+        let spend = |m: Matched| async move { m.rule.limiter.check(m.key, 1).await.unwrap() };
+        // The bound's worth of overrides, none holding a count yet.
+        for limit in 1..=MAX_OVERRIDES as u64 {
+            find(limit).await.unwrap();
+        }
+        // Override 1 is used again and counts a request; override 2 is
+        // now the least recently used.
+        assert!(spend(find(1).await.unwrap()).await.allowed);
+        // A new one takes override 2's place, not 1's: 1's count is kept.
+        let newcomer = find(1000).await.unwrap();
+        assert!(!spend(find(1).await.unwrap()).await.allowed);
+        assert!(spend(newcomer).await.allowed);
+        assert_eq!(set.overrides.entries.lock().len(), MAX_OVERRIDES);
+        // An override held by a request in flight is not dropped either.
+        let in_flight = find(3).await.unwrap();
+        for limit in 4..=MAX_OVERRIDES as u64 {
+            spend(find(limit).await.unwrap()).await;
+        }
+        // Every override now holds a count or is in use: past the bound,
+        // a new one is ignored.
+        assert!(find(2).await.is_none());
+        drop(in_flight);
+        // Override 3, idle and empty, makes room.
+        assert!(find(2).await.is_some());
     }
 
     #[test]

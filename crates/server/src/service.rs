@@ -46,6 +46,9 @@ pub struct DescriptorOutcome {
     pub allowed: bool,
     /// Whether the store failed and the failure policy decided.
     pub by_failure_policy: bool,
+    /// Whether the descriptor reached an `unlimited = true` node: matched,
+    /// and never limited (`rule` is then `None`).
+    pub unlimited: bool,
 }
 
 /// A request that cannot be decided, with what to change.
@@ -415,14 +418,18 @@ impl Service {
         }
         Ok(group_of
             .into_iter()
-            .map(|g| match g.and_then(|g| decided[g].map(|d| (g, d))) {
+            .zip(descriptors)
+            .map(|(g, d)| match g.and_then(|g| decided[g].map(|d| (g, d))) {
                 Some((g, decision)) => {
                     // Counted once per group: one count sent twice is one
                     // decision.
                     let record = std::mem::take(&mut own[g]);
                     self.finish(Some(Arc::clone(&groups[g].0.rule)), decision, record)
                 }
-                None => self.finish(None, (Decision::admitted(0), false), false),
+                None => DescriptorOutcome {
+                    unlimited: g.is_none() && rules.is_unlimited(domain, &d.entries),
+                    ..self.finish(None, (Decision::admitted(0), false), false)
+                },
             })
             .collect())
     }
@@ -454,6 +461,7 @@ impl Service {
             decision,
             allowed,
             by_failure_policy: failed,
+            unlimited: false,
         }
     }
 
