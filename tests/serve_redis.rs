@@ -287,9 +287,11 @@ fn the_password_is_never_logged() {
     use std::io::BufRead;
     let redis = RedisServer::start_with(&["--requirepass", "s3cret"]);
     let url = format!("redis://:s3cret@127.0.0.1:{}", redis.port());
+    // From the environment, which keeps the password out of the process
+    // list.
     let mut child = std::process::Command::new(common::BIN)
         .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
-        .args(["--store", &url])
+        .env("RATEWARDEN_STORE", &url)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -327,6 +329,16 @@ fn the_password_is_never_logged() {
         serve_refused(&format!("redis://:pw-not-shown@127.0.0.1:{}", redis.port()));
     assert!(!status.success(), "{stderr}");
     assert!(!stderr.contains("pw-not-shown"), "{stderr}");
+    // Nor a password whose unescaped `/`, `?` or `@` makes the URL
+    // unreadable: the error says to percent-encode it.
+    for password in ["pw/not-shown", "pw?not-shown", "p@w:not/shown,x"] {
+        let (status, stderr) =
+            serve_refused(&format!("redis://:{password}@127.0.0.1:{}", redis.port()));
+        assert!(!status.success(), "{stderr}");
+        assert!(!stderr.contains("not-shown"), "{stderr}");
+        assert!(!stderr.contains("not/shown"), "{stderr}");
+        assert!(stderr.contains("percent-encoded"), "{stderr}");
+    }
 }
 
 #[test]

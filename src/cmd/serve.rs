@@ -16,8 +16,10 @@ pub struct Args {
     pub config: Option<PathBuf>,
     /// Where counts live: memory, redis://host:port[/db] (with a password:
     /// redis://:PASSWORD@host:port), redis+unix:///path or
-    /// redis-cluster://host:port,host:port.
-    #[arg(long, default_value = "memory", value_name = "STORE", value_parser = super::StoreUrlParser)]
+    /// redis-cluster://host:port,host:port. Also read from the environment
+    /// variable RATEWARDEN_STORE, which keeps a password out of the
+    /// process list.
+    #[arg(long, env = "RATEWARDEN_STORE", hide_env_values = true, default_value = "memory", value_name = "STORE", value_parser = super::StoreUrlParser)]
     pub store: StoreUrl,
     /// Address of the HTTP JSON interface, HOST:PORT (a name such as
     /// localhost is resolved at start; port 0 picks a free port).

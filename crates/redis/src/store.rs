@@ -359,7 +359,7 @@ impl RedisStore {
                     .max_retry_wait(50)
                     .build()
                     .map_err(|e| invalid_url(shown, e))?;
-                let conn = match client.get_async_connection().await {
+                let mut conn = match client.get_async_connection().await {
                     Ok(conn) => conn,
                     Err(e) => {
                         return Err(
@@ -367,6 +367,32 @@ impl RedisStore {
                         )
                     }
                 };
+                // A cluster that answers but has a slot no master serves
+                // (cluster_state:fail) would fail the decisions of every
+                // key in that slot: a store that cannot be used, which
+                // stops the caller at start, as a node that is down does.
+                let info: String = redis::cmd("CLUSTER")
+                    .arg("INFO")
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(|e| {
+                        let e = map_error(e);
+                        StoreError::new(
+                            e.kind(),
+                            format!("Redis Cluster at {shown} cannot be used: CLUSTER INFO: {e}"),
+                        )
+                    })?;
+                if !info.lines().any(|l| l.trim() == "cluster_state:ok") {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Backend,
+                        format!(
+                            "Redis Cluster at {shown} reports cluster_state:fail: some slot has \
+                             no master that answers, so decisions for its keys would fail; \
+                             bring the cluster back (redis-cli --cluster check HOST:PORT shows \
+                             what is missing) and start again"
+                        ),
+                    ));
+                }
                 Backend::Cluster(Arc::new(Cluster {
                     client,
                     conn: RwLock::new(conn),
@@ -390,7 +416,7 @@ impl RedisStore {
                     .set_connection_timeout(connect_timeout)
                     .set_response_timeout(response_timeout)
                     .set_number_of_retries(0);
-                let address = client.get_connection_info().addr.to_string();
+                let address = address_of(&client.get_connection_info().addr);
                 let mut conn = ConnectionManager::new_with_config(client, manager_config)
                     .await
                     .map_err(|e| connect_error(e, &address, false))?;
@@ -931,7 +957,7 @@ async fn cluster_connect_error(
 ) -> StoreError {
     let probes = nodes.iter().map(|node| async move {
         let client = redis::Client::open(node.as_str()).map_err(|e| invalid_url(shown, e))?;
-        let address = client.get_connection_info().addr.to_string();
+        let address = address_of(&client.get_connection_info().addr);
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(node_timeout)
             .set_response_timeout(node_timeout);
@@ -1034,22 +1060,46 @@ pub fn cluster_enabled(info_cluster: &str) -> Option<bool> {
     })
 }
 
+/// A node's address as a user writes it: `HOST:PORT` (an IPv6 host in
+/// brackets, `[::1]:6379`), or a Unix socket's path.
+fn address_of(addr: &redis::ConnectionAddr) -> String {
+    match addr {
+        redis::ConnectionAddr::Tcp(host, port) if host.contains(':') => format!("[{host}]:{port}"),
+        other => other.to_string(),
+    }
+}
+
 /// A failure to connect or to authenticate to the node at `address`,
 /// saying what to change when the cause is the credentials. `cluster`: the
-/// URL is a `redis-cluster://` one, so the advice shows that form.
+/// URL is a `redis-cluster://` one, so the advice shows that form; an
+/// `address` that is a path is a Unix socket's, whose URL takes the
+/// credentials in its query.
 fn connect_error(e: RedisError, address: &str, cluster: bool) -> StoreError {
-    let (scheme, more) = if cluster {
-        ("redis-cluster", "[,HOST:PORT...]")
+    let (with_password, with_user) = if cluster {
+        (
+            "redis-cluster://:PASSWORD@HOST:PORT[,HOST:PORT...]",
+            "redis-cluster://USER:PASSWORD@HOST:PORT[,HOST:PORT...]",
+        )
+    } else if address.starts_with('/') {
+        (
+            "redis+unix:///PATH?pass=PASSWORD",
+            "redis+unix:///PATH?user=USER&pass=PASSWORD",
+        )
     } else {
-        ("redis", "")
+        (
+            "redis://:PASSWORD@HOST:PORT",
+            "redis://USER:PASSWORD@HOST:PORT",
+        )
     };
-    if e.code() == Some("NOAUTH") {
+    let text = e.to_string();
+    // With a /DB, connecting sends SELECT first, whose refusal wraps the
+    // NOAUTH in its own words.
+    if e.code() == Some("NOAUTH") || text.contains("Authentication required") {
         StoreError::new(
             StoreErrorKind::InvalidInput,
             format!(
                 "Redis at {address} requires a password: put it in the URL as \
-                 {scheme}://:PASSWORD@HOST:PORT{more} (or {scheme}://USER:PASSWORD@HOST:PORT{more} \
-                 for an ACL user)"
+                 {with_password} (or {with_user} for an ACL user)"
             ),
         )
     } else if e.kind() == ErrorKind::AuthenticationFailed || e.code() == Some("WRONGPASS") {
@@ -1057,7 +1107,15 @@ fn connect_error(e: RedisError, address: &str, cluster: bool) -> StoreError {
             StoreErrorKind::InvalidInput,
             format!(
                 "Redis at {address} refused the URL's user or password ({e}): \
-                 correct them in {scheme}://[USER]:PASSWORD@HOST:PORT{more}"
+                 correct them in {with_password} (or {with_user})"
+            ),
+        )
+    } else if text.contains("DB index is out of range") {
+        StoreError::new(
+            StoreErrorKind::InvalidInput,
+            format!(
+                "Redis at {address} has no database of the number the URL's /DB names ({e}): \
+                 use one below the server's `databases` setting (16 by default), such as /0"
             ),
         )
     } else {
@@ -1068,6 +1126,9 @@ fn connect_error(e: RedisError, address: &str, cluster: bool) -> StoreError {
         // of this error says already.
         let cause = if refused {
             "connection refused"
+        } else if e.kind() == StoreErrorKind::Timeout {
+            "no answer in time: the port took the connection, but a Redis that is \
+             stopped or overloaded, or a server that is not Redis, did not answer"
         } else {
             e.detail()
         };
@@ -1083,7 +1144,8 @@ fn invalid_url(shown: &str, e: RedisError) -> StoreError {
     StoreError::new(
         StoreErrorKind::InvalidInput,
         format!(
-            "{shown:?} is not a Redis address ({e}); write {}",
+            "{shown:?} is not a Redis address ({e}); write {} (a user name or password \
+             holding any of / ? # @ % , is written percent-encoded: / as %2F, @ as %40)",
             crate::url::FORMS
         ),
     )

@@ -16,8 +16,12 @@
 /// );
 /// assert_eq!(redact_url("redis+unix:///run/r.sock?pass=pw&db=1"), "redis+unix:///run/r.sock?pass=***&db=1");
 /// assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
-/// // A password with an unescaped `,` is not shown in part either.
+/// // A password with an unescaped `,`, `/`, `?` or `@` is not shown in part
+/// // either: all before the last `@` is hidden.
 /// assert_eq!(redact_url("redis-cluster://:pa,ss@a:1,b:2"), "redis-cluster://***,***@a:1,b:2");
+/// assert_eq!(redact_url("redis://:ab/cd@127.0.0.1:6379"), "redis://***@127.0.0.1:6379");
+/// assert_eq!(redact_url("redis://:pa?ss@h:1/2"), "redis://***@h:1/2");
+/// assert_eq!(redact_url("redis://bob:p@ss:w/rd,x@h:1"), "redis://***@h:1");
 /// ```
 pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
@@ -29,6 +33,15 @@ pub fn redact_url(url: &str) -> String {
             url.to_owned()
         };
     };
+    // Where a `/`, `?` or `#` comes before an `@`, the URL cannot be read
+    // for sure (a password holding one of them unescaped, or an `@` in a
+    // query value): everything up to the last `@` is hidden, which may
+    // hide more than the credentials but never shows part of them.
+    if let Some((hidden, after)) = rest.rsplit_once('@') {
+        if hidden.contains(['/', '?', '#']) {
+            return redact_url(&format!("{scheme}://***@{after}"));
+        }
+    }
     let (rest, query) = match rest.split_once('?') {
         Some((r, q)) => (r, Some(q)),
         None => (rest, None),

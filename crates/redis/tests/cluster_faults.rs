@@ -202,3 +202,37 @@ fn a_hung_replica_does_not_stop_connecting() {
         assert_eq!(round(&store).await, 0, "every key is decided");
     });
 }
+
+/// A cluster whose slots are not all served (a master down, no replica to
+/// take over: `cluster_state:fail`) cannot be used, so connecting says so,
+/// as it does for a single node that is down, rather than handing back a
+/// store whose decisions fail.
+#[test]
+fn a_failed_cluster_stops_connecting_saying_so() {
+    let mut cluster = RedisCluster::start();
+    let survivors: Vec<String> = cluster.nodes()[..2]
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port()))
+        .collect();
+    // A short node timeout, so that the survivors flag the dead master
+    // within a second rather than Redis's default 15.
+    for node in cluster.nodes() {
+        node.cli(&["CONFIG", "SET", "cluster-node-timeout", "500"]);
+    }
+    cluster.kill_node(2);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !cluster.nodes()[..2]
+        .iter()
+        .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:fail"))
+    {
+        assert!(Instant::now() < deadline, "the cluster never failed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let url = format!("redis-cluster://{}", survivors.join(","));
+    let rt = common::runtime();
+    let e = rt
+        .block_on(RedisStore::connect(&url, REFERENCE, options("failed")))
+        .expect_err("a failed cluster cannot be used");
+    assert!(e.to_string().contains("cluster_state:fail"), "{e}");
+    assert!(e.to_string().contains("redis-cli --cluster check"), "{e}");
+}

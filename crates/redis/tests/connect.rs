@@ -42,6 +42,17 @@ fn a_redis_that_wants_a_password_is_refused_at_connect_saying_so() {
         "{e}"
     );
 
+    // With a /DB, connecting selects it first; the refusal is the same.
+    let e = connect(&format!("redis://127.0.0.1:{port}/1")).expect_err("no password given");
+    assert!(e.to_string().contains("requires a password"), "{e}");
+    // A database the server does not have says what to use.
+    let e = connect(&format!("redis://:s3cret@127.0.0.1:{port}/999")).expect_err("no such db");
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(
+        e.to_string().contains("below the server's `databases`"),
+        "{e}"
+    );
+
     // The right password: decisions are made.
     let rt = common::runtime();
     let url = format!("redis://:s3cret@127.0.0.1:{port}");
@@ -157,6 +168,29 @@ fn a_unix_socket_url_connects_and_tls_is_refused_saying_so() {
         store.decide(1, None, 1).await.expect("decided")
     });
     assert!(decision.allowed);
+    drop(server);
+    let _ = std::fs::remove_file(&socket);
+
+    // A socket whose Redis wants a password: the advice is the socket's
+    // form, with the password in the query.
+    let server = RedisServer::start_with(&[
+        "--unixsocket",
+        &path,
+        "--unixsocketperm",
+        "700",
+        "--requirepass",
+        "s3cret",
+    ]);
+    let e = connect(&format!("redis+unix://{path}")).expect_err("no password given");
+    assert!(
+        e.to_string().contains("redis+unix:///PATH?pass=PASSWORD"),
+        "{e}"
+    );
+    let e = connect(&format!("redis+unix://{path}?pass=wrong")).expect_err("wrong password");
+    assert!(
+        e.to_string().contains("redis+unix:///PATH?pass=PASSWORD"),
+        "{e}"
+    );
     drop(server);
     let _ = std::fs::remove_file(&socket);
 
