@@ -637,7 +637,9 @@ impl Validator<'_> {
                 .map_err(|e| self.err(v.span(), "server.failure_policy", e.to_string()))?;
         }
         if let Some(v) = raw.store_timeout_ms {
-            s.store_timeout_ms = self.positive(&v, "server.store_timeout_ms", 3_600_000)?;
+            // A gRPC call has 10 s in all, and a stop waits 30 s for the
+            // requests in flight: a longer store call could only be cut.
+            s.store_timeout_ms = self.positive(&v, "server.store_timeout_ms", 10_000)?;
         }
         if let Some(v) = raw.max_keys {
             s.max_keys = self.positive(&v, "server.max_keys", 1 << 32)? as usize;

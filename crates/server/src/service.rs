@@ -202,14 +202,17 @@ impl Service {
             .rules()
             .iter()
             .filter_map(|r| {
+                // A networked store's keys are not here; under the `local`
+                // failure policy its in-memory twin's are.
                 r.local
                     .as_ref()
+                    .or(r.failover.as_ref())
                     .map(|l| (r.spec.name.clone(), l.store().entries_tracked()))
             })
             .collect();
         let mut overrides: std::collections::BTreeMap<String, usize> = Default::default();
         for r in rules.override_rules() {
-            if let Some(l) = &r.local {
+            if let Some(l) = r.local.as_ref().or(r.failover.as_ref()) {
                 *overrides.entry(r.spec.name.clone()).or_default() += l.store().entries_tracked();
             }
         }
@@ -487,6 +490,19 @@ impl Service {
             Ok(d) => (d, false),
             Err(e) => {
                 m.rule.metrics.store_error(e.kind());
+                let config = &m.rule.spec.policy;
+                let capacity = if config.policy.has_burst() {
+                    config.effective_burst()
+                } else {
+                    config.limit
+                };
+                if cost > capacity {
+                    // No budget ever admits it, which needs no store to
+                    // know: refused as the store would have, with no wait,
+                    // whatever the failure policy.
+                    self.log_store_error(&m.rule, &e, self.settings.failure_policy);
+                    return (Decision::refused(None, 0), false);
+                }
                 let policy = match (e.kind(), self.settings.failure_policy) {
                     // The failure policies are for a store that is away,
                     // and comes back. A key holding state the script cannot
@@ -942,6 +958,13 @@ shadow = true
             }
             // The store is far smaller than 200 keys: they overflow it.
             assert!(failed > 0, "{policy}");
+            // A cost above the limit needs no store to refuse: no budget
+            // ever admits it, whatever the failure policy says.
+            let o = s.check_key("k-costly", 6).await.unwrap();
+            assert!(!o.allowed && !o.decision.allowed, "{policy}");
+            assert_eq!(o.decision.retry_after_ms, None, "{policy}");
+            assert!(!o.by_failure_policy, "{policy}");
+            failed += 1;
             let text = s.metrics.render(&[]);
             assert!(text.contains(&format!(
                 "ratewarden_store_errors_total{{rule=\"keys\",kind=\"capacity_exhausted\"}} {failed}\n"
