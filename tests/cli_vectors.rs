@@ -187,7 +187,29 @@ fn a_wrong_mix32_value_is_named_and_fails_without_counting_as_a_case() {
         "{text}"
     );
     assert!(text.contains("mix32 values: 1 matched, 1 differ"), "{text}");
-    assert_eq!(text.lines().last(), Some("0 passed, 0 failed"));
+    // The last line alone shows the run failed.
+    assert_eq!(
+        text.lines().last(),
+        Some("0 passed, 0 failed, and 1 mix32 value differs")
+    );
+}
+
+/// A link back up the tree, or a second link to one file, runs each file
+/// once: the count is of cases, not of ways to reach them.
+#[cfg(unix)]
+#[test]
+fn links_run_each_file_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let sub = dir.path().join("in");
+    std::fs::create_dir(&sub).unwrap();
+    let case = r#"{"cases": [{"description": "one", "policy": "fixed-window", "limit": 1, "window_ms": 10,
+        "steps": [{"now_ms": 0, "key": 1, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}]}]}"#;
+    std::fs::write(sub.join("a.json"), case).unwrap();
+    std::os::unix::fs::symlink("..", sub.join("up")).unwrap();
+    std::os::unix::fs::symlink("a.json", sub.join("again.json")).unwrap();
+    let out = ratewarden(&["vectors", dir.path().to_str().unwrap()]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    assert_eq!(stdout(&out).lines().last(), Some("1 passed, 0 failed"));
 }
 
 /// A reader that stops early (`ratewarden vectors DIR | head`) is not a
