@@ -168,11 +168,17 @@ pub struct EachCase {
 /// a runner can run them and report that one. The file itself (its JSON,
 /// `cases`, `mix32`) must still be well formed.
 pub fn parse_each(text: &str) -> Result<EachCase, VectorError> {
+    // A byte-order mark, which some editors write, says nothing of the
+    // JSON after it (RFC 8259 lets a parser skip it).
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let root: Value =
         serde_json::from_str(text).map_err(|e| err("", format!("not valid JSON: {e}")))?;
-    let root = root
-        .as_object()
-        .ok_or_else(|| err("", "the file must be a JSON object with \"cases\""))?;
+    let root = root.as_object().ok_or_else(|| {
+        err(
+            "",
+            "the file must be a JSON object with \"cases\" (or \"mix32\")",
+        )
+    })?;
     let mut file = EachCase::default();
     if let Some(mix) = root.get("mix32") {
         let mix = mix
@@ -186,12 +192,16 @@ pub fn parse_each(text: &str) -> Result<EachCase, VectorError> {
             file.mix32.push(Mix32Vector { input, output });
         }
     }
-    let cases = root
-        .get("cases")
-        .ok_or_else(|| err("", "missing field \"cases\""))?;
-    let cases = cases
-        .as_array()
-        .ok_or_else(|| err("cases", "must be an array"))?;
+    // SPEC marks only mix32 optional; a file of mix32 values alone is
+    // still read, as a file of no cases, but a file with neither is no
+    // vector file.
+    let cases = match root.get("cases") {
+        Some(cases) => cases
+            .as_array()
+            .ok_or_else(|| err("cases", "must be an array"))?,
+        None if root.contains_key("mix32") => return Ok(file),
+        None => return Err(err("", "missing field \"cases\"")),
+    };
     for (i, case) in cases.iter().enumerate() {
         file.cases.push(parse_case(case, &format!("cases[{i}]")));
     }
@@ -494,6 +504,21 @@ mod tests {
     }
 
     #[test]
+    fn a_byte_order_mark_and_a_file_of_mix32_values_alone_are_read() {
+        let text = case_with(
+            r#""policy": "fixed-window", "limit": 1, "window_ms": 10"#,
+            GOOD_STEP,
+        );
+        assert_eq!(
+            parse(&format!("\u{feff}{text}")).unwrap(),
+            parse(&text).unwrap()
+        );
+        let file = parse(r#"{"mix32": [{"input": "hello", "output": 613153351}]}"#).unwrap();
+        assert_eq!(file.mix32.len(), 1);
+        assert!(file.cases.is_empty());
+    }
+
+    #[test]
     fn a_burst_on_a_policy_without_a_bucket_is_ignored() {
         // As in SPEC's own example of the format.
         let text = case_with(
@@ -572,6 +597,7 @@ mod tests {
             ("{".to_owned(), "not valid JSON"),
             ("[]".to_owned(), "JSON object"),
             ("{}".to_owned(), "missing field \"cases\""),
+            (r#"{"mix32": 3}"#.to_owned(), "mix32: must be an array"),
             (
                 case_with(
                     r#""policy": "leaky", "limit": 1, "window_ms": 10"#,
