@@ -425,6 +425,12 @@ async fn shadow_rules_count_but_never_refuse() {
         headers.get("ratelimit").is_none(),
         "shadow rules are not advertised"
     );
+    // An entry's value may be left out, as in Envoy's protobuf: it is "",
+    // which an any-value node matches.
+    let body = json!({"domain": "edge", "descriptors": [{"entries": [{"key": "remote_address"}]}]});
+    let (status, _, body) = post(&client, &server.url(), body).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["rule"], "per-address", "{body}");
     let metrics = common::metrics(&client, server.http).await;
     assert!(
         metrics.contains("ratewarden_decisions_total{rule=\"trial\",outcome=\"allowed\"} 1\n"),

@@ -173,6 +173,9 @@ struct DescriptorJson {
 #[serde(deny_unknown_fields)]
 struct EntryJson {
     key: String,
+    /// Optional, as in Envoy's `RateLimitDescriptor.Entry`, where a value
+    /// left out is the empty string.
+    #[serde(default)]
     value: String,
 }
 
