@@ -166,6 +166,54 @@ async fn redis_killed_under_load_gets_the_failure_policy_then_recovers() {
     }
 }
 
+/// The log shows an outage's end as well as its start: one line a second
+/// while calls fail, counting the failures it stands for, and one when a
+/// call succeeds again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_says_when_the_store_answers_again() {
+    let mut redis = RedisServer::start();
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let file = ConfigFile::new(
+        "[server]\nfailure_policy = \"open\"\n[keys]\nlimit = 10\nwindow_ms = 60000\n",
+    );
+    let server = Server::start_with_stderr(
+        &["--store", &redis.url(), "--config", file.path()],
+        std::process::Stdio::from(log.reopen().unwrap()),
+    );
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let (status, _) = check(&client, &server.url(), "k").await;
+    assert_eq!(status, 200);
+    redis.kill();
+    for _ in 0..5 {
+        let (_, body) = check(&client, &server.url(), "k").await;
+        assert_eq!(body["failure_policy"], true, "{body}");
+    }
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, body) = check(&client, &server.url(), "k").await;
+        if body.get("failure_policy").is_none() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no recovery within 20 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    server.stop();
+    let text = std::fs::read_to_string(log.path()).unwrap();
+    let failed = text.lines().filter(|l| l.contains("store failed")).count();
+    assert!(failed >= 1, "{text}");
+    assert!(text.contains("failures_not_logged="), "{text}");
+    let again: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("succeeded again"))
+        .collect();
+    assert_eq!(again.len(), 1, "{text}");
+    assert!(again[0].contains("rule=keys"), "{text}");
+}
+
 /// `ratewarden_failure_policy_decisions_total` for one policy and outcome.
 async fn failure_count(
     client: &reqwest::Client,

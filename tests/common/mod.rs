@@ -24,12 +24,18 @@ pub struct Server {
 
 impl Server {
     pub fn start(args: &[&str]) -> Server {
+        Self::start_with_stderr(args, Stdio::null())
+    }
+
+    /// As [`Server::start`], with the server's log (standard error) going
+    /// to `stderr`.
+    pub fn start_with_stderr(args: &[&str], stderr: Stdio) -> Server {
         let mut child = Command::new(BIN)
             .arg("serve")
             .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
             .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .expect("the ratewarden binary starts");
         let stdout = child.stdout.take().unwrap();

@@ -3,6 +3,7 @@
 //! and housekeeping.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -79,6 +80,10 @@ pub struct Service {
     started: Instant,
     /// One line a second for each warning repeated on every request.
     error_log: LogGate,
+    /// Whether a store failure was logged and no call has succeeded since:
+    /// the next success says so, so that the log shows the end of an
+    /// outage as well as its start.
+    failure_logged: AtomicBool,
     domain_log: LogGate,
     override_log: LogGate,
 }
@@ -112,6 +117,7 @@ impl Service {
             reload_lock: tokio::sync::Mutex::new(()),
             started: Instant::now(),
             error_log: LogGate::new(1000),
+            failure_logged: AtomicBool::new(false),
             domain_log: LogGate::new(1000),
             override_log: LogGate::new(1000),
         })
@@ -487,7 +493,18 @@ impl Service {
     /// failure policy. The flag says whether the failure policy decided.
     async fn take(&self, m: &Matched, cost: u64) -> (Decision, bool) {
         match self.call(m, cost).await {
-            Ok(d) => (d, false),
+            Ok(d) => {
+                // A load first: the swap, a write, only after a failure.
+                if self.failure_logged.load(Ordering::Relaxed)
+                    && self.failure_logged.swap(false, Ordering::Relaxed)
+                {
+                    tracing::info!(
+                        rule = %m.rule.spec.name,
+                        "a store call succeeded again after the failures logged above"
+                    );
+                }
+                (d, false)
+            }
             Err(e) => {
                 m.rule.metrics.store_error(e.kind());
                 let config = &m.rule.spec.policy;
@@ -545,7 +562,8 @@ impl Service {
     /// Logs a store failure, at most one line a second: a store that is
     /// down fails every request, and the metrics count them all.
     fn log_store_error(&self, rule: &Rule, e: &StoreError, policy: FailurePolicy) {
-        if self.log_now(&self.error_log) {
+        if let Some(held) = self.error_log.pass(self.now_ms()) {
+            self.failure_logged.store(true, Ordering::Relaxed);
             // The store's own advice names the library's knobs; here they
             // are settings of the configuration file.
             let hint = if e.is_capacity_exhausted() {
@@ -554,7 +572,14 @@ impl Service {
             } else {
                 ""
             };
-            tracing::warn!(rule = %rule.spec.name, failure_policy = %policy, "store failed: {e}{hint}");
+            // Every rule shares the one line a second: say how many
+            // failures, of any rule, it stands for.
+            tracing::warn!(
+                rule = %rule.spec.name,
+                failure_policy = %policy,
+                failures_not_logged = held,
+                "store failed: {e}{hint}"
+            );
         }
     }
 
@@ -575,8 +600,12 @@ impl Service {
     /// Whether a warning repeated on every request may be logged now: at
     /// most once a second per gate (the metrics count every occurrence).
     fn log_now(&self, gate: &LogGate) -> bool {
-        let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        gate.pass(now_ms).is_some()
+        gate.pass(self.now_ms()).is_some()
+    }
+
+    /// Milliseconds since the service started, the gates' clock.
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 }
 
@@ -594,7 +623,7 @@ mod tests {
     use super::*;
     use crate::config::Config;
     use crate::store::StoreUrl;
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::AtomicU64;
 
     async fn service(text: &str) -> Service {
         let config = Config::parse(text, "t.toml").unwrap();
