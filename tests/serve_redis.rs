@@ -166,6 +166,36 @@ async fn redis_killed_under_load_gets_the_failure_policy_then_recovers() {
     }
 }
 
+/// Two deployments on one Redis, each with its own `key_prefix`, keep
+/// their own counts for rules of the same identity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deployments_with_their_own_key_prefix_share_no_count() {
+    let redis = RedisServer::start();
+    let config = |prefix: &str| {
+        format!("[server]\nkey_prefix = \"{prefix}\"\n[keys]\nlimit = 1\nwindow_ms = 3600000\n")
+    };
+    let staging = Serve::start(&redis.url(), &config("rw-staging"));
+    let production = Serve::start(&redis.url(), &config("rw-production"));
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    for serve in [&staging, &production] {
+        let (status, body) = check(&client, &serve.url(), "k").await;
+        assert_eq!(status, 200, "each deployment has its own budget: {body}");
+        let (status, _) = check(&client, &serve.url(), "k").await;
+        assert_eq!(status, 429);
+    }
+    let keys = redis.cli(&["--scan"]);
+    let mut prefixes: Vec<&str> = keys
+        .lines()
+        // The prefix, then the rule's hash after an escaped `:`.
+        .map(|k| k.split("%3A").next().unwrap_or_default())
+        .collect();
+    prefixes.sort();
+    assert_eq!(prefixes, ["rw-production", "rw-staging"], "{keys}");
+}
+
 /// The log shows an outage's end as well as its start: one line a second
 /// while calls fail, counting the failures it stands for, and one when a
 /// call succeeds again.

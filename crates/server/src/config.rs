@@ -82,6 +82,10 @@ pub struct ServerSettings {
     pub housekeeping_max_scanned: usize,
     /// The most connections each interface (HTTP, gRPC) holds open at once.
     pub max_connections: usize,
+    /// What every Redis key name starts with, before the rule's hash: two
+    /// deployments with different prefixes share one Redis without sharing
+    /// a count.
+    pub key_prefix: String,
 }
 
 impl ServerSettings {
@@ -97,6 +101,7 @@ impl ServerSettings {
             housekeeping_interval_ms,
             housekeeping_max_scanned,
             max_connections,
+            key_prefix,
         } = self;
         [
             ("key_hash", *key_hash != other.key_hash),
@@ -115,6 +120,7 @@ impl ServerSettings {
                 *housekeeping_max_scanned != other.housekeeping_max_scanned,
             ),
             ("max_connections", *max_connections != other.max_connections),
+            ("key_prefix", *key_prefix != other.key_prefix),
         ]
         .into_iter()
         .filter_map(|(name, differs)| differs.then_some(name))
@@ -139,6 +145,7 @@ impl Default for ServerSettings {
             // full, and far above what Envoy (a few connections per proxy)
             // or a fleet of HTTP clients needs.
             max_connections: 10_000,
+            key_prefix: "ratewarden".to_owned(),
         }
     }
 }
@@ -442,6 +449,7 @@ struct RawServer {
     housekeeping_interval_ms: Option<Spanned<i64>>,
     housekeeping_max_scanned: Option<Spanned<i64>>,
     max_connections: Option<Spanned<i64>>,
+    key_prefix: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -654,6 +662,25 @@ impl Validator<'_> {
         }
         if let Some(v) = raw.max_connections {
             s.max_connections = self.positive(&v, "server.max_connections", 1 << 20)? as usize;
+        }
+        if let Some(v) = raw.key_prefix {
+            let prefix = v.get_ref();
+            // Printable ASCII without spaces: it shows as typed in
+            // redis-cli, and SCAN patterns need no quoting for it.
+            if prefix.is_empty()
+                || prefix.len() > 64
+                || !prefix.bytes().all(|b| b.is_ascii_graphic())
+            {
+                return Err(self.err(
+                    v.span(),
+                    "server.key_prefix",
+                    format!(
+                        "{prefix:?} is not a key prefix; use 1 to 64 printable ASCII characters \
+                         without spaces, such as \"ratewarden-staging\""
+                    ),
+                ));
+            }
+            s.key_prefix = prefix.clone();
         }
         Ok(s)
     }
@@ -1186,9 +1213,26 @@ shadow = true
         let new = ServerSettings {
             max_keys: 5,
             failure_policy: FailurePolicy::FailOpen,
+            key_prefix: "staging".to_owned(),
             ..ServerSettings::default()
         };
-        assert_eq!(old.changed(&new), ["failure_policy", "max_keys"]);
+        assert_eq!(
+            old.changed(&new),
+            ["failure_policy", "max_keys", "key_prefix"]
+        );
+        let c = Config::parse(
+            "[server]\nkey_prefix = \"rw-staging\"\n[keys]\nlimit = 1\nwindow_ms = 10\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(c.server.key_prefix, "rw-staging");
+        for bad in ["", "a b", "ünï"] {
+            let e = parse_err(&format!(
+                "[server]\nkey_prefix = {bad:?}\n[keys]\nlimit = 1\nwindow_ms = 10\n"
+            ));
+            assert_eq!(e.field, "server.key_prefix", "{e}");
+            assert!(e.message.contains("printable ASCII"), "{e}");
+        }
     }
 }
 

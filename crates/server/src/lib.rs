@@ -122,6 +122,7 @@ pub fn factory_for(
         StoreUrl::Redis(url) | StoreUrl::RedisCluster(url) => Ok(Arc::new(store::RedisFactory {
             url: url.clone(),
             timeout_ms: settings.store_timeout_ms,
+            key_prefix: settings.key_prefix.clone(),
         })),
     }
 }

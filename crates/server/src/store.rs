@@ -81,6 +81,8 @@ pub struct RedisFactory {
     pub url: String,
     /// The longest one call may take, in ms.
     pub timeout_ms: u64,
+    /// What every key name starts with (`[server] key_prefix`).
+    pub key_prefix: String,
 }
 
 impl fmt::Debug for RedisFactory {
@@ -88,6 +90,7 @@ impl fmt::Debug for RedisFactory {
         f.debug_struct("RedisFactory")
             .field("url", &ratewarden_redis::redact_url(&self.url))
             .field("timeout_ms", &self.timeout_ms)
+            .field("key_prefix", &self.key_prefix)
             .finish()
     }
 }
@@ -127,7 +130,11 @@ impl StoreFactory for RedisFactory {
             let options = ratewarden_redis::RedisOptions {
                 // Each rule gets its own key space: its identity, hashed to
                 // keep key names short, is part of every key name.
-                prefix: format!("ratewarden:{:016x}", ratewarden_core::xxh3_64(rule_id)),
+                prefix: format!(
+                    "{}:{:016x}",
+                    self.key_prefix,
+                    ratewarden_core::xxh3_64(rule_id)
+                ),
                 timeout_ms: self.timeout_ms,
                 ..Default::default()
             };
