@@ -112,11 +112,12 @@ impl ProxyTrust {
         // Every element looked at, and the non-empty ones among them.
         let (mut scanned, mut hops) = (0, 0);
         for line in lines.iter().rev() {
-            // Header values are visible ASCII in practice; a line that is not
-            // UTF-8 cannot hold an address and counts as unknown.
-            let Ok(line) = std::str::from_utf8(line) else {
-                return current;
-            };
+            // Header values are visible ASCII in practice. A byte that is not
+            // UTF-8 makes its own element unreadable (unknown), not the whole
+            // line: a proxy appends the client's address to the line the
+            // client sent, and a client's stray byte must not hide it.
+            let line = String::from_utf8_lossy(line);
+            let line: &str = &line;
             // Only the right-most elements can be read before a bound is
             // reached: keep those (one more than the budget, to see it
             // exceeded) rather than collect a padded line whole.
@@ -420,6 +421,38 @@ mod tests {
         let t = trust(ForwardedHeader::XForwardedFor);
         let h = headers("x-forwarded-for", &["198.51.100.7, not-an-ip, 10.0.0.2"]);
         assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.2"));
+    }
+
+    #[test]
+    fn a_byte_that_is_not_utf8_cannot_hide_what_the_proxy_appended() {
+        // The client sent one bad byte; the trusted proxy appended the real
+        // client on the same line. Before, the whole line was unknown and
+        // the client took the proxy's own budget.
+        for (name, header) in [
+            ("x-forwarded-for", ForwardedHeader::XForwardedFor),
+            ("forwarded", ForwardedHeader::Forwarded),
+        ] {
+            let t = trust(header);
+            let appended = match header {
+                ForwardedHeader::XForwardedFor => ", 198.51.100.7".to_owned(),
+                ForwardedHeader::Forwarded => ", for=198.51.100.7".to_owned(),
+            };
+            let mut h = HeaderMap::new();
+            let value = [b"\xff".as_slice(), appended.as_bytes()].concat();
+            h.append(name, HeaderValue::from_bytes(&value).unwrap());
+            assert_eq!(
+                t.client_ip(ip("10.0.0.3"), &h),
+                ip("198.51.100.7"),
+                "{name}"
+            );
+            // The bad element itself is unknown: the walk stops there, at
+            // the trusted proxy that wrote it.
+            let proxy = appended.replace("198.51.100.7", "10.0.0.2");
+            let mut h = HeaderMap::new();
+            let value = [b"198.51.100.7, \xff".as_slice(), proxy.as_bytes()].concat();
+            h.append(name, HeaderValue::from_bytes(&value).unwrap());
+            assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.2"), "{name}");
+        }
     }
 
     #[test]
