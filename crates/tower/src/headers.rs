@@ -181,6 +181,18 @@ impl RateLimitHeaders {
         Ok(Self::checked(name, config))
     }
 
+    /// Whether a `RateLimit` field value already holds an item of this
+    /// policy's name: two nested layers of one name, whose items a client
+    /// cannot tell apart.
+    pub fn names_an_item_in(&self, value: &HeaderValue) -> bool {
+        let item = format!("{};", self.name);
+        let value = value.as_bytes();
+        value.starts_with(item.as_bytes())
+            || value
+                .windows(item.len() + 2)
+                .any(|w| w.starts_with(b", ") && &w[2..] == item.as_bytes())
+    }
+
     /// The headers for `config` under the name `default`.
     pub fn default_name(config: &PolicyConfig) -> Self {
         Self::checked("default", config)
@@ -309,6 +321,21 @@ mod tests {
         assert!(err.contains("printable ASCII"), "{err}");
         let long = "x".repeat(MAX_POLICY_NAME_LEN + 1);
         assert!(RateLimitHeaders::new(&long, &ratewarden_core::REFERENCE).is_err());
+    }
+
+    #[test]
+    fn an_item_of_the_same_name_is_found() {
+        let h = RateLimitHeaders::new("api", &ratewarden_core::REFERENCE).unwrap();
+        for (value, found) in [
+            ("\"api\";r=3", true),
+            ("\"web\";r=1, \"api\";r=0;t=1", true),
+            ("\"api-2\";r=3", false),
+            ("\"web\";r=1", false),
+            ("\"web, \\\"api\";r=1", false),
+        ] {
+            let value = HeaderValue::from_str(value).unwrap();
+            assert_eq!(h.names_an_item_in(&value), found, "{value:?}");
+        }
     }
 
     #[test]

@@ -42,7 +42,7 @@ use std::marker::PhantomData;
 use std::net::{IpAddr, SocketAddr};
 
 use axum::extract::ConnectInfo;
-use http::header::HeaderName;
+use http::header::{HeaderName, HeaderValue};
 use http::request::Parts;
 use http::StatusCode;
 use ipnet::IpNet;
@@ -90,6 +90,8 @@ pub struct KeyRejection {
     status: StatusCode,
     message: Cow<'static, str>,
     detail: Option<Cow<'static, str>>,
+    /// Few, and usually none: a list keeps the error small.
+    headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl KeyRejection {
@@ -99,7 +101,20 @@ impl KeyRejection {
             status,
             message: message.into(),
             detail: None,
+            headers: Vec::new(),
         }
+    }
+
+    /// Adds a header to the response, such as the `WWW-Authenticate`
+    /// challenge that every `401` must carry (RFC 9110 §15.5.2).
+    pub fn with_header(mut self, name: HeaderName, value: HeaderValue) -> Self {
+        self.headers.push((name, value));
+        self
+    }
+
+    /// The headers the response carries besides its content type.
+    pub fn headers(&self) -> &[(HeaderName, HeaderValue)] {
+        &self.headers
     }
 
     /// A rejection answered with `status` and a generic body fitting it
@@ -241,6 +256,7 @@ impl KeyExtractor for GlobalKey {
 pub struct HeaderKey {
     name: HeaderName,
     missing_status: StatusCode,
+    missing_headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl HeaderKey {
@@ -249,21 +265,32 @@ impl HeaderKey {
         HeaderKey {
             name,
             missing_status: StatusCode::BAD_REQUEST,
+            missing_headers: Vec::new(),
         }
     }
 
     /// The status sent when the header is missing or unusable, for example
-    /// `401 Unauthorized` for an API key.
+    /// `401 Unauthorized` for an API key (with its challenge: see
+    /// [`HeaderKey::missing_header`]).
     pub fn missing_status(mut self, status: StatusCode) -> Self {
         self.missing_status = status;
+        self
+    }
+
+    /// A header sent with that status, such as the `WWW-Authenticate`
+    /// challenge a `401` must carry (RFC 9110 §15.5.2):
+    /// `.missing_header(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"))`.
+    pub fn missing_header(mut self, name: HeaderName, value: HeaderValue) -> Self {
+        self.missing_headers.push((name, value));
         self
     }
 }
 
 impl KeyExtractor for HeaderKey {
     fn extract(&self, parts: &Parts) -> Result<RequestKey, KeyRejection> {
-        let reject = |what: &str| {
-            KeyRejection::new(self.missing_status, format!("header {} {what}", self.name))
+        let reject = |what: &str| KeyRejection {
+            headers: self.missing_headers.clone(),
+            ..KeyRejection::new(self.missing_status, format!("header {} {what}", self.name))
         };
         let mut values = parts.headers.get_all(&self.name).iter();
         let value = values.next().ok_or_else(|| reject("is missing"))?;
@@ -298,6 +325,7 @@ impl KeyExtractor for HeaderKey {
 pub struct ExtensionKey<T, F> {
     key: F,
     missing_status: StatusCode,
+    missing_headers: Vec<(HeaderName, HeaderValue)>,
     _extension: PhantomData<fn(&T)>,
 }
 
@@ -306,6 +334,7 @@ impl<T, F: Clone> Clone for ExtensionKey<T, F> {
         ExtensionKey {
             key: self.key.clone(),
             missing_status: self.missing_status,
+            missing_headers: self.missing_headers.clone(),
             _extension: PhantomData,
         }
     }
@@ -330,14 +359,23 @@ where
         ExtensionKey {
             key,
             missing_status: StatusCode::INTERNAL_SERVER_ERROR,
+            missing_headers: Vec::new(),
             _extension: PhantomData,
         }
     }
 
     /// The status sent when the extension is missing, for example
-    /// `401 Unauthorized` when it is the authenticated user.
+    /// `401 Unauthorized` when it is the authenticated user (with its
+    /// challenge: see [`ExtensionKey::missing_header`]).
     pub fn missing_status(mut self, status: StatusCode) -> Self {
         self.missing_status = status;
+        self
+    }
+
+    /// A header sent with that status, such as the `WWW-Authenticate`
+    /// challenge a `401` must carry (RFC 9110 §15.5.2).
+    pub fn missing_header(mut self, name: HeaderName, value: HeaderValue) -> Self {
+        self.missing_headers.push((name, value));
         self
     }
 }
@@ -355,14 +393,17 @@ where
             }),
             // The body must not name types or layers to a client (which
             // may be an anonymous user answered 401); the log does.
-            None => Err(KeyRejection::generic(
-                self.missing_status,
-                format!(
-                    "request extension {} is missing: the layer that inserts it must run \
-                     before the rate limit",
-                    std::any::type_name::<T>()
-                ),
-            )),
+            None => Err(KeyRejection {
+                headers: self.missing_headers.clone(),
+                ..KeyRejection::generic(
+                    self.missing_status,
+                    format!(
+                        "request extension {} is missing: the layer that inserts it must run \
+                         before the rate limit",
+                        std::any::type_name::<T>()
+                    ),
+                )
+            }),
         }
     }
 }
@@ -529,10 +570,18 @@ mod tests {
             .unwrap_err()
             .message()
             .contains("other than visible ASCII, space and tab"));
-        let key = key.missing_status(StatusCode::UNAUTHORIZED);
+        let key = key.missing_status(StatusCode::UNAUTHORIZED).missing_header(
+            http::header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("ApiKey"),
+        );
+        let err = key.extract(&parts(|b| b)).unwrap_err();
+        assert_eq!(err.status(), StatusCode::UNAUTHORIZED);
         assert_eq!(
-            key.extract(&parts(|b| b)).unwrap_err().status(),
-            StatusCode::UNAUTHORIZED
+            err.headers(),
+            [(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("ApiKey")
+            )]
         );
     }
 
@@ -622,10 +671,21 @@ mod tests {
         );
         let err = key
             .missing_status(StatusCode::UNAUTHORIZED)
+            .missing_header(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer"),
+            )
             .extract(&parts(|b| b))
             .unwrap_err();
         assert_eq!(err.status(), StatusCode::UNAUTHORIZED);
         assert_eq!(err.message(), "authentication required");
+        assert_eq!(
+            err.headers(),
+            [(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer")
+            )]
+        );
         let err = KeyRejection::generic(StatusCode::FORBIDDEN, "no role");
         assert_eq!(err.message(), "forbidden");
     }

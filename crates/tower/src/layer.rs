@@ -126,6 +126,8 @@ struct FailureLogs {
     /// Requests the layer cannot rate-limit for the operator's reasons (a
     /// missing `ConnectInfo`, a cost out of range).
     rejection: LogGate,
+    /// Responses on which an inner layer used this layer's policy name.
+    shared_name: LogGate,
     /// The origin of the gates' milliseconds (monotonic).
     started: Instant,
 }
@@ -136,6 +138,9 @@ impl FailureLogs {
             limiter: LogGate::new(1000),
             fallback: LogGate::new(1000),
             rejection: LogGate::new(1000),
+            // A configuration mistake, the same on every response: one
+            // line a minute says it.
+            shared_name: LogGate::new(60_000),
             started: Instant::now(),
         }
     }
@@ -568,9 +573,23 @@ where
                     parts.extensions.insert(decision);
                     let mut response =
                         ready_call(&mut inner, Request::from_parts(parts, body)).await?;
-                    response
-                        .headers_mut()
-                        .append(RATELIMIT, shared.headers.ratelimit(&decision));
+                    let headers = response.headers_mut();
+                    if headers
+                        .get_all(&RATELIMIT)
+                        .iter()
+                        .any(|v| shared.headers.names_an_item_in(v))
+                    {
+                        if let Some(held_back) = shared.logs.shared_name.pass(shared.logs.now_ms())
+                        {
+                            tracing::warn!(
+                                responses_not_logged = held_back,
+                                "two nested rate-limit layers use one policy name, so a client \
+                                 cannot tell their RateLimit items apart; give each its own with \
+                                 RateLimitLayer::builder(..).policy_name(..)"
+                            );
+                        }
+                    }
+                    headers.append(RATELIMIT, shared.headers.ratelimit(&decision));
                     Ok(response)
                 }
                 Verdict::Decided(decision) => {
@@ -637,7 +656,11 @@ fn rejection_response(rejection: KeyRejection, logs: &FailureLogs) -> Response<B
     } else {
         tracing::debug!(%status, "no rate-limit key for the request: {detail}");
     }
-    text_response(status, format!("{}\n", rejection.message()))
+    let mut response = text_response(status, format!("{}\n", rejection.message()));
+    for (name, value) in rejection.headers() {
+        response.headers_mut().append(name.clone(), value.clone());
+    }
+    response
 }
 
 #[cfg(test)]

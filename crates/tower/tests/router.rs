@@ -503,7 +503,11 @@ async fn header_key_limits_each_api_key_and_rejects_requests_without_one() {
     let config = PolicyConfig::new(PolicyKind::TokenBucket, 3, 1000);
     let (limiter, clock) = local(config);
     let key = HeaderKey::new(HeaderName::from_static("x-api-key"))
-        .missing_status(StatusCode::UNAUTHORIZED);
+        .missing_status(StatusCode::UNAUTHORIZED)
+        .missing_header(
+            http::header::WWW_AUTHENTICATE,
+            http::HeaderValue::from_static("ApiKey"),
+        );
     let app = router(RateLimitLayer::new(Arc::new(limiter), key));
     let with_key = |k: &'static str| Request::builder().uri("/").header("x-api-key", k);
     assert_eq!(admitted(&app, || with_key("alpha"), 5).await, 3);
@@ -511,6 +515,8 @@ async fn header_key_limits_each_api_key_and_rejects_requests_without_one() {
     let (response, body) = send(&app, Request::builder().uri("/")).await;
     assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
     assert_eq!(body, "header x-api-key is missing\n");
+    // A 401 carries its challenge (RFC 9110 §15.5.2).
+    assert_eq!(response.headers()["www-authenticate"], "ApiKey");
     // The bucket refills one permit per 333⅓ ms.
     clock.advance_ms(334);
     assert_eq!(admitted(&app, || with_key("alpha"), 5).await, 1);
@@ -1117,4 +1123,43 @@ async fn any_response_body_made_from_bytes_works() {
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
     let body = refused.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(&body[..], b"rate limit exceeded; retry in 1 s\n");
+}
+
+/// Two nested layers of one policy name write items a client cannot tell
+/// apart: the outer one says so in the log (once a minute, not per
+/// request); layers named apart say nothing.
+#[tokio::test]
+async fn nested_layers_of_one_name_are_logged() {
+    let log = Captured::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let layer = |name: &str| {
+        let (limiter, _) = local(PolicyConfig::new(PolicyKind::FixedWindow, 100, 1000));
+        RateLimitLayer::builder(Arc::new(limiter), GlobalKey::new(0))
+            .policy_name(name)
+            .build()
+            .unwrap()
+    };
+    let warned = || {
+        String::from_utf8_lossy(&log.0.lock().unwrap())
+            .lines()
+            .filter(|l| l.contains("use one policy name"))
+            .count()
+    };
+    let apart = router(layer("per-client")).layer(layer("global"));
+    for _ in 0..3 {
+        let (response, _) = send(&apart, Request::builder().uri("/")).await;
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    assert_eq!(warned(), 0);
+    let same = router(layer("default")).layer(layer("default"));
+    for _ in 0..3 {
+        let (response, _) = send(&same, Request::builder().uri("/")).await;
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    assert_eq!(warned(), 1);
 }
