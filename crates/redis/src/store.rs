@@ -382,12 +382,16 @@ impl RedisStore {
                             format!("Redis Cluster at {shown} cannot be used: CLUSTER INFO: {e}"),
                         )
                     })?;
-                if !info.lines().any(|l| l.trim() == "cluster_state:ok") {
+                let state = info
+                    .lines()
+                    .find_map(|l| l.trim().strip_prefix("cluster_state:"))
+                    .unwrap_or("(not given)");
+                if state != "ok" {
                     return Err(StoreError::new(
                         StoreErrorKind::Backend,
                         format!(
-                            "Redis Cluster at {shown} reports cluster_state:fail: some slot has \
-                             no master that answers, so decisions for its keys would fail; \
+                            "Redis Cluster at {shown} reports cluster_state:{state}: some slot \
+                             has no master that answers, so decisions for its keys would fail; \
                              bring the cluster back (redis-cli --cluster check HOST:PORT shows \
                              what is missing) and start again"
                         ),

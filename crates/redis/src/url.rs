@@ -16,65 +16,101 @@
 /// );
 /// assert_eq!(redact_url("redis+unix:///run/r.sock?pass=pw&db=1"), "redis+unix:///run/r.sock?pass=***&db=1");
 /// assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
-/// // A password with an unescaped `,`, `/`, `?` or `@` is not shown in part
-/// // either: all before the last `@` is hidden.
-/// assert_eq!(redact_url("redis-cluster://:pa,ss@a:1,b:2"), "redis-cluster://***,***@a:1,b:2");
+/// // A password holding an unescaped `,`, `/`, `?`, `#` or `@` makes the URL
+/// // ambiguous: all before the last `@` is hidden, and what follows it is
+/// // shown only when it reads as HOST:PORT and nothing could be a query.
+/// assert_eq!(redact_url("redis-cluster://:pa,ss@a:1,b:2"), "redis-cluster://***@a:1,b:2");
 /// assert_eq!(redact_url("redis://:ab/cd@127.0.0.1:6379"), "redis://***@127.0.0.1:6379");
-/// assert_eq!(redact_url("redis://:pa?ss@h:1/2"), "redis://***@h:1/2");
+/// assert_eq!(redact_url("redis://:pa?ss@h:1/2"), "redis://***");
 /// assert_eq!(redact_url("redis://bob:p@ss:w/rd,x@h:1"), "redis://***@h:1");
+/// assert_eq!(redact_url("redis://default:9876,x@h:1"), "redis://***@h:1");
+/// // A Unix socket's credentials are in its query, where `@` and `&` may
+/// // stand unescaped: what follows a credential is hidden too, but `db`.
+/// assert_eq!(
+///     redact_url("redis+unix:///run/r.sock?pass=s3cr@t&x&db=1"),
+///     "redis+unix:///run/r.sock?pass=***&***&db=1"
+/// );
+/// // Not a URL, but maybe a mistyped one: nothing past its scheme.
+/// assert_eq!(redact_url("redis+unix:/run/r.sock?pass=pw"), "redis+unix:***");
 /// ```
 pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         // Not a URL at all: it may still be a mistyped one holding a
         // password, so show none of what could be one.
-        return if url.contains('@') {
-            "***".to_owned()
-        } else {
-            url.to_owned()
+        if !url.contains(['@', '?', '=', '&']) {
+            return url.to_owned();
+        }
+        return match url.split_once(':') {
+            Some((scheme, _)) if !scheme.contains(['@', '?', '=', '&']) => format!("{scheme}:***"),
+            _ => "***".to_owned(),
         };
     };
-    // Where a `/`, `?` or `#` comes before an `@`, the URL cannot be read
-    // for sure (a password holding one of them unescaped, or an `@` in a
-    // query value): everything up to the last `@` is hidden, which may
-    // hide more than the credentials but never shows part of them.
+    if scheme == "redis+unix" || scheme == "unix" {
+        // No user information: a socket's credentials are in the query.
+        return match rest.split_once('?') {
+            Some((path, query)) => format!("{scheme}://{path}?{}", redact_query(query)),
+            None => url.to_owned(),
+        };
+    }
     if let Some((hidden, after)) = rest.rsplit_once('@') {
-        if hidden.contains(['/', '?', '#']) {
-            return redact_url(&format!("{scheme}://***@{after}"));
+        // Where one of these comes before the last `@`, the URL cannot be
+        // read for sure, since a password may hold any of them unescaped:
+        // `/`, `?` or `#` (as a path, query or fragment would start); a
+        // `,` in a single node's URL; in a cluster's, a node before the
+        // last `@` that is not `USERINFO@HOST:PORT`.
+        let nodes: Vec<&str> = hidden.split(',').collect();
+        let ambiguous = hidden.contains(['/', '?', '#'])
+            || (scheme != "redis-cluster" && nodes.len() > 1)
+            || nodes[..nodes.len() - 1].iter().any(|n| {
+                n.rsplit_once('@')
+                    .is_none_or(|(_, host)| !looks_like_host_port(host))
+            });
+        if ambiguous {
+            // A `?` or `#` before the `@` may have started a query whose
+            // value runs past it: then nothing after it is sure either.
+            let shown = !hidden.contains(['?', '#'])
+                && !after.contains(['?', '#'])
+                && after.split(',').all(looks_like_host_port);
+            return if shown {
+                format!("{scheme}://***@{after}")
+            } else {
+                format!("{scheme}://***")
+            };
         }
     }
     let (rest, query) = match rest.split_once('?') {
         Some((r, q)) => (r, Some(q)),
         None => (rest, None),
     };
-    // A password holding an unescaped `,` splits into two "nodes", the
-    // first without `@`: in a URL with credentials, such a node that is not
-    // HOST:PORT[/...] is hidden whole.
-    let has_credentials = rest.contains('@');
-    let nodes: Vec<String> = rest
-        .split(',')
-        .map(|node| {
-            if has_credentials && !node.contains('@') && !looks_like_host_port(node) {
-                "***".to_owned()
-            } else {
-                redact_userinfo(node)
-            }
-        })
-        .collect();
+    let nodes: Vec<String> = rest.split(',').map(redact_userinfo).collect();
     let mut out = format!("{scheme}://{}", nodes.join(","));
     if let Some(query) = query {
-        let pairs: Vec<String> = query
-            .split('&')
-            .map(|pair| match pair.split_once('=') {
-                Some((k, _)) if matches!(k, "pass" | "password" | "user" | "username") => {
-                    format!("{k}=***")
-                }
-                _ => pair.to_owned(),
-            })
-            .collect();
         out.push('?');
-        out.push_str(&pairs.join("&"));
+        out.push_str(&redact_query(query));
     }
     out
+}
+
+/// A query with its credentials hidden: the value of `pass`, `password`,
+/// `user` and `username`, and, after the first of them, every pair but
+/// `db=<digits>`, since a value may hold an unescaped `&`.
+fn redact_query(query: &str) -> String {
+    let mut after_credential = false;
+    let pairs: Vec<String> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((k, _)) if matches!(k, "pass" | "password" | "user" | "username") => {
+                after_credential = true;
+                format!("{k}=***")
+            }
+            Some(("db", v)) if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) => {
+                pair.to_owned()
+            }
+            _ if after_credential => "***".to_owned(),
+            _ => pair.to_owned(),
+        })
+        .collect();
+    pairs.join("&")
 }
 
 /// Whether `node` (up to its first `/`) is `HOST:PORT` with a numeric port.
@@ -141,5 +177,36 @@ pub fn url_form_error(url: &str) -> String {
         )
     } else {
         format!("{shown:?} is not a Redis address; write {FORMS}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    /// Passwords holding every character a URL gives a meaning to, in
+    /// every form the store takes: no part of one is ever shown.
+    #[test]
+    fn no_part_of_a_password_is_ever_shown() {
+        let specials = ["/", "?", "#", "@", ",", "&", ":", "=", "%", ";", ""];
+        for a in specials {
+            for b in specials {
+                let password = format!("qqq{a}zzz{b}xxx");
+                for url in [
+                    format!("redis://:{password}@127.0.0.1:6379/2"),
+                    format!("redis://app:{password}@h:1"),
+                    format!("redis-cluster://:{password}@a:1,b:2"),
+                    format!("redis-cluster://u:{password}@a:1,u:{password}@b:2"),
+                    format!("redis+unix:///run/r.sock?pass={password}&db=1"),
+                    format!("redis+unix:///run/r.sock?user=u&pass={password}"),
+                    format!("redis+unix:/run/r.sock?pass={password}"),
+                ] {
+                    let shown = redact_url(&url);
+                    for part in ["qqq", "zzz", "xxx"] {
+                        assert!(!shown.contains(part), "{url} shown as {shown}");
+                    }
+                }
+            }
+        }
     }
 }
