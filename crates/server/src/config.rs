@@ -666,7 +666,8 @@ impl Validator<'_> {
         if let Some(v) = raw.key_prefix {
             let prefix = v.get_ref();
             // Printable ASCII without spaces: it shows as typed in
-            // redis-cli, and SCAN patterns need no quoting for it.
+            // redis-cli and in a shell (SCAN patterns still need `*?[]\`
+            // escaped, as any pattern does).
             if prefix.is_empty()
                 || prefix.len() > 64
                 || !prefix.bytes().all(|b| b.is_ascii_graphic())

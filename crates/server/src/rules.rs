@@ -38,6 +38,9 @@ pub struct Rule {
     pub failover: Option<LocalLimiter>,
     /// The rule's counters.
     pub metrics: Arc<RuleMetrics>,
+    /// The override entry a rule made for one request stands for, held so
+    /// that the entry is not dropped while the request decides.
+    _held_override: Option<Arc<OverrideEntry>>,
 }
 
 impl fmt::Debug for Rule {
@@ -335,23 +338,48 @@ pub enum OverrideMatch {
     Ignored(&'static str),
 }
 
+/// How long an override must have gone unused before a new one may take
+/// its place: on Redis each override is a connection, and without this
+/// more than [`MAX_OVERRIDES`] overrides in turn would open one a request.
+pub const OVERRIDE_MIN_IDLE_MS: u64 = 10_000;
+
 /// The limiters of the overrides a [`RuleSet`] has seen, by override
 /// identity. Entries are made on first use and live as long as the set,
 /// unless a new one needs the place of one that holds nothing.
-#[derive(Default)]
 struct Overrides {
     entries: parking_lot::Mutex<HashMap<String, Arc<OverrideEntry>>>,
-    /// Uses so far, the clock of `OverrideEntry::last_use`.
+    /// Uses so far, the order of `OverrideEntry::last_use`.
     uses: std::sync::atomic::AtomicU64,
+    /// The origin of `OverrideEntry::last_use_ms` (monotonic).
+    started: std::time::Instant,
+    /// [`OVERRIDE_MIN_IDLE_MS`], but in tests.
+    min_idle_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Overrides {
+    fn default() -> Self {
+        Overrides {
+            entries: Default::default(),
+            uses: Default::default(),
+            started: std::time::Instant::now(),
+            min_idle_ms: OVERRIDE_MIN_IDLE_MS.into(),
+        }
+    }
 }
 
 impl Overrides {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
     /// Drops the least recently used entry that holds nothing, to make room
     /// for a new one; false when every entry holds something.
-    fn evict_one(map: &mut HashMap<String, Arc<OverrideEntry>>) -> bool {
+    fn evict_one(&self, map: &mut HashMap<String, Arc<OverrideEntry>>) -> bool {
+        let now_ms = self.now_ms();
+        let min_idle_ms = self.min_idle_ms.load(std::sync::atomic::Ordering::Relaxed);
         let victim = map
             .iter()
-            .filter(|(_, e)| e.holds_nothing())
+            .filter(|(_, e)| e.holds_nothing(now_ms, min_idle_ms))
             .min_by_key(|(_, e)| e.last_use.load(std::sync::atomic::Ordering::Relaxed))
             .map(|(id, _)| id.clone());
         victim.is_some_and(|id| map.remove(&id).is_some())
@@ -384,26 +412,38 @@ struct OverrideEntry {
     rule: tokio::sync::OnceCell<Arc<Rule>>,
     /// `Overrides::uses` at the entry's last use.
     last_use: std::sync::atomic::AtomicU64,
+    /// `Overrides::now_ms` at the entry's last use.
+    last_use_ms: std::sync::atomic::AtomicU64,
 }
 
 impl OverrideEntry {
-    /// Whether dropping the entry can change no later decision: no request
-    /// or other rule set holds it (an entry is cloned only under the map's
-    /// lock, which the caller holds), and no count lives in it. An
+    /// Whether dropping the entry, unused for `min_idle_ms`, can change no
+    /// later decision: no request or other rule set holds it (an entry is
+    /// cloned only under the map's lock, which the caller holds, and a rule
+    /// made for a request while the store's limiter cannot be made holds
+    /// its entry), no request holds its rule, and no count lives in it. An
     /// in-memory limiter holds counts until housekeeping forgets its keys
     /// as idle; a Redis limiter keeps them in Redis, where a limiter made
     /// again for the same override finds them; the `local` failure
-    /// policy's twin holds counts of its own while Redis fails.
-    fn holds_nothing(self: &Arc<Self>) -> bool {
-        let empty = |l: &LocalLimiter| l.store().entries_tracked() == 0;
+    /// policy's twin holds counts of its own while Redis fails. The cheap
+    /// tests come first: the last looks into every shard of the stores.
+    fn holds_nothing(self: &Arc<Self>, now_ms: u64, min_idle_ms: u64) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
         if Arc::strong_count(self) > 1
-            || self.failover.get().into_iter().flatten().any(|f| !empty(f))
+            || now_ms.saturating_sub(self.last_use_ms.load(Relaxed)) < min_idle_ms
+            || self
+                .rule
+                .get()
+                .is_some_and(|rule| Arc::strong_count(rule) > 1)
         {
             return false;
         }
-        self.rule.get().is_none_or(|rule| {
-            Arc::strong_count(rule) == 1 && rule.local.iter().chain(rule.failover.iter()).all(empty)
-        })
+        let empty = |l: &LocalLimiter| l.store().entries_tracked() == 0;
+        self.failover.get().into_iter().flatten().all(empty)
+            && self
+                .rule
+                .get()
+                .is_none_or(|rule| rule.local.iter().chain(rule.failover.iter()).all(empty))
     }
 
     fn failover(&self, max_keys: usize) -> Option<LocalLimiter> {
@@ -492,7 +532,7 @@ impl RuleSet {
             let mut map = self.overrides.entries.lock();
             match map.get(&id).cloned() {
                 Some(e) => e,
-                None if map.len() >= MAX_OVERRIDES && !Overrides::evict_one(&mut map) => {
+                None if map.len() >= MAX_OVERRIDES && !self.overrides.evict_one(&mut map) => {
                     return Some(OverrideMatch::Ignored(
                         "the bound of distinct overrides, all holding counts",
                     ));
@@ -519,6 +559,7 @@ impl RuleSet {
                         failover: std::sync::OnceLock::new(),
                         rule: tokio::sync::OnceCell::new(),
                         last_use: Default::default(),
+                        last_use_ms: Default::default(),
                     });
                     map.insert(id, Arc::clone(&e));
                     e
@@ -532,6 +573,10 @@ impl RuleSet {
         entry
             .last_use
             .store(use_now, std::sync::atomic::Ordering::Relaxed);
+        entry.last_use_ms.store(
+            self.overrides.now_ms(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let rule = match entry
             .rule
             .get_or_try_init(|| self.make_override(&entry, factory))
@@ -550,6 +595,9 @@ impl RuleSet {
                     .then(|| entry.failover(self.config.server.max_keys))
                     .flatten(),
                 metrics: Arc::clone(&entry.metrics),
+                // While a request decides on the twin, the entry (and so the
+                // twin's counts) must not be dropped to make room.
+                _held_override: Some(Arc::clone(&entry)),
             }),
         };
         let key = count_key(&rule.id, (!base.on_path).then_some(domain), entries);
@@ -575,6 +623,8 @@ impl RuleSet {
             local: built.local,
             failover,
             metrics: Arc::clone(&entry.metrics),
+            // Kept in the entry: holding the entry would be a cycle.
+            _held_override: None,
         }))
     }
 
@@ -625,6 +675,19 @@ impl RuleSet {
             spec: &REFERENCE_SPEC,
             on_path: false,
         })
+    }
+
+    /// The `local` failure policy's twins of the overrides whose limiters
+    /// could not be made (Redis away), for housekeeping: their idle keys
+    /// are forgotten as any others, so that the override can make room.
+    pub fn unmade_override_failovers(&self) -> Vec<LocalLimiter> {
+        self.overrides
+            .entries
+            .lock()
+            .values()
+            .filter(|e| !e.rule.initialized())
+            .filter_map(|e| e.failover.get().cloned().flatten())
+            .collect()
     }
 
     /// The rules of the overrides whose limiters are made, for
@@ -730,6 +793,7 @@ impl Builder<'_> {
             local,
             failover,
             metrics,
+            _held_override: None,
         });
         self.all.push(Arc::clone(&rule));
         rule
@@ -1107,15 +1171,30 @@ unlimited = true
             }
         };
         let spend = |m: Matched| async move { m.rule.limiter.check(m.key, 1).await.unwrap() };
+        let held = |limit: u64| {
+            set.overrides
+                .entries
+                .lock()
+                .values()
+                .any(|e| e.spec.policy.limit == limit)
+        };
         // The bound's worth of overrides, none holding a count yet.
         for limit in 1..=MAX_OVERRIDES as u64 {
             find(limit).await.unwrap();
         }
+        // None has been idle for OVERRIDE_MIN_IDLE_MS: a new one is ignored
+        // rather than close a connection that was just made.
+        assert!(find(1000).await.is_none());
+        set.overrides
+            .min_idle_ms
+            .store(0, std::sync::atomic::Ordering::Relaxed);
         // Override 1 is used again and counts a request; override 2 is
         // now the least recently used.
         assert!(spend(find(1).await.unwrap()).await.allowed);
-        // A new one takes override 2's place, not 1's: 1's count is kept.
+        // A new one takes override 2's place, not 1's (which holds a
+        // count) nor 256's (used after 2): 1's count is kept.
         let newcomer = find(1000).await.unwrap();
+        assert!(!held(2) && held(256) && held(1));
         assert!(!spend(find(1).await.unwrap()).await.allowed);
         assert!(spend(newcomer).await.allowed);
         assert_eq!(set.overrides.entries.lock().len(), MAX_OVERRIDES);
@@ -1130,6 +1209,78 @@ unlimited = true
         drop(in_flight);
         // Override 3, idle and empty, makes room.
         assert!(find(2).await.is_some());
+    }
+
+    /// Makes the limiters of the configured rules, but none for an
+    /// override: a Redis that went away after the start.
+    struct OverridesUnavailable(MemoryFactory);
+
+    impl StoreFactory for OverridesUnavailable {
+        fn describe(&self) -> String {
+            "memory, no overrides".to_owned()
+        }
+
+        fn build<'a>(
+            &'a self,
+            rule_id: &'a str,
+            config: &'a PolicyConfig,
+        ) -> BoxFuture<'a, anyhow::Result<crate::store::BuiltLimiter>> {
+            if rule_id.contains("override") {
+                Box::pin(async { Err(anyhow::anyhow!("connection refused")) })
+            } else {
+                self.0.build(rule_id, config)
+            }
+        }
+    }
+
+    /// While an override's limiter cannot be made, the `local` failure
+    /// policy's twin counts; a request deciding on it holds the entry, so
+    /// a new override cannot take its place and lose the count.
+    #[tokio::test]
+    async fn an_override_deciding_on_its_twin_keeps_its_place() {
+        let factory = OverridesUnavailable(MemoryFactory {
+            options: MemoryOptions::default(),
+        });
+        let metrics = Metrics::default();
+        let text = format!("[server]\nfailure_policy = \"local\"\n{TREE}");
+        let set = RuleSet::build(Config::parse(&text, "t").unwrap(), &factory, None, &metrics)
+            .await
+            .unwrap();
+        set.overrides
+            .min_idle_ms
+            .store(0, std::sync::atomic::Ordering::Relaxed);
+        let login = entries(&[("path", "/login")]);
+        let find = |limit| {
+            let (set, login, factory, metrics) = (&set, &login, &factory, &metrics);
+            async move {
+                let over = LimitOverride {
+                    limit,
+                    window_ms: 3_600_000,
+                };
+                match set
+                    .match_override("api", login, over, factory, metrics)
+                    .await
+                {
+                    Some(OverrideMatch::Applied(m)) => Some(m),
+                    _ => None,
+                }
+            }
+        };
+        let twin_decides = |m: Matched| {
+            let twin = m.rule.failover.clone().expect("the local policy's twin");
+            twin.check_now(m.key, 1).unwrap().allowed
+        };
+        // The request for override 1 has its rule, and has not decided yet.
+        let first = find(1).await.unwrap();
+        for limit in 2..=MAX_OVERRIDES as u64 {
+            find(limit).await.unwrap();
+        }
+        assert_eq!(set.unmade_override_failovers().len(), MAX_OVERRIDES);
+        // Override 1 is the least recently used, but in use: 2 makes room.
+        find(1000).await.unwrap();
+        assert!(twin_decides(first));
+        // Override 1 kept its place, and its count: limit 1 is spent.
+        assert!(!twin_decides(find(1).await.unwrap()));
     }
 
     #[test]

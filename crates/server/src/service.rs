@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use ratewarden_core::{Decision, FailurePolicy, LogGate, StoreError, StoreErrorKind, MAX_SAFE};
+use ratewarden_core::{
+    Decision, FailurePolicy, LocalLimiter, LogGate, StoreError, StoreErrorKind, MAX_SAFE,
+};
 
 use crate::config::{ConfigSource, ServerSettings};
 use crate::metrics::{Metrics, Outcome};
@@ -186,14 +188,17 @@ impl Service {
     pub fn housekeeping(&self) -> usize {
         let rules = self.rules.load_full();
         let mut forgotten = 0;
-        for rule in rules.rules().iter().chain(&rules.override_rules()) {
-            for local in rule.local.iter().chain(rule.failover.iter()) {
-                let now_ms = local.clock().now_ms();
-                forgotten += local
-                    .store()
-                    .forget_idle(now_ms, self.settings.housekeeping_max_scanned)
-                    .forgotten;
-            }
+        let made = rules.rules().iter().cloned().chain(rules.override_rules());
+        let stores: Vec<LocalLimiter> = made
+            .flat_map(|rule| rule.local.clone().into_iter().chain(rule.failover.clone()))
+            .chain(rules.unmade_override_failovers())
+            .collect();
+        for local in &stores {
+            let now_ms = local.clock().now_ms();
+            forgotten += local
+                .store()
+                .forget_idle(now_ms, self.settings.housekeeping_max_scanned)
+                .forgotten;
         }
         self.metrics.forgotten(forgotten);
         forgotten
@@ -563,7 +568,11 @@ impl Service {
     /// down fails every request, and the metrics count them all.
     fn log_store_error(&self, rule: &Rule, e: &StoreError, policy: FailurePolicy) {
         if let Some(held) = self.error_log.pass(self.now_ms()) {
-            self.failure_logged.store(true, Ordering::Relaxed);
+            // A full in-memory store refuses new keys while known ones
+            // succeed: no outage whose end the log could announce.
+            if !e.is_capacity_exhausted() {
+                self.failure_logged.store(true, Ordering::Relaxed);
+            }
             // The store's own advice names the library's knobs; here they
             // are settings of the configuration file.
             let hint = if e.is_capacity_exhausted() {
