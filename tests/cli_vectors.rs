@@ -210,6 +210,12 @@ fn links_run_each_file_once() {
     let out = ratewarden(&["vectors", dir.path().to_str().unwrap()]);
     assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
     assert_eq!(stdout(&out).lines().last(), Some("1 passed, 0 failed"));
+    // Nor does naming it again, or its folder twice.
+    let file = sub.join("a.json");
+    let folder = dir.path().to_str().unwrap();
+    let out = ratewarden(&["vectors", folder, file.to_str().unwrap(), folder]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    assert_eq!(stdout(&out).lines().last(), Some("1 passed, 0 failed"));
 }
 
 /// A reader that stops early (`ratewarden vectors DIR | head`) is not a

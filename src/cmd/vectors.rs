@@ -152,23 +152,28 @@ pub fn run(args: Args) -> ExitCode {
     };
     let mut files = Vec::new();
     let mut malformed = 0usize;
+    // Shared by every argument: `vectors d d/a.json` reads a.json once.
+    let mut seen = std::collections::HashSet::new();
     for path in &args.paths {
-        let before = files.len();
-        match collect(path, &mut files) {
+        // Named before (or reached through an argument before): read.
+        if std::fs::canonicalize(path).is_ok_and(|c| seen.contains(&c)) {
+            continue;
+        }
+        match collect(path, &mut files, &mut seen) {
             Err(e) => {
                 eprintln!("{}: {e}", path.display());
                 malformed += 1;
             }
             // A directory without vector files is most likely the wrong
             // one: saying "0 passed" and succeeding would hide that.
-            Ok(()) if files.len() == before => {
+            Ok(0) => {
                 eprintln!(
                     "{}: no vector files (*.json) in this directory or below it",
                     path.display()
                 );
                 malformed += 1;
             }
-            Ok(()) => {}
+            Ok(_) => {}
         }
     }
     let mut out = Out::new();
@@ -227,44 +232,48 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 /// Adds `path` (a file), or every `*.json` below it (a directory), in a
-/// stable order; each file once, however many links lead to it, and each
-/// directory once, so that a link back up the tree ends.
-fn collect(path: &Path, out: &mut Vec<PathBuf>) -> Result<(), String> {
-    collect_once(path, out, &mut std::collections::HashSet::new())
-}
-
-/// [`collect`], with the canonical paths of what has been read.
-fn collect_once(
+/// stable order; each file once, however many links or arguments lead to
+/// it, and each directory once, so that a link back up the tree ends.
+/// `seen` holds the canonical paths read so far. Returns how many vector
+/// files the path reaches, read before or not.
+fn collect(
     path: &Path,
     out: &mut Vec<PathBuf>,
     seen: &mut std::collections::HashSet<PathBuf>,
-) -> Result<(), String> {
+) -> Result<usize, String> {
     let meta = std::fs::metadata(path).map_err(|e| format!("cannot read: {e}"))?;
     // A path that cannot be resolved stays itself: reading it reports why.
     let canonical = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned());
-    if !seen.insert(canonical) {
-        return Ok(());
-    }
+    let new = seen.insert(canonical);
     if meta.is_file() {
-        out.push(path.to_owned());
-        return Ok(());
+        if new {
+            out.push(path.to_owned());
+        }
+        return Ok(1);
+    }
+    if !new {
+        // A directory reached before (a link back up the tree, or an
+        // argument given twice): its files count where first reached.
+        return Ok(0);
     }
     let mut entries: Vec<PathBuf> = std::fs::read_dir(path)
         .map_err(|e| format!("cannot list directory: {e}"))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .collect();
     entries.sort();
+    let mut found = 0;
     for entry in entries {
         if entry.is_dir() {
-            collect_once(&entry, out, seen)?;
+            found += collect(&entry, out, seen)?;
         } else if entry.extension().is_some_and(|x| x == "json") {
+            found += 1;
             let canonical = std::fs::canonicalize(&entry).unwrap_or_else(|_| entry.clone());
             if seen.insert(canonical) {
                 out.push(entry);
             }
         }
     }
-    Ok(())
+    Ok(found)
 }
 
 /// Standard output that goes quiet once it cannot be written: a reader
