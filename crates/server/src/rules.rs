@@ -210,7 +210,7 @@ impl RuleSet {
             );
         }
         let all = b.all;
-        let set = RuleSet {
+        let mut set = RuleSet {
             config,
             keys,
             fallback,
@@ -219,15 +219,26 @@ impl RuleSet {
             overrides: Overrides::default(),
         };
         if let Some(p) = previous {
+            // The entries kept below carry their last uses on the previous
+            // set's clocks: the new set goes on with them.
+            set.overrides.started = p.overrides.started;
+            let order = std::sync::atomic::Ordering::Relaxed;
+            set.overrides
+                .uses
+                .store(p.overrides.uses.load(order), order);
+            set.overrides
+                .min_idle_ms
+                .store(p.overrides.min_idle_ms.load(order), order);
             // Overrides whose rule keeps its identity, name, policy and
             // shadow flag would be made again just as they are: keep them,
-            // and their counts, as unchanged rules keep their limiters.
+            // and their counts, as unchanged rules keep their limiters. So
+            // too those whose limiter could not be made yet: under the
+            // `local` failure policy their twin holds counts.
             let kept: Vec<_> = p
                 .overrides
                 .entries
                 .lock()
                 .values()
-                .filter(|e| e.rule.initialized())
                 .filter(|e| {
                     // The override takes only these from its rule.
                     set.base_spec(&e.base_id).is_some_and(|b| {
@@ -418,10 +429,12 @@ struct OverrideEntry {
 
 impl OverrideEntry {
     /// Whether dropping the entry, unused for `min_idle_ms`, can change no
-    /// later decision: no request or other rule set holds it (an entry is
-    /// cloned only under the map's lock, which the caller holds, and a rule
-    /// made for a request while the store's limiter cannot be made holds
-    /// its entry), no request holds its rule, and no count lives in it. An
+    /// later decision: no request or other rule set holds it (a request
+    /// clones an entry under the map's lock, which the caller holds, and
+    /// keeps it until it holds the entry's rule, or, while the store's
+    /// limiter cannot be made, a rule that holds the entry; a reload clones
+    /// entries under the previous set's lock), no request holds its rule,
+    /// and no count lives in it. An
     /// in-memory limiter holds counts until housekeeping forgets its keys
     /// as idle; a Redis limiter keeps them in Redis, where a limiter made
     /// again for the same override finds them; the `local` failure
@@ -534,7 +547,8 @@ impl RuleSet {
                 Some(e) => e,
                 None if map.len() >= MAX_OVERRIDES && !self.overrides.evict_one(&mut map) => {
                     return Some(OverrideMatch::Ignored(
-                        "the bound of distinct overrides, all holding counts",
+                        "the bound of distinct overrides, none of which can make room (each \
+                         used in the last 10 s, in use, or holding counts)",
                     ));
                 }
                 None => {
@@ -1209,6 +1223,50 @@ unlimited = true
         drop(in_flight);
         // Override 3, idle and empty, makes room.
         assert!(find(2).await.is_some());
+    }
+
+    /// A reload keeps its overrides with their last uses: the new set
+    /// reads them on the old set's clock, so an override idle before the
+    /// reload can still make room after it.
+    #[tokio::test]
+    async fn a_reload_keeps_how_long_its_overrides_were_idle() {
+        let factory = MemoryFactory {
+            options: MemoryOptions::default(),
+        };
+        let metrics = Metrics::default();
+        let first = RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics)
+            .await
+            .unwrap();
+        first
+            .overrides
+            .min_idle_ms
+            .store(50, std::sync::atomic::Ordering::Relaxed);
+        let login = entries(&[("path", "/login")]);
+        let over = |limit| LimitOverride {
+            limit,
+            window_ms: 3_600_000,
+        };
+        for limit in 1..=MAX_OVERRIDES as u64 {
+            let m = first
+                .match_override("api", &login, over(limit), &factory, &metrics)
+                .await;
+            assert!(matches!(m, Some(OverrideMatch::Applied(_))));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(60)).await;
+        let second = RuleSet::build(
+            Config::parse(TREE, "t").unwrap(),
+            &factory,
+            Some(&first),
+            &metrics,
+        )
+        .await
+        .unwrap();
+        drop(first);
+        assert_eq!(second.overrides.entries.lock().len(), MAX_OVERRIDES);
+        let m = second
+            .match_override("api", &login, over(1000), &factory, &metrics)
+            .await;
+        assert!(matches!(m, Some(OverrideMatch::Applied(_))), "{m:?}");
     }
 
     /// Makes the limiters of the configured rules, but none for an

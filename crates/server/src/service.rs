@@ -86,6 +86,10 @@ pub struct Service {
     /// the next success says so, so that the log shows the end of an
     /// outage as well as its start.
     failure_logged: AtomicBool,
+    /// When the last store call failed (`now_ms`): the success announced
+    /// must come a second after it, or a key that keeps failing beside
+    /// others that succeed would flip the log every second.
+    last_failure_ms: std::sync::atomic::AtomicU64,
     domain_log: LogGate,
     override_log: LogGate,
 }
@@ -120,6 +124,7 @@ impl Service {
             started: Instant::now(),
             error_log: LogGate::new(1000),
             failure_logged: AtomicBool::new(false),
+            last_failure_ms: Default::default(),
             domain_log: LogGate::new(1000),
             override_log: LogGate::new(1000),
         })
@@ -499,19 +504,25 @@ impl Service {
     async fn take(&self, m: &Matched, cost: u64) -> (Decision, bool) {
         match self.call(m, cost).await {
             Ok(d) => {
-                // A load first: the swap, a write, only after a failure.
+                // A load first: the rest only after a logged failure.
                 if self.failure_logged.load(Ordering::Relaxed)
+                    && self
+                        .now_ms()
+                        .saturating_sub(self.last_failure_ms.load(Ordering::Relaxed))
+                        >= 1000
                     && self.failure_logged.swap(false, Ordering::Relaxed)
                 {
                     tracing::info!(
                         rule = %m.rule.spec.name,
-                        "a store call succeeded again after the failures logged above"
+                        "store calls succeed again, with no failure for a second, after the \
+                         failures logged above"
                     );
                 }
                 (d, false)
             }
             Err(e) => {
                 m.rule.metrics.store_error(e.kind());
+                self.last_failure_ms.store(self.now_ms(), Ordering::Relaxed);
                 let config = &m.rule.spec.policy;
                 let capacity = if config.policy.has_burst() {
                     config.effective_burst()
