@@ -904,11 +904,18 @@ fn cluster_nodes(seeds: &str, shown: &str) -> Result<Vec<String>, StoreError> {
         // The node without its credentials: the part after the last `@`.
         let node = seed.rsplit_once('@').map_or(*seed, |(_, node)| node);
         if let Some(i) = node.find(['/', '?']) {
+            // In a URL with credentials, what precedes the `/` may be part
+            // of a password: the seed is named by its place.
+            let after = if credentials_anywhere {
+                format!("in seed {} of the URL", n + 1)
+            } else {
+                format!("after {:?}", &node[..i])
+            };
             return Err(refuse(format!(
                 "Redis Cluster has only database 0, so a cluster URL takes no /DB (nor \
-                 options): drop everything from the {:?} after {:?}",
+                 options): drop everything from the {:?} {after} (a password holding it \
+                 must be percent-encoded)",
                 &node[i..=i],
-                &node[..i]
             )));
         }
         let valid = node.rsplit_once(':').is_some_and(|(host, port)| {

@@ -25,7 +25,7 @@
 /// assert_eq!(redact_url("redis://bob:p@ss:w/rd,x@h:1"), "redis://***@h:1");
 /// assert_eq!(redact_url("redis://default:9876,x@h:1"), "redis://***@h:1");
 /// // A Unix socket's credentials are in its query, where `@` and `&` may
-/// // stand unescaped: what follows a credential is hidden too, but `db`.
+/// // stand unescaped: only `db` and `protocol` values are shown.
 /// assert_eq!(
 ///     redact_url("redis+unix:///run/r.sock?pass=s3cr@t&x&db=1"),
 ///     "redis+unix:///run/r.sock?pass=***&***&db=1"
@@ -34,21 +34,38 @@
 /// assert_eq!(redact_url("redis+unix:/run/r.sock?pass=pw"), "redis+unix:***");
 /// ```
 pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
+    // A scheme is a letter, then letters, digits, `+`, `-` or `.`: a `://`
+    // after anything else may be inside a password.
+    let is_scheme = |s: &str| {
+        s.starts_with(|c: char| c.is_ascii_alphabetic())
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+    };
+    let Some((scheme, rest)) = url.split_once("://").filter(|(s, _)| is_scheme(s)) else {
         // Not a URL at all: it may still be a mistyped one holding a
         // password, so show none of what could be one.
-        if !url.contains(['@', '?', '=', '&']) {
+        if !url.contains(['@', '?', '=', '&', '/']) {
             return url.to_owned();
         }
         return match url.split_once(':') {
-            Some((scheme, _)) if !scheme.contains(['@', '?', '=', '&']) => format!("{scheme}:***"),
+            Some((scheme, _)) if is_scheme(scheme) => format!("{scheme}:***"),
             _ => "***".to_owned(),
         };
     };
     if scheme == "redis+unix" || scheme == "unix" {
-        // No user information: a socket's credentials are in the query.
-        return match rest.split_once('?') {
-            Some((path, query)) => format!("{scheme}://{path}?{}", redact_query(query)),
+        // A socket's credentials are in the query; user information before
+        // the path is no form the store takes, and may be a password.
+        let (path, query) = match rest.split_once('?') {
+            Some((path, query)) => (path, Some(query)),
+            None => (rest, None),
+        };
+        // The path is absolute (`redis+unix:///PATH`): anything before it
+        // is an authority, which may hold user information.
+        if !path.starts_with('/') || path.contains('@') {
+            return format!("{scheme}://***");
+        }
+        return match query {
+            Some(query) => format!("{scheme}://{path}?{}", redact_query(query)),
             None => url.to_owned(),
         };
     }
@@ -58,12 +75,17 @@ pub fn redact_url(url: &str) -> String {
         // `/`, `?` or `#` (as a path, query or fragment would start); a
         // `,` in a single node's URL; in a cluster's, a node before the
         // last `@` that is not `USERINFO@HOST:PORT`.
+        // Seeds that carry credentials carry the same ones (redis-rs takes
+        // one set for the whole cluster): others are a password's pieces.
         let nodes: Vec<&str> = hidden.split(',').collect();
+        let userinfo = |n: &str| n.rsplit_once('@').map(|(u, _)| u.to_owned());
+        let last_userinfo = nodes.last().map(|n| n.to_string());
         let ambiguous = hidden.contains(['/', '?', '#'])
             || (scheme != "redis-cluster" && nodes.len() > 1)
             || nodes[..nodes.len() - 1].iter().any(|n| {
                 n.rsplit_once('@')
                     .is_none_or(|(_, host)| !looks_like_host_port(host))
+                    || userinfo(n) != last_userinfo
             });
         if ambiguous {
             // A `?` or `#` before the `@` may have started a query whose
@@ -91,33 +113,74 @@ pub fn redact_url(url: &str) -> String {
     out
 }
 
-/// A query with its credentials hidden: the value of `pass`, `password`,
-/// `user` and `username`, and, after the first of them, every pair but
-/// `db=<digits>`, since a value may hold an unescaped `&`.
+/// A query with its credentials hidden: a key the client reads as `pass`,
+/// `password`, `user` or `username` (in any case, percent-encoded or not)
+/// keeps its name; only `db=<digits>` and `protocol=<letters and digits>`
+/// are shown whole, since a value may hold an unescaped `&` or `=`.
 fn redact_query(query: &str) -> String {
-    let mut after_credential = false;
     let pairs: Vec<String> = query
         .split('&')
-        .map(|pair| match pair.split_once('=') {
-            Some((k, _)) if matches!(k, "pass" | "password" | "user" | "username") => {
-                after_credential = true;
-                format!("{k}=***")
+        .map(|pair| {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let decoded = percent_decoded(key).to_ascii_lowercase();
+            let plain = |f: fn(u8) -> bool| !value.is_empty() && value.bytes().all(f);
+            match decoded.as_str() {
+                "pass" | "password" | "user" | "username" => format!("{decoded}=***"),
+                "db" if plain(|b| b.is_ascii_digit()) => pair.to_owned(),
+                "protocol" if plain(|b| b.is_ascii_alphanumeric()) => pair.to_owned(),
+                _ => "***".to_owned(),
             }
-            Some(("db", v)) if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) => {
-                pair.to_owned()
-            }
-            _ if after_credential => "***".to_owned(),
-            _ => pair.to_owned(),
         })
         .collect();
     pairs.join("&")
+}
+
+/// `%XX` escapes decoded (others left as written), as a URL parser reads a
+/// query key.
+fn percent_decoded(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (
+            bytes[i],
+            bytes.get(i + 1).and_then(|&b| hex(b)),
+            bytes.get(i + 2).and_then(|&b| hex(b)),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Whether `node` (up to its first `/`) is `HOST:PORT` with a numeric port.
 fn looks_like_host_port(node: &str) -> bool {
     let authority = node.split('/').next().unwrap_or_default();
     authority.rsplit_once(':').is_some_and(|(host, port)| {
-        !host.is_empty() && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
+        // A name or IPv4 address, or an IPv6 address in brackets.
+        let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+            Some(v6) => {
+                !v6.is_empty()
+                    && v6
+                        .chars()
+                        .all(|c| c.is_ascii_hexdigit() || c == ':' || c == '.')
+            }
+            None => {
+                !host.is_empty()
+                    && host
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))
+            }
+        };
+        host_ok && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
     })
 }
 
@@ -188,25 +251,78 @@ mod tests {
     /// every form the store takes: no part of one is ever shown.
     #[test]
     fn no_part_of_a_password_is_ever_shown() {
-        let specials = ["/", "?", "#", "@", ",", "&", ":", "=", "%", ";", ""];
+        let specials = [
+            "/",
+            "?",
+            "#",
+            "@",
+            ",",
+            "&",
+            ":",
+            "=",
+            "%",
+            ";",
+            "",
+            "://",
+            "@x:1,",
+            "@[::1]:2,",
+            "?pass=",
+            "&db=",
+            ",h:1,",
+        ];
+        let mut tried = 0;
         for a in specials {
             for b in specials {
                 let password = format!("qqq{a}zzz{b}xxx");
                 for url in [
                     format!("redis://:{password}@127.0.0.1:6379/2"),
                     format!("redis://app:{password}@h:1"),
+                    format!("redis://{password}:pw@h:1"),
+                    format!("redis://:{password}@[::1]:6379"),
+                    format!("redis:/:{password}@h:1"),
                     format!("redis-cluster://:{password}@a:1,b:2"),
                     format!("redis-cluster://u:{password}@a:1,u:{password}@b:2"),
+                    format!("redis-cluster://{password}@a:1,b:2"),
                     format!("redis+unix:///run/r.sock?pass={password}&db=1"),
                     format!("redis+unix:///run/r.sock?user=u&pass={password}"),
+                    format!("redis+unix:///run/r.sock?PASS={password}"),
+                    format!("redis+unix:///run/r.sock?pa%73s={password}"),
+                    format!("redis+unix:///run/a?b/r.sock?pass={password}"),
+                    format!("redis+unix://u:{password}@localhost/run/r.sock"),
                     format!("redis+unix:/run/r.sock?pass={password}"),
                 ] {
+                    tried += 1;
                     let shown = redact_url(&url);
                     for part in ["qqq", "zzz", "xxx"] {
                         assert!(!shown.contains(part), "{url} shown as {shown}");
                     }
                 }
             }
+        }
+        assert!(tried > 4000);
+    }
+
+    /// Well-formed URLs stay readable: only their credentials go.
+    #[test]
+    fn well_formed_urls_keep_their_nodes() {
+        for (url, shown) in [
+            ("redis://127.0.0.1:6379/2", "redis://127.0.0.1:6379/2"),
+            ("redis://:p%2Fw@[::1]:6379", "redis://:***@[::1]:6379"),
+            ("redis://u:p%40w@h:1/3", "redis://***:***@h:1/3"),
+            (
+                "redis-cluster://u:p@a:1,u:p@b:2,c:3",
+                "redis-cluster://***:***@a:1,***:***@b:2,c:3",
+            ),
+            (
+                "redis+unix:///run/r.sock?db=2",
+                "redis+unix:///run/r.sock?db=2",
+            ),
+            (
+                "redis+unix:///run/r.sock?db=2&pass=x&protocol=resp3",
+                "redis+unix:///run/r.sock?db=2&pass=***&protocol=resp3",
+            ),
+        ] {
+            assert_eq!(redact_url(url), shown, "{url}");
         }
     }
 }
