@@ -216,6 +216,10 @@ fn links_run_each_file_once() {
     let out = ratewarden(&["vectors", folder, file.to_str().unwrap(), folder]);
     assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
     assert_eq!(stdout(&out).lines().last(), Some("1 passed, 0 failed"));
+    // Nor a folder after the folder that holds it.
+    let out = ratewarden(&["vectors", sub.to_str().unwrap(), folder]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    assert_eq!(stdout(&out).lines().last(), Some("1 passed, 0 failed"));
 }
 
 /// A reader that stops early (`ratewarden vectors DIR | head`) is not a

@@ -155,11 +155,7 @@ pub fn run(args: Args) -> ExitCode {
     // Shared by every argument: `vectors d d/a.json` reads a.json once.
     let mut seen = std::collections::HashSet::new();
     for path in &args.paths {
-        // Named before (or reached through an argument before): read.
-        if std::fs::canonicalize(path).is_ok_and(|c| seen.contains(&c)) {
-            continue;
-        }
-        match collect(path, &mut files, &mut seen) {
+        match collect(path, &mut files, &mut seen, &mut Vec::new()) {
             Err(e) => {
                 eprintln!("{}: {e}", path.display());
                 malformed += 1;
@@ -233,27 +229,27 @@ pub fn run(args: Args) -> ExitCode {
 
 /// Adds `path` (a file), or every `*.json` below it (a directory), in a
 /// stable order; each file once, however many links or arguments lead to
-/// it, and each directory once, so that a link back up the tree ends.
-/// `seen` holds the canonical paths read so far. Returns how many vector
-/// files the path reaches, read before or not.
+/// it (`seen` holds the canonical paths of the files added). `within`
+/// holds the canonical paths of the directories being walked, so that a
+/// link back up the tree ends. Returns how many vector files the path
+/// reaches, added now or before.
 fn collect(
     path: &Path,
     out: &mut Vec<PathBuf>,
     seen: &mut std::collections::HashSet<PathBuf>,
+    within: &mut Vec<PathBuf>,
 ) -> Result<usize, String> {
     let meta = std::fs::metadata(path).map_err(|e| format!("cannot read: {e}"))?;
     // A path that cannot be resolved stays itself: reading it reports why.
     let canonical = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned());
-    let new = seen.insert(canonical);
     if meta.is_file() {
-        if new {
+        if seen.insert(canonical) {
             out.push(path.to_owned());
         }
         return Ok(1);
     }
-    if !new {
-        // A directory reached before (a link back up the tree, or an
-        // argument given twice): its files count where first reached.
+    if within.contains(&canonical) {
+        // A link back to a directory being walked: its files count there.
         return Ok(0);
     }
     let mut entries: Vec<PathBuf> = std::fs::read_dir(path)
@@ -261,18 +257,21 @@ fn collect(
         .filter_map(|e| e.ok().map(|e| e.path()))
         .collect();
     entries.sort();
+    within.push(canonical);
     let mut found = 0;
     for entry in entries {
         if entry.is_dir() {
-            found += collect(&entry, out, seen)?;
+            found += collect(&entry, out, seen, within)?;
         } else if entry.extension().is_some_and(|x| x == "json") {
-            found += 1;
-            let canonical = std::fs::canonicalize(&entry).unwrap_or_else(|_| entry.clone());
-            if seen.insert(canonical) {
-                out.push(entry);
-            }
+            // A file that cannot be read (a dangling link) is run, and
+            // reported with its reason, beside the folder's other files.
+            found += collect(&entry, out, seen, within).unwrap_or_else(|_| {
+                out.push(entry.clone());
+                1
+            });
         }
     }
+    within.pop();
     Ok(found)
 }
 

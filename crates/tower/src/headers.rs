@@ -169,6 +169,8 @@ fn sf_integer(n: u64) -> u64 {
 #[derive(Debug, Clone)]
 pub struct RateLimitHeaders {
     name: String,
+    /// `name;`, how every item of this policy starts.
+    item_start: String,
     policy: HeaderValue,
     /// `q`, which bounds every `r`.
     quota: u64,
@@ -185,7 +187,7 @@ impl RateLimitHeaders {
     /// policy's name: two nested layers of one name, whose items a client
     /// cannot tell apart.
     pub fn names_an_item_in(&self, value: &HeaderValue) -> bool {
-        let item = format!("{};", self.name);
+        let item = &self.item_start;
         let value = value.as_bytes();
         value.starts_with(item.as_bytes())
             || value
@@ -210,6 +212,7 @@ impl RateLimitHeaders {
         // value would still be a valid field rather than a panic.
         let policy = HeaderValue::try_from(policy).unwrap_or_else(|_| HeaderValue::from_static(""));
         RateLimitHeaders {
+            item_start: format!("{name};"),
             name,
             policy,
             quota,

@@ -658,7 +658,12 @@ fn rejection_response(rejection: KeyRejection, logs: &FailureLogs) -> Response<B
     }
     let mut response = text_response(status, format!("{}\n", rejection.message()));
     for (name, value) in rejection.headers() {
-        response.headers_mut().append(name.clone(), value.clone());
+        if name == CONTENT_TYPE {
+            // One content type: the rejection's replaces the default.
+            response.headers_mut().insert(name.clone(), value.clone());
+        } else {
+            response.headers_mut().append(name.clone(), value.clone());
+        }
     }
     response
 }
