@@ -216,6 +216,15 @@ fn links_run_each_file_once() {
     let out = ratewarden(&["vectors", folder, file.to_str().unwrap(), folder]);
     assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
     assert_eq!(stdout(&out).lines().last(), Some("1 passed, 0 failed"));
+    // Nor folders that link to each other: each is walked once.
+    for (from, to) in [("a", "b"), ("b", "a")] {
+        let dir = sub.join(from);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::os::unix::fs::symlink(sub.join(to), dir.join(format!("to-{to}"))).unwrap();
+    }
+    let out = ratewarden(&["vectors", folder]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    assert_eq!(stdout(&out).lines().last(), Some("1 passed, 0 failed"));
     // Nor a folder after the folder that holds it.
     let out = ratewarden(&["vectors", sub.to_str().unwrap(), folder]);
     assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));

@@ -155,7 +155,7 @@ pub fn run(args: Args) -> ExitCode {
     // Shared by every argument: `vectors d d/a.json` reads a.json once.
     let mut seen = std::collections::HashSet::new();
     for path in &args.paths {
-        match collect(path, &mut files, &mut seen, &mut Vec::new()) {
+        match collect(path, &mut files, &mut seen, &mut Walk::default()) {
             Err(e) => {
                 eprintln!("{}: {e}", path.display());
                 malformed += 1;
@@ -227,17 +227,26 @@ pub fn run(args: Args) -> ExitCode {
     }
 }
 
+/// The directories of one argument's walk, by canonical path.
+#[derive(Default)]
+struct Walk {
+    /// Being walked: a link back to one of them ends there.
+    within: Vec<PathBuf>,
+    /// Walked, with the vector files they reach: a directory reached again
+    /// (through another link) is not walked again.
+    done: std::collections::HashMap<PathBuf, usize>,
+}
+
 /// Adds `path` (a file), or every `*.json` below it (a directory), in a
 /// stable order; each file once, however many links or arguments lead to
-/// it (`seen` holds the canonical paths of the files added). `within`
-/// holds the canonical paths of the directories being walked, so that a
-/// link back up the tree ends. Returns how many vector files the path
-/// reaches, added now or before.
+/// it (`seen` holds the canonical paths of the files added), and each
+/// directory walked once per argument. Returns how many vector files the
+/// path reaches, added now or before.
 fn collect(
     path: &Path,
     out: &mut Vec<PathBuf>,
     seen: &mut std::collections::HashSet<PathBuf>,
-    within: &mut Vec<PathBuf>,
+    walk: &mut Walk,
 ) -> Result<usize, String> {
     let meta = std::fs::metadata(path).map_err(|e| format!("cannot read: {e}"))?;
     // A path that cannot be resolved stays itself: reading it reports why.
@@ -248,30 +257,34 @@ fn collect(
         }
         return Ok(1);
     }
-    if within.contains(&canonical) {
+    if walk.within.contains(&canonical) {
         // A link back to a directory being walked: its files count there.
         return Ok(0);
+    }
+    if let Some(&found) = walk.done.get(&canonical) {
+        return Ok(found);
     }
     let mut entries: Vec<PathBuf> = std::fs::read_dir(path)
         .map_err(|e| format!("cannot list directory: {e}"))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .collect();
     entries.sort();
-    within.push(canonical);
+    walk.within.push(canonical.clone());
     let mut found = 0;
     for entry in entries {
         if entry.is_dir() {
-            found += collect(&entry, out, seen, within)?;
+            found += collect(&entry, out, seen, walk)?;
         } else if entry.extension().is_some_and(|x| x == "json") {
             // A file that cannot be read (a dangling link) is run, and
             // reported with its reason, beside the folder's other files.
-            found += collect(&entry, out, seen, within).unwrap_or_else(|_| {
+            found += collect(&entry, out, seen, walk).unwrap_or_else(|_| {
                 out.push(entry.clone());
                 1
             });
         }
     }
-    within.pop();
+    walk.within.pop();
+    walk.done.insert(canonical, found);
     Ok(found)
 }
 
