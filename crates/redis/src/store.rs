@@ -922,7 +922,7 @@ fn cluster_nodes(seeds: &str, shown: &str) -> Result<Vec<String>, StoreError> {
             !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0)
         });
         if !valid {
-            let which = if credentials_anywhere && !seed.contains('@') {
+            let which = if credentials_anywhere {
                 format!("seed {} of the URL", n + 1)
             } else {
                 format!("the node {node:?}")

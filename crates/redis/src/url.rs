@@ -3,8 +3,13 @@
 
 /// Hides the credentials of a store URL, so that it can be logged or put in
 /// an error message: the user and password before `@` (in each node of a
-/// `redis-cluster://` URL) become `***`, and a `pass=` or `user=` query
-/// value (the form `redis+unix://` takes) becomes `***`.
+/// `redis-cluster://` URL) become `***`, and every query value but `db` and
+/// `protocol` (a `redis+unix://` URL keeps `pass=` and `user=` there)
+/// becomes `***`. A URL that cannot be read for sure shows less: what
+/// follows its last `@` when that is a list of HOST:PORT, or nothing but
+/// its scheme (a `redis+unix://` URL with anything before its absolute
+/// path or `@` in it, a query typed without its `?`, seeds that carry
+/// credentials beside seeds that do not).
 ///
 /// ```
 /// use ratewarden_redis::redact_url;
@@ -61,7 +66,8 @@ pub fn redact_url(url: &str) -> String {
         };
         // The path is absolute (`redis+unix:///PATH`): anything before it
         // is an authority, which may hold user information.
-        if !path.starts_with('/') || path.contains('@') {
+        // `=` or `&` in the path: a query typed without its `?`.
+        if !path.starts_with('/') || path.contains(['@', '=', '&']) {
             return format!("{scheme}://***");
         }
         return match query {
@@ -104,6 +110,10 @@ pub fn redact_url(url: &str) -> String {
         Some((r, q)) => (r, Some(q)),
         None => (rest, None),
     };
+    // A query typed without its `?` (`/0&password=...`).
+    if rest.contains(['=', '&']) {
+        return format!("{scheme}://***");
+    }
     let nodes: Vec<String> = rest.split(',').map(redact_userinfo).collect();
     let mut out = format!("{scheme}://{}", nodes.join(","));
     if let Some(query) = query {
@@ -290,6 +300,8 @@ mod tests {
                     format!("redis+unix:///run/a?b/r.sock?pass={password}"),
                     format!("redis+unix://u:{password}@localhost/run/r.sock"),
                     format!("redis+unix:/run/r.sock?pass={password}"),
+                    format!("redis+unix:///run/r.sock&pass={password}"),
+                    format!("redis://h:1/0&password={password}"),
                 ] {
                     tried += 1;
                     let shown = redact_url(&url);

@@ -151,6 +151,7 @@ fn errors_never_show_the_password() {
         // Unescaped characters that split a cluster URL into odd seeds.
         format!("redis-cluster://u:pw-not/shown,x@127.0.0.1:{port}"),
         format!("redis-cluster://:pw-not-shown?x,y@127.0.0.1:{port}"),
+        format!("redis-cluster://:pw-not@shown,x@127.0.0.1:{port}"),
         // Credentials where a Unix socket takes none.
         "redis+unix://u:pw-not-shown@localhost/run/r.sock".to_owned(),
     ] {
