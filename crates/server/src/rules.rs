@@ -325,9 +325,10 @@ impl RuleSet {
 /// [`RuleSet`] holds limiters for at once. Clients choose overrides, and
 /// each configuration is a limiter of its own (on Redis, a connection), so
 /// their number is bounded. A new override past the bound takes the place
-/// of the least recently used one that holds no count and serves no
-/// request, which changes no decision; when every one holds counts, the
-/// configured rule applies.
+/// of the least recently used one that has gone unused for
+/// [`OVERRIDE_MIN_IDLE_MS`], holds no count and serves no request, which
+/// changes no decision; when none can make room, the configured rule
+/// applies.
 pub const MAX_OVERRIDES: usize = 256;
 
 /// A descriptor's own limit: Envoy's `RateLimitDescriptor.limit`.
@@ -434,12 +435,12 @@ impl OverrideEntry {
     /// keeps it until it holds the entry's rule, or, while the store's
     /// limiter cannot be made, a rule that holds the entry; a reload clones
     /// entries under the previous set's lock), no request holds its rule,
-    /// and no count lives in it. An
-    /// in-memory limiter holds counts until housekeeping forgets its keys
-    /// as idle; a Redis limiter keeps them in Redis, where a limiter made
-    /// again for the same override finds them; the `local` failure
-    /// policy's twin holds counts of its own while Redis fails. The cheap
-    /// tests come first: the last looks into every shard of the stores.
+    /// and no count lives in it. An in-memory limiter holds counts until
+    /// housekeeping forgets its keys as idle; a Redis limiter keeps them in
+    /// Redis, where a limiter made again for the same override finds them;
+    /// the `local` failure policy's twin holds counts of its own while
+    /// Redis fails. The cheap tests come first: the last looks into every
+    /// shard of the stores.
     fn holds_nothing(self: &Arc<Self>, now_ms: u64, min_idle_ms: u64) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
         if Arc::strong_count(self) > 1

@@ -112,7 +112,8 @@ impl KeyRejection {
         self
     }
 
-    /// The headers the response carries besides its content type.
+    /// The headers the response carries besides the layer's own (a
+    /// `Content-Type` here replaces the layer's `text/plain`).
     pub fn headers(&self) -> &[(HeaderName, HeaderValue)] {
         &self.headers
     }

@@ -675,6 +675,21 @@ mod tests {
     use ratewarden_core::REFERENCE;
 
     #[test]
+    fn a_rejection_carries_its_headers_and_one_content_type() {
+        let rejection = KeyRejection::new(StatusCode::UNAUTHORIZED, "who are you?")
+            .with_header(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer"),
+            )
+            .with_header(CONTENT_TYPE, HeaderValue::from_static("text/html"));
+        let response = rejection_response(rejection, &FailureLogs::new());
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(response.headers()[http::header::WWW_AUTHENTICATE], "Bearer");
+        let types: Vec<_> = response.headers().get_all(CONTENT_TYPE).iter().collect();
+        assert_eq!(types, ["text/html"]);
+    }
+
+    #[test]
     fn a_refusal_states_the_wait_its_retry_after_header_states() {
         let (parts, ()) = Request::new(()).into_parts();
         let refusal = |decision| Refusal {
