@@ -97,7 +97,7 @@ pub fn redact_url(url: &str) -> String {
             // A `?` or `#` before the `@` may have started a query whose
             // value runs past it: then nothing after it is sure either.
             let shown = !hidden.contains(['?', '#'])
-                && !after.contains(['?', '#'])
+                && !after.contains(['?', '#', '=', '&'])
                 && after.split(',').all(looks_like_host_port);
             return if shown {
                 format!("{scheme}://***@{after}")
@@ -302,6 +302,7 @@ mod tests {
                     format!("redis+unix:/run/r.sock?pass={password}"),
                     format!("redis+unix:///run/r.sock&pass={password}"),
                     format!("redis://h:1/0&password={password}"),
+                    format!("redis://:a/b@h:1/0&password={password}"),
                 ] {
                     tried += 1;
                     let shown = redact_url(&url);
