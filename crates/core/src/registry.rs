@@ -163,6 +163,24 @@ impl PolicyConfig {
     pub fn effective_burst(&self) -> u64 {
         self.burst.unwrap_or(self.limit)
     }
+
+    /// The largest cost any request can be admitted with: a bucket's burst,
+    /// a window's limit. A larger cost is refused with no wait, whatever
+    /// the state.
+    ///
+    /// ```
+    /// use ratewarden_core::{PolicyConfig, PolicyKind, REFERENCE};
+    /// assert_eq!(REFERENCE.capacity(), 100);
+    /// let bucket = PolicyConfig::new(PolicyKind::Gcra, 10, 1000).with_burst(40);
+    /// assert_eq!(bucket.capacity(), 40);
+    /// ```
+    pub fn capacity(&self) -> u64 {
+        if self.policy.has_burst() {
+            self.effective_burst()
+        } else {
+            self.limit
+        }
+    }
 }
 
 impl fmt::Display for PolicyConfig {

@@ -83,11 +83,7 @@ fn next_time(now: u64, w: u64, kind: u8, r: u64) -> u64 {
 }
 
 fn cost(config: &PolicyConfig, kind: u8, r: u64) -> u64 {
-    let cap = if config.policy.has_burst() {
-        config.effective_burst()
-    } else {
-        config.limit
-    };
+    let cap = config.capacity();
     match kind {
         0 => 0,
         1 => 1,

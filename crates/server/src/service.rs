@@ -523,13 +523,7 @@ impl Service {
             Err(e) => {
                 m.rule.metrics.store_error(e.kind());
                 self.last_failure_ms.store(self.now_ms(), Ordering::Relaxed);
-                let config = &m.rule.spec.policy;
-                let capacity = if config.policy.has_burst() {
-                    config.effective_burst()
-                } else {
-                    config.limit
-                };
-                if cost > capacity {
+                if cost > m.rule.spec.policy.capacity() {
                     // No budget ever admits it, which needs no store to
                     // know: refused as the store would have, with no wait,
                     // whatever the failure policy.
