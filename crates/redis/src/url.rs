@@ -132,7 +132,9 @@ fn redact_query(query: &str) -> String {
         .split('&')
         .map(|pair| {
             let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-            let decoded = percent_decoded(key).to_ascii_lowercase();
+            let decoded = percent_encoding::percent_decode_str(key)
+                .decode_utf8_lossy()
+                .to_ascii_lowercase();
             let plain = |f: fn(u8) -> bool| !value.is_empty() && value.bytes().all(f);
             match decoded.as_str() {
                 "pass" | "password" | "user" | "username" => format!("{decoded}=***"),
@@ -143,32 +145,6 @@ fn redact_query(query: &str) -> String {
         })
         .collect();
     pairs.join("&")
-}
-
-/// `%XX` escapes decoded (others left as written), as a URL parser reads a
-/// query key.
-fn percent_decoded(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        match (
-            bytes[i],
-            bytes.get(i + 1).and_then(|&b| hex(b)),
-            bytes.get(i + 2).and_then(|&b| hex(b)),
-        ) {
-            (b'%', Some(h), Some(l)) => {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-            }
-            (b, _, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Whether `node` (up to its first `/`) is `HOST:PORT` with a numeric port.
