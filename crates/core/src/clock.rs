@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 /// A source of the current time in milliseconds.
 pub trait Clock: Send + Sync {
@@ -27,6 +27,42 @@ impl Clock for SystemClock {
             .duration_since(UNIX_EPOCH)
             .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
             .unwrap_or(0)
+    }
+}
+
+/// Milliseconds since the clock was made, from the operating system's
+/// monotonic clock, which never steps back: for intervals within one
+/// process (log gates, idle times), never for counts shared between
+/// processes, whose times must agree.
+///
+/// ```
+/// use ratewarden_core::{Clock, MonotonicClock};
+/// let clock = MonotonicClock::new();
+/// assert!(clock.now_ms() < 60_000);
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct MonotonicClock {
+    started: Instant,
+}
+
+impl MonotonicClock {
+    /// A clock reading 0 now.
+    pub fn new() -> Self {
+        MonotonicClock {
+            started: Instant::now(),
+        }
+    }
+}
+
+impl Default for MonotonicClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for MonotonicClock {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 }
 

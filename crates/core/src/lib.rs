@@ -35,7 +35,7 @@ pub mod registry;
 pub mod store;
 pub mod vectors;
 
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{Clock, ManualClock, MonotonicClock, SystemClock};
 pub use decision::Decision;
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use key::{mix32, xxh3_64, KeyHash};

@@ -3,11 +3,10 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use ratewarden_core::{
     BoxFuture, Clock, ConfigError, Decision, FailurePolicy, Limiter, LocalLimiter, LogGate,
-    MemoryOptions, PolicyConfig, StoreError, StoreErrorKind,
+    MemoryOptions, MonotonicClock, PolicyConfig, StoreError, StoreErrorKind,
 };
 
 use crate::RedisStore;
@@ -100,8 +99,8 @@ struct Inner {
     /// Whether the last call failed, so that the first success says Redis
     /// answers again.
     failing: AtomicBool,
-    /// The origin of the gate's milliseconds (monotonic).
-    started: Instant,
+    /// The gate's clock.
+    clock: MonotonicClock,
 }
 
 impl std::fmt::Debug for RedisLimiter {
@@ -141,7 +140,7 @@ impl RedisLimiter {
                 counters: Counters::default(),
                 failure_log: LogGate::new(1000),
                 failing: AtomicBool::new(false),
-                started: Instant::now(),
+                clock: MonotonicClock::new(),
             }),
         })
     }
@@ -201,7 +200,7 @@ impl RedisLimiter {
             _ => &c.backend_errors,
         }
         .fetch_add(1, Ordering::Relaxed);
-        let now_ms = u64::try_from(inner.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let now_ms = inner.clock.now_ms();
         if let Some(held_back) = inner.failure_log.pass(now_ms) {
             // Only a logged failure arms the recovery line: with failures
             // and successes interleaved (one cluster node down), a line

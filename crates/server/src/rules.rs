@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use ratewarden_core::{
-    xxh3_64, BoxFuture, Decision, FailurePolicy, KeyHash, Limiter, LocalLimiter, MemoryOptions,
-    PolicyConfig, StoreError, StoreErrorKind, REFERENCE,
+    xxh3_64, BoxFuture, Clock, Decision, FailurePolicy, KeyHash, Limiter, LocalLimiter,
+    MemoryOptions, MonotonicClock, PolicyConfig, StoreError, StoreErrorKind, REFERENCE,
 };
 
 use crate::config::{Config, DescriptorSpec, RuleSpec};
@@ -221,7 +221,7 @@ impl RuleSet {
         if let Some(p) = previous {
             // The entries kept below carry their last uses on the previous
             // set's clocks: the new set goes on with them.
-            set.overrides.started = p.overrides.started;
+            set.overrides.clock = p.overrides.clock;
             let order = std::sync::atomic::Ordering::Relaxed;
             set.overrides
                 .uses
@@ -362,8 +362,8 @@ struct Overrides {
     entries: parking_lot::Mutex<HashMap<String, Arc<OverrideEntry>>>,
     /// Uses so far, the order of `OverrideEntry::last_use`.
     uses: std::sync::atomic::AtomicU64,
-    /// The origin of `OverrideEntry::last_use_ms` (monotonic).
-    started: std::time::Instant,
+    /// The clock of `OverrideEntry::last_use_ms`.
+    clock: MonotonicClock,
     /// [`OVERRIDE_MIN_IDLE_MS`], but in tests.
     min_idle_ms: std::sync::atomic::AtomicU64,
 }
@@ -373,21 +373,17 @@ impl Default for Overrides {
         Overrides {
             entries: Default::default(),
             uses: Default::default(),
-            started: std::time::Instant::now(),
+            clock: MonotonicClock::new(),
             min_idle_ms: OVERRIDE_MIN_IDLE_MS.into(),
         }
     }
 }
 
 impl Overrides {
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
-    }
-
     /// Drops the least recently used entry that holds nothing, to make room
     /// for a new one; false when every entry holds something.
     fn evict_one(&self, map: &mut HashMap<String, Arc<OverrideEntry>>) -> bool {
-        let now_ms = self.now_ms();
+        let now_ms = self.clock.now_ms();
         let min_idle_ms = self.min_idle_ms.load(std::sync::atomic::Ordering::Relaxed);
         let victim = map
             .iter()
@@ -589,7 +585,7 @@ impl RuleSet {
             .last_use
             .store(use_now, std::sync::atomic::Ordering::Relaxed);
         entry.last_use_ms.store(
-            self.overrides.now_ms(),
+            self.overrides.clock.now_ms(),
             std::sync::atomic::Ordering::Relaxed,
         );
         let rule = match entry

@@ -5,11 +5,12 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use ratewarden_core::{
-    Decision, FailurePolicy, LocalLimiter, LogGate, StoreError, StoreErrorKind, MAX_SAFE,
+    Clock, Decision, FailurePolicy, LocalLimiter, LogGate, MonotonicClock, StoreError,
+    StoreErrorKind, MAX_SAFE,
 };
 
 use crate::config::{ConfigSource, ServerSettings};
@@ -79,7 +80,8 @@ pub struct Service {
     /// The metrics of every rule and interface.
     pub metrics: Arc<Metrics>,
     reload_lock: tokio::sync::Mutex<()>,
-    started: Instant,
+    /// The gates' and the failure timestamps' clock.
+    clock: MonotonicClock,
     /// One line a second for each warning repeated on every request.
     error_log: LogGate,
     /// Whether a store failure was logged and no call has succeeded since:
@@ -121,7 +123,7 @@ impl Service {
             factory,
             metrics,
             reload_lock: tokio::sync::Mutex::new(()),
-            started: Instant::now(),
+            clock: MonotonicClock::new(),
             error_log: LogGate::new(1000),
             failure_logged: AtomicBool::new(false),
             last_failure_ms: Default::default(),
@@ -507,6 +509,7 @@ impl Service {
                 // A load first: the rest only after a logged failure.
                 if self.failure_logged.load(Ordering::Relaxed)
                     && self
+                        .clock
                         .now_ms()
                         .saturating_sub(self.last_failure_ms.load(Ordering::Relaxed))
                         >= 1000
@@ -522,7 +525,8 @@ impl Service {
             }
             Err(e) => {
                 m.rule.metrics.store_error(e.kind());
-                self.last_failure_ms.store(self.now_ms(), Ordering::Relaxed);
+                self.last_failure_ms
+                    .store(self.clock.now_ms(), Ordering::Relaxed);
                 if cost > m.rule.spec.policy.capacity() {
                     // No budget ever admits it, which needs no store to
                     // know: refused as the store would have, with no wait,
@@ -572,7 +576,7 @@ impl Service {
     /// Logs a store failure, at most one line a second: a store that is
     /// down fails every request, and the metrics count them all.
     fn log_store_error(&self, rule: &Rule, e: &StoreError, policy: FailurePolicy) {
-        if let Some(held) = self.error_log.pass(self.now_ms()) {
+        if let Some(held) = self.error_log.pass(self.clock.now_ms()) {
             // A full in-memory store refuses new keys while known ones
             // succeed: no outage whose end the log could announce.
             if !e.is_capacity_exhausted() {
@@ -614,12 +618,7 @@ impl Service {
     /// Whether a warning repeated on every request may be logged now: at
     /// most once a second per gate (the metrics count every occurrence).
     fn log_now(&self, gate: &LogGate) -> bool {
-        gate.pass(self.now_ms()).is_some()
-    }
-
-    /// Milliseconds since the service started, the gates' clock.
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+        gate.pass(self.clock.now_ms()).is_some()
     }
 }
 

@@ -3,15 +3,15 @@
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, StatusCode};
 use ratewarden_core::{
-    BoxFuture, ConfigError, Decision, FailurePolicy, KeyHash, Limiter, LocalLimiter, LogGate,
-    PolicyConfig, StoreError,
+    BoxFuture, Clock, ConfigError, Decision, FailurePolicy, KeyHash, Limiter, LocalLimiter,
+    LogGate, MonotonicClock, PolicyConfig, StoreError,
 };
 use tower_layer::Layer;
 use tower_service::Service;
@@ -128,8 +128,8 @@ struct FailureLogs {
     rejection: LogGate,
     /// Responses on which an inner layer used this layer's policy name.
     shared_name: LogGate,
-    /// The origin of the gates' milliseconds (monotonic).
-    started: Instant,
+    /// The gates' clock.
+    clock: MonotonicClock,
 }
 
 impl FailureLogs {
@@ -141,12 +141,8 @@ impl FailureLogs {
             // A configuration mistake, the same on every response: one
             // line a minute says it.
             shared_name: LogGate::new(60_000),
-            started: Instant::now(),
+            clock: MonotonicClock::new(),
         }
-    }
-
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 }
 
@@ -442,7 +438,7 @@ impl Shared {
             Err(e) if e.is_invalid_input() => return Verdict::Invalid(e),
             Err(e) => e,
         };
-        let now_ms = self.logs.now_ms();
+        let now_ms = self.logs.clock.now_ms();
         if let Some(held_back) = self.logs.limiter.pass(now_ms) {
             tracing::warn!(
                 %error,
@@ -579,7 +575,8 @@ where
                         .iter()
                         .any(|v| shared.headers.names_an_item_in(v))
                     {
-                        if let Some(held_back) = shared.logs.shared_name.pass(shared.logs.now_ms())
+                        if let Some(held_back) =
+                            shared.logs.shared_name.pass(shared.logs.clock.now_ms())
                         {
                             tracing::warn!(
                                 responses_not_logged = held_back,
@@ -609,7 +606,8 @@ where
                 Verdict::Invalid(error) => {
                     // Once a second: a cost taken from the request could
                     // otherwise be sent to flood the log.
-                    if let Some(held_back) = shared.logs.rejection.pass(shared.logs.now_ms()) {
+                    if let Some(held_back) = shared.logs.rejection.pass(shared.logs.clock.now_ms())
+                    {
                         tracing::error!(
                             %error,
                             cost,
@@ -646,7 +644,7 @@ fn rejection_response(rejection: KeyRejection, logs: &FailureLogs) -> Response<B
     // is the client's doing (a missing API key, an anonymous user):
     // logging it above debug would let any client flood the log.
     if status.is_server_error() {
-        if let Some(held_back) = logs.rejection.pass(logs.now_ms()) {
+        if let Some(held_back) = logs.rejection.pass(logs.clock.now_ms()) {
             tracing::error!(
                 %status,
                 rejections_not_logged = held_back,
