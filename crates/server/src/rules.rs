@@ -1154,6 +1154,29 @@ unlimited = true
         );
     }
 
+    /// An override of `limit` an hour on domain `api`'s `/login` rule: its
+    /// match, or `None` when it is ignored.
+    async fn login_override(
+        set: &RuleSet,
+        limit: u64,
+        factory: &dyn StoreFactory,
+        metrics: &Metrics,
+    ) -> Option<Matched> {
+        let over = LimitOverride {
+            limit,
+            window_ms: 3_600_000,
+        };
+        let login = entries(&[("path", "/login")]);
+        match set
+            .match_override("api", &login, over, factory, metrics)
+            .await
+        {
+            Some(OverrideMatch::Applied(m)) => Some(m),
+            Some(OverrideMatch::Ignored(_)) => None,
+            None => panic!("api is a configured domain"),
+        }
+    }
+
     #[tokio::test]
     async fn a_new_override_takes_the_place_of_one_that_holds_nothing() {
         let factory = MemoryFactory {
@@ -1163,24 +1186,7 @@ unlimited = true
         let set = RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics)
             .await
             .unwrap();
-        let login = entries(&[("path", "/login")]);
-        let over = |limit| LimitOverride {
-            limit,
-            window_ms: 3_600_000,
-        };
-        let find = |limit| {
-            let (set, login, factory, metrics) = (&set, &login, &factory, &metrics);
-            async move {
-                match set
-                    .match_override("api", login, over(limit), factory, metrics)
-                    .await
-                {
-                    Some(OverrideMatch::Applied(m)) => Some(m),
-                    Some(OverrideMatch::Ignored(_)) => None,
-                    None => panic!("api is a configured domain"),
-                }
-            }
-        };
+        let find = |limit| login_override(&set, limit, &factory, &metrics);
         let spend = |m: Matched| async move { m.rule.limiter.check(m.key, 1).await.unwrap() };
         let held = |limit: u64| {
             set.overrides
@@ -1238,16 +1244,10 @@ unlimited = true
             .overrides
             .min_idle_ms
             .store(50, std::sync::atomic::Ordering::Relaxed);
-        let login = entries(&[("path", "/login")]);
-        let over = |limit| LimitOverride {
-            limit,
-            window_ms: 3_600_000,
-        };
         for limit in 1..=MAX_OVERRIDES as u64 {
-            let m = first
-                .match_override("api", &login, over(limit), &factory, &metrics)
-                .await;
-            assert!(matches!(m, Some(OverrideMatch::Applied(_))));
+            assert!(login_override(&first, limit, &factory, &metrics)
+                .await
+                .is_some());
         }
         tokio::time::sleep(std::time::Duration::from_millis(60)).await;
         let second = RuleSet::build(
@@ -1260,10 +1260,9 @@ unlimited = true
         .unwrap();
         drop(first);
         assert_eq!(second.overrides.entries.lock().len(), MAX_OVERRIDES);
-        let m = second
-            .match_override("api", &login, over(1000), &factory, &metrics)
-            .await;
-        assert!(matches!(m, Some(OverrideMatch::Applied(_))), "{m:?}");
+        assert!(login_override(&second, 1000, &factory, &metrics)
+            .await
+            .is_some());
     }
 
     /// Makes the limiters of the configured rules, but none for an
@@ -1304,23 +1303,7 @@ unlimited = true
         set.overrides
             .min_idle_ms
             .store(0, std::sync::atomic::Ordering::Relaxed);
-        let login = entries(&[("path", "/login")]);
-        let find = |limit| {
-            let (set, login, factory, metrics) = (&set, &login, &factory, &metrics);
-            async move {
-                let over = LimitOverride {
-                    limit,
-                    window_ms: 3_600_000,
-                };
-                match set
-                    .match_override("api", login, over, factory, metrics)
-                    .await
-                {
-                    Some(OverrideMatch::Applied(m)) => Some(m),
-                    _ => None,
-                }
-            }
-        };
+        let find = |limit| login_override(&set, limit, &factory, &metrics);
         let twin_decides = |m: Matched| {
             let twin = m.rule.failover.clone().expect("the local policy's twin");
             twin.check_now(m.key, 1).unwrap().allowed

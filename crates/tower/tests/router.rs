@@ -874,6 +874,19 @@ async fn fail_open_admits_without_rate_limit_headers() {
 #[derive(Clone, Default)]
 struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
 
+impl Captured {
+    /// Captures what this thread logs until the guard is dropped.
+    fn on_this_thread() -> (Captured, tracing::subscriber::DefaultGuard) {
+        let log = Captured::default();
+        let writer = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        (log, tracing::subscriber::set_default(subscriber))
+    }
+}
+
 impl std::io::Write for Captured {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         self.0.lock().unwrap().extend_from_slice(buf);
@@ -889,14 +902,8 @@ impl std::io::Write for Captured {
 /// second, not one a request (which any client could turn into a flood).
 #[tokio::test]
 async fn a_failing_limiter_is_logged_once_a_second_not_per_request() {
-    let log = Captured::default();
-    let writer = log.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .finish();
     // A current-thread runtime: the requests run on this thread.
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (log, _guard) = Captured::on_this_thread();
     let layer = RateLimitLayer::builder(failing(), GlobalKey::new(0))
         .failure_policy(FailurePolicy::FailOpen)
         .build()
@@ -1130,13 +1137,8 @@ async fn any_response_body_made_from_bytes_works() {
 /// request); layers named apart say nothing.
 #[tokio::test]
 async fn nested_layers_of_one_name_are_logged() {
-    let log = Captured::default();
-    let writer = log.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    // A current-thread runtime: the requests run on this thread.
+    let (log, _guard) = Captured::on_this_thread();
     let layer = |name: &str| {
         let (limiter, _) = local(PolicyConfig::new(PolicyKind::FixedWindow, 100, 1000));
         RateLimitLayer::builder(Arc::new(limiter), GlobalKey::new(0))
