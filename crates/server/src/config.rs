@@ -1208,6 +1208,26 @@ shadow = true
     }
 
     #[test]
+    fn a_store_timeout_past_the_grpc_deadline_is_refused() {
+        let text = |ms: i64| {
+            format!("[server]\nstore_timeout_ms = {ms}\n[keys]\nlimit = 1\nwindow_ms = 10\n")
+        };
+        let c = Config::parse(&text(10_000), "t").unwrap();
+        assert_eq!(c.server.store_timeout_ms, 10_000);
+        for ms in [0, 10_001, 3_600_000] {
+            let e = parse_err(&text(ms));
+            assert_eq!(
+                (e.line, e.field.as_str()),
+                (Some(2), "server.store_timeout_ms")
+            );
+            assert!(
+                e.message.contains("use a whole number from 1 to 10000"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
     fn a_reload_names_the_server_settings_that_changed() {
         let old = ServerSettings::default();
         assert!(old.changed(&old).is_empty());
