@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 /// let contradiction = r#"{"allowed":true,"retry_after_ms":250,"remaining":0}"#;
 /// assert!(serde_json::from_str::<Decision>(contradiction).is_err());
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(into = "DecisionFields", try_from = "DecisionFields")]
 pub struct Decision {
     /// Admitted or refused. A refused request changes no count.
@@ -79,6 +79,18 @@ impl Serialize for Wait {
 impl<'de> Deserialize<'de> for Wait {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         u128::deserialize(d).map(Wait)
+    }
+}
+
+/// The three fields a user knows, the wait exact: the private high and
+/// low halves of a wide wait are how it is kept, not what it is.
+impl std::fmt::Debug for Decision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Decision")
+            .field("allowed", &self.allowed)
+            .field("retry_after_ms", &self.retry_after_ms_exact())
+            .field("remaining", &self.remaining)
+            .finish()
     }
 }
 
@@ -184,6 +196,22 @@ impl Decision {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_shows_the_fields_a_user_knows_with_the_wait_exact() {
+        assert_eq!(
+            format!("{:?}", Decision::refused(Some(250), 3)),
+            "Decision { allowed: false, retry_after_ms: Some(250), remaining: 3 }"
+        );
+        let wide = Decision::refused_exact(Some(1 << 70), 0);
+        assert_eq!(
+            format!("{wide:?}"),
+            format!(
+                "Decision {{ allowed: false, retry_after_ms: Some({}), remaining: 0 }}",
+                1u128 << 70
+            )
+        );
+    }
 
     #[test]
     fn waits_round_trip_exactly_and_saturate_in_the_u64_field() {

@@ -41,12 +41,16 @@
 //! keeps its load between 7/16 and 7/8; a wide shard decides under its
 //! lock. `ratewarden bench` measures the bytes per key.
 //!
-//! The store holds at most [`MemoryOptions::max_keys`] keys. It forgets
+//! The store holds at most [`MemoryOptions::max_keys`] keys, rounded up to
+//! a multiple of its shard count ([`MemoryStore::max_keys`]). It forgets
 //! keys only in [`MemoryStore::forget_idle`], an explicit call with a bound,
 //! and only keys whose forgetting cannot change a decision (SPEC "Memory"):
 //! the library starts no threads. When a new key arrives at a full shard,
 //! the store first forgets that shard's idle keys (at most once per
-//! millisecond of `now_ms`); if the shard is still full the request gets
+//! millisecond of `now_ms`, and, in a shard of more than 256 keys, only
+//! once a new key per 256 keys held has come since the shard was last
+//! swept, so that a flood of new keys at a full store costs each request a
+//! bounded share of a sweep); if the shard is still full the request gets
 //! [`StoreErrorKind::CapacityExhausted`] and is never silently admitted.
 
 use std::hash::BuildHasher;
@@ -68,6 +72,12 @@ use crate::{ConfigError, Decision, StoreError, StoreErrorKind, MAX_SAFE};
 /// The fewest keys per shard when the store picks its shard count.
 const MIN_KEYS_PER_AUTO_SHARD: usize = 1024;
 
+/// The keys of a full shard one new key pays for sweeping, at most (see
+/// `ShardTable::new_keys_since_sweep`): a shard of up to this many keys
+/// is swept for every new key (once per millisecond of `now_ms`), a
+/// shard of 262,144 once per 1,024 new keys.
+const FULL_SWEEP_KEYS_PER_NEW_KEY: usize = 256;
+
 /// The largest power of two at most `n` (`n >= 1`).
 const fn prev_power_of_two(n: usize) -> usize {
     1 << (usize::BITS - 1 - n.leading_zeros())
@@ -77,9 +87,11 @@ const fn prev_power_of_two(n: usize) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryOptions {
     /// The most keys the store holds at once, split evenly over the
-    /// shards: each holds `max_keys / shards`, rounded up, at least 1. A
-    /// new key whose shard is full is refused, so a store can fill a
-    /// little before `max_keys` keys in all.
+    /// shards: each holds `max_keys / shards`, rounded up, at least 1, so
+    /// the store holds up to `shards - 1` more than this when it does not
+    /// divide evenly ([`MemoryStore::max_keys`] gives the figure). A new
+    /// key whose shard is full is refused, so a store can also fill a
+    /// little before that figure in all.
     pub max_keys: usize,
     /// Number of shards, rounded up to a power of two, at most 65,536; 0
     /// picks four per available core (at least 16), but no more than give
@@ -111,7 +123,8 @@ pub struct Housekeeping {
 /// The in-memory store for one policy. Cloning is cheap: clones share the
 /// same keys (one budget), through a reference-counted pointer.
 ///
-/// Time is passed in; the store holds at most `max_keys` keys and forgets
+/// Time is passed in; the store holds at most [`MemoryStore::max_keys`]
+/// keys (`max_keys`, rounded up to a multiple of the shards) and forgets
 /// them only when asked, or when a full shard needs room:
 ///
 /// ```
@@ -399,9 +412,16 @@ struct ShardTable<S> {
     /// twice in a row, it is pinned.
     last_refused: Option<u64>,
     /// `now_ms` of the last sweep forced by a full shard: a full shard is
-    /// swept at most once per millisecond, so a flood of new keys cannot
-    /// turn every request into a scan.
+    /// swept at most once per millisecond of `now_ms`.
     last_full_sweep_ms: Option<u64>,
+    /// New keys that came to this shard (stored or refused) since it was
+    /// last swept. A sweep looks at every key of the shard under its lock,
+    /// milliseconds for a large one, so a full shard is swept again only
+    /// once [`FULL_SWEEP_KEYS_PER_NEW_KEY`] new keys have come per key it
+    /// holds: a flood of new keys at a full store pays that share of a
+    /// sweep per request, not a whole sweep each (which, taking longer
+    /// than the millisecond bound, it had).
+    new_keys_since_sweep: usize,
 }
 
 /// A shard's keys: packed states while every one fits in 64 bits, wide
@@ -478,6 +498,7 @@ impl<P: Policy> MemoryStore<P> {
                                 Entries::Wide(HashTable::new())
                             },
                             last_full_sweep_ms: None,
+                            new_keys_since_sweep: 0,
                             last_thread: (0, 0),
                             last_refused: None,
                         }),
@@ -753,8 +774,13 @@ impl<P: Policy> MemoryStore<P> {
         // A new key is stored even when its first request was a peek or a
         // refusal: that request still recorded a time, and a later request
         // from before it must be decided at that time.
+        table.new_keys_since_sweep = table.new_keys_since_sweep.saturating_add(1);
         if table.entries.len() >= inner.max_keys_per_shard {
-            if table.last_full_sweep_ms.is_none_or(|t| now_ms > t) {
+            let paid_for = table
+                .new_keys_since_sweep
+                .saturating_mul(FULL_SWEEP_KEYS_PER_NEW_KEY)
+                >= table.entries.len();
+            if paid_for && table.last_full_sweep_ms.is_none_or(|t| now_ms > t) {
                 table.last_full_sweep_ms = Some(now_ms);
                 inner.sweep(shard, table, now_ms);
             }
@@ -945,6 +971,7 @@ impl<P: Policy> Inner<P> {
     }
 
     fn sweep(&self, shard: &Shard<P::State>, table: &mut ShardTable<P::State>, now_ms: u64) {
+        table.new_keys_since_sweep = 0;
         let policy = &self.policy;
         let hasher = &self.hasher;
         // Give memory back after a large sweep, keeping room to grow.
@@ -1335,6 +1362,40 @@ mod tests {
         }
         assert_eq!(total, 1600);
         assert_eq!(store.entries_tracked(), 0);
+    }
+
+    /// A full shard is swept for a new key only once enough new keys have
+    /// come since its last sweep to pay for looking at all of its keys: a
+    /// flood of new keys at a full store does not scan the shard for each.
+    #[test]
+    fn a_full_shard_is_swept_once_new_keys_have_paid_for_it() {
+        let keys = 16 * FULL_SWEEP_KEYS_PER_NEW_KEY;
+        let options = MemoryOptions {
+            max_keys: keys,
+            shards: 1,
+        };
+        let store = MemoryStore::for_config(
+            &PolicyConfig::new(PolicyKind::FixedWindow, 10, 1000),
+            options,
+        )
+        .unwrap();
+        for key in 0..keys as u64 {
+            store.decide(key, 0, 1).unwrap();
+        }
+        // The first new key at the full shard sweeps it (the keys filling
+        // it paid), and finds nothing idle yet.
+        let new = keys as u64;
+        assert!(store.decide(new, 1, 1).unwrap_err().is_capacity_exhausted());
+        // Every key is idle from 1000 ms on, but the shard is swept again
+        // only at the 16th new key since that sweep, a millisecond apart
+        // or not.
+        for (i, now_ms) in (1000..1015).enumerate() {
+            let err = store.decide(new + 1 + i as u64, now_ms, 1).unwrap_err();
+            assert!(err.is_capacity_exhausted(), "{i}: {err}");
+            assert_eq!(store.entries_tracked(), keys);
+        }
+        assert!(store.decide(new + 100, 1015, 1).unwrap().allowed);
+        assert_eq!(store.entries_tracked(), 1);
     }
 
     #[test]
