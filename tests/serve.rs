@@ -495,6 +495,12 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
             400,
             "no entries",
         ),
+        // No `entries` at all is no entries, named by index too.
+        (
+            "{\"domain\": \"edge\", \"descriptors\": [{}]}",
+            400,
+            "descriptors[0] has no entries",
+        ),
         (
             "{\"key\": \"k\", \"domain\": \"edge\"}",
             400,
@@ -953,6 +959,39 @@ async fn refusals_are_not_counted_as_bad_requests() {
     let wrong_method = client.get(server.url()).send().await.unwrap();
     assert_eq!(wrong_method.status(), 405);
     assert_eq!(common::metric(&client, server.http, bad).await, 3);
+    // Requests the HTTP layer cannot read, answered before the router
+    // sees them, are counted too.
+    let unreadable: [&[u8]; 3] = [
+        b"GARBAGE\r\n\r\n",
+        b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        &[
+            b"GET /".as_slice(),
+            &[b'a'; 70_000],
+            b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        ]
+        .concat(),
+    ];
+    for request in unreadable {
+        let answer = tokio::task::spawn_blocking({
+            let (addr, request) = (server.http, request.to_vec());
+            move || {
+                use std::io::{Read, Write};
+                let mut stream = std::net::TcpStream::connect(addr).unwrap();
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(10)))
+                    .unwrap();
+                // The server may answer and close before the last byte.
+                let _ = stream.write_all(&request);
+                let mut answer = Vec::new();
+                let _ = stream.read_to_end(&mut answer);
+                String::from_utf8_lossy(&answer).into_owned()
+            }
+        })
+        .await
+        .unwrap();
+        assert!(answer.starts_with("HTTP/1.1 4"), "{answer}");
+    }
+    assert_eq!(common::metric(&client, server.http, bad).await, 6);
     server.stop();
 }
 
@@ -1540,4 +1579,74 @@ async fn one_ratelimit_member_per_rule_the_one_that_binds_most() {
     assert_eq!(headers["ratelimit-policy"], "\"per-address\";q=100;w=3600");
     assert_eq!(headers["ratelimit"], "\"per-address\";r=96");
     server.stop();
+}
+
+/// `serve` raises its soft open-file limit so that `max_connections` on
+/// both interfaces fits (a soft limit of 1,024 is common, the default is
+/// 10,000 connections each), and says at start when the hard limit is
+/// too low for it.
+#[cfg(target_os = "linux")]
+#[test]
+fn serve_raises_its_open_file_limit_or_says_why_not() {
+    use std::io::{BufRead, BufReader, Read};
+    use std::process::Stdio;
+    // `ulimit` in a shell that then becomes the server: the limits are
+    // the server's from its first instruction.
+    let start = |ulimit: &str| {
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "ulimit {ulimit} 128 && exec \"$0\" serve --http 127.0.0.1:0 --grpc 127.0.0.1:0"
+            ))
+            .arg(BIN)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+        assert!(line.contains("ratewarden serve: HTTP on"), "{line}");
+        let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id())).unwrap();
+        let open_files: Vec<u64> = limits
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .unwrap()
+            .split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        let _ = child.kill();
+        let _ = child.wait();
+        let mut log = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut log)
+            .unwrap();
+        (open_files[0], open_files[1], log)
+    };
+    // A low soft limit is raised, up to what 10,000 connections on each
+    // interface need, or to the hard limit.
+    let (soft, hard, log) = start("-Sn");
+    let wanted = 2 * 10_000 + 256;
+    assert_eq!(soft, hard.min(wanted), "{log}");
+    // Said only when the hard limit itself is too low.
+    assert_eq!(
+        log.contains("the open-file limit is"),
+        hard < wanted,
+        "{log}"
+    );
+    // A hard limit too low is said at start, with what to change.
+    let (soft, hard, log) = start("-n");
+    assert_eq!((soft, hard), (128, 128));
+    assert!(
+        log.contains("the open-file limit is 128") && log.contains("lower server.max_connections"),
+        "{log}"
+    );
 }

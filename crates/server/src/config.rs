@@ -16,7 +16,9 @@ use std::fmt;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use ratewarden_core::{FailurePolicy, KeyHash, PolicyConfig, PolicyKind, MAX_SAFE, REFERENCE};
+use ratewarden_core::{
+    FailurePolicy, KeyHash, MemoryOptions, PolicyConfig, PolicyKind, MAX_SAFE, REFERENCE,
+};
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -88,7 +90,38 @@ pub struct ServerSettings {
     pub key_prefix: String,
 }
 
+/// The fewest keys a shard of a rule's in-memory store is given room for:
+/// with fewer, shards fill unevenly and a store refuses new keys well
+/// before `max_keys` in all (the core's automatic sharding keeps the same
+/// floor).
+const MIN_KEYS_PER_SHARD: usize = 1024;
+
 impl ServerSettings {
+    /// The options of every in-memory store of a rule (the store itself, a
+    /// `local` failover twin, an override's): `max_keys`, over enough
+    /// shards that a full shard holds about `housekeeping_max_scanned`
+    /// keys or fewer. A housekeeping pass looks at whole shards until it
+    /// has seen that many keys, and so does a full shard making room for a
+    /// new key, each under one shard's lock: the shard's size bounds how
+    /// long that lock is held. At least the core's automatic count (four
+    /// per core), and no shard below room for 1,024 keys.
+    pub fn memory_options(&self) -> MemoryOptions {
+        let for_pass = self
+            .max_keys
+            .div_ceil(self.housekeeping_max_scanned.max(1))
+            .min(self.max_keys / MIN_KEYS_PER_SHARD);
+        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+        MemoryOptions {
+            max_keys: self.max_keys,
+            // More than the automatic count's floor of 16, or automatic.
+            shards: if for_pass > 16 {
+                for_pass.max(cores * 4)
+            } else {
+                0
+            },
+        }
+    }
+
     /// The names of the settings that differ between `self` and `other`, as
     /// a configuration file spells them.
     pub fn changed(&self, other: &ServerSettings) -> Vec<&'static str> {
@@ -698,13 +731,19 @@ impl Validator<'_> {
         Ok(n as u64)
     }
 
-    fn number(&self, v: &Spanned<i64>, field: &str) -> Result<u64, ConfigFileError> {
+    /// A number of a rule, `0 ..= 2^53 - 1`; the message names `least`, the
+    /// smallest the field takes (a window of 0 is refused after this, with
+    /// its own message).
+    fn number(&self, v: &Spanned<i64>, field: &str, least: u64) -> Result<u64, ConfigFileError> {
         let n = *v.get_ref();
         if n < 0 || n as u64 > MAX_SAFE {
             return Err(self.err(
                 v.span(),
                 field,
-                format!("{n} is out of range; use a whole number from 0 to {MAX_SAFE} (2^53 - 1)"),
+                format!(
+                    "{n} is out of range; use a whole number from {least} to {MAX_SAFE} \
+                     (2^53 - 1)"
+                ),
             ));
         }
         Ok(n as u64)
@@ -775,7 +814,7 @@ impl Validator<'_> {
                 "the rule has no limit; add limit = <permits per window>",
             ));
         };
-        let limit = self.number(&limit, &f("limit"))?;
+        let limit = self.number(&limit, &f("limit"), 0)?;
         let window_ms = match (raw.window_ms, raw.unit) {
             (Some(w), None) => {
                 // Below 1 (0 or negative) gets the window's own message,
@@ -783,7 +822,7 @@ impl Validator<'_> {
                 if *w.get_ref() < 1 {
                     return Err(self.err(w.span(), &f("window_ms"), format!("{} is not a window: a window must last at least 1 ms; set window_ms to 1 or more", w.get_ref())));
                 }
-                self.number(&w, &f("window_ms"))?
+                self.number(&w, &f("window_ms"), 1)?
             }
             (None, Some(u)) => unit_ms(u.get_ref()).map_err(|m| self.err(u.span(), &f("unit"), m))?,
             (Some(w), Some(_)) => {
@@ -799,7 +838,7 @@ impl Validator<'_> {
         };
         let mut policy = PolicyConfig::new(kind, limit, window_ms);
         if let Some(b) = raw.burst {
-            policy = policy.with_burst(self.number(&b, &f("burst"))?);
+            policy = policy.with_burst(self.number(&b, &f("burst"), 0)?);
             if !kind.has_burst() {
                 return Err(self.err(
                     b.span(),
@@ -953,6 +992,36 @@ impl ConfigSource {
 mod tests {
     use super::*;
 
+    /// A full shard holds about `housekeeping_max_scanned` keys or fewer,
+    /// so that a housekeeping pass, or a full shard making room, holds one
+    /// shard's lock over about that many keys.
+    #[test]
+    fn memory_stores_get_shards_no_larger_than_a_housekeeping_pass() {
+        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+        let settings = |max_keys, housekeeping_max_scanned| ServerSettings {
+            max_keys,
+            housekeeping_max_scanned,
+            ..ServerSettings::default()
+        };
+        // The defaults: 4,194,304 keys, 65,536 per pass: 64 shards.
+        let options = ServerSettings::default().memory_options();
+        assert_eq!(options.max_keys, 1 << 22);
+        assert_eq!(options.shards, 64.max(cores * 4));
+        // Few keys: the core's automatic count.
+        assert_eq!(settings(2000, 65_536).memory_options().shards, 0);
+        assert_eq!(settings(1 << 20, 65_536).memory_options().shards, 0);
+        // A tiny pass: shards of room for 1,024 keys, no fewer.
+        assert_eq!(
+            settings(1 << 22, 1).memory_options().shards,
+            4096.max(cores * 4)
+        );
+        // Whatever the numbers, the store is made.
+        for (max_keys, scanned) in [(1, 1), (usize::MAX, 1), (usize::MAX, usize::MAX)] {
+            let options = settings(max_keys, scanned).memory_options();
+            ratewarden_core::MemoryStore::for_config(&REFERENCE, options).unwrap();
+        }
+    }
+
     fn parse_err(text: &str) -> ConfigFileError {
         Config::parse(text, "test.toml").unwrap_err()
     }
@@ -1076,6 +1145,11 @@ shadow = true
 
         let e = parse_err("[keys]\nlimit = 9007199254740992\nunit = \"second\"\n");
         assert_eq!(e.field, "keys.limit");
+        assert!(e.message.contains("from 0 to 9007199254740991"), "{e}");
+        // A window's range starts at 1 ms.
+        let e = parse_err("[keys]\nlimit = 1\nwindow_ms = 9007199254740992\n");
+        assert_eq!(e.field, "keys.window_ms");
+        assert!(e.message.contains("from 1 to 9007199254740991"), "{e}");
     }
 
     #[test]

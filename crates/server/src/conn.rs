@@ -41,6 +41,11 @@ pub struct Acceptor {
 }
 
 impl Acceptor {
+    /// The metrics connections are counted in.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
     /// Admits connections from `listener` for `api`.
     pub fn new(
         listener: TcpListener,

@@ -46,6 +46,7 @@ pub async fn serve(
         let service = TowerToHyperService::new(app.clone());
         let mut conn_stop = stop.clone();
         let open = open_tx.clone();
+        let metrics = Arc::clone(acceptor.metrics());
         tokio::spawn(async move {
             let _open = open;
             let _permit = permit;
@@ -56,7 +57,20 @@ pub async fn serve(
             let conn = builder.serve_connection(TokioIo::new(stream), service);
             tokio::pin!(conn);
             let stopping = tokio::select! {
-                _ = conn.as_mut() => false,
+                served = conn.as_mut() => {
+                    // A request the HTTP layer could not read (a garbled
+                    // request line, a bad Content-Length, a URI or headers
+                    // too large) is answered by hyper with a bare 400, 414
+                    // or 431 before the router sees it: counted here with
+                    // the router's own bad requests.
+                    if let Err(e) = served {
+                        if e.is_parse() || e.is_parse_too_large() {
+                            metrics.bad_request(Api::Http);
+                            tracing::debug!("unreadable HTTP request: {e}");
+                        }
+                    }
+                    false
+                }
                 _ = conn_stop.wait_for(|s| *s) => true,
             };
             if stopping {
@@ -166,6 +180,9 @@ where
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct DescriptorJson {
+    /// Missing is empty, as a repeated field is in Envoy's protobuf: both
+    /// get the message that names the descriptor by its index.
+    #[serde(default)]
     entries: Vec<EntryJson>,
 }
 

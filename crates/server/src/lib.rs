@@ -71,7 +71,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use ratewarden_core::MemoryOptions;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -114,10 +113,7 @@ pub fn factory_for(
 ) -> anyhow::Result<Arc<dyn StoreFactory>> {
     match store {
         StoreUrl::Memory => Ok(Arc::new(MemoryFactory {
-            options: MemoryOptions {
-                max_keys: settings.max_keys,
-                shards: 0,
-            },
+            options: settings.memory_options(),
         })),
         StoreUrl::Redis(url) | StoreUrl::RedisCluster(url) => Ok(Arc::new(store::RedisFactory {
             url: url.clone(),
@@ -255,6 +251,7 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     let (shutdown, stop) = watch::channel(false);
 
     let max_connections = service.settings().max_connections;
+    raise_open_file_limit(max_connections);
     let metrics = Arc::clone(&service.metrics);
     let http_acceptor = conn::Acceptor::new(
         http_listener,
@@ -340,6 +337,37 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
         grpc_calls,
         keeper_task,
     })
+}
+
+/// Open files the process needs beside its connections: listeners, Redis
+/// connections, the configuration file when it is read, a margin.
+const FILES_BESIDE_CONNECTIONS: u64 = 256;
+
+/// Raises the soft open-file limit towards the hard one, so that
+/// `max_connections` on each of the two interfaces can be open at once
+/// (processes start with a soft limit of 1,024 on most systems, below the
+/// default of 10,000 connections per interface), and says so at start
+/// when even the hard limit is too low: past it, new connections wait
+/// unserved however few requests are in flight.
+fn raise_open_file_limit(max_connections: usize) {
+    let wanted = (max_connections as u64)
+        .saturating_mul(2)
+        .saturating_add(FILES_BESIDE_CONNECTIONS);
+    match rlimit::increase_nofile_limit(wanted) {
+        Ok(limit) if limit >= wanted => {}
+        Ok(limit) => tracing::warn!(
+            "the open-file limit is {limit} (the hard limit), below the {wanted} that \
+             server.max_connections = {max_connections} needs (twice it, for HTTP and gRPC, and \
+             {FILES_BESIDE_CONNECTIONS} more): past about {} connections in all, new ones wait \
+             unserved; raise the hard limit (`ulimit -Hn`, systemd's LimitNOFILE) or lower \
+             server.max_connections",
+            limit.saturating_sub(FILES_BESIDE_CONNECTIONS)
+        ),
+        Err(e) => tracing::warn!(
+            "cannot raise the open-file limit for server.max_connections = {max_connections}: \
+             {e}"
+        ),
+    }
 }
 
 /// Starts the server and serves until SIGTERM or SIGINT, reloading the

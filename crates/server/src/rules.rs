@@ -14,10 +14,10 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use ratewarden_core::{
     xxh3_64, BoxFuture, Clock, Decision, FailurePolicy, KeyHash, Limiter, LocalLimiter,
-    MemoryOptions, MonotonicClock, PolicyConfig, StoreError, StoreErrorKind, REFERENCE,
+    MonotonicClock, PolicyConfig, StoreError, StoreErrorKind, REFERENCE,
 };
 
-use crate::config::{Config, DescriptorSpec, RuleSpec};
+use crate::config::{Config, DescriptorSpec, RuleSpec, ServerSettings};
 use crate::metrics::{Metrics, RuleMetrics};
 use crate::store::StoreFactory;
 
@@ -177,10 +177,7 @@ impl RuleSet {
                     let failover = match (&built.local, local_failover) {
                         (None, true) => Some(LocalLimiter::new(
                             spec.policy,
-                            MemoryOptions {
-                                max_keys: config.server.max_keys,
-                                shards: 0,
-                            },
+                            config.server.memory_options(),
                         )?),
                         _ => None,
                     };
@@ -456,18 +453,9 @@ impl OverrideEntry {
                 .is_none_or(|rule| rule.local.iter().chain(rule.failover.iter()).all(empty))
     }
 
-    fn failover(&self, max_keys: usize) -> Option<LocalLimiter> {
+    fn failover(&self, settings: &ServerSettings) -> Option<LocalLimiter> {
         self.failover
-            .get_or_init(|| {
-                LocalLimiter::new(
-                    self.spec.policy,
-                    MemoryOptions {
-                        max_keys,
-                        shards: 0,
-                    },
-                )
-                .ok()
-            })
+            .get_or_init(|| LocalLimiter::new(self.spec.policy, settings.memory_options()).ok())
             .clone()
     }
 }
@@ -603,7 +591,7 @@ impl RuleSet {
                 }),
                 local: None,
                 failover: (self.config.server.failure_policy == FailurePolicy::Local)
-                    .then(|| entry.failover(self.config.server.max_keys))
+                    .then(|| entry.failover(&self.config.server))
                     .flatten(),
                 metrics: Arc::clone(&entry.metrics),
                 // While a request decides on the twin, the entry (and so the
@@ -624,7 +612,7 @@ impl RuleSet {
         // As for rules: a networked store under the `local` failure policy
         // needs the in-memory twin; the memory store is its own.
         let failover = match (&built.local, self.config.server.failure_policy) {
-            (None, FailurePolicy::Local) => entry.failover(self.config.server.max_keys),
+            (None, FailurePolicy::Local) => entry.failover(&self.config.server),
             _ => None,
         };
         Ok(Arc::new(Rule {
@@ -843,6 +831,7 @@ impl Builder<'_> {
 mod tests {
     use super::*;
     use crate::store::MemoryFactory;
+    use ratewarden_core::MemoryOptions;
 
     fn build(config: Config, previous: Option<&RuleSet>, metrics: &Metrics) -> RuleSet {
         let factory = MemoryFactory {
