@@ -112,6 +112,19 @@ fn malformed_files_are_named_with_the_problem_and_exit_2() {
         "{}",
         stderr(&out)
     );
+    // A dangling link in a folder cannot be read: it is no malformed file.
+    #[cfg(unix)]
+    {
+        let dir = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink("gone.json", dir.path().join("x.json")).unwrap();
+        let out = ratewarden(&["vectors", dir.path().to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(2));
+        assert!(
+            stderr(&out).contains("x.json: cannot read"),
+            "{}",
+            stderr(&out)
+        );
+    }
     // A directory with no vector file in it is not a pass.
     let empty = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(empty.path().join("nested")).unwrap();
@@ -264,4 +277,34 @@ fn a_closed_standard_output_ends_the_run_quietly() {
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
     assert!(!stderr(&out).contains("Broken pipe"), "{}", stderr(&out));
+}
+
+/// A field the format does not have is ignored, as SPEC allows, and named
+/// on standard error, so that a misspelt `burst` does not go unseen.
+#[test]
+fn fields_the_format_does_not_have_are_named_on_standard_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = scratch(
+        &dir,
+        "typo.json",
+        r#"{"cases": [{"description": "typo", "policy": "token-bucket", "limit": 5,
+            "window_ms": 1000, "brust": 50, "steps": [{"key": 1, "now_ms": 0, "cost": 1,
+            "allowed": true, "retry_after_ms": 0, "remaining": 4}]}]}"#,
+    );
+    let out = ratewarden(&["vectors", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("typo.json: note: ignored fields the vector format does not have")
+            && stderr(&out).contains("cases[0].brust"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
+        stdout(&out).contains("1 passed, 0 failed"),
+        "{}",
+        stdout(&out)
+    );
+    // The project's own files hold no such field.
+    let out = ratewarden(&["vectors", concat!(env!("CARGO_MANIFEST_DIR"), "/vectors")]);
+    assert!(!stderr(&out).contains("note:"), "{}", stderr(&out));
 }

@@ -115,6 +115,14 @@ fn bench_json_rows_parse_with_the_named_fields() {
         ),
         "{run}"
     );
+    // The rows come in the table's order: the published figure after the
+    // accuracy rows, before the targets.
+    let at = |workload: &str| rows.iter().position(|r| r["workload"] == workload);
+    assert!(
+        at("published") < at("target"),
+        "published after the targets"
+    );
+    assert!(at("published") > at("run"));
     let published = find("sliding-window-counter", "published");
     assert_eq!(published["wrong_pct"], 0.003, "{published}");
     assert!(published["source"].as_str().unwrap().contains("Cloudflare"));
@@ -350,6 +358,61 @@ fn simulate_checks_its_output_paths_before_the_run() {
             .file_type()
             .is_symlink());
         assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
+
+        // A link to a file not made yet is followed too: the file is made
+        // where it points, and the link stays a link.
+        let charts = scratch(&dir, "charts");
+        std::fs::create_dir(&charts).unwrap();
+        let to_new = scratch(&dir, "latest.svg");
+        std::os::unix::fs::symlink("charts/new.svg", &to_new).unwrap();
+        let out = ratewarden(&[
+            "simulate",
+            "--policy",
+            "gcra",
+            "--shape",
+            "steady-2x",
+            "--out",
+            to_new.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(std::fs::symlink_metadata(&to_new)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert!(std::fs::read_to_string(charts.join("new.svg"))
+            .unwrap()
+            .starts_with("<svg"));
+
+        // A link into a folder that does not exist is refused, as the
+        // folder of a path given directly would be, and replaces nothing.
+        let nowhere = scratch(&dir, "series.csv");
+        std::os::unix::fs::symlink("nowhere/series.csv", &nowhere).unwrap();
+        let out = run(to_new.to_str().unwrap(), nowhere.to_str().unwrap());
+        assert!(!out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("in a folder that does not exist"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(std::fs::symlink_metadata(&nowhere)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+
+        // Two hard links to one file are one file.
+        let hard = scratch(&dir, "hard.csv");
+        std::fs::hard_link(&svg, &hard).unwrap();
+        let out = run(svg_text, hard.to_str().unwrap());
+        assert!(!out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("are the same file"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
@@ -384,6 +447,43 @@ fn simulate_refuses_what_would_draw_a_misleading_chart() {
             svg,
         ],
         &["give --duration-ms 1001 or more"],
+    );
+    // Past the longest run, the advice is the window's, not the run's.
+    fails_with(
+        &[
+            "simulate",
+            "--policy",
+            "gcra",
+            "--shape",
+            "boundary-attack",
+            "--window-ms",
+            "3600000",
+            "--duration-ms",
+            "3600000",
+            "--bucket-ms",
+            "180",
+            "--out",
+            svg,
+        ],
+        &["give --window-ms 3599999 or less"],
+    );
+    fails_with(
+        &[
+            "simulate",
+            "--policy",
+            "gcra",
+            "--shape",
+            "steady-2x",
+            "--window-ms",
+            "9007199254740991",
+            "--duration-ms",
+            "3600000",
+            "--bucket-ms",
+            "180",
+            "--out",
+            svg,
+        ],
+        &["give a higher --limit or a shorter --window-ms"],
     );
     fails_with(
         &[

@@ -47,7 +47,9 @@ pub struct Args {
     /// reported [default: 5; 3 with --quick].
     #[arg(long, value_parser = crate::cmd::whole::<usize>)]
     pub reps: Option<usize>,
-    /// Threads of `uniform-1m-threads`, at most 256 [default: every core].
+    /// Threads of `uniform-1m-threads`, at most 256 [default: every core, up
+    /// to 256 and to what the 400-million-key bound on the key sequences
+    /// leaves room for]
     #[arg(long, value_parser = crate::cmd::whole::<usize>)]
     pub threads: Option<usize>,
     /// How long each accuracy shape lasts, in ms: at least 1,001 (past the
@@ -107,6 +109,16 @@ const MAX_THREADS: usize = 256;
 /// bytes each: 3.2 GB.
 const MAX_SEQUENCE_KEYS: usize = 400_000_000;
 
+/// The threads of `uniform-1m-threads` when `--threads` is not given:
+/// every core, as many as the bounds allow (a machine with more cores than
+/// [`MAX_THREADS`], or than the sequences' bound leaves room for at
+/// `decisions` each, runs the most it can rather than refusing a flag it
+/// was not given).
+fn default_threads(cores: usize, decisions: usize) -> usize {
+    let room = (MAX_SEQUENCE_KEYS / decisions.max(1)).saturating_sub(3);
+    cores.min(MAX_THREADS).min(room).max(1)
+}
+
 /// The run's sizes, from the arguments.
 struct Plan {
     keys: usize,
@@ -120,13 +132,16 @@ struct Plan {
 impl Plan {
     fn from_args(args: &Args) -> Result<Plan> {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let decisions = args
+            .decisions
+            .unwrap_or(if args.quick { 500_000 } else { 2_000_000 });
         let plan = Plan {
             keys: args.keys.unwrap_or(1_000_000),
-            decisions: args
-                .decisions
-                .unwrap_or(if args.quick { 500_000 } else { 2_000_000 }),
+            decisions,
             reps: args.reps.unwrap_or(if args.quick { 3 } else { 5 }),
-            threads: args.threads.unwrap_or(cores),
+            threads: args
+                .threads
+                .unwrap_or_else(|| default_threads(cores, decisions)),
             accuracy_duration_ms: args.accuracy_duration_ms.unwrap_or(if args.quick {
                 20_000
             } else {
@@ -724,8 +739,7 @@ fn print_table(
     }
 }
 
-fn bench(args: &Args) -> Result<()> {
-    let plan = Plan::from_args(args)?;
+fn bench(args: &Args, plan: &Plan) -> Result<()> {
     let load_at_start = load_average();
     let contenders: Vec<&str> = PolicyKind::ALL
         .iter()
@@ -741,9 +755,9 @@ fn bench(args: &Args) -> Result<()> {
             .progress_chars("=> "),
     );
     bar.set_message("generating key sequences");
-    let seq = Sequences::new(&plan);
+    let seq = Sequences::new(plan);
     bar.set_message("speed");
-    let (mut rows, samples) = speed_rows(&plan, &seq, &bar)?;
+    let (mut rows, samples) = speed_rows(plan, &seq, &bar)?;
     drop(seq);
     bar.set_message("memory");
     for name in contenders {
@@ -761,7 +775,7 @@ fn bench(args: &Args) -> Result<()> {
         bar.inc(1);
     }
     bar.set_message("accuracy");
-    rows.extend(accuracy_rows(&plan, &bar)?);
+    rows.extend(accuracy_rows(plan, &bar)?);
     bar.finish_and_clear();
     let targets = targets(&rows, &samples);
     if args.json {
@@ -780,6 +794,15 @@ fn bench(args: &Args) -> Result<()> {
         for row in &rows {
             println!("{}", serde_json::to_string(row)?);
         }
+        // In the table's order: the published figure under the accuracy
+        // rows, then the targets.
+        println!(
+            "{}",
+            json!({
+                "policy": "sliding-window-counter", "workload": "published",
+                "source": CLOUDFLARE_SOURCE, "wrong_pct": 0.003, "note": CLOUDFLARE_NOTE,
+            })
+        );
         for t in &targets {
             println!(
                 "{}",
@@ -790,13 +813,6 @@ fn bench(args: &Args) -> Result<()> {
                 })
             );
         }
-        println!(
-            "{}",
-            json!({
-                "policy": "sliding-window-counter", "workload": "published",
-                "source": CLOUDFLARE_SOURCE, "wrong_pct": 0.003, "note": CLOUDFLARE_NOTE,
-            })
-        );
         for c in context(&rows, &samples) {
             println!(
                 "{}",
@@ -811,7 +827,7 @@ fn bench(args: &Args) -> Result<()> {
             &rows,
             &targets,
             &context(&rows, &samples),
-            &plan,
+            plan,
             &load_at_start,
         );
     }
@@ -843,7 +859,16 @@ pub fn run(args: Args) -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    match bench(&args) {
+    // Sizes out of their bounds are mistakes in the command line, as
+    // clap's own refusals are: exit status 2, where 1 is a run that failed.
+    let plan = match Plan::from_args(&args) {
+        Ok(plan) => plan,
+        Err(e) => {
+            eprintln!("ratewarden bench: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    match bench(&args, &plan) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("ratewarden bench: {e:#}");
@@ -881,6 +906,22 @@ mod tests {
             .iter()
             .find(|t| t.policy == policy && t.check == check)
             .unwrap_or_else(|| panic!("no target {policy} / {check}"))
+    }
+
+    #[test]
+    fn the_default_threads_fit_the_bounds_on_any_machine() {
+        assert_eq!(default_threads(2, 2_000_000), 2);
+        assert_eq!(default_threads(1, 2_000_000), 1);
+        // More cores than the flag allows: the most it allows.
+        assert_eq!(default_threads(1024, 500_000), MAX_THREADS);
+        // 197 threads and the three shared sequences of 2,000,000 keys
+        // each are the 400,000,000 the sequences may hold.
+        assert_eq!(default_threads(300, 2_000_000), 197);
+        assert_eq!(default_threads(4, 100_000_000), 1);
+        for (cores, decisions) in [(1024, 2_000_000), (300, 100_000), (64, 7_000_000)] {
+            let threads = default_threads(cores, decisions);
+            assert!((threads + 3) * decisions <= MAX_SEQUENCE_KEYS);
+        }
     }
 
     #[test]

@@ -16,8 +16,15 @@ pub fn whole<T: std::str::FromStr>(s: &str) -> Result<T, String> {
     if s.starts_with('-') && s[1..].parse::<u128>().is_ok() {
         return Err("must be a whole number, 0 or more, not a negative one".into());
     }
-    s.parse()
-        .map_err(|_| format!("must be a whole number, 0 or more, not `{s}`"))
+    s.parse().map_err(|_| {
+        let digits = s.strip_prefix('+').unwrap_or(s);
+        if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+            // Digits alone that do not parse are too many of them.
+            format!("`{s}` is too large; give a smaller whole number (see --help for the bounds)")
+        } else {
+            format!("must be a whole number, 0 or more, not `{s}`")
+        }
+    })
 }
 
 /// Parses `--store` into a [`StoreUrl`]. clap's own message for a refused
@@ -60,5 +67,23 @@ mod tests {
         assert!(e.contains("not a negative one"), "{e}");
         let e = super::whole::<u64>("1.5").unwrap_err();
         assert!(e.contains("not `1.5`"), "{e}");
+    }
+
+    #[test]
+    fn whole_says_why_a_number_is_refused() {
+        assert_eq!(super::whole::<u64>("42"), Ok(42));
+        assert_eq!(super::whole::<u64>("+42"), Ok(42));
+        let too_large = super::whole::<u64>("18446744073709551616").unwrap_err();
+        assert!(too_large.contains("is too large"), "{too_large}");
+        assert!(super::whole::<usize>("99999999999999999999999")
+            .unwrap_err()
+            .contains("is too large"));
+        assert!(super::whole::<u64>("-1")
+            .unwrap_err()
+            .contains("not a negative one"));
+        for bad in ["1.5", "", "+", "ten", "1e3"] {
+            let why = super::whole::<u64>(bad).unwrap_err();
+            assert!(why.contains("must be a whole number"), "{bad}: {why}");
+        }
     }
 }

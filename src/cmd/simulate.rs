@@ -12,7 +12,7 @@ use ratewarden_core::{PolicyConfig, PolicyKind};
 
 use crate::measure::accuracy::{decisions, series, Point};
 use crate::measure::contender_policy;
-use crate::measure::shapes::{Shape, ShapeParams, MAX_REQUESTS};
+use crate::measure::shapes::{Request, Shape, ShapeParams, MAX_REQUESTS};
 
 /// The longest traffic a simulation generates: one hour.
 const MAX_DURATION_MS: u64 = 3_600_000;
@@ -61,7 +61,20 @@ struct Run {
     points: Vec<Point>,
 }
 
-fn simulate(args: &Args) -> Result<()> {
+/// A run the arguments describe, checked: the policies, the requests and
+/// the files to write.
+struct Prepared<'a> {
+    shape: Shape,
+    kinds: Vec<PolicyKind>,
+    bucket_ms: u64,
+    out: Output<'a>,
+    csv: Option<Output<'a>>,
+    requests: Vec<Request>,
+}
+
+/// Checks the arguments and makes the shape's requests: every mistake in
+/// the command line shows here, before any policy runs or file is written.
+fn prepare(args: &Args) -> Result<Prepared<'_>> {
     let shape: Shape = args.shape.parse().map_err(anyhow::Error::msg)?;
     let mut kinds = Vec::new();
     for name in &args.policy {
@@ -104,8 +117,12 @@ fn simulate(args: &Args) -> Result<()> {
         .map(|csv| Output::check("--csv", csv))
         .transpose()?;
     if let Some(csv) = &csv {
+        // Two names of one file: the same path once links are followed,
+        // or hard links to one file.
+        let one_file = csv.target == out.target
+            || same_file::is_same_file(&csv.target, &out.target).unwrap_or(false);
         ensure!(
-            csv.target != out.target,
+            !one_file,
             "--csv {} and --out {} are the same file; give the series its own path",
             csv.given.display(),
             out.given.display()
@@ -129,22 +146,56 @@ fn simulate(args: &Args) -> Result<()> {
     );
     let requests = shape.generate(&params);
     if requests.is_empty() {
+        // Advice the bounds let the user follow.
         if shape == Shape::BoundaryAttack {
+            let fix = if args.window_ms < MAX_DURATION_MS {
+                format!("give --duration-ms {} or more", args.window_ms + 1)
+            } else {
+                format!(
+                    "give --window-ms {} or less, so that the first edge falls within the \
+                     longest run ({MAX_DURATION_MS} ms)",
+                    MAX_DURATION_MS - 1
+                )
+            };
             bail!(
                 "{shape} sends its first requests at ms {} and {}, at the first window edge; \
-                 give --duration-ms {} or more",
+                 {fix}",
                 args.window_ms - 1,
                 args.window_ms,
-                args.window_ms + 1
             );
         }
+        let longer = if args.duration_ms < MAX_DURATION_MS {
+            format!("a longer --duration-ms (up to {MAX_DURATION_MS}), ")
+        } else {
+            String::new()
+        };
         bail!(
-            "{shape} made no request in --duration-ms {} with --seed {}; give a longer \
-             --duration-ms (or another --seed)",
+            "{shape} made no request in --duration-ms {} with --seed {}; give {longer}a higher \
+             --limit or a shorter --window-ms (or another --seed)",
             args.duration_ms,
             args.seed
         );
     }
+    Ok(Prepared {
+        shape,
+        kinds,
+        bucket_ms,
+        out,
+        csv,
+        requests,
+    })
+}
+
+/// Runs each policy on the prepared requests and writes the files.
+fn simulate(args: &Args, prepared: Prepared) -> Result<()> {
+    let Prepared {
+        shape,
+        kinds,
+        bucket_ms,
+        out,
+        csv,
+        requests,
+    } = prepared;
     let mut runs = Vec::new();
     for kind in kinds {
         let admitted = decisions(kind, args.limit, args.window_ms, &requests)?;
@@ -230,7 +281,12 @@ impl<'a> Output<'a> {
                 );
                 existing
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => folder.join(name),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                match dangling_link_target(flag, given)? {
+                    Some(target) => target,
+                    None => folder.join(name),
+                }
+            }
             Err(e) => bail!("{flag} {shown}: {e}"),
         };
         Ok(Output {
@@ -239,6 +295,57 @@ impl<'a> Output<'a> {
             target,
         })
     }
+}
+
+/// The most links followed from one path, as Linux's own bound.
+const MAX_LINKS: usize = 40;
+
+/// Where `given` points when it is a symbolic link whose file does not
+/// exist yet (a link to a new file: the file is made, the link kept), its
+/// folder checked as a path's own would be; `None` when `given` is no
+/// link.
+fn dangling_link_target(flag: &str, given: &Path) -> Result<Option<PathBuf>> {
+    let shown = given.display();
+    let mut path = given.to_path_buf();
+    for _ in 0..MAX_LINKS {
+        match std::fs::symlink_metadata(&path) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                let to = std::fs::read_link(&path).with_context(|| format!("{flag} {shown}"))?;
+                path = path.parent().unwrap_or(Path::new(".")).join(to);
+            }
+            Ok(_) => bail!("{flag} {shown}: it changed while it was read; give it again"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if path == given {
+                    return Ok(None);
+                }
+                let name = path.file_name().ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "{flag} {shown} is a link to {}, which names no file; \
+                         give a file path",
+                        path.display()
+                    )
+                })?;
+                let folder = match path.parent() {
+                    Some(dir) if !dir.as_os_str().is_empty() => dir,
+                    _ => Path::new("."),
+                };
+                let folder = std::fs::canonicalize(folder)
+                    .ok()
+                    .filter(|f| f.is_dir())
+                    .ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "{flag} {shown} is a link to {}, in a folder that does not exist; \
+                             create {} or give another path",
+                            path.display(),
+                            folder.display()
+                        )
+                    })?;
+                return Ok(Some(folder.join(name)));
+            }
+            Err(e) => bail!("{flag} {shown}: {e}"),
+        }
+    }
+    bail!("{flag} {shown}: more than {MAX_LINKS} links in a row; give the file's own path")
 }
 
 /// Writes each file's text to a temporary file beside its target and,
@@ -476,7 +583,16 @@ fn csv_text(args: &Args, runs: &[Run]) -> String {
 
 /// Runs `ratewarden simulate`.
 pub fn run(args: Args) -> ExitCode {
-    match simulate(&args) {
+    // A mistake in the command line exits 2, as clap's own refusals do; a
+    // run that fails (a file that cannot be written) exits 1.
+    let prepared = match prepare(&args) {
+        Ok(prepared) => prepared,
+        Err(e) => {
+            eprintln!("ratewarden simulate: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    match simulate(&args, prepared) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("ratewarden simulate: {e:#}");

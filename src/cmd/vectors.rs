@@ -175,10 +175,15 @@ pub fn run(args: Args) -> ExitCode {
     let mut out = Out::new();
     let mut tally = Tally::default();
     for path in &files {
-        let file = match std::fs::read_to_string(path)
-            .map_err(|e| e.to_string())
-            .and_then(|text| vectors::parse_each(&text).map_err(|e| e.to_string()))
-        {
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) => {
+                eprintln!("{}: cannot read: {e}", path.display());
+                malformed += 1;
+                continue;
+            }
+        };
+        let file = match vectors::parse_each(&text) {
             Ok(file) => file,
             Err(e) => {
                 eprintln!("{}: malformed vector file: {e}", path.display());
@@ -186,6 +191,7 @@ pub fn run(args: Args) -> ExitCode {
                 continue;
             }
         };
+        note_unknown_fields(path, &file.unknown_fields);
         run_file(path, &file, runner.as_mut(), &mut tally, &mut out);
     }
     if tally.malformed_cases > 0 {
@@ -328,6 +334,28 @@ struct Tally {
     malformed_cases: usize,
     mix32_matched: usize,
     mix32_differ: usize,
+}
+
+/// Places shown of a file's unknown fields; the note counts the rest.
+const UNKNOWN_FIELDS_SHOWN: usize = 5;
+
+/// Says, on standard error, where a file holds fields the format does not
+/// have: they are ignored, and a misspelt one (`brust`) would otherwise
+/// change what a case tests without a sign. The verdict is unchanged.
+fn note_unknown_fields(path: &Path, places: &[String]) {
+    if places.is_empty() {
+        return;
+    }
+    let shown = places[..places.len().min(UNKNOWN_FIELDS_SHOWN)].join(", ");
+    let more = match places.len().saturating_sub(UNKNOWN_FIELDS_SHOWN) {
+        0 => String::new(),
+        n => format!(" and {n} more"),
+    };
+    eprintln!(
+        "{}: note: ignored fields the vector format does not have (check their spelling): \
+         {shown}{more}",
+        path.display()
+    );
 }
 
 /// Runs every mix32 value and case of one file, printing each failure.

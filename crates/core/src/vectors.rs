@@ -161,6 +161,69 @@ pub struct EachCase {
     pub mix32: Vec<Mix32Vector>,
     /// Every case in file order: parsed, or why it cannot be run.
     pub cases: Vec<Result<Case, VectorError>>,
+    /// Where the file holds a field the format does not have, case by
+    /// case (`cases[0].brust`): ignored, as SPEC's format allows, but a
+    /// misspelt field (`brust` for `burst`) changes what a case tests
+    /// without a sign, so a runner should say so.
+    pub unknown_fields: Vec<String>,
+}
+
+/// The fields of SPEC's format: at the top, in a `mix32` entry, in a case
+/// and in a step.
+const ROOT_FIELDS: &[&str] = &["mix32", "cases"];
+const MIX32_FIELDS: &[&str] = &["input", "output"];
+const CASE_FIELDS: &[&str] = &[
+    "description",
+    "policy",
+    "limit",
+    "window_ms",
+    "burst",
+    "steps",
+];
+const STEP_FIELDS: &[&str] = &[
+    "key",
+    "now_ms",
+    "cost",
+    "allowed",
+    "retry_after_ms",
+    "remaining",
+];
+
+/// The places in `root` of fields the format does not have.
+fn unknown_fields(root: &Map<String, Value>) -> Vec<String> {
+    fn each<'v>(
+        value: Option<&'v Value>,
+        path: &str,
+    ) -> impl Iterator<Item = (String, &'v Map<String, Value>)> {
+        let path = path.to_owned();
+        value
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .enumerate()
+            .filter_map(move |(i, v)| Some((format!("{path}[{i}]"), v.as_object()?)))
+    }
+    fn unknown(obj: &Map<String, Value>, known: &[&str], path: &str, out: &mut Vec<String>) {
+        for field in obj.keys().filter(|k| !known.contains(&k.as_str())) {
+            out.push(if path.is_empty() {
+                field.clone()
+            } else {
+                format!("{path}.{field}")
+            });
+        }
+    }
+    let mut out = Vec::new();
+    unknown(root, ROOT_FIELDS, "", &mut out);
+    for (path, entry) in each(root.get("mix32"), "mix32") {
+        unknown(entry, MIX32_FIELDS, &path, &mut out);
+    }
+    for (path, case) in each(root.get("cases"), "cases") {
+        unknown(case, CASE_FIELDS, &path, &mut out);
+        for (path, step) in each(case.get("steps"), &format!("{path}.steps")) {
+            unknown(step, STEP_FIELDS, &path, &mut out);
+        }
+    }
+    out
 }
 
 /// Parses a vector file as [`parse`] does, except that a malformed case is
@@ -179,7 +242,10 @@ pub fn parse_each(text: &str) -> Result<EachCase, VectorError> {
             "the file must be a JSON object with \"cases\" (or \"mix32\")",
         )
     })?;
-    let mut file = EachCase::default();
+    let mut file = EachCase {
+        unknown_fields: unknown_fields(root),
+        ..EachCase::default()
+    };
     if let Some(mix) = root.get("mix32") {
         let mix = mix
             .as_array()
@@ -276,10 +342,15 @@ fn parse_step(value: &Value, path: &str) -> Result<Step, VectorError> {
     let retry_after_ms = match obj.get("retry_after_ms") {
         Some(Value::Null) => None,
         Some(Value::Number(n)) => Some(wide_integer(n).ok_or_else(|| {
-            err(
-                &format!("{path}.retry_after_ms"),
-                format!("must be a whole number of ms or null, found {n}"),
-            )
+            let why = if n.as_f64().is_some_and(|f| f >= 0.0 && f.fract() == 0.0) {
+                format!(
+                    "{n} is above 2^128 - 1, or written as a float above 2^53 - 1 (where it \
+                     may already be rounded); write a whole number of ms as an integer, or null"
+                )
+            } else {
+                format!("must be a whole number of ms or null, found {n}")
+            };
+            err(&format!("{path}.retry_after_ms"), why)
         })?),
         Some(other) => {
             return Err(err(
@@ -367,14 +438,12 @@ fn exact_whole(n: &serde_json::Number) -> Option<u64> {
 }
 
 /// A non-negative whole number, also above `u64::MAX`: exact when written
-/// as an integer (up to `u128::MAX`), and otherwise read through f64 (a
-/// whole number written with a fraction or an exponent, `1e30`).
+/// as an integer (up to `u128::MAX`), and as a float (`1e3`) only up to
+/// 2^53 - 1, as every other field (see [`exact_whole`]): a larger float
+/// may be rounded already, and a larger wait must be written as an
+/// integer to be compared exactly.
 fn wide_integer(n: &serde_json::Number) -> Option<u128> {
-    if let Some(v) = n.as_u128() {
-        return Some(v);
-    }
-    let f = n.as_f64()?;
-    (f >= 0.0 && f.fract() == 0.0 && f.is_finite()).then_some(f as u128)
+    n.as_u128().or_else(|| exact_whole(n).map(u128::from))
 }
 
 /// How one case went.
@@ -571,6 +640,36 @@ mod tests {
     }
 
     #[test]
+    fn fields_the_format_does_not_have_are_named() {
+        let text = format!(
+            r#"{{"version": 2, "mix32": [{{"input": "a", "output": 1, "why": "x"}}], "cases": [
+                {{"policy": "token-bucket", "limit": 1, "window_ms": 10, "brust": 5, "steps": [{GOOD_STEP}]}},
+                {{"policy": "fixed-window", "limit": 1, "window_ms": 0, "note": "", "steps": [
+                    {GOOD_STEP},
+                    {{"key": 1, "now_ms": 0, "cost": 1, "allowed": false, "retry_after": 1,
+                      "retry_after_ms": null, "remaining": 0}}]}}
+            ]}}"#
+        );
+        let each = parse_each(&text).unwrap();
+        assert_eq!(
+            each.unknown_fields,
+            [
+                "version",
+                "mix32[0].why",
+                "cases[0].brust",
+                "cases[1].note",
+                "cases[1].steps[1].retry_after",
+            ]
+        );
+        // Ignored, as the format allows: the first case still runs.
+        assert!(each.cases[0].is_ok());
+        let clean = format!(
+            r#"{{"cases": [{{"description": "", "policy": "gcra", "limit": 1, "window_ms": 10, "burst": 2, "steps": [{GOOD_STEP}]}}]}}"#
+        );
+        assert!(parse_each(&clean).unwrap().unknown_fields.is_empty());
+    }
+
+    #[test]
     fn one_malformed_case_leaves_the_others_to_run() {
         let text = format!(
             r#"{{"cases": [
@@ -689,6 +788,27 @@ mod tests {
             (
                 case_with(
                     fw,
+                    r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": false, "retry_after_ms": 1e40, "remaining": 0}"#,
+                ),
+                "steps[0].retry_after_ms: 1e+40 is above 2^128 - 1, or written as a float",
+            ),
+            (
+                case_with(
+                    fw,
+                    r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": false, "retry_after_ms": 9007199254740993.0, "remaining": 0}"#,
+                ),
+                "written as a float above 2^53 - 1",
+            ),
+            (
+                case_with(
+                    fw,
+                    r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": false, "retry_after_ms": 400000000000000000000000000000000000000, "remaining": 0}"#,
+                ),
+                "is above 2^128 - 1",
+            ),
+            (
+                case_with(
+                    fw,
                     r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "remaining": 0}"#,
                 ),
                 "missing field \"retry_after_ms\"",
@@ -723,15 +843,16 @@ mod tests {
             matches!(outcome, CaseOutcome::Mismatch { step: 0, .. }),
             "{outcome:?}"
         );
-        // Written with an exponent, the number is read (through f64), and
-        // then it is what it is: a mismatch here, not a bad file.
+        // Written with an exponent, a wait past 2^53 - 1 may be rounded
+        // already: the file is malformed, as for every other field, rather
+        // than compared with a number it does not hold.
         let rounded = r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": false, "retry_after_ms": 1e30, "remaining": 0}"#;
-        let file = parse(&case_with(config, rounded)).unwrap();
-        let outcome = run_case(&file.cases[0], decide(wait));
-        assert!(
-            matches!(outcome, CaseOutcome::Mismatch { step: 0, .. }),
-            "{outcome:?}"
-        );
+        let e = parse(&case_with(config, rounded)).unwrap_err().to_string();
+        assert!(e.contains("written as a float above 2^53 - 1"), "{e}");
+        // Up to 2^53 - 1, a float is read as the whole number it is.
+        let small = r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": false, "retry_after_ms": 1e3, "remaining": 0}"#;
+        let file = parse(&case_with(config, small)).unwrap();
+        assert_eq!(file.cases[0].steps[0].expected.retry_after_ms, Some(1000));
     }
 
     #[test]
