@@ -48,9 +48,10 @@
 //! the library starts no threads. When a new key arrives at a full shard,
 //! the store first forgets that shard's idle keys (at most once per
 //! millisecond of `now_ms`, and, in a shard of more than 256 keys, only
-//! once a new key per 256 keys held has come since the shard was last
-//! swept, so that a flood of new keys at a full store costs each request a
-//! bounded share of a sweep); if the shard is still full the request gets
+//! once a new key or a millisecond per 256 keys held has come since the
+//! shard was last swept, so that a flood of new keys at a full store costs
+//! each request a bounded share of a sweep); if the shard is still full the
+//! request gets
 //! [`StoreErrorKind::CapacityExhausted`] and is never silently admitted.
 
 use std::hash::BuildHasher;
@@ -72,10 +73,10 @@ use crate::{ConfigError, Decision, StoreError, StoreErrorKind, MAX_SAFE};
 /// The fewest keys per shard when the store picks its shard count.
 const MIN_KEYS_PER_AUTO_SHARD: usize = 1024;
 
-/// The keys of a full shard one new key pays for sweeping, at most (see
-/// `ShardTable::new_keys_since_sweep`): a shard of up to this many keys
-/// is swept for every new key (once per millisecond of `now_ms`), a
-/// shard of 262,144 once per 1,024 new keys.
+/// The keys of a full shard one new key, or one millisecond, pays for
+/// sweeping (see `ShardTable::new_keys_since_sweep`): a shard of up to
+/// this many keys is swept for every new key (once per millisecond of
+/// `now_ms`), a shard of 65,536 once per 256 new keys or 256 ms.
 const FULL_SWEEP_KEYS_PER_NEW_KEY: usize = 256;
 
 /// The largest power of two at most `n` (`n >= 1`).
@@ -417,10 +418,11 @@ struct ShardTable<S> {
     /// New keys that came to this shard (stored or refused) since it was
     /// last swept. A sweep looks at every key of the shard under its lock,
     /// milliseconds for a large one, so a full shard is swept again only
-    /// once [`FULL_SWEEP_KEYS_PER_NEW_KEY`] new keys have come per key it
-    /// holds: a flood of new keys at a full store pays that share of a
-    /// sweep per request, not a whole sweep each (which, taking longer
-    /// than the millisecond bound, it had).
+    /// once one new key, or one millisecond of `now_ms`, per
+    /// [`FULL_SWEEP_KEYS_PER_NEW_KEY`] keys it holds has come: a flood of
+    /// new keys at a full store pays that share of a sweep per request,
+    /// not a whole sweep each (which, taking longer than the millisecond
+    /// bound, it had), and a trickle waits no longer than the time bound.
     new_keys_since_sweep: usize,
 }
 
@@ -776,10 +778,18 @@ impl<P: Policy> MemoryStore<P> {
         // from before it must be decided at that time.
         table.new_keys_since_sweep = table.new_keys_since_sweep.saturating_add(1);
         if table.entries.len() >= inner.max_keys_per_shard {
+            let held = table.entries.len();
             let paid_for = table
                 .new_keys_since_sweep
                 .saturating_mul(FULL_SWEEP_KEYS_PER_NEW_KEY)
-                >= table.entries.len();
+                >= held
+                // Or time has: a shard is looked through again at least
+                // once per `held / 256` ms however few new keys come, so
+                // idle keys are not kept from a new one for long.
+                || table.last_full_sweep_ms.is_some_and(|t| {
+                    now_ms.saturating_sub(t).saturating_mul(FULL_SWEEP_KEYS_PER_NEW_KEY as u64)
+                        >= held as u64
+                });
             if paid_for && table.last_full_sweep_ms.is_none_or(|t| now_ms > t) {
                 table.last_full_sweep_ms = Some(now_ms);
                 inner.sweep(shard, table, now_ms);
@@ -789,9 +799,9 @@ impl<P: Policy> MemoryStore<P> {
                     StoreErrorKind::CapacityExhausted,
                     format!(
                         "the in-memory store's shard for this key is full ({} keys; the \
-                         store holds at most {} over {}) and none of them can be forgotten \
-                         yet; raise max_keys, or forget idle keys more often \
-                         (MemoryStore::forget_idle)",
+                         store holds at most {} over {}) and none of them could be forgotten \
+                         when it was last looked through; raise max_keys, or forget idle keys \
+                         more often (MemoryStore::forget_idle)",
                         inner.max_keys_per_shard,
                         self.max_keys(),
                         match inner.shards.len() {
@@ -1364,37 +1374,55 @@ mod tests {
         assert_eq!(store.entries_tracked(), 0);
     }
 
-    /// A full shard is swept for a new key only once enough new keys have
-    /// come since its last sweep to pay for looking at all of its keys: a
-    /// flood of new keys at a full store does not scan the shard for each.
+    /// A full shard is swept for a new key only once enough new keys, or
+    /// enough milliseconds, have come since its last sweep to pay for
+    /// looking at all of its keys: a flood of new keys at a full store
+    /// does not scan the shard for each, and idle keys are not kept from
+    /// new ones for long.
     #[test]
-    fn a_full_shard_is_swept_once_new_keys_have_paid_for_it() {
+    fn a_full_shard_is_swept_once_new_keys_or_time_have_paid_for_it() {
+        // 4,096 keys: 16 new keys or 16 ms pay for a sweep.
         let keys = 16 * FULL_SWEEP_KEYS_PER_NEW_KEY;
-        let options = MemoryOptions {
-            max_keys: keys,
-            shards: 1,
+        let full = || {
+            let options = MemoryOptions {
+                max_keys: keys,
+                shards: 1,
+            };
+            let store = MemoryStore::for_config(
+                &PolicyConfig::new(PolicyKind::FixedWindow, 10, 1000),
+                options,
+            )
+            .unwrap();
+            for key in 0..keys as u64 {
+                store.decide(key, 0, 1).unwrap();
+            }
+            // The first new key at the full shard sweeps it (the keys
+            // filling it paid), and finds nothing idle yet: every key is
+            // idle from 1000 ms on.
+            let err = store.decide(keys as u64, 999, 1).unwrap_err();
+            assert!(err.is_capacity_exhausted(), "{err}");
+            assert!(err.to_string().contains("when it was last looked through"));
+            store
         };
-        let store = MemoryStore::for_config(
-            &PolicyConfig::new(PolicyKind::FixedWindow, 10, 1000),
-            options,
-        )
-        .unwrap();
-        for key in 0..keys as u64 {
-            store.decide(key, 0, 1).unwrap();
-        }
-        // The first new key at the full shard sweeps it (the keys filling
-        // it paid), and finds nothing idle yet.
-        let new = keys as u64;
-        assert!(store.decide(new, 1, 1).unwrap_err().is_capacity_exhausted());
-        // Every key is idle from 1000 ms on, but the shard is swept again
-        // only at the 16th new key since that sweep, a millisecond apart
-        // or not.
-        for (i, now_ms) in (1000..1015).enumerate() {
-            let err = store.decide(new + 1 + i as u64, now_ms, 1).unwrap_err();
-            assert!(err.is_capacity_exhausted(), "{i}: {err}");
+        let new = |i: usize| (keys + 1 + i) as u64;
+        let refused = |store: &MemoryStore, key: u64, now_ms: u64| {
+            let err = store.decide(key, now_ms, 1).unwrap_err();
+            assert!(err.is_capacity_exhausted(), "{key} at {now_ms}: {err}");
             assert_eq!(store.entries_tracked(), keys);
+        };
+        // Paid by new keys: the 16th since the sweep sweeps, 1 ms later.
+        let store = full();
+        for i in 0..15 {
+            refused(&store, new(i), 1000);
         }
-        assert!(store.decide(new + 100, 1015, 1).unwrap().allowed);
+        assert!(store.decide(new(15), 1000, 1).unwrap().allowed);
+        assert_eq!(store.entries_tracked(), 1);
+        // Paid by time: 16 ms after the sweep, whatever came between.
+        let store = full();
+        for (i, now_ms) in (1000..1014).enumerate() {
+            refused(&store, new(i), now_ms);
+        }
+        assert!(store.decide(new(14), 1015, 1).unwrap().allowed);
         assert_eq!(store.entries_tracked(), 1);
     }
 
