@@ -403,6 +403,18 @@ fn simulate_checks_its_output_paths_before_the_run() {
             .file_type()
             .is_symlink());
 
+        // A link to a folder not made yet names no file.
+        let to_folder = scratch(&dir, "to-folder.svg");
+        std::os::unix::fs::symlink("charts/later/", &to_folder).unwrap();
+        let out = run(to_folder.to_str().unwrap(), nowhere.to_str().unwrap());
+        assert!(!out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("is a link to the folder"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!charts.join("later").exists());
+
         // Two hard links to one file are one file.
         let hard = scratch(&dir, "hard.csv");
         std::fs::hard_link(&svg, &hard).unwrap();

@@ -311,6 +311,12 @@ fn dangling_link_target(flag: &str, given: &Path) -> Result<Option<PathBuf>> {
         match std::fs::symlink_metadata(&path) {
             Ok(meta) if meta.file_type().is_symlink() => {
                 let to = std::fs::read_link(&path).with_context(|| format!("{flag} {shown}"))?;
+                // A link to `name/` names a folder, even one not made yet.
+                ensure!(
+                    !to.as_os_str().to_string_lossy().ends_with('/'),
+                    "{flag} {shown} is a link to the folder {}; give a file path",
+                    to.display()
+                );
                 path = path.parent().unwrap_or(Path::new(".")).join(to);
             }
             Ok(_) => bail!("{flag} {shown}: it changed while it was read; give it again"),

@@ -104,7 +104,8 @@ impl ServerSettings {
     /// has seen that many keys, and so does a full shard making room for a
     /// new key, each under one shard's lock: the shard's size bounds how
     /// long that lock is held. At least the core's automatic count (four
-    /// per core), and no shard below room for 1,024 keys.
+    /// per core), and no shard below room for 1,024 keys (512 once the core
+    /// rounds the count up to a power of two).
     pub fn memory_options(&self) -> MemoryOptions {
         let for_pass = self
             .max_keys
@@ -115,7 +116,10 @@ impl ServerSettings {
             max_keys: self.max_keys,
             // More than the automatic count's floor of 16, or automatic.
             shards: if for_pass > 16 {
-                for_pass.max(cores * 4)
+                // Four per core, as the automatic count, within the floor.
+                for_pass
+                    .max(cores * 4)
+                    .min(self.max_keys / MIN_KEYS_PER_SHARD)
             } else {
                 0
             },
@@ -1011,10 +1015,10 @@ mod tests {
         assert_eq!(settings(2000, 65_536).memory_options().shards, 0);
         assert_eq!(settings(1 << 20, 65_536).memory_options().shards, 0);
         // A tiny pass: shards of room for 1,024 keys, no fewer.
-        assert_eq!(
-            settings(1 << 22, 1).memory_options().shards,
-            4096.max(cores * 4)
-        );
+        assert_eq!(settings(1 << 22, 1).memory_options().shards, 4096);
+        // Many cores do not push shards below the floor.
+        let options = settings(100_000, 4_096).memory_options();
+        assert!(options.shards <= 100_000 / 1024, "{options:?}");
         // Whatever the numbers, the store is made.
         for (max_keys, scanned) in [(1, 1), (usize::MAX, 1), (usize::MAX, usize::MAX)] {
             let options = settings(max_keys, scanned).memory_options();
