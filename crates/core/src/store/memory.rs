@@ -412,9 +412,10 @@ struct ShardTable<S> {
     /// The key last refused here under the lock without a change: refused
     /// twice in a row, it is pinned.
     last_refused: Option<u64>,
-    /// `now_ms` of the last sweep forced by a full shard: a full shard is
-    /// swept at most once per millisecond of `now_ms`.
-    last_full_sweep_ms: Option<u64>,
+    /// The latest `now_ms` this shard was swept at, by a full shard making
+    /// room or by [`MemoryStore::forget_idle`]: a full shard is swept at
+    /// most once per millisecond of `now_ms`.
+    last_sweep_ms: Option<u64>,
     /// New keys that came to this shard (stored or refused) since it was
     /// last swept. A sweep looks at every key of the shard under its lock,
     /// milliseconds for a large one, so a full shard is swept again only
@@ -499,7 +500,7 @@ impl<P: Policy> MemoryStore<P> {
                             } else {
                                 Entries::Wide(HashTable::new())
                             },
-                            last_full_sweep_ms: None,
+                            last_sweep_ms: None,
                             new_keys_since_sweep: 0,
                             last_thread: (0, 0),
                             last_refused: None,
@@ -786,12 +787,11 @@ impl<P: Policy> MemoryStore<P> {
                 // Or time has: a shard is looked through again at least
                 // once per `held / 256` ms however few new keys come, so
                 // idle keys are not kept from a new one for long.
-                || table.last_full_sweep_ms.is_some_and(|t| {
+                || table.last_sweep_ms.is_some_and(|t| {
                     now_ms.saturating_sub(t).saturating_mul(FULL_SWEEP_KEYS_PER_NEW_KEY as u64)
                         >= held as u64
                 });
-            if paid_for && table.last_full_sweep_ms.is_none_or(|t| now_ms > t) {
-                table.last_full_sweep_ms = Some(now_ms);
+            if paid_for && table.last_sweep_ms.is_none_or(|t| now_ms > t) {
                 inner.sweep(shard, table, now_ms);
             }
             if table.entries.len() >= inner.max_keys_per_shard {
@@ -981,7 +981,10 @@ impl<P: Policy> Inner<P> {
     }
 
     fn sweep(&self, shard: &Shard<P::State>, table: &mut ShardTable<P::State>, now_ms: u64) {
+        // Whatever swept, the time and new keys that pay for the next
+        // sweep of a full shard count from here.
         table.new_keys_since_sweep = 0;
+        table.last_sweep_ms = Some(table.last_sweep_ms.map_or(now_ms, |t| t.max(now_ms)));
         let policy = &self.policy;
         let hasher = &self.hasher;
         // Give memory back after a large sweep, keeping room to grow.
@@ -1383,7 +1386,7 @@ mod tests {
     fn a_full_shard_is_swept_once_new_keys_or_time_have_paid_for_it() {
         // 4,096 keys: 16 new keys or 16 ms pay for a sweep.
         let keys = 16 * FULL_SWEEP_KEYS_PER_NEW_KEY;
-        let full = || {
+        let filled = || {
             let options = MemoryOptions {
                 max_keys: keys,
                 shards: 1,
@@ -1396,6 +1399,10 @@ mod tests {
             for key in 0..keys as u64 {
                 store.decide(key, 0, 1).unwrap();
             }
+            store
+        };
+        let full = || {
+            let store = filled();
             // The first new key at the full shard sweeps it (the keys
             // filling it paid), and finds nothing idle yet: every key is
             // idle from 1000 ms on.
@@ -1424,6 +1431,13 @@ mod tests {
         }
         assert!(store.decide(new(14), 1015, 1).unwrap().allowed);
         assert_eq!(store.entries_tracked(), 1);
+        // A sweep by forget_idle counts as one: time pays for the next from
+        // there, as after a sweep for a new key.
+        let store = filled();
+        let swept = store.forget_idle(999, usize::MAX);
+        assert_eq!((swept.scanned, swept.forgotten), (keys, 0));
+        refused(&store, new(0), 1000);
+        assert!(store.decide(new(1), 1015, 1).unwrap().allowed);
     }
 
     #[test]
