@@ -755,11 +755,18 @@ impl RedisStore {
     /// `EVALSHA` calls are pipelined. Each request is still decided
     /// atomically on its own, in order per key.
     ///
-    /// The outer error is for the whole batch (too large, timed out,
-    /// connection lost: then any subset may have been applied); the inner
-    /// results are per request. At most [`MAX_BATCH`] requests. On a
-    /// cluster the keys are sent at once, each key's requests in turn,
-    /// rather than as one pipeline (a pipeline may not cross slots).
+    /// The outer error is for the whole batch: too large, or a request
+    /// with a cost or time out of range (then nothing was sent); timed out
+    /// or connection lost (then any subset may have been applied). The
+    /// inner results are per request. At most [`MAX_BATCH`] requests.
+    /// On a cluster the keys are sent at once, each key's requests in
+    /// turn, rather than as one pipeline (a pipeline may not cross slots).
+    ///
+    /// [`RedisOptions::timeout_ms`] bounds the whole batch, not each
+    /// request: a batch of thousands needs more than the default 50 ms
+    /// (10,000 requests took about 125 ms on a quiet 2-core machine and
+    /// 325 ms on a loaded one), or it fails with a timeout after Redis has
+    /// applied it.
     pub async fn decide_many(
         &self,
         requests: &[(u64, u64)],
@@ -1131,12 +1138,16 @@ fn connect_error(e: RedisError, address: &str, cluster: bool) -> StoreError {
         )
     } else {
         let refused = e.is_connection_refusal();
+        let not_redis = e.kind() == ErrorKind::ParseError;
         let e = map_error(e);
         // The detail, not the whole error: shown, the error starts with its
         // kind ("store connection dropped: "), which the caller's showing
         // of this error says already.
         let cause = if refused {
             "connection refused"
+        } else if not_redis {
+            "it answered with something that is not Redis's protocol: another server (HTTP, \
+             a proxy) holds the port; check the port"
         } else if e.kind() == StoreErrorKind::Timeout {
             "no answer in time: the port took the connection, but a Redis that is \
              stopped or overloaded, or a server that is not Redis, did not answer"
@@ -1196,6 +1207,18 @@ pub(crate) fn map_error(e: RedisError) -> StoreError {
     } else {
         StoreErrorKind::Backend
     };
+    if kind == StoreErrorKind::CorruptState {
+        // What a reader can do about it: the key holds what this version
+        // did not write, and only deleting it lets the key count again.
+        return StoreError::new(
+            kind,
+            format!(
+                "{text} (the key holds a value this version of ratewarden did not write: \
+                 another program, or a bug; delete the key, DEL in redis-cli, to start its \
+                 count again from empty)"
+            ),
+        );
+    }
     StoreError::new(kind, text)
 }
 

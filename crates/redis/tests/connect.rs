@@ -95,6 +95,26 @@ fn a_server_that_is_not_redis_is_refused_at_connect() {
     let e = connect(&format!("redis://127.0.0.1:{port}")).expect_err("not Redis");
     assert_ne!(e.kind(), StoreErrorKind::Timeout, "{e}");
     assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
+
+    // One that answers in another protocol (HTTP) is named as such, in
+    // one line, rather than with the parser's byte codes.
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        for mut stream in listener.incoming().take(10).flatten() {
+            let mut request = [0u8; 512];
+            let _ = stream.read(&mut request);
+            let _ = stream.write_all(
+                b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            );
+        }
+    });
+    let e = connect(&format!("redis://127.0.0.1:{port}")).expect_err("not Redis");
+    assert!(
+        e.to_string().contains("not Redis's protocol") && !e.to_string().contains('\n'),
+        "{e}"
+    );
 }
 
 /// Connecting with the default `connect_timeout_ms` (1 s): the cause of a

@@ -468,6 +468,13 @@ fn corrupt_state_is_a_typed_error_never_an_admit() {
                     StoreErrorKind::CorruptState,
                     "{policy} {setup:?}: {err}"
                 );
+                // It says what to do, and names no field by a letter.
+                let text = err.to_string();
+                assert!(text.contains("delete the key"), "{text}");
+                assert!(
+                    !text.contains("field w ") && !text.contains("field a "),
+                    "{text}"
+                );
                 // Even failing open, corrupt state is an error, not an admit.
                 let err = limiter
                     .check_detailed(7, 1)

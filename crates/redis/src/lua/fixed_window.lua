@@ -7,8 +7,8 @@ if s then
   if #s ~= 16 then lib().corrupt('state has a bad length ' .. #s) end
   start, current = struct.unpack('>dd', s)
   -- NaN fails every comparison, so it is caught too.
-  if not (start >= 0 and start < TWO53 and start % 1 == 0) then lib().bad('w', start) end
-  if not (current >= 0 and current < TWO53 and current % 1 == 0) then lib().bad('c', current) end
+  if not (start >= 0 and start < TWO53 and start % 1 == 0) then lib().bad('window start', start) end
+  if not (current >= 0 and current < TWO53 and current % 1 == 0) then lib().bad('current count', current) end
 else
   start = NOW - fmod(NOW, W)
   current = 0

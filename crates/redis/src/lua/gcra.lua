@@ -14,7 +14,7 @@ if cap < TWO53 and now_scaled < TWO53 - cap and (not s or #s == 8) then
   if s then
     tat = struct.unpack('>d', s)
     -- NaN fails every comparison, so it is caught too.
-    if not (tat >= 0 and tat < TWO53 and tat % 1 == 0) then lib().bad('a', tat) end
+    if not (tat >= 0 and tat < TWO53 and tat % 1 == 0) then lib().bad('theoretical arrival time', tat) end
   end
   local base = tat
   if now_scaled > base then base = now_scaled end
@@ -56,7 +56,7 @@ else
   local wcap = wmul(wide(BURST), wide(W))
   local wnow = wmul(wide(NOW), wide(LIMIT))
   local tat = {}
-  if s then tat = Y.wunpack(s, 1, 'a') end
+  if s then tat = Y.wunpack(s, 1, 'theoretical arrival time') end
   local base = tat
   if wcmp(wnow, tat) > 0 then base = wnow end
   local spent = wsub(base, wnow)

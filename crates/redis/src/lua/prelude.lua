@@ -204,7 +204,9 @@ local function lib()
         if not (v >= 0 and v < TWO53 and v % 1 == 0) then bad(name, v) end
         return wide(v)
       end
-      if n % 1 ~= 0 or n < 3 or n > 6 then corrupt('field ' .. name .. ' has a bad length ' .. (#s - at + 1)) end
+      if n % 1 ~= 0 or n < 3 or n > 6 then
+        corrupt('field ' .. name .. ' takes ' .. (#s - at + 1) .. ' bytes, not 8 or 24 to 48')
+      end
       local a = {}
       for i = 1, n do
         local limb = struct.unpack('>d', s, at + (i - 1) * 8)

@@ -8,9 +8,9 @@ if s then
   if #s ~= 24 then lib().corrupt('state has a bad length ' .. #s) end
   start, previous, current = struct.unpack('>ddd', s)
   -- NaN fails every comparison, so it is caught too.
-  if not (start >= 0 and start < TWO53 and start % 1 == 0) then lib().bad('w', start) end
-  if not (previous >= 0 and previous < TWO53 and previous % 1 == 0) then lib().bad('p', previous) end
-  if not (current >= 0 and current < TWO53 and current % 1 == 0) then lib().bad('c', current) end
+  if not (start >= 0 and start < TWO53 and start % 1 == 0) then lib().bad('window start', start) end
+  if not (previous >= 0 and previous < TWO53 and previous % 1 == 0) then lib().bad('previous count', previous) end
+  if not (current >= 0 and current < TWO53 and current % 1 == 0) then lib().bad('current count', current) end
 else
   start = NOW - fmod(NOW, W)
   previous = 0

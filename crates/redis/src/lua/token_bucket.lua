@@ -9,7 +9,7 @@ if s then
   if #s < 16 then lib().corrupt('state has a bad length ' .. #s) end
   last = struct.unpack('>d', s)
   -- NaN fails every comparison, so it is caught too.
-  if not (last >= 0 and last < TWO53 and last % 1 == 0) then lib().bad('t', last) end
+  if not (last >= 0 and last < TWO53 and last % 1 == 0) then lib().bad('last refill', last) end
 else
   last = NOW
 end
@@ -29,7 +29,7 @@ if cap < TWO53 then
   if s then
     if #s ~= 16 then lib().corrupt('state has a bad length ' .. #s) end
     level = struct.unpack('>d', s, 9)
-    if not (level >= 0 and level < TWO53 and level % 1 == 0) then lib().bad('l', level) end
+    if not (level >= 0 and level < TWO53 and level % 1 == 0) then lib().bad('level', level) end
   end
   if level < cap then
     local refill = idle * LIMIT
@@ -76,7 +76,7 @@ else
   local wmul, wdivmod, wdivceil = Y.wmul, Y.wdivmod, Y.wdivceil
   local wcap = wmul(wide(BURST), wide(W))
   local level = wcap
-  if s then level = Y.wunpack(s, 9, 'l') end
+  if s then level = Y.wunpack(s, 9, 'level') end
   level = wadd(level, wmul(wide(idle), wide(LIMIT)))
   if wcmp(level, wcap) > 0 then level = wcap end
   local need = wmul(wide(COST), wide(W))
