@@ -412,9 +412,9 @@ struct ShardTable<S> {
     /// The key last refused here under the lock without a change: refused
     /// twice in a row, it is pinned.
     last_refused: Option<u64>,
-    /// The latest `now_ms` this shard was swept at, by a full shard making
-    /// room or by [`MemoryStore::forget_idle`]: a full shard is swept at
-    /// most once per millisecond of `now_ms`.
+    /// The `now_ms` of this shard's last sweep, by a full shard making room
+    /// or by [`MemoryStore::forget_idle`]: a full shard is swept at most
+    /// once per millisecond of `now_ms`.
     last_sweep_ms: Option<u64>,
     /// New keys that came to this shard (stored or refused) since it was
     /// last swept. A sweep looks at every key of the shard under its lock,
@@ -791,7 +791,11 @@ impl<P: Policy> MemoryStore<P> {
                     now_ms.saturating_sub(t).saturating_mul(FULL_SWEEP_KEYS_PER_NEW_KEY as u64)
                         >= held as u64
                 });
-            if paid_for && table.last_sweep_ms.is_none_or(|t| now_ms > t) {
+            // Once per millisecond: `!=` rather than `>`, so that a clock
+            // stepped back (or a `forget_idle` ahead of the decisions)
+            // does not hold sweeps off until time catches up; what pays
+            // for them still bounds how often they run.
+            if paid_for && table.last_sweep_ms != Some(now_ms) {
                 inner.sweep(shard, table, now_ms);
             }
             if table.entries.len() >= inner.max_keys_per_shard {
@@ -982,9 +986,12 @@ impl<P: Policy> Inner<P> {
 
     fn sweep(&self, shard: &Shard<P::State>, table: &mut ShardTable<P::State>, now_ms: u64) {
         // Whatever swept, the time and new keys that pay for the next
-        // sweep of a full shard count from here.
+        // sweep of a full shard count from here. The time is this sweep's,
+        // not the latest seen: one call of `forget_idle` with a time far
+        // ahead of the decisions' must not hold off the next sweep until
+        // they reach it (the next one with their time undoes it).
         table.new_keys_since_sweep = 0;
-        table.last_sweep_ms = Some(table.last_sweep_ms.map_or(now_ms, |t| t.max(now_ms)));
+        table.last_sweep_ms = Some(now_ms);
         let policy = &self.policy;
         let hasher = &self.hasher;
         // Give memory back after a large sweep, keeping room to grow.
