@@ -1445,6 +1445,18 @@ mod tests {
         assert_eq!((swept.scanned, swept.forgotten), (keys, 0));
         refused(&store, new(0), 1000);
         assert!(store.decide(new(1), 1015, 1).unwrap().allowed);
+        // A sweep at a time ahead of the decisions' (a forget_idle on
+        // another clock, or a clock stepped back) does not hold the next
+        // one off until the decisions reach that time.
+        let store = filled();
+        assert_eq!(store.forget_idle(10_500, usize::MAX).forgotten, keys);
+        for key in 0..keys as u64 {
+            store.decide(key, 9_000, 1).unwrap();
+        }
+        // Every key is idle from 10,000 ms; the keys filling the shard
+        // paid for a sweep, and it runs at 10,000, before 10,500.
+        assert!(store.decide(new(0), 10_000, 1).unwrap().allowed);
+        assert_eq!(store.entries_tracked(), 1);
     }
 
     #[test]
