@@ -1,7 +1,7 @@
 //! `ratewarden bench` and `ratewarden simulate` as a user runs them: the
 //! real binary, small sizes, outputs parsed back.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn ratewarden(args: &[&str]) -> Output {
@@ -304,22 +304,42 @@ fn simulate_checks_its_output_paths_before_the_run() {
             csv,
         ])
     };
+    // The run failed, saying `words`.
+    let refused = |out: Output, words: &str| {
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(words), "{stderr}");
+    };
+    // A chart to `path` alone, which must be written.
+    let chart = |path: &Path| {
+        let out = ratewarden(&[
+            "simulate",
+            "--policy",
+            "gcra",
+            "--shape",
+            "steady-2x",
+            "--out",
+            path.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let is_link = |path: &Path| {
+        std::fs::symlink_metadata(path)
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    };
     let svg_text = svg.to_str().unwrap();
     let dotted = format!("{}/./chart.svg", dir.path().display());
-    let out = run(svg_text, &dotted);
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("are the same file"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    refused(run(svg_text, &dotted), "are the same file");
     // A CSV path that is a folder: refused, and the old chart stays.
-    let out = run(svg_text, folder.to_str().unwrap());
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("is a folder; give a file path"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    refused(
+        run(svg_text, folder.to_str().unwrap()),
+        "is a folder; give a file path",
     );
     assert_eq!(std::fs::read_to_string(&svg).unwrap(), "old chart");
     fails_with(
@@ -339,24 +359,8 @@ fn simulate_checks_its_output_paths_before_the_run() {
     {
         let link = scratch(&dir, "link.svg");
         std::os::unix::fs::symlink(&svg, &link).unwrap();
-        let out = ratewarden(&[
-            "simulate",
-            "--policy",
-            "gcra",
-            "--shape",
-            "steady-2x",
-            "--out",
-            link.to_str().unwrap(),
-        ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(std::fs::symlink_metadata(&link)
-            .unwrap()
-            .file_type()
-            .is_symlink());
+        chart(&link);
+        assert!(is_link(&link));
         assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
 
         // A link to a file not made yet is followed too: the file is made
@@ -365,24 +369,8 @@ fn simulate_checks_its_output_paths_before_the_run() {
         std::fs::create_dir(&charts).unwrap();
         let to_new = scratch(&dir, "latest.svg");
         std::os::unix::fs::symlink("charts/new.svg", &to_new).unwrap();
-        let out = ratewarden(&[
-            "simulate",
-            "--policy",
-            "gcra",
-            "--shape",
-            "steady-2x",
-            "--out",
-            to_new.to_str().unwrap(),
-        ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(std::fs::symlink_metadata(&to_new)
-            .unwrap()
-            .file_type()
-            .is_symlink());
+        chart(&to_new);
+        assert!(is_link(&to_new));
         assert!(std::fs::read_to_string(charts.join("new.svg"))
             .unwrap()
             .starts_with("<svg"));
@@ -391,40 +379,25 @@ fn simulate_checks_its_output_paths_before_the_run() {
         // folder of a path given directly would be, and replaces nothing.
         let nowhere = scratch(&dir, "series.csv");
         std::os::unix::fs::symlink("nowhere/series.csv", &nowhere).unwrap();
-        let out = run(to_new.to_str().unwrap(), nowhere.to_str().unwrap());
-        assert!(!out.status.success());
-        assert!(
-            String::from_utf8_lossy(&out.stderr).contains("in a folder that does not exist"),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        refused(
+            run(to_new.to_str().unwrap(), nowhere.to_str().unwrap()),
+            "in a folder that does not exist",
         );
-        assert!(std::fs::symlink_metadata(&nowhere)
-            .unwrap()
-            .file_type()
-            .is_symlink());
+        assert!(is_link(&nowhere));
 
         // A link to a folder not made yet names no file.
         let to_folder = scratch(&dir, "to-folder.svg");
         std::os::unix::fs::symlink("charts/later/", &to_folder).unwrap();
-        let out = run(to_folder.to_str().unwrap(), nowhere.to_str().unwrap());
-        assert!(!out.status.success());
-        assert!(
-            String::from_utf8_lossy(&out.stderr).contains("is a link to the folder"),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        refused(
+            run(to_folder.to_str().unwrap(), nowhere.to_str().unwrap()),
+            "is a link to the folder",
         );
         assert!(!charts.join("later").exists());
 
         // Two hard links to one file are one file.
         let hard = scratch(&dir, "hard.csv");
         std::fs::hard_link(&svg, &hard).unwrap();
-        let out = run(svg_text, hard.to_str().unwrap());
-        assert!(!out.status.success());
-        assert!(
-            String::from_utf8_lossy(&out.stderr).contains("are the same file"),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        refused(run(svg_text, hard.to_str().unwrap()), "are the same file");
     }
 }
 

@@ -766,21 +766,13 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
 /// `--http localhost:PORT`, as the README's examples spell the host.
 #[test]
 fn addresses_may_name_a_host() {
-    use std::io::BufRead;
     let mut child = Command::new(BIN)
         .args(["serve", "--http", "localhost:0", "--grpc", "localhost:0"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = std::io::BufReader::new(stdout).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let line = rx.recv_timeout(Duration::from_secs(30));
+    let line = common::first_line(&mut child);
     let _ = child.kill();
     let _ = child.wait();
     let line = line.expect("serve prints where it listens");
@@ -1607,7 +1599,7 @@ async fn one_ratelimit_member_per_rule_the_one_that_binds_most() {
 #[cfg(target_os = "linux")]
 #[test]
 fn serve_raises_its_open_file_limit_or_says_why_not() {
-    use std::io::{BufRead, BufReader, Read};
+    use std::io::Read;
     use std::process::Stdio;
     // `ulimit` in a shell that then becomes the server: the limits are
     // the server's from its first instruction.
@@ -1622,14 +1614,7 @@ fn serve_raises_its_open_file_limit_or_says_why_not() {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let line = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+        let line = common::first_line(&mut child).unwrap();
         assert!(line.contains("ratewarden serve: HTTP on"), "{line}");
         let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id())).unwrap();
         let open_files: Vec<u64> = limits

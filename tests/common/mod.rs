@@ -15,6 +15,19 @@ use ratewarden_server::proto::envoy::service::ratelimit::v3::rate_limit_service_
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_ratewarden");
 
+/// The first line `child` prints on its standard output (piped), waited
+/// for at most 30 s: where `serve` says it listens.
+pub fn first_line(child: &mut Child) -> Result<String, std::sync::mpsc::RecvTimeoutError> {
+    let stdout = child.stdout.take().expect("standard output is piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    rx.recv_timeout(Duration::from_secs(30))
+}
+
 /// A `ratewarden serve` process, stopped when dropped.
 pub struct Server {
     pub child: Child,
@@ -38,16 +51,7 @@ impl Server {
             .stderr(stderr)
             .spawn()
             .expect("the ratewarden binary starts");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let line = rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("serve prints where it listens");
+        let line = first_line(&mut child).expect("serve prints where it listens");
         // "ratewarden serve: HTTP on http://ADDR/v1/check, gRPC on ADDR"
         let http = line
             .split("http://")
