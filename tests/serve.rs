@@ -286,6 +286,14 @@ async fn http_answers_carry_the_decision_and_the_ratelimit_headers() {
         .await
         .unwrap();
     assert_eq!(health.status().as_u16(), 200);
+    // The embedded store is always ready.
+    let ready = client
+        .get(format!("http://{}/readyz", server.http))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status().as_u16(), 200);
+    assert_eq!(ready.text().await.unwrap(), "ready\n");
     let metrics = common::metrics(&client, server.http).await;
     assert!(
         metrics.contains("ratewarden_decisions_total{rule=\"keys\",outcome=\"allowed\"} 1\n"),

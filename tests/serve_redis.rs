@@ -166,6 +166,105 @@ async fn redis_killed_under_load_gets_the_failure_policy_then_recovers() {
     }
 }
 
+async fn readyz(client: &reqwest::Client, serve: &Serve) -> (u16, String) {
+    let r = client
+        .get(format!("http://{}/readyz", serve.server.http))
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+/// Polls `/readyz` until it answers `want`, for at most 20 s; the last
+/// body.
+async fn readyz_until(client: &reqwest::Client, serve: &Serve, want: u16) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, body) = readyz(client, serve).await;
+        if status == want {
+            return body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/readyz still {status} after 20 s: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `/readyz` follows Redis: ready while it answers, 503 naming the store
+/// (never its password) while it is down or frozen, ready again once it is
+/// back; `/healthz` and the failure policy's answers go on throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_reports_whether_redis_answers() {
+    let mut redis = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let url = format!("redis://:s3cret@127.0.0.1:{}", redis.port());
+    let config = "[server]\nfailure_policy = \"open\"\nstore_timeout_ms = 200\n\n\
+                  [keys]\nlimit = 10\nwindow_ms = 3600000\n";
+    let serve = Serve::start(&url, config);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    assert_eq!(readyz(&client, &serve).await, (200, "ready\n".to_owned()));
+
+    // Frozen: PING gets no answer within the store's timeout.
+    redis.pause();
+    let body = readyz_until(&client, &serve, 503).await;
+    assert!(
+        body.starts_with("not ready: redis://")
+            && body.contains("did not answer PING within 200 ms"),
+        "{body}"
+    );
+    assert!(!body.contains("s3cret"), "{body}");
+    redis.resume();
+    readyz_until(&client, &serve, 200).await;
+
+    // Down: the connection is refused.
+    redis.kill();
+    let body = readyz_until(&client, &serve, 503).await;
+    assert!(body.starts_with("not ready: redis://"), "{body}");
+    assert!(!body.contains("s3cret"), "{body}");
+    let health = client
+        .get(format!("http://{}/healthz", serve.server.http))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status().as_u16(), 200, "liveness is not readiness");
+    let (status, body) = check(&client, &serve.url(), "k").await;
+    assert_eq!(
+        (status, &body["failure_policy"]),
+        (200, &json!(true)),
+        "{body}"
+    );
+
+    redis.restart();
+    assert_eq!(readyz_until(&client, &serve, 200).await, "ready\n");
+}
+
+/// On a cluster, `/readyz` pings every master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_on_a_cluster_pings_every_master() {
+    let cluster = ratewarden_redis::test_support::RedisCluster::start();
+    let config = "[server]\nstore_timeout_ms = 500\n\n[keys]\nlimit = 10\nwindow_ms = 3600000\n";
+    let serve = Serve::start(&cluster.url(), config);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    assert_eq!(readyz(&client, &serve).await, (200, "ready\n".to_owned()));
+    // One master frozen (the cluster has no replica to take over): the
+    // cluster cannot decide that master's keys, so it is not ready.
+    let frozen = (0..cluster.nodes().len())
+        .find(|&i| cluster.is_master(i))
+        .unwrap();
+    cluster.nodes()[frozen].pause();
+    let body = readyz_until(&client, &serve, 503).await;
+    assert!(body.starts_with("not ready: redis-cluster://"), "{body}");
+    cluster.nodes()[frozen].resume();
+    readyz_until(&client, &serve, 200).await;
+}
+
 /// Two deployments on one Redis, each with its own `key_prefix`, keep
 /// their own counts for rules of the same identity.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -635,6 +635,36 @@ impl RedisStore {
         }
     }
 
+    /// Asks Redis whether it answers, deciding nothing and touching no
+    /// key: `PING`, to the node or to every master of a cluster, within
+    /// [`RedisOptions::timeout_ms`]. For readiness checks.
+    ///
+    /// Errors: as [`RedisStore::decide`]'s, except that a timeout says
+    /// only that Redis did not answer (a `PING` changes nothing). On a
+    /// cluster, a timeout also starts a new connection for later calls, as
+    /// a decision's does.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let timeout = Duration::from_millis(self.inner.options.timeout_ms);
+        let mut conn = self.conn();
+        let cmd = redis::cmd("PING");
+        let timed_out = || {
+            let e = self.timed_out();
+            StoreError::new(
+                e.kind(),
+                format!(
+                    "Redis did not answer PING within {} ms",
+                    self.inner.options.timeout_ms
+                ),
+            )
+        };
+        match tokio::time::timeout(timeout, self.try_call(&mut conn, &cmd)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) if e.is_timeout() => Err(timed_out()),
+            Ok(Err(e)) => Err(map_error(e)),
+            Err(_) => Err(timed_out()),
+        }
+    }
+
     /// Whether a call that failed with `e` goes once more, on a new
     /// connection, within the same timeout.
     ///

@@ -318,6 +318,44 @@ fn the_store_as_a_limiter_passes_failures_on() {
     });
 }
 
+/// `ping` answers while Redis does, times out (saying so, and nothing
+/// about an applied request) while it is frozen, and fails at once while
+/// it is down; it writes no key.
+#[test]
+fn ping_follows_redis() {
+    let rt = common::runtime();
+    let mut server = RedisServer::start();
+    let store = rt.block_on(async {
+        RedisStore::connect(&server.url(), REFERENCE, options("ping"))
+            .await
+            .expect("connect")
+    });
+    rt.block_on(store.ping()).expect("a running Redis answers");
+    assert_eq!(server.cli(&["DBSIZE"]).trim(), "0");
+
+    server.pause();
+    let started = Instant::now();
+    let err = rt.block_on(store.ping()).unwrap_err();
+    assert!(started.elapsed() < Duration::from_millis(TIMEOUT_MS) + MARGIN);
+    assert_eq!(err.kind(), StoreErrorKind::Timeout, "{err}");
+    assert_eq!(
+        err.detail(),
+        format!("Redis did not answer PING within {TIMEOUT_MS} ms")
+    );
+    server.resume();
+    rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while store.ping().await.is_err() {
+            assert!(Instant::now() < deadline, "no answer 10 s after the thaw");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+
+    server.kill();
+    let err = rt.block_on(store.ping()).unwrap_err();
+    assert!(err.is_transient(), "{err}");
+}
+
 #[test]
 fn sigstop_never_blocks_a_call_past_the_timeout() {
     let rt = common::runtime();

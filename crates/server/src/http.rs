@@ -1,4 +1,4 @@
-//! The HTTP JSON interface: `POST /v1/check`, `GET /healthz`, `GET /metrics`.
+//! The HTTP JSON interface: `POST /v1/check`, `GET /healthz`, `GET /readyz`, `GET /metrics`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -100,6 +100,7 @@ pub fn router(service: Arc<Service>) -> Router {
     Router::new()
         .route("/v1/check", post(check))
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -108,7 +109,7 @@ pub fn router(service: Arc<Service>) -> Router {
 }
 
 /// Every endpoint, for the errors that send a client to the right one.
-const ENDPOINTS: &str = "POST /v1/check, GET /healthz and GET /metrics";
+const ENDPOINTS: &str = "POST /v1/check, GET /healthz, GET /readyz and GET /metrics";
 
 /// A path that is no endpoint: said in JSON, like every other error, and
 /// naming the endpoints (a bare 404 leaves a client guessing at a typo).
@@ -141,6 +142,20 @@ async fn method_not_allowed(
 
 async fn healthz() -> &'static str {
     "ok\n"
+}
+
+/// Whether decisions reach the store: `200 ready`, or `503` saying what
+/// did not answer. Liveness stays with `/healthz`, which a store outage
+/// does not fail: the failure policy still answers every request.
+async fn readyz(State(service): State<Arc<Service>>) -> Response {
+    match service.probe_store().await {
+        Ok(()) => "ready\n".into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {e:#}\n"),
+        )
+            .into_response(),
+    }
 }
 
 async fn metrics(State(service): State<Arc<Service>>) -> Response {

@@ -115,11 +115,13 @@ pub fn factory_for(
         StoreUrl::Memory => Ok(Arc::new(MemoryFactory {
             options: settings.memory_options(),
         })),
-        StoreUrl::Redis(url) | StoreUrl::RedisCluster(url) => Ok(Arc::new(store::RedisFactory {
-            url: url.clone(),
-            timeout_ms: settings.store_timeout_ms,
-            key_prefix: settings.key_prefix.clone(),
-        })),
+        StoreUrl::Redis(url) | StoreUrl::RedisCluster(url) => {
+            Ok(Arc::new(store::RedisFactory::new(
+                url.clone(),
+                settings.store_timeout_ms,
+                settings.key_prefix.clone(),
+            )))
+        }
     }
 }
 

@@ -132,6 +132,12 @@ impl Service {
         })
     }
 
+    /// Whether the store answers now (see [`StoreFactory::probe`]): what
+    /// `GET /readyz` reports.
+    pub async fn probe_store(&self) -> anyhow::Result<()> {
+        self.factory.probe().await
+    }
+
     /// The settings the server started with.
     pub fn settings(&self) -> &ServerSettings {
         &self.settings

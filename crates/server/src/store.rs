@@ -6,6 +6,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use ratewarden_core::{BoxFuture, Limiter, LocalLimiter, MemoryOptions, PolicyConfig};
 
@@ -40,6 +41,13 @@ pub trait StoreFactory: Send + Sync {
         rule_id: &'a str,
         config: &'a PolicyConfig,
     ) -> BoxFuture<'a, anyhow::Result<BuiltLimiter>>;
+
+    /// Whether the store answers now, for `GET /readyz`: deciding nothing
+    /// and bounded in time. A store in this process always does (the
+    /// default); a networked store asks its server.
+    fn probe(&self) -> BoxFuture<'_, anyhow::Result<()>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
 }
 
 /// The embedded in-memory store: one sharded table per rule, bounded to
@@ -83,6 +91,23 @@ pub struct RedisFactory {
     pub timeout_ms: u64,
     /// What every key name starts with (`[server] key_prefix`).
     pub key_prefix: String,
+    /// The connection [`StoreFactory::probe`] pings on, its own so that a
+    /// probe never waits behind decisions: made at the first probe, and at
+    /// each later one until it is made.
+    probe: Arc<tokio::sync::OnceCell<ratewarden_redis::RedisStore>>,
+}
+
+impl RedisFactory {
+    /// A factory for the Redis at `url` (see [`RedisFactory::url`]); no
+    /// connection is made until a rule or a probe needs one.
+    pub fn new(url: String, timeout_ms: u64, key_prefix: String) -> Self {
+        RedisFactory {
+            url,
+            timeout_ms,
+            key_prefix,
+            probe: Arc::default(),
+        }
+    }
 }
 
 impl fmt::Debug for RedisFactory {
@@ -145,6 +170,47 @@ impl StoreFactory for RedisFactory {
                 limiter: Arc::new(RedisRuleLimiter { store }),
                 local: None,
             })
+        })
+    }
+
+    fn probe(&self) -> BoxFuture<'_, anyhow::Result<()>> {
+        Box::pin(async move {
+            let url = ratewarden_redis::redact_url(&self.url);
+            let options = ratewarden_redis::RedisOptions {
+                timeout_ms: self.timeout_ms,
+                ..Default::default()
+            };
+            // Probes that come while a connection is being made wait for
+            // it, in turn: the bound keeps each one's wait to one connect
+            // and one call, however many queue.
+            let bound =
+                Duration::from_millis(options.connect_timeout_ms.saturating_add(self.timeout_ms));
+            let probe = async {
+                let store = self
+                    .probe
+                    .get_or_try_init(|| {
+                        // Any configuration would do: a probe only pings.
+                        ratewarden_redis::RedisStore::connect(
+                            &self.url,
+                            ratewarden_core::REFERENCE,
+                            options.clone(),
+                        )
+                    })
+                    .await
+                    .map_err(|e| anyhow::anyhow!("cannot connect to {url}: {}", e.detail()))?;
+                store
+                    .ping()
+                    .await
+                    .map_err(|e| anyhow::anyhow!("{url}: {}", e.detail()))
+            };
+            tokio::time::timeout(bound, probe)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(anyhow::anyhow!(
+                        "{url}: no connection made within {} ms",
+                        bound.as_millis()
+                    ))
+                })
         })
     }
 }
