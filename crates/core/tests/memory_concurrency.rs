@@ -100,7 +100,7 @@ fn racing_rounds_decide_as_a_serial_replay() {
                 _ => r * 7 + (r * r) % 5,
             })
             .collect();
-        let cost = |round: usize| if round % 3 == 0 { 2 } else { 1 };
+        let cost = |round: usize| if round.is_multiple_of(3) { 2 } else { 1 };
         let barrier = Barrier::new(THREADS);
         let mut seen: Vec<Vec<Decision>> = vec![Vec::new(); ROUNDS];
         thread::scope(|scope| {

@@ -1015,9 +1015,10 @@ unlimited = true
         assert_ne!(compose(["1:a"]), compose(["", "a"]));
     }
 
-    /// The default key_hash, mix32, has 32 bits: among some 10^5 values two
-    /// collide. Descriptor counts do not use it, so those two values keep
-    /// their own counts.
+    /// SPEC's key hash, mix32 (the core's default, and `key_hash = "mix32"`
+    /// here), has 32 bits: among some 10^5 values two collide. Descriptor
+    /// counts never use it (they always use xxh3-64, whatever `key_hash`
+    /// says), so those two values keep their own counts.
     #[test]
     fn values_colliding_under_mix32_keep_their_own_counts() {
         let s = set(TREE);
