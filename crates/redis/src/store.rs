@@ -615,6 +615,19 @@ impl RedisStore {
         )
     }
 
+    /// The error of a batch's request that was not sent because the
+    /// batch's time ran out before its turn (a key's earlier request took
+    /// it): nothing of it was applied.
+    fn not_sent(&self) -> StoreError {
+        StoreError::new(
+            StoreErrorKind::Timeout,
+            format!(
+                "the batch's {} ms ran out before this request's turn; it was not sent",
+                self.inner.options.timeout_ms
+            ),
+        )
+    }
+
     /// Decides a request of `cost` for `key`, atomically on Redis.
     ///
     /// `now_ms`: `None` reads Redis `TIME` inside the script (one clock for
@@ -786,11 +799,18 @@ impl RedisStore {
     /// atomically on its own, in order per key.
     ///
     /// The outer error is for the whole batch: too large, or a request
-    /// with a cost or time out of range (then nothing was sent); timed out
-    /// or connection lost (then any subset may have been applied). The
-    /// inner results are per request. At most [`MAX_BATCH`] requests.
+    /// with a cost or time out of range (then nothing was sent); on one
+    /// node, timed out or connection lost (then any subset may have been
+    /// applied). The inner results are per request. At most [`MAX_BATCH`]
+    /// requests.
+    ///
     /// On a cluster the keys are sent at once, each key's requests in
-    /// turn, rather than as one pipeline (a pipeline may not cross slots).
+    /// turn, rather than as one pipeline (a pipeline may not cross slots),
+    /// and failures are per request: a request not answered by the
+    /// batch's deadline gets a [`StoreErrorKind::Timeout`] of its own (a
+    /// key's later requests, not sent then, say so), while the keys of the
+    /// masters that answered keep their decisions. So one hung master
+    /// costs its own keys only.
     ///
     /// [`RedisOptions::timeout_ms`] bounds the whole batch, not each
     /// request: a batch of thousands needs more than the default 50 ms
@@ -824,20 +844,33 @@ impl RedisStore {
             for (i, &(key, _)) in requests.iter().enumerate() {
                 by_key.entry(key).or_default().push(i);
             }
+            // One deadline for the batch, kept per request: a master that
+            // does not answer costs its own keys, not the others' answers.
+            let deadline = tokio::time::Instant::now() + timeout;
             let groups = by_key.into_values().map(|indices| async move {
                 let mut out = Vec::with_capacity(indices.len());
                 for i in indices {
                     let (key, cost) = requests[i];
-                    out.push((i, self.call_one(key, now_ms, cost).await));
+                    let result = if tokio::time::Instant::now() >= deadline {
+                        // Checked before sending (a timeout polls its call
+                        // once even when it is late): this one never went.
+                        Err(self.not_sent())
+                    } else {
+                        match tokio::time::timeout_at(deadline, self.call_one(key, now_ms, cost))
+                            .await
+                        {
+                            Ok(result) => result.map_err(|e| self.call_error(e)),
+                            Err(_) => Err(self.timed_out()),
+                        }
+                    };
+                    out.push((i, result));
                 }
                 out
             });
-            let all = tokio::time::timeout(timeout, futures_util::future::join_all(groups))
-                .await
-                .map_err(|_| self.timed_out())?;
+            let all = futures_util::future::join_all(groups).await;
             let mut results: Vec<Option<Result<Decision, StoreError>>> = vec![None; requests.len()];
             for (i, r) in all.into_iter().flatten() {
-                results[i] = Some(r.map_err(|e| self.call_error(e)));
+                results[i] = Some(r);
             }
             return Ok(results
                 .into_iter()

@@ -236,3 +236,67 @@ fn a_failed_cluster_stops_connecting_saying_so() {
     assert!(e.to_string().contains("cluster_state:fail"), "{e}");
     assert!(e.to_string().contains("redis-cli --cluster check"), "{e}");
 }
+
+/// On a cluster, a batch's timeout is per request: with one master frozen,
+/// its keys time out and the other masters' keys keep their decisions,
+/// all within the batch's time.
+#[test]
+fn a_hung_master_costs_a_batch_its_own_keys_only() {
+    let cluster = RedisCluster::start();
+    let rt = common::runtime();
+    let store = rt.block_on(async {
+        RedisStore::connect(&cluster.url(), REFERENCE, options("hung-batch"))
+            .await
+            .expect("connect")
+    });
+    // Each key twice: a key's second request waits for its first.
+    let requests: Vec<(u64, u64)> = (0..KEYS).chain(0..KEYS).map(|key| (key, 1)).collect();
+    let healthy = rt
+        .block_on(store.decide_many(&requests, None))
+        .expect("a healthy cluster takes the batch");
+    assert!(healthy.iter().all(Result::is_ok), "{healthy:?}");
+
+    cluster.nodes()[0].pause();
+    let started = Instant::now();
+    let results = rt
+        .block_on(store.decide_many(&requests, None))
+        .expect("a hung master fails requests, not the batch");
+    let elapsed = started.elapsed();
+    cluster.nodes()[0].resume();
+    assert!(
+        elapsed < Duration::from_millis(TIMEOUT_MS) + Duration::from_millis(800),
+        "{elapsed:?}"
+    );
+    let (mut decided, mut timed_out, mut not_sent) = (0, 0, 0);
+    for (i, r) in results.iter().enumerate() {
+        match r {
+            // The second request of a key sees its first.
+            Ok(d) => {
+                decided += 1;
+                let expected = REFERENCE.limit - 1 - (if i < KEYS as usize { 2 } else { 3 });
+                assert_eq!(d.remaining, expected, "request {i}");
+            }
+            Err(e) if e.kind() == StoreErrorKind::Timeout => {
+                if e.detail().contains("it was not sent") {
+                    not_sent += 1;
+                } else {
+                    assert!(
+                        e.detail().contains("may or may not have been applied"),
+                        "{e}"
+                    );
+                    timed_out += 1;
+                }
+            }
+            Err(e) => panic!("request {i}: {e}"),
+        }
+    }
+    // Three masters: about a third of the keys each. The frozen master's
+    // keys time out on their first request and are not sent the second
+    // (a slow healthy master may time out a second request too).
+    assert!(decided >= KEYS as usize, "{decided} decided");
+    assert!(
+        not_sent > 0 && not_sent <= timed_out,
+        "{timed_out} timed out, {not_sent} not sent"
+    );
+    assert_eq!(decided + timed_out + not_sent, requests.len());
+}
