@@ -729,8 +729,8 @@ fn bad_arguments_exit_non_zero_with_a_clear_message() {
             "3",
         ],
         &[
-            "--keys, --seed only size the in-memory bench",
-            "bench-redis",
+            "--keys, --seed are options of the in-memory bench only",
+            "`ratewarden bench-redis --store redis://127.0.0.1:1`",
         ],
     );
     fails_with(

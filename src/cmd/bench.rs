@@ -834,6 +834,30 @@ fn bench(args: &Args, plan: &Plan) -> Result<()> {
     Ok(())
 }
 
+/// Why `flags`, given with the Redis store `store`, are refused, and the
+/// command that measures Redis with sizes of its own. The URL is shown
+/// without its password, which the user must put back: the message says
+/// so rather than print a line that cannot be pasted as it stands.
+fn memory_only_message(flags: &[&str], store: &str) -> String {
+    let shown = ratewarden_redis::redact_url(store);
+    let hidden = if shown == store {
+        String::new()
+    } else {
+        " (the URL you gave; its credentials are hidden here as ***: write them back)".to_owned()
+    };
+    format!(
+        "{} {} of the in-memory bench only; for Redis, run `ratewarden bench-redis \
+         --store {shown}`{hidden}, which takes sizes of its own (--requests, --keys, \
+         --pipeline, --connections, --round-trips, --rounds)",
+        flags.join(", "),
+        if flags.len() == 1 {
+            "is an option"
+        } else {
+            "are options"
+        }
+    )
+}
+
 /// Runs `ratewarden bench`.
 pub fn run(args: Args) -> ExitCode {
     if args.store != "memory" {
@@ -841,11 +865,8 @@ pub fn run(args: Args) -> ExitCode {
             let ignored = args.memory_only_flags();
             if !ignored.is_empty() {
                 eprintln!(
-                    "ratewarden bench: {} only size the in-memory bench; for Redis, \
-                     `ratewarden bench-redis --store {}` takes its own sizes (--requests, \
-                     --keys, --pipeline, --connections, --round-trips, --rounds)",
-                    ignored.join(", "),
-                    ratewarden_redis::redact_url(&args.store)
+                    "ratewarden bench: {}",
+                    memory_only_message(&ignored, &args.store)
                 );
                 return ExitCode::from(2);
             }
@@ -906,6 +927,24 @@ mod tests {
             .iter()
             .find(|t| t.policy == policy && t.check == check)
             .unwrap_or_else(|| panic!("no target {policy} / {check}"))
+    }
+
+    #[test]
+    fn memory_only_flags_with_redis_point_at_bench_redis() {
+        let m = memory_only_message(&["--seed"], "redis://127.0.0.1:6379");
+        assert!(
+            m.starts_with("--seed is an option of the in-memory bench only"),
+            "{m}"
+        );
+        assert!(
+            m.contains("`ratewarden bench-redis --store redis://127.0.0.1:6379`,"),
+            "{m}"
+        );
+        let m = memory_only_message(&["--keys", "--seed"], "redis://:s3cret@h:1");
+        assert!(m.starts_with("--keys, --seed are options"), "{m}");
+        assert!(!m.contains("s3cret"), "{m}");
+        assert!(m.contains("redis://:***@h:1"), "{m}");
+        assert!(m.contains("hidden here as ***: write them back"), "{m}");
     }
 
     #[test]
