@@ -1,8 +1,12 @@
 //! `ratewarden bench` and `ratewarden simulate` as a user runs them: the
 //! real binary, small sizes, outputs parsed back.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use ratewarden_redis::test_support::RedisServer;
 
 fn ratewarden(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_ratewarden"))
@@ -760,12 +764,8 @@ fn bench_redis_refuses_a_cluster_saying_what_it_takes() {
     assert!(stderr.contains(":***@127.0.0.1:1"), "{stderr}");
     assert!(!stderr.contains("pw-not-shown"), "{stderr}");
 
-    let node = ratewarden_redis::test_support::RedisServer::start_with(&[
-        "--cluster-enabled",
-        "yes",
-        "--requirepass",
-        "pw-not-shown",
-    ]);
+    let node =
+        RedisServer::start_with(&["--cluster-enabled", "yes", "--requirepass", "pw-not-shown"]);
     let url = format!("redis://:pw-not-shown@127.0.0.1:{}", node.port());
     let out = ratewarden(&["bench-redis", "--store", &url, "--quick"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -774,4 +774,118 @@ fn bench_redis_refuses_a_cluster_saying_what_it_takes() {
     assert!(stderr.contains("without cluster-enabled"), "{stderr}");
     assert!(!stderr.contains("redis-cluster://"), "{stderr}");
     assert!(!stderr.contains("pw-not-shown"), "{stderr}");
+}
+
+/// A run of `ratewarden args...` with `env` set, to its end or at most
+/// `within` (then killed, and the test fails): its output and process id,
+/// the id naming the keys it writes (`ratewarden-bench%3A<pid>:`).
+fn ratewarden_within(args: &[&str], env: &[(&str, &Path)], within: Duration) -> (Output, u32) {
+    let child = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the ratewarden binary runs");
+    let pid = child.id();
+    (finish_within(child, within, args), pid)
+}
+
+/// Waits for `child` at most `within`, reading its output meanwhile.
+fn finish_within(mut child: Child, within: Duration, args: &[&str]) -> Output {
+    fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> std::thread::JoinHandle<Vec<u8>> {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut bytes);
+            }
+            bytes
+        })
+    }
+    let (stdout, stderr) = (drain(child.stdout.take()), drain(child.stderr.take()));
+    let deadline = Instant::now() + within;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for ratewarden") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{args:?} still ran after {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    }
+}
+
+/// The sizes of a bench-redis run that takes seconds, but for
+/// --round-trips.
+const SMALL: [&str; 7] = [
+    "--quick",
+    "--requests",
+    "2000",
+    "--rounds",
+    "1",
+    "--keys",
+    "50",
+];
+
+/// The run writes under its own prefix only, and leaves no key without a
+/// TTL: a user key named as redis-benchmark's default INCR key and any
+/// other key stay as they were, and a user allowed only the prefix's keys
+/// can run it.
+#[test]
+fn bench_redis_writes_only_under_its_prefix_and_leaves_no_key_without_a_ttl() {
+    let server = RedisServer::start();
+    server.cli(&["SET", "counter:__rand_int__", "41"]);
+    server.cli(&["SET", "unrelated", "kept"]);
+    // Refused every key outside the prefix (NOPERM).
+    server.cli(&[
+        "ACL",
+        "SETUSER",
+        "bench",
+        "on",
+        ">bench-pw",
+        "~ratewarden-bench*",
+        "+@all",
+    ]);
+    let url = format!("redis://bench:bench-pw@127.0.0.1:{}", server.port());
+    let args: Vec<&str> = ["bench-redis", "--store", &url]
+        .into_iter()
+        .chain(SMALL)
+        .chain(["--round-trips", "100"])
+        .collect();
+    let (out, pid) = ratewarden_within(&args, &[], Duration::from_secs(120));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("bench-pw"), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("redis-benchmark INCR: "), "{stdout}");
+
+    assert_eq!(server.cli(&["GET", "counter:__rand_int__"]).trim(), "41");
+    assert_eq!(server.cli(&["TTL", "counter:__rand_int__"]).trim(), "-1");
+    assert_eq!(server.cli(&["GET", "unrelated"]).trim(), "kept");
+    let mut without_ttl = server.keys_without_ttl();
+    without_ttl.sort();
+    assert_eq!(without_ttl, ["counter:__rand_int__", "unrelated"]);
+    let prefix = format!("ratewarden-bench%3A{pid}:");
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client
+        .get_connection_with_timeout(Duration::from_secs(2))
+        .unwrap();
+    let keys: Vec<String> = redis::Commands::scan(&mut conn).unwrap().collect();
+    for key in keys {
+        if key == "counter:__rand_int__" || key == "unrelated" {
+            continue;
+        }
+        assert!(key.starts_with(&prefix), "{key} is outside {prefix}");
+        // -2: expired since the scan.
+        let ttl: i64 = redis::cmd("PTTL").arg(&key).query(&mut conn).unwrap();
+        assert!(ttl == -2 || (0..=2000).contains(&ttl), "{key}: PTTL {ttl}");
+    }
 }

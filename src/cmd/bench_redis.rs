@@ -9,16 +9,19 @@
 //! median of its per-round ratios, so that one noisy moment on a shared
 //! machine cannot decide it.
 //!
-//! Run as `ratewarden bench-redis --store redis://HOST:PORT`. It writes
-//! keys under its own prefix (`ratewarden-bench:<pid>`), each with a TTL of
-//! at most two seconds, and resets the server's command statistics.
+//! Run as `ratewarden bench-redis --store redis://HOST:PORT`. Every key it
+//! writes is under one prefix, `ratewarden-bench%3A<pid>:` (the store's
+//! escaped form of `ratewarden-bench:<pid>`): the scripts' keys expire
+//! within two seconds, and the keys of `redis-benchmark`'s `INCR`, which
+//! sets no TTL, are removed when that step ends. It resets the server's
+//! command statistics.
 
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ratewarden_core::{PolicyConfig, PolicyKind, REFERENCE};
-use ratewarden_redis::{redact_url, RedisOptions, RedisStore};
+use ratewarden_redis::{escape_key_part, redact_url, RedisOptions, RedisStore};
 use serde_json::json;
 
 const MINIMAL_SWC: &str = include_str!("lua/minimal_swc.lua");
@@ -355,6 +358,10 @@ fn run_inner(args: &Args) -> Result<(), String> {
         ));
     }
     let prefix = format!("ratewarden-bench:{}", std::process::id());
+    // The store escapes its prefix (`:` becomes `%3A`); the keys this
+    // benchmark names itself go under the same escaped form, so that one
+    // pattern finds every key of the run.
+    let key_prefix = format!("{}:", escape_key_part(&prefix));
 
     let mut figures = Vec::new();
     for policy in PolicyKind::ALL {
@@ -382,8 +389,13 @@ fn run_inner(args: &Args) -> Result<(), String> {
         .query(&mut admin)
         .map_err(|e| format!("SCRIPT LOAD: {e}"))?;
     reset_stats(&mut admin)?;
-    let minimal_rate =
-        runtime.block_on(pipelined_minimal(&args.store, &sha, &prefix, args, &plan))?;
+    let minimal_rate = runtime.block_on(pipelined_minimal(
+        &args.store,
+        &sha,
+        &key_prefix,
+        args,
+        &plan,
+    ))?;
     let minimal_usec = usec_per_call(&mut admin, "evalsha")?;
     let slice_requests = (plan.requests / SLICES).max(1);
     let common_with = |n: u64| -> Vec<String> {
@@ -402,16 +414,16 @@ fn run_inner(args: &Args) -> Result<(), String> {
         );
         common
     };
-    let common = common_with(plan.requests);
-    let incr = redis_benchmark(&common, &["-t".to_owned(), "incr".to_owned()])?;
     let keys = args.keys.to_string();
+    let incr = incr_step(&mut admin, &common_with(plan.requests), &keys, &key_prefix)
+        .map_err(|e| format!("redis-benchmark INCR: {e}"))?;
     let minimal_args: Vec<String> = [
         "-r",
         keys.as_str(),
         "EVALSHA",
         sha.as_str(),
         "1",
-        &format!("{prefix}:minimal:__rand_int__"),
+        &format!("{key_prefix}minimal:__rand_int__"),
         &REFERENCE.limit.to_string(),
         &REFERENCE.window_ms.to_string(),
     ]
@@ -552,6 +564,66 @@ fn run_inner(args: &Args) -> Result<(), String> {
     );
     println!("run took {elapsed_s:.0} s; load average at end {load_at_end}");
     Ok(())
+}
+
+/// `redis-benchmark`'s `INCR`, Redis's simplest write, for scale: over
+/// `keys` keys under `key_prefix`, as the scripts' requests are spread.
+/// `INCR` sets no TTL, so its keys are removed as soon as the step ends,
+/// whether it ended well or not.
+fn incr_step(
+    admin: &mut redis::Connection,
+    common: &[String],
+    keys: &str,
+    key_prefix: &str,
+) -> Result<f64, String> {
+    let extra = [
+        "-r".to_owned(),
+        keys.to_owned(),
+        "INCR".to_owned(),
+        format!("{key_prefix}incr:__rand_int__"),
+    ];
+    let rate = redis_benchmark(common, &extra);
+    let pattern = format!("{key_prefix}incr:*");
+    let removed = remove_keys(admin, &pattern).map_err(|e| {
+        format!(
+            "removing its keys, which have no TTL: {e}; remove them with \
+             redis-cli --scan --pattern '{pattern}' | xargs redis-cli unlink"
+        )
+    });
+    match (rate, removed) {
+        (Ok(rate), Ok(_)) => Ok(rate),
+        (Err(e), Ok(_)) => Err(e),
+        (Ok(_), Err(cleanup)) => Err(cleanup),
+        (Err(e), Err(cleanup)) => Err(format!("{e}; then {cleanup}")),
+    }
+}
+
+/// Removes every key matching `pattern`, one `SCAN` page at a time (each
+/// page's keys in one `UNLINK`), so that neither a reply nor a command
+/// grows with the number of keys. Returns how many were removed.
+fn remove_keys(admin: &mut redis::Connection, pattern: &str) -> Result<u64, String> {
+    let mut cursor = 0u64;
+    let mut removed = 0;
+    loop {
+        let (next, keys): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query(admin)
+            .map_err(|e| format!("SCAN: {e}"))?;
+        if !keys.is_empty() {
+            removed += redis::cmd("UNLINK")
+                .arg(&keys)
+                .query::<u64>(admin)
+                .map_err(|e| format!("UNLINK: {e}"))?;
+        }
+        if next == 0 {
+            return Ok(removed);
+        }
+        cursor = next;
+    }
 }
 
 fn met(yes: bool) -> &'static str {
@@ -744,7 +816,7 @@ async fn pipelined(
 async fn pipelined_minimal(
     url: &str,
     sha: &str,
-    prefix: &str,
+    key_prefix: &str,
     args: &Args,
     plan: &Plan,
 ) -> Result<f64, String> {
@@ -758,7 +830,7 @@ async fn pipelined_minimal(
             .get_multiplexed_async_connection()
             .await
             .map_err(|e| e.to_string())?;
-        let (sha, prefix) = (Arc::clone(&sha), prefix.to_owned());
+        let (sha, key_prefix) = (Arc::clone(&sha), key_prefix.to_owned());
         let (batch, keys) = (args.pipeline as u64, args.keys);
         tasks.push(tokio::spawn(async move {
             let mut done = 0u64;
@@ -770,7 +842,7 @@ async fn pipelined_minimal(
                     pipe.cmd("EVALSHA")
                         .arg(&*sha)
                         .arg(1)
-                        .arg(format!("{prefix}:minimal:{}", (next + i) % keys))
+                        .arg(format!("{key_prefix}minimal:{}", (next + i) % keys))
                         .arg(REFERENCE.limit)
                         .arg(REFERENCE.window_ms);
                 }
