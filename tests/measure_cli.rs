@@ -1,12 +1,13 @@
 //! `ratewarden bench` and `ratewarden simulate` as a user runs them: the
 //! real binary, small sizes, outputs parsed back.
 
-use std::io::Read;
+use std::io::{Read, Write};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use ratewarden_redis::test_support::RedisServer;
+use ratewarden_redis::test_support::{free_port, RedisServer};
 
 fn ratewarden(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_ratewarden"))
@@ -835,6 +836,12 @@ const SMALL: [&str; 7] = [
     "50",
 ];
 
+/// `text` with every run of white space made one space: help text as
+/// clap wraps it, read as one line.
+fn flat(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
 /// The run writes under its own prefix only, and leaves no key without a
 /// TTL: a user key named as redis-benchmark's default INCR key and any
 /// other key stay as they were, and a user allowed only the prefix's keys
@@ -888,4 +895,344 @@ fn bench_redis_writes_only_under_its_prefix_and_leaves_no_key_without_a_ttl() {
         let ttl: i64 = redis::cmd("PTTL").arg(&key).query(&mut conn).unwrap();
         assert!(ttl == -2 || (0..=2000).contains(&ttl), "{key}: PTTL {ttl}");
     }
+}
+
+/// redis-benchmark's -r wraps above 2^31 - 1: a larger --keys would put
+/// every request on one key.
+#[test]
+fn bench_redis_refuses_keys_redis_benchmark_would_wrap() {
+    for keys in ["2147483648", "18446744073709551615"] {
+        let out = ratewarden(&[
+            "bench-redis",
+            "--store",
+            "redis://127.0.0.1:1",
+            "--keys",
+            keys,
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "--keys must be between 1 and 2147483647, not {keys}"
+            )),
+            "{stderr}"
+        );
+    }
+    let help = ratewarden(&["bench-redis", "--help"]);
+    let help = flat(&String::from_utf8_lossy(&help.stdout));
+    assert!(help.contains("1 to 2,147,483,647"), "{help}");
+}
+
+/// 2: the command line cannot run; 1: the run failed.
+#[test]
+fn bench_redis_exit_status_tells_a_bad_command_line_from_a_failed_run() {
+    let nobody = format!("redis://127.0.0.1:{}", free_port(false));
+    let status = |args: &[&str]| {
+        let out = ratewarden(args);
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for bad in [
+        vec!["bench-redis", "--store", &nobody, "--connections", "257"],
+        vec!["bench-redis", "--store", "rediss://127.0.0.1:6379"],
+        vec!["bench", "--store", &nobody, "--seed", "1"],
+    ] {
+        let (code, stderr) = status(&bad);
+        assert_eq!(code, Some(2), "{bad:?}: {stderr}");
+    }
+    for args in [
+        vec!["bench-redis", "--store", &nobody, "--quick"],
+        vec!["bench", "--store", &nobody, "--quick"],
+    ] {
+        let (code, stderr) = status(&args);
+        assert_eq!(code, Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains("connection refused"), "{stderr}");
+        assert!(stderr.contains("start redis-server there"), "{stderr}");
+    }
+}
+
+/// Each flag out of its bounds is named alone, with its range and the
+/// value given; the help says the bounds.
+#[test]
+fn bench_redis_names_the_flag_out_of_its_bounds() {
+    for (flag, value, range) in [
+        ("--connections", "257", "between 1 and 256"),
+        ("--pipeline", "10001", "between 1 and 10000"),
+        ("--round-trips", "1000001", "between 0 and 1000000"),
+        ("--requests", "100000001", "between 1 and 100000000"),
+        ("--rounds", "51", "between 1 and 50"),
+        ("--rounds", "0", "between 1 and 50"),
+    ] {
+        let out = ratewarden(&["bench-redis", "--store", "redis://127.0.0.1:1", flag, value]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains(&format!("{flag} must be {range}, not {value}")),
+            "{stderr}"
+        );
+        let others = [
+            "--connections",
+            "--pipeline",
+            "--round-trips",
+            "--requests",
+            "--keys",
+        ];
+        for other in others.into_iter().filter(|o| *o != flag) {
+            assert!(!stderr.contains(other), "{stderr}");
+        }
+    }
+    let help = ratewarden(&["bench-redis", "--help"]);
+    let help = String::from_utf8_lossy(&help.stdout);
+    for bound in [
+        "1 to 100,000,000",
+        "1 to 10,000",
+        "1 to 256",
+        "0 to 1,000,000",
+        "1 to 50",
+    ] {
+        assert!(flat(&help).contains(bound), "`{bound}` not in {help}");
+    }
+}
+
+/// What is wrong is said for what it is: the URL's scheme, the
+/// credentials, a port held by another server or by one that never
+/// answers.
+#[test]
+fn bench_redis_says_what_is_wrong_with_the_url_or_the_server() {
+    let refused = |url: &str, code: i32, words: &[&str]| {
+        let (out, _) = ratewarden_within(
+            &["bench-redis", "--store", url, "--quick"],
+            &[],
+            Duration::from_secs(30),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{url}: {stderr}");
+        for word in words {
+            assert!(stderr.contains(word), "{url}: `{word}` not in {stderr}");
+        }
+        for never in ["cluster", "invalid request", "right-pw", "wrong-pw", "\n\n"] {
+            assert!(!stderr.contains(never), "{url}: `{never}` in {stderr}");
+        }
+        stderr.into_owned()
+    };
+    refused(
+        "rediss://:wrong-pw@127.0.0.1:6379",
+        2,
+        &["TLS (rediss://) is not supported by this build"],
+    );
+    refused(
+        "redis+unix:///tmp/redis.sock",
+        2,
+        &[
+            "bench-redis drives redis-benchmark over TCP",
+            "use redis://HOST:PORT",
+        ],
+    );
+
+    let server = RedisServer::start_with(&["--requirepass", "right-pw"]);
+    let port = server.port();
+    refused(
+        &format!("redis://:wrong-pw@127.0.0.1:{port}"),
+        1,
+        &[&format!(
+            "Redis at 127.0.0.1:{port} refused the URL's user or password"
+        )],
+    );
+    let stderr = refused(
+        &format!("redis://127.0.0.1:{port}"),
+        1,
+        &[&format!("Redis at 127.0.0.1:{port} requires a password")],
+    );
+    assert!(stderr.starts_with("bench-redis: Redis at"), "{stderr}");
+
+    // Another protocol on the port.
+    let http = TcpListener::bind("127.0.0.1:0").unwrap();
+    let http_port = http.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in http.incoming() {
+            let Ok(mut stream) = stream else { return };
+            stream
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            let mut request = [0u8; 1024];
+            let _ = stream.read(&mut request);
+            let _ = stream.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+            // Left open until the client closes it, so that the reply is
+            // read rather than reset.
+            let _ = stream.read(&mut request);
+        }
+    });
+    refused(
+        &format!("redis://127.0.0.1:{http_port}"),
+        1,
+        &["not Redis's protocol", "check the port"],
+    );
+
+    // A port that takes connections (the kernel's backlog) but never
+    // answers.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    refused(
+        &format!("redis://127.0.0.1:{silent_port}"),
+        1,
+        &[&format!(
+            "Redis at 127.0.0.1:{silent_port} did not answer within 2 s"
+        )],
+    );
+    drop(silent);
+}
+
+/// Resumes a paused server when the test ends, however it ends.
+struct Resume<'a>(&'a RedisServer);
+
+impl Drop for Resume<'_> {
+    fn drop(&mut self) {
+        self.0.resume();
+    }
+}
+
+/// Waits (at most `within`) until `key` exists on `server`.
+fn wait_for_key(server: &RedisServer, key: &str, within: Duration) -> bool {
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client
+        .get_connection_with_timeout(Duration::from_secs(2))
+        .unwrap();
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        let exists: bool = redis::cmd("EXISTS").arg(key).query(&mut conn).unwrap();
+        if exists {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    false
+}
+
+/// A server killed mid-run fails the run with the step it was in and the
+/// server's URL, without its password.
+#[test]
+fn bench_redis_names_the_step_when_redis_dies_mid_run() {
+    let mut server = RedisServer::start_with(&["--requirepass", "kill-pw"]);
+    let port = server.port();
+    let url = format!("redis://:kill-pw@127.0.0.1:{port}");
+    let child = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+        .args([
+            "bench-redis",
+            "--store",
+            &url,
+            "--quick",
+            "--round-trips",
+            "100000",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    // The first key of the first policy's round trips.
+    let key = format!("ratewarden-bench%3A{pid}:v2:fixed-window:100:1000:0");
+    let client = redis::Client::open(format!("redis://:kill-pw@127.0.0.1:{port}")).unwrap();
+    let mut conn = client
+        .get_connection_with_timeout(Duration::from_secs(2))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !redis::cmd("EXISTS")
+        .arg(&key)
+        .query::<bool>(&mut conn)
+        .unwrap()
+    {
+        assert!(Instant::now() < deadline, "the run never wrote {key}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    server.kill();
+    let out = finish_within(child, Duration::from_secs(30), &["bench-redis"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("bench-redis: fixed-window, round trips, on Redis at"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("redis://:***@127.0.0.1:{port}: ")),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("kill-pw"), "{stderr}");
+}
+
+/// A server frozen while the minimal script runs through this client
+/// fails the run within the batch timeout (10 s), naming the step, rather
+/// than holding it for ever.
+#[test]
+fn bench_redis_fails_in_bounded_time_when_redis_freezes() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let child = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+        .args([
+            "bench-redis",
+            "--store",
+            &url,
+            "--quick",
+            "--requests",
+            "200000",
+            "--round-trips",
+            "0",
+            "--keys",
+            "1000",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let key = format!("ratewarden-bench%3A{}:minimal:0", child.id());
+    assert!(
+        wait_for_key(&server, &key, Duration::from_secs(60)),
+        "the run never reached the minimal script"
+    );
+    server.pause();
+    let _resume = Resume(&server);
+    let paused = Instant::now();
+    let out = finish_within(child, Duration::from_secs(40), &["bench-redis"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "minimal-swc through this client, on Redis at {url}"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("Redis did not answer a batch within 10 s"),
+        "{stderr}"
+    );
+    assert!(
+        paused.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        paused.elapsed()
+    );
+}
+
+/// Without redis-benchmark the run stops before measuring anything, saying
+/// what to install.
+#[test]
+fn bench_redis_without_redis_benchmark_fails_at_once() {
+    let empty = tempfile::tempdir().unwrap();
+    let server = RedisServer::start();
+    let started = Instant::now();
+    let (out, _) = ratewarden_within(
+        &["bench-redis", "--store", &server.url(), "--quick"],
+        &[("PATH", empty.path())],
+        Duration::from_secs(30),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("redis-benchmark is not on PATH"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("redis-tools"), "{stderr}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // Nothing was measured: the server saw no key.
+    assert_eq!(server.cli(&["DBSIZE"]).trim(), "0");
 }

@@ -861,7 +861,9 @@ fn memory_only_message(flags: &[&str], store: &str) -> String {
 /// Runs `ratewarden bench`.
 pub fn run(args: Args) -> ExitCode {
     if args.store != "memory" {
-        if args.store.starts_with("redis://") {
+        // Every Redis-like URL goes to bench-redis, which says what is
+        // wrong with the ones it does not take (TLS, a socket, a cluster).
+        if ratewarden_redis::is_redis_like_url(&args.store) {
             let ignored = args.memory_only_flags();
             if !ignored.is_empty() {
                 eprintln!(

@@ -15,13 +15,20 @@
 //! within two seconds, and the keys of `redis-benchmark`'s `INCR`, which
 //! sets no TTL, are removed when that step ends. It resets the server's
 //! command statistics.
+//!
+//! Exit status: 2 for a command line that cannot run (a size out of its
+//! bounds, a URL of a form it does not take), checked before anything
+//! starts; 1 for a run that failed (no `redis-benchmark`, a server that
+//! cannot be reached or used, or that stops answering).
 
-use std::process::{Command, ExitCode};
+use std::io::Read;
+use std::process::{Command, ExitCode, Output, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ratewarden_core::{PolicyConfig, PolicyKind, REFERENCE};
 use ratewarden_redis::{escape_key_part, redact_url, RedisOptions, RedisStore};
+use redis::{ErrorKind, RedisError};
 use serde_json::json;
 
 const MINIMAL_SWC: &str = include_str!("lua/minimal_swc.lua");
@@ -37,33 +44,53 @@ const MAX_ROUNDS: usize = 50;
 /// SLICES` requests, alternating A B B A ..., so that load that comes and
 /// goes on a shared machine falls on both scripts alike.
 const SLICES: u64 = 4;
+/// The most `--requests`: a run of this many per measurement already
+/// takes hours.
+const MAX_REQUESTS: u64 = 100_000_000;
+/// The most `--connections`.
+const MAX_CONNECTIONS: usize = 256;
+/// The most `--round-trips`.
+const MAX_ROUND_TRIPS: usize = 1_000_000;
+/// The most `--keys`: `redis-benchmark` reads `-r` as a C `int`, and above
+/// this it wraps, sending every request to one key.
+const MAX_KEYS: u64 = i32::MAX as u64;
+/// How long connecting may take, the first reply included.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long any one call may wait for Redis, as the store's calls do in
+/// this benchmark: long enough that a slow moment does not end the run,
+/// short enough that a server that stops answering does.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Arguments of `ratewarden bench-redis`.
 #[derive(clap::Args)]
 pub struct Args {
     /// The Redis to measure: `redis://[[USER]:PASSWORD@]HOST:PORT[/DB]`
-    /// (one standalone node; redis-benchmark is pointed at the same host,
-    /// port, database and credentials).
+    /// (one standalone node, over TCP; redis-benchmark is pointed at the
+    /// same host, port, database and credentials).
     #[arg(long)]
     pub store: String,
     /// Decisions per pipelined measurement (per policy, and per script in
-    /// each round).
+    /// each round), 1 to 100,000,000.
     #[arg(long, default_value_t = 200_000, value_parser = crate::cmd::whole::<u64>)]
     pub requests: u64,
-    /// Requests per pipelined batch.
+    /// Requests per pipelined batch, 1 to 10,000.
     #[arg(long, default_value_t = 16, value_parser = crate::cmd::whole::<usize>)]
     pub pipeline: usize,
-    /// Connections used at once, each with its own batches.
+    /// Connections used at once, each with its own batches, 1 to 256.
     #[arg(long, default_value_t = 4, value_parser = crate::cmd::whole::<usize>)]
     pub connections: usize,
-    /// Distinct keys the requests spread over.
+    /// Distinct keys the requests spread over, 1 to 2,147,483,647
+    /// (redis-benchmark's -r wraps above it).
     #[arg(long, default_value_t = 10_000, value_parser = crate::cmd::whole::<u64>)]
     pub keys: u64,
-    /// Single calls timed for the round-trip percentiles (per policy).
+    /// Single calls timed for the round-trip percentiles (per policy), 0 to
+    /// 1,000,000; when none is timed (0, or under 10 with --quick) the
+    /// percentiles show `-` (`null` in JSON).
     #[arg(long, default_value_t = 5_000, value_parser = crate::cmd::whole::<usize>)]
     pub round_trips: usize,
-    /// Interleaved rounds measuring the two targets; each target is judged
-    /// by the median of its per-round ratios [default: 5; 3 with --quick].
+    /// Interleaved rounds measuring the two targets, 1 to 50; each target
+    /// is judged by the median of its per-round ratios [default: 5; 3 with
+    /// --quick].
     #[arg(long, value_parser = crate::cmd::whole::<usize>)]
     pub rounds: Option<usize>,
     /// A shorter run: a tenth of the requests and round trips, 3 rounds.
@@ -100,6 +127,50 @@ impl Args {
             round_trips: self.round_trips / scale as usize,
             rounds: self.rounds.unwrap_or(if self.quick { 3 } else { 5 }),
         }
+    }
+
+    /// The sizes of this run, each flag checked against its own bounds.
+    fn checked_plan(&self) -> Result<Plan, String> {
+        bound("--requests", self.requests, 1, MAX_REQUESTS)?;
+        bound(
+            "--pipeline",
+            self.pipeline as u64,
+            1,
+            ratewarden_redis::MAX_BATCH as u64,
+        )?;
+        bound(
+            "--connections",
+            self.connections as u64,
+            1,
+            MAX_CONNECTIONS as u64,
+        )?;
+        bound("--keys", self.keys, 1, MAX_KEYS).map_err(|e| {
+            format!(
+                "{e} (redis-benchmark, which spreads its requests over the keys with -r, \
+                 wraps above it)"
+            )
+        })?;
+        bound(
+            "--round-trips",
+            self.round_trips as u64,
+            0,
+            MAX_ROUND_TRIPS as u64,
+        )?;
+        let plan = self.plan();
+        bound("--rounds", plan.rounds as u64, 1, MAX_ROUNDS as u64)?;
+        Ok(plan)
+    }
+}
+
+/// `flag`'s `value` if it is within `min ..= max`, or a message naming
+/// the flag, its range and the value given.
+fn bound(flag: &str, value: u64, min: u64, max: u64) -> Result<(), String> {
+    if (min..=max).contains(&value) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{flag} must be between {min} and {max}, not {value}"
+        ))
     }
 }
 
@@ -218,11 +289,24 @@ impl Verdict {
 
 /// Runs the benchmark and prints its tables.
 pub fn run(args: Args) -> ExitCode {
-    match run_inner(&args) {
+    // A command line that cannot run is refused before anything starts,
+    // with exit status 2 as clap's own refusals; a run that fails (the
+    // machine, the network, the server) exits with 1, as `bench` does.
+    let checked = args
+        .checked_plan()
+        .and_then(|plan| Ok((plan, redis_benchmark_target(&args.store)?)));
+    let (plan, target) = match checked {
+        Ok(checked) => checked,
+        Err(e) => {
+            eprintln!("bench-redis: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match measure(&args, &plan, &target) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("bench-redis: {e}");
-            ExitCode::from(2)
+            ExitCode::FAILURE
         }
     }
 }
@@ -255,7 +339,7 @@ impl Drivers<'_> {
         tally: &mut Tally,
     ) -> Result<(), String> {
         reset_stats(&mut self.admin)?;
-        let rate = redis_benchmark(&self.common, extra)?;
+        let rate = redis_benchmark(&self.common, extra, self.slice_requests)?;
         let (calls, usec) = commandstat(&mut self.admin, "evalsha")?
             .ok_or("INFO commandstats has no evalsha after redis-benchmark ran it")?;
         let n = self.slice_requests as f64;
@@ -267,16 +351,19 @@ impl Drivers<'_> {
     fn minimal(&mut self, tally: &mut Tally) -> Result<(), String> {
         let extra = self.minimal_args.clone();
         self.redis_benchmark_evalsha(&extra, tally)
+            .map_err(|e| format!("redis-benchmark EVALSHA of minimal-swc: {e}"))
     }
 
     /// One slice of ours: driven by redis-benchmark for the server's CPU,
     /// then through this client for throughput.
     fn ours(&mut self, cpu: &mut Tally, client: &mut Tally) -> Result<(), String> {
         let extra = self.ours_args.clone();
-        self.redis_benchmark_evalsha(&extra, cpu)?;
-        let (done, seconds) =
-            self.runtime
-                .block_on(pipelined(&self.ours_stores, self.args, self.slice_requests))?;
+        self.redis_benchmark_evalsha(&extra, cpu)
+            .map_err(|e| format!("redis-benchmark EVALSHA of sliding-window-counter: {e}"))?;
+        let (done, seconds) = self
+            .runtime
+            .block_on(pipelined(&self.ours_stores, self.args, self.slice_requests))
+            .map_err(|e| format!("sliding-window-counter through this client: {e}"))?;
         client.add(done as f64, seconds, 0.0, 0.0);
         Ok(())
     }
@@ -307,31 +394,34 @@ impl Drivers<'_> {
     }
 }
 
-fn run_inner(args: &Args) -> Result<(), String> {
-    if args.requests == 0 || args.pipeline == 0 || args.connections == 0 || args.keys == 0 {
-        return Err("--requests, --pipeline, --connections and --keys must be at least 1".into());
-    }
-    let plan = args.plan();
-    if args.pipeline > ratewarden_redis::MAX_BATCH
-        || args.connections > 256
-        || args.round_trips > 1_000_000
-        || args.requests > 100_000_000
-    {
-        return Err(format!(
-            "use --pipeline up to {}, --connections up to 256, --round-trips up to 1000000, \
-             --requests up to 100000000",
-            ratewarden_redis::MAX_BATCH
-        ));
-    }
-    if plan.rounds == 0 || plan.rounds > MAX_ROUNDS {
-        return Err(format!(
-            "--rounds is {}: use 1 to {MAX_ROUNDS}",
-            plan.rounds
-        ));
-    }
+/// Says which step failed, and on which server, before what went wrong.
+fn during(step: &str, shown: &str) -> impl FnOnce(String) -> String {
+    let at = format!("{step}, on Redis at {shown}");
+    move |e| format!("{at}: {e}")
+}
+
+/// Everything a run measured, for the table or the JSON lines.
+struct Measured {
+    /// The URL without its credentials.
+    shown: String,
+    load_at_start: String,
+    load_at_end: String,
+    figures: Vec<PolicyFigures>,
+    minimal_rate: f64,
+    minimal_usec: Option<f64>,
+    incr: f64,
+    rounds: Vec<Round>,
+    verdict: Verdict,
+    elapsed_s: f64,
+}
+
+fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
     let started = Instant::now();
     let load_at_start = super::bench::load_average();
-    let target = redis_benchmark_target(&args.store)?;
+    let shown = redact_url(&args.store);
+    // Without it the run could measure every policy and only then fail:
+    // look first.
+    redis_benchmark_version()?;
     // One client thread, as redis-benchmark has: on a small machine a
     // second worker thread only takes a core from the server it measures,
     // and hands every reply across threads.
@@ -339,23 +429,31 @@ fn run_inner(args: &Args) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the async runtime: {e}"))?;
-    let client = redis::Client::open(args.store.as_str()).map_err(|e| e.to_string())?;
-    let mut admin = client
-        .get_connection_with_timeout(Duration::from_secs(2))
-        .map_err(|e| format!("cannot connect to {}: {e}", redact_url(&args.store)))?;
+    let mut admin = connect_admin(&args.store, &target.address)?;
     // The store's own refusal of a cluster node points at redis-cluster://,
     // which this benchmark does not take: say here what it does take.
+    // INFO may be renamed away on some servers: PING proved the server
+    // answers, so only a clear "cluster_enabled:1" refuses.
     let cluster_info: String = redis::cmd("INFO")
         .arg("cluster")
         .query(&mut admin)
         .unwrap_or_default();
     if ratewarden_redis::cluster_enabled(&cluster_info) == Some(true) {
         return Err(format!(
-            "Redis at {} is a cluster node; bench-redis measures one standalone \
+            "Redis at {shown} is a cluster node; bench-redis measures one standalone \
              redis-server (its keys all on that server, as redis-benchmark's are): point \
-             --store at a redis-server started without cluster-enabled",
-            redact_url(&args.store)
+             --store at a redis-server started without cluster-enabled"
         ));
+    }
+    // redis-benchmark reads a password only from its command line (unlike
+    // redis-cli, it ignores REDISCLI_AUTH), where other users of this
+    // machine can see it while it runs: say so, once the server has
+    // answered (a run that cannot connect never starts it).
+    if target.password {
+        eprintln!(
+            "bench-redis: the URL's password is passed to redis-benchmark as -a, visible in \
+             this machine's process list while it runs"
+        );
     }
     let prefix = format!("ratewarden-bench:{}", std::process::id());
     // The store escapes its prefix (`:` becomes `%3A`); the keys this
@@ -365,17 +463,23 @@ fn run_inner(args: &Args) -> Result<(), String> {
 
     let mut figures = Vec::new();
     for policy in PolicyKind::ALL {
+        let name = policy.name();
         let config = PolicyConfig::new(policy, REFERENCE.limit, REFERENCE.window_ms);
-        let stores =
-            runtime.block_on(connect_all(&args.store, config, &prefix, args.connections))?;
-        let (p50, p99) = runtime.block_on(round_trips(&stores[0], plan.round_trips, args.keys))?;
-        reset_stats(&mut admin)?;
-        let (done, seconds) = runtime.block_on(pipelined(&stores, args, plan.requests))?;
-        let rate = done as f64 / seconds;
-        let usec = usec_per_call(&mut admin, "evalsha")?;
+        let stores = runtime
+            .block_on(connect_all(&args.store, config, &prefix, args.connections))
+            .map_err(during(&format!("{name}, connecting"), &shown))?;
+        let (p50, p99) = runtime
+            .block_on(round_trips(&stores[0], plan.round_trips, args.keys))
+            .map_err(during(&format!("{name}, round trips"), &shown))?;
+        let step = format!("{name}, pipelined decisions");
+        reset_stats(&mut admin).map_err(during(&step, &shown))?;
+        let (done, seconds) = runtime
+            .block_on(pipelined(&stores, args, plan.requests))
+            .map_err(during(&step, &shown))?;
+        let usec = usec_per_call(&mut admin, "evalsha").map_err(during(&step, &shown))?;
         figures.push(PolicyFigures {
             policy,
-            decisions_per_s: rate,
+            decisions_per_s: done as f64 / seconds,
             round_trip_us_p50: p50,
             round_trip_us_p99: p99,
             server_usec_per_call: usec,
@@ -383,23 +487,27 @@ fn run_inner(args: &Args) -> Result<(), String> {
     }
 
     // The baseline script, through this client and through redis-benchmark.
+    let step = "minimal-swc through this client";
     let sha: String = redis::cmd("SCRIPT")
         .arg("LOAD")
         .arg(MINIMAL_SWC)
         .query(&mut admin)
-        .map_err(|e| format!("SCRIPT LOAD: {e}"))?;
-    reset_stats(&mut admin)?;
-    let minimal_rate = runtime.block_on(pipelined_minimal(
-        &args.store,
-        &sha,
-        &key_prefix,
-        args,
-        &plan,
-    ))?;
-    let minimal_usec = usec_per_call(&mut admin, "evalsha")?;
+        .map_err(|e| admin_error("SCRIPT LOAD", e))
+        .map_err(during(step, &shown))?;
+    reset_stats(&mut admin).map_err(during(step, &shown))?;
+    let minimal_rate = runtime
+        .block_on(pipelined_minimal(
+            &args.store,
+            &sha,
+            &key_prefix,
+            args,
+            plan,
+        ))
+        .map_err(during(step, &shown))?;
+    let minimal_usec = usec_per_call(&mut admin, "evalsha").map_err(during(step, &shown))?;
     let slice_requests = (plan.requests / SLICES).max(1);
     let common_with = |n: u64| -> Vec<String> {
-        let mut common = target.clone();
+        let mut common = target.args.clone();
         common.extend(
             [
                 "-n",
@@ -415,8 +523,14 @@ fn run_inner(args: &Args) -> Result<(), String> {
         common
     };
     let keys = args.keys.to_string();
-    let incr = incr_step(&mut admin, &common_with(plan.requests), &keys, &key_prefix)
-        .map_err(|e| format!("redis-benchmark INCR: {e}"))?;
+    let incr = incr_step(
+        &mut admin,
+        &common_with(plan.requests),
+        &keys,
+        &key_prefix,
+        plan.requests,
+    )
+    .map_err(during("redis-benchmark INCR", &shown))?;
     let minimal_args: Vec<String> = [
         "-r",
         keys.as_str(),
@@ -433,16 +547,20 @@ fn run_inner(args: &Args) -> Result<(), String> {
     // The targets, both scripts' server CPU driven by redis-benchmark (a
     // light C client), so that a busy client process sharing the machine
     // does not inflate one figure more than the other.
-    let ours_stores = runtime.block_on(connect_all(
-        &args.store,
-        REFERENCE,
-        &prefix,
-        args.connections,
-    ))?;
+    let step = "sliding-window-counter for the rounds, connecting";
+    let ours_stores = runtime
+        .block_on(connect_all(
+            &args.store,
+            REFERENCE,
+            &prefix,
+            args.connections,
+        ))
+        .map_err(during(step, &shown))?;
     // One call loads the script (EVALSHA, then SCRIPT LOAD on NOSCRIPT).
     runtime
         .block_on(ours_stores[0].decide(0, None, 0))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| e.to_string())
+        .map_err(during(step, &shown))?;
     let key = ours_stores[0].key_name(0);
     let mut ours_args = vec![
         "-r".to_owned(),
@@ -467,102 +585,29 @@ fn run_inner(args: &Args) -> Result<(), String> {
     for i in 0..plan.rounds {
         // Alternate which script goes first, so that a machine warming up
         // or slowing down over a round favours neither.
-        rounds.push(drivers.round(i % 2 == 0)?);
+        let round = drivers
+            .round(i % 2 == 0)
+            .map_err(during(&format!("round {}", i + 1), &shown))?;
+        rounds.push(round);
     }
     let verdict = Verdict::of(&rounds).ok_or("a round gave no figure")?;
-    let elapsed_s = started.elapsed().as_secs_f64();
-    let load_at_end = super::bench::load_average();
-
-    if args.json {
-        print_json(&figures, minimal_rate, incr, &rounds, &verdict, elapsed_s);
-        println!(
-            "{}",
-            json!({ "load_average_at_start": load_at_start, "load_average_at_end": load_at_end })
-        );
-        return Ok(());
-    }
-    println!("machine: {}", super::bench::machine(&load_at_start));
-    println!(
-        "Redis at {}: {} requests per measurement, pipeline {}, {} connections, {} keys; \
-         reference numbers ({} per {} ms); {} rounds",
-        redact_url(&args.store),
-        plan.requests,
-        args.pipeline,
-        args.connections,
-        args.keys,
-        REFERENCE.limit,
-        REFERENCE.window_ms,
-        plan.rounds
-    );
-    println!(
-        "{:<26} {:>12} {:>11} {:>11} {:>17}",
-        "policy", "decisions/s", "rtt_us_p50", "rtt_us_p99", "server_usec/call"
-    );
-    let show = |u: Option<f64>| u.map_or("-".to_owned(), |u| format!("{u:.2}"));
-    for f in &figures {
-        println!(
-            "{:<26} {:>12.0} {:>11.1} {:>11.1} {:>17}",
-            f.policy.name(),
-            f.decisions_per_s,
-            f.round_trip_us_p50,
-            f.round_trip_us_p99,
-            show(f.server_usec_per_call)
-        );
-    }
-    println!(
-        "{:<26} {:>12.0} {:>11} {:>11} {:>17}",
-        "minimal-swc (this client)",
+    let measured = Measured {
+        shown,
+        load_at_start,
+        load_at_end: super::bench::load_average(),
+        figures,
         minimal_rate,
-        "-",
-        "-",
-        show(minimal_usec)
-    );
-    println!("redis-benchmark INCR: {incr:.0} requests/s");
-    println!();
-    println!(
-        "Targets, per round (redis-benchmark EVALSHA for both scripts' server CPU; \
-         this client's pipelined sliding-window-counter against redis-benchmark's minimal):"
-    );
-    println!(
-        "{:>5} {:>8} {:>13} {:>13} {:>10} {:>13} {:>13} {:>8}",
-        "round",
-        "first",
-        "minimal_usec",
-        "ours_usec",
-        "cpu_ratio",
-        "minimal_rb/s",
-        "ours_client/s",
-        "share"
-    );
-    for (i, r) in rounds.iter().enumerate() {
-        println!(
-            "{:>5} {:>8} {:>13.2} {:>13.2} {:>9.2}x {:>13.0} {:>13.0} {:>7.0}%",
-            i + 1,
-            if r.minimal_first { "minimal" } else { "ours" },
-            r.minimal_usec_per_call,
-            r.ours_usec_per_call,
-            r.cpu_ratio(),
-            r.minimal_per_s,
-            r.ours_client_per_s,
-            r.throughput_share() * 100.0
-        );
+        minimal_usec,
+        incr,
+        rounds,
+        verdict,
+        elapsed_s: started.elapsed().as_secs_f64(),
+    };
+    if args.json {
+        print_json(&measured);
+    } else {
+        print_table(args, plan, &measured);
     }
-    println!(
-        "server CPU per call, sliding-window-counter / minimal, median of {} rounds: {:.2}x \
-         (target at most {CPU_RATIO_AT_MOST}x: {})",
-        rounds.len(),
-        verdict.cpu_ratio_median,
-        met(verdict.cpu_met())
-    );
-    println!(
-        "pipelined sliding-window-counter through this client / redis-benchmark EVALSHA \
-         minimal, median of {} rounds: {:.0}% (target at least {:.0}%: {})",
-        rounds.len(),
-        verdict.throughput_share_median * 100.0,
-        THROUGHPUT_SHARE_AT_LEAST * 100.0,
-        met(verdict.throughput_met())
-    );
-    println!("run took {elapsed_s:.0} s; load average at end {load_at_end}");
     Ok(())
 }
 
@@ -575,6 +620,7 @@ fn incr_step(
     common: &[String],
     keys: &str,
     key_prefix: &str,
+    requests: u64,
 ) -> Result<f64, String> {
     let extra = [
         "-r".to_owned(),
@@ -582,7 +628,7 @@ fn incr_step(
         "INCR".to_owned(),
         format!("{key_prefix}incr:__rand_int__"),
     ];
-    let rate = redis_benchmark(common, &extra);
+    let rate = redis_benchmark(common, &extra, requests);
     let pattern = format!("{key_prefix}incr:*");
     let removed = remove_keys(admin, &pattern).map_err(|e| {
         format!(
@@ -612,12 +658,12 @@ fn remove_keys(admin: &mut redis::Connection, pattern: &str) -> Result<u64, Stri
             .arg("COUNT")
             .arg(1000)
             .query(admin)
-            .map_err(|e| format!("SCAN: {e}"))?;
+            .map_err(|e| admin_error("SCAN", e))?;
         if !keys.is_empty() {
             removed += redis::cmd("UNLINK")
                 .arg(&keys)
                 .query::<u64>(admin)
-                .map_err(|e| format!("UNLINK: {e}"))?;
+                .map_err(|e| admin_error("UNLINK", e))?;
         }
         if next == 0 {
             return Ok(removed);
@@ -634,15 +680,97 @@ fn met(yes: bool) -> &'static str {
     }
 }
 
-fn print_json(
-    figures: &[PolicyFigures],
-    minimal_rate: f64,
-    incr: f64,
-    rounds: &[Round],
-    verdict: &Verdict,
-    elapsed_s: f64,
-) {
-    for f in figures {
+fn print_table(args: &Args, plan: &Plan, m: &Measured) {
+    println!("machine: {}", super::bench::machine(&m.load_at_start));
+    println!(
+        "Redis at {}: {} requests per measurement, pipeline {}, {} connections, {} keys; \
+         reference numbers ({} per {} ms); {} rounds",
+        m.shown,
+        plan.requests,
+        args.pipeline,
+        args.connections,
+        args.keys,
+        REFERENCE.limit,
+        REFERENCE.window_ms,
+        plan.rounds
+    );
+    println!(
+        "{:<26} {:>12} {:>11} {:>11} {:>17}",
+        "policy", "decisions/s", "rtt_us_p50", "rtt_us_p99", "server_usec/call"
+    );
+    let show = |u: Option<f64>| u.map_or("-".to_owned(), |u| format!("{u:.2}"));
+    for f in &m.figures {
+        println!(
+            "{:<26} {:>12.0} {:>11.1} {:>11.1} {:>17}",
+            f.policy.name(),
+            f.decisions_per_s,
+            f.round_trip_us_p50,
+            f.round_trip_us_p99,
+            show(f.server_usec_per_call)
+        );
+    }
+    println!(
+        "{:<26} {:>12.0} {:>11} {:>11} {:>17}",
+        "minimal-swc (this client)",
+        m.minimal_rate,
+        "-",
+        "-",
+        show(m.minimal_usec)
+    );
+    println!("redis-benchmark INCR: {:.0} requests/s", m.incr);
+    println!();
+    println!(
+        "Targets, per round (redis-benchmark EVALSHA for both scripts' server CPU; \
+         this client's pipelined sliding-window-counter against redis-benchmark's minimal):"
+    );
+    println!(
+        "{:>5} {:>8} {:>13} {:>13} {:>10} {:>13} {:>13} {:>8}",
+        "round",
+        "first",
+        "minimal_usec",
+        "ours_usec",
+        "cpu_ratio",
+        "minimal_rb/s",
+        "ours_client/s",
+        "share"
+    );
+    for (i, r) in m.rounds.iter().enumerate() {
+        println!(
+            "{:>5} {:>8} {:>13.2} {:>13.2} {:>9.2}x {:>13.0} {:>13.0} {:>7.0}%",
+            i + 1,
+            if r.minimal_first { "minimal" } else { "ours" },
+            r.minimal_usec_per_call,
+            r.ours_usec_per_call,
+            r.cpu_ratio(),
+            r.minimal_per_s,
+            r.ours_client_per_s,
+            r.throughput_share() * 100.0
+        );
+    }
+    let verdict = &m.verdict;
+    println!(
+        "server CPU per call, sliding-window-counter / minimal, median of {} rounds: {:.2}x \
+         (target at most {CPU_RATIO_AT_MOST}x: {})",
+        m.rounds.len(),
+        verdict.cpu_ratio_median,
+        met(verdict.cpu_met())
+    );
+    println!(
+        "pipelined sliding-window-counter through this client / redis-benchmark EVALSHA \
+         minimal, median of {} rounds: {:.0}% (target at least {:.0}%: {})",
+        m.rounds.len(),
+        verdict.throughput_share_median * 100.0,
+        THROUGHPUT_SHARE_AT_LEAST * 100.0,
+        met(verdict.throughput_met())
+    );
+    println!(
+        "run took {:.0} s; load average at end {}",
+        m.elapsed_s, m.load_at_end
+    );
+}
+
+fn print_json(m: &Measured) {
+    for f in &m.figures {
         println!(
             "{}",
             json!({
@@ -654,13 +782,13 @@ fn print_json(
     }
     println!(
         "{}",
-        json!({ "policy": "minimal-swc", "client": "ratewarden", "decisions_per_s": minimal_rate })
+        json!({ "policy": "minimal-swc", "client": "ratewarden", "decisions_per_s": m.minimal_rate })
     );
     println!(
         "{}",
-        json!({ "command": "INCR", "client": "redis-benchmark", "requests_per_s": incr })
+        json!({ "command": "INCR", "client": "redis-benchmark", "requests_per_s": m.incr })
     );
-    for (i, r) in rounds.iter().enumerate() {
+    for (i, r) in m.rounds.iter().enumerate() {
         println!(
             "{}",
             json!({
@@ -673,12 +801,13 @@ fn print_json(
             })
         );
     }
+    let verdict = &m.verdict;
     println!(
         "{}",
         json!({
             "target": "server_cpu_ratio", "median": verdict.cpu_ratio_median,
             "bound": CPU_RATIO_AT_MOST, "direction": "at_most", "met": verdict.cpu_met(),
-            "rounds": rounds.len(),
+            "rounds": m.rounds.len(),
         })
     );
     println!(
@@ -686,50 +815,180 @@ fn print_json(
         json!({
             "target": "throughput_share", "median": verdict.throughput_share_median,
             "bound": THROUGHPUT_SHARE_AT_LEAST, "direction": "at_least",
-            "met": verdict.throughput_met(), "rounds": rounds.len(),
+            "met": verdict.throughput_met(), "rounds": m.rounds.len(),
         })
     );
-    println!("{}", json!({ "elapsed_s": elapsed_s }));
+    println!("{}", json!({ "elapsed_s": m.elapsed_s }));
+    println!(
+        "{}",
+        json!({ "load_average_at_start": m.load_at_start, "load_average_at_end": m.load_at_end })
+    );
 }
 
-/// Where `redis-benchmark` is pointed: the store URL's host, port,
-/// database and credentials, as its own options.
-fn redis_benchmark_target(url: &str) -> Result<Vec<String>, String> {
+/// Where `redis-benchmark` is pointed, from the store URL.
+#[derive(Debug)]
+struct Target {
+    /// The URL's host, port, database and credentials, as
+    /// `redis-benchmark`'s own options.
+    args: Vec<String>,
+    /// `HOST:PORT`, as a user writes it (an IPv6 host in brackets).
+    address: String,
+    /// Whether the URL's password goes on `redis-benchmark`'s command line.
+    password: bool,
+}
+
+/// Reads the store URL for `redis-benchmark`, or says what is wrong with
+/// its form, scheme by scheme.
+fn redis_benchmark_target(url: &str) -> Result<Target, String> {
+    let shown = redact_url(url);
+    if url.starts_with("rediss://") {
+        return Err(ratewarden_redis::url_form_error(url));
+    }
+    if url.starts_with("redis+unix://") || url.starts_with("unix://") {
+        return Err(format!(
+            "{shown:?} is a Unix socket: bench-redis drives redis-benchmark over TCP; use \
+             redis://HOST:PORT, an address the server also listens on"
+        ));
+    }
+    if url.starts_with("redis-cluster://") {
+        return Err(format!(
+            "{shown:?}: bench-redis measures one standalone redis-server, named \
+             redis://HOST:PORT (not a cluster: its keys would hash to other nodes, and \
+             redis-benchmark, the peer it is measured against, drives one node)"
+        ));
+    }
+    let form = "redis://[[USER]:PASSWORD@]HOST:PORT[/DB]";
     if !url.starts_with("redis://") {
         return Err(format!(
-            "{:?}: bench-redis measures one standalone redis-server, named \
-             redis://HOST:PORT (not a cluster: its keys would hash to other nodes, and \
-             redis-benchmark, the peer it is measured against, drives one node)",
-            redact_url(url)
+            "{shown:?} is not a Redis URL: bench-redis takes {form}"
         ));
     }
     let info: redis::ConnectionInfo = url
         .parse()
-        .map_err(|e| format!("{:?} is not a Redis URL: {e}", redact_url(url)))?;
+        .map_err(|e| format!("{shown:?} is not a Redis URL ({e}): bench-redis takes {form}"))?;
     let redis::ConnectionAddr::Tcp(host, port) = info.addr else {
-        return Err(format!(
-            "{:?}: bench-redis takes redis://HOST:PORT",
-            redact_url(url)
-        ));
+        return Err(format!("{shown:?}: bench-redis takes {form}"));
     };
-    let mut target = vec!["-h".to_owned(), host, "-p".to_owned(), port.to_string()];
+    let address = if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    let mut args = vec!["-h".to_owned(), host, "-p".to_owned(), port.to_string()];
     if info.redis.db != 0 {
-        target.extend(["--dbnum".to_owned(), info.redis.db.to_string()]);
+        args.extend(["--dbnum".to_owned(), info.redis.db.to_string()]);
     }
-    // redis-benchmark reads a password only from its command line (unlike
-    // redis-cli, it ignores REDISCLI_AUTH), where other users of this
-    // machine can see it while it runs: say so.
+    let password = info.redis.password.is_some();
     if let Some(password) = info.redis.password {
-        eprintln!(
-            "bench-redis: the URL's password is passed to redis-benchmark as -a, visible in \
-             this machine's process list while it runs"
-        );
         if let Some(user) = info.redis.username {
-            target.extend(["--user".to_owned(), user]);
+            args.extend(["--user".to_owned(), user]);
         }
-        target.extend(["-a".to_owned(), password]);
+        args.extend(["-a".to_owned(), password]);
     }
-    Ok(target)
+    Ok(Target {
+        args,
+        address,
+        password,
+    })
+}
+
+/// `redis-benchmark --version`'s answer, or what to install.
+fn redis_benchmark_version() -> Result<String, String> {
+    const INSTALL: &str = "install it (Debian/Ubuntu: the redis-tools package, \
+                           `apt install redis-tools`) or put it on PATH";
+    match Command::new("redis-benchmark").arg("--version").output() {
+        Ok(out) if out.status.success() => {
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+        }
+        Ok(out) => Err(format!(
+            "`redis-benchmark --version` failed ({}): {}; bench-redis measures beside it: \
+             {INSTALL}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(format!(
+            "redis-benchmark is not on PATH; bench-redis measures the store beside it: \
+             {INSTALL}"
+        )),
+        Err(e) => Err(format!(
+            "cannot run redis-benchmark ({e}); bench-redis measures the store beside it: \
+             {INSTALL}"
+        )),
+    }
+}
+
+/// The connection for statistics and set-up, checked with a `PING`, and
+/// with every later call bounded by [`CALL_TIMEOUT`].
+fn connect_admin(url: &str, address: &str) -> Result<redis::Connection, String> {
+    let client = redis::Client::open(url)
+        .map_err(|e| format!("{:?} is not a Redis URL: {e}", redact_url(url)))?;
+    let mut admin = client
+        .get_connection_with_timeout(CONNECT_TIMEOUT)
+        .map_err(|e| connect_error(&e, address, CONNECT_TIMEOUT))?;
+    admin
+        .set_read_timeout(Some(CALL_TIMEOUT))
+        .and_then(|()| admin.set_write_timeout(Some(CALL_TIMEOUT)))
+        .map_err(|e| format!("Redis at {address}: cannot bound the connection's waits: {e}"))?;
+    // Connecting sends nothing that needs a password when the URL has
+    // none: a server that wants one says so only when asked.
+    redis::cmd("PING")
+        .query::<String>(&mut admin)
+        .map_err(|e| connect_error(&e, address, CALL_TIMEOUT))?;
+    Ok(admin)
+}
+
+/// A failure to connect to, or to use, the server at `address`, saying
+/// what to change; `waited`: how long the call that failed could wait.
+fn connect_error(e: &RedisError, address: &str, waited: Duration) -> String {
+    const WITH_PASSWORD: &str =
+        "redis://:PASSWORD@HOST:PORT (or redis://USER:PASSWORD@HOST:PORT for an ACL user)";
+    let text = e.to_string();
+    // With a /DB, connecting sends SELECT first, whose refusal wraps the
+    // NOAUTH in its own words.
+    if e.code() == Some("NOAUTH") || text.contains("Authentication required") {
+        format!("Redis at {address} requires a password: put it in the URL as {WITH_PASSWORD}")
+    } else if e.kind() == ErrorKind::AuthenticationFailed || e.code() == Some("WRONGPASS") {
+        format!(
+            "Redis at {address} refused the URL's user or password: correct them in \
+             {WITH_PASSWORD}"
+        )
+    } else if text.contains("DB index is out of range") {
+        format!(
+            "Redis at {address} has no database of the number the URL's /DB names: use one \
+             below the server's `databases` setting (16 by default), such as /0"
+        )
+    } else if e.is_connection_refusal() {
+        format!(
+            "nothing accepts connections at {address} (connection refused): start \
+             redis-server there, or correct the URL's host and port"
+        )
+    } else if e.kind() == ErrorKind::ParseError {
+        format!(
+            "the server at {address} answered with something that is not Redis's protocol: \
+             another server (HTTP, a proxy) holds the port; check the port"
+        )
+    } else if e.is_timeout() {
+        format!(
+            "Redis at {address} did not answer within {} s: the port took the connection, \
+             but a Redis that is stopped or overloaded, or a server that is not Redis, did \
+             not answer",
+            waited.as_secs()
+        )
+    } else {
+        format!("Redis at {address} cannot be used: {e}")
+    }
+}
+
+/// A failed call of `command` on the admin connection.
+fn admin_error(command: &str, e: RedisError) -> String {
+    if e.is_timeout() {
+        format!(
+            "Redis did not answer {command} within {} s",
+            CALL_TIMEOUT.as_secs()
+        )
+    } else {
+        format!("{command}: {e}")
+    }
 }
 
 async fn connect_all(
@@ -744,13 +1003,15 @@ async fn connect_all(
             prefix: prefix.to_owned(),
             // Throughput is measured here, not failure handling: a long
             // timeout keeps a slow moment from ending the run.
-            timeout_ms: 10_000,
+            timeout_ms: CALL_TIMEOUT.as_millis() as u64,
             ..RedisOptions::default()
         };
         stores.push(
             RedisStore::connect(url, config, options)
                 .await
-                .map_err(|e| e.to_string())?,
+                // The detail alone: the error's kind ("invalid request")
+                // would only stand in the way of what it says.
+                .map_err(|e| e.detail().to_owned())?,
         );
     }
     Ok(stores)
@@ -813,6 +1074,10 @@ async fn pipelined(
     Ok((total, started.elapsed().as_secs_f64()))
 }
 
+/// The minimal script's decisions per second through this client, over
+/// plain multiplexed connections: every connection and every batch is
+/// bounded by [`CALL_TIMEOUT`], as the store's calls are, so that a server
+/// that stops answering fails the run instead of holding it for ever.
 async fn pipelined_minimal(
     url: &str,
     sha: &str,
@@ -820,16 +1085,23 @@ async fn pipelined_minimal(
     args: &Args,
     plan: &Plan,
 ) -> Result<f64, String> {
+    let secs = CALL_TIMEOUT.as_secs();
     let client = redis::Client::open(url).map_err(|e| e.to_string())?;
     let per_conn = (plan.requests / args.connections as u64).max(1);
     let sha: Arc<str> = sha.into();
+    // Every connection is made before the clock starts: the rate is of
+    // decisions, as the store's is (its connections are made beforehand).
+    let mut conns = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections {
+        let conn = tokio::time::timeout(CALL_TIMEOUT, client.get_multiplexed_async_connection())
+            .await
+            .map_err(|_| format!("Redis did not answer a new connection within {secs} s"))?
+            .map_err(|e| e.to_string())?;
+        conns.push(conn);
+    }
     let started = Instant::now();
     let mut tasks = Vec::new();
-    for c in 0..args.connections {
-        let mut conn = client
-            .get_multiplexed_async_connection()
-            .await
-            .map_err(|e| e.to_string())?;
+    for (c, mut conn) in conns.into_iter().enumerate() {
         let (sha, key_prefix) = (Arc::clone(&sha), key_prefix.to_owned());
         let (batch, keys) = (args.pipeline as u64, args.keys);
         tasks.push(tokio::spawn(async move {
@@ -847,9 +1119,9 @@ async fn pipelined_minimal(
                         .arg(REFERENCE.window_ms);
                 }
                 next += n;
-                let _: Vec<i64> = pipe
-                    .query_async(&mut conn)
+                let _: Vec<i64> = tokio::time::timeout(CALL_TIMEOUT, pipe.query_async(&mut conn))
                     .await
+                    .map_err(|_| format!("Redis did not answer a batch within {secs} s"))?
                     .map_err(|e| e.to_string())?;
                 done += n;
             }
@@ -867,7 +1139,7 @@ fn reset_stats(admin: &mut redis::Connection) -> Result<(), String> {
     redis::cmd("CONFIG")
         .arg("RESETSTAT")
         .query::<()>(admin)
-        .map_err(|e| format!("CONFIG RESETSTAT: {e}"))
+        .map_err(|e| admin_error("CONFIG RESETSTAT", e))
 }
 
 /// `usec_per_call` of one command from `INFO commandstats`.
@@ -875,7 +1147,7 @@ fn usec_per_call(admin: &mut redis::Connection, command: &str) -> Result<Option<
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query(admin)
-        .map_err(|e| format!("INFO: {e}"))?;
+        .map_err(|e| admin_error("INFO", e))?;
     let tag = format!("cmdstat_{command}:");
     Ok(info.lines().find_map(|l| {
         let stats = l.strip_prefix(&tag)?;
@@ -890,7 +1162,7 @@ fn commandstat(admin: &mut redis::Connection, command: &str) -> Result<Option<(f
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query(admin)
-        .map_err(|e| format!("INFO: {e}"))?;
+        .map_err(|e| admin_error("INFO", e))?;
     Ok(parse_commandstat(&info, command))
 }
 
@@ -909,13 +1181,21 @@ fn parse_commandstat(info: &str, command: &str) -> Option<(f64, f64)> {
     (calls > 0.0).then_some((calls, usec))
 }
 
-/// Runs `redis-benchmark` and reads its requests per second.
-fn redis_benchmark(common: &[String], extra: &[String]) -> Result<f64, String> {
-    let out = Command::new("redis-benchmark")
-        .args(common)
-        .args(extra)
-        .output()
-        .map_err(|e| format!("cannot run redis-benchmark (install redis-tools): {e}"))?;
+/// How long a `redis-benchmark` run of `requests` requests may take: 10 s
+/// to start, then 1 ms a request. Redis answers the slowest script here
+/// tens of thousands of times a second even on a small, busy machine, so
+/// only a server that stopped answering (which redis-benchmark would wait
+/// on for ever) reaches it.
+fn redis_benchmark_deadline(requests: u64) -> Duration {
+    Duration::from_secs(10) + Duration::from_millis(requests)
+}
+
+/// Runs `redis-benchmark` and reads its requests per second, killing it
+/// past [`redis_benchmark_deadline`].
+fn redis_benchmark(common: &[String], extra: &[String], requests: u64) -> Result<f64, String> {
+    let mut command = Command::new("redis-benchmark");
+    command.args(common).args(extra);
+    let out = output_within(command, redis_benchmark_deadline(requests))?;
     let text = String::from_utf8_lossy(&out.stdout);
     // Quiet mode ends with "NAME: 123456.78 requests per second, p50=...";
     // progress lines before it are separated by carriage returns.
@@ -944,13 +1224,63 @@ fn redis_benchmark(common: &[String], extra: &[String]) -> Result<f64, String> {
     })
 }
 
+/// Runs `command` to its end and collects what it printed; a child still
+/// running after `deadline` is killed and the call fails, rather than
+/// waiting for ever.
+fn output_within(mut command: Command, deadline: Duration) -> Result<Output, String> {
+    let program = command.get_program().to_string_lossy().into_owned();
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start {program}: {e}"))?;
+    // Both pipes are read while the child runs: on a long run its progress
+    // lines could fill a pipe and stop it.
+    let stdout = drain(child.stdout.take());
+    let stderr = drain(child.stderr.take());
+    let until = Instant::now() + deadline;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if Instant::now() < until => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "{program} did not finish within {deadline:?} and was stopped: the \
+                     server stopped answering, or answers far slower than it should"
+                ));
+            }
+            Err(e) => return Err(format!("cannot wait for {program}: {e}")),
+        }
+    };
+    Ok(Output {
+        status,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+    })
+}
+
+/// Reads `pipe` to its end on a thread of its own.
+fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        if let Some(mut pipe) = pipe {
+            // What was read before a failed read is still worth showing.
+            let _ = pipe.read_to_end(&mut bytes);
+        }
+        bytes
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn redis_benchmark_gets_the_urls_database_and_credentials() {
-        let args = |url: &str| redis_benchmark_target(url).unwrap().join(" ");
+        let args = |url: &str| redis_benchmark_target(url).unwrap().args.join(" ");
         assert_eq!(args("redis://127.0.0.1:6380"), "-h 127.0.0.1 -p 6380");
         assert_eq!(args("redis://h:6379/3"), "-h h -p 6379 --dbnum 3");
         assert_eq!(args("redis://:pw@h:1"), "-h h -p 1 -a pw");
@@ -958,11 +1288,177 @@ mod tests {
             args("redis://app:pw@h:1/2"),
             "-h h -p 1 --dbnum 2 --user app -a pw"
         );
-        let e = redis_benchmark_target("redis-cluster://:pw@h:1").unwrap_err();
+        let target = redis_benchmark_target("redis://[::1]:6380").unwrap();
+        assert_eq!(target.address, "[::1]:6380");
+        assert!(!target.password);
+        assert!(redis_benchmark_target("redis://:pw@h:1").unwrap().password);
+    }
+
+    /// Each scheme it does not take is answered for what it is, and no
+    /// message shows a password.
+    #[test]
+    fn each_scheme_it_does_not_take_gets_its_own_reason() {
+        let refused = |url: &str| {
+            let e = redis_benchmark_target(url).unwrap_err();
+            assert!(!e.contains("pw@") && !e.contains("=pw"), "{e}");
+            e
+        };
+        let e = refused("redis-cluster://:pw@h:1");
         assert!(e.contains("one standalone redis-server"), "{e}");
-        assert!(!e.contains("pw@"), "{e}");
-        let e = redis_benchmark_target("redis+unix:///tmp/r.sock").unwrap_err();
-        assert!(e.contains("redis://HOST:PORT"), "{e}");
+        assert!(e.contains("not a cluster"), "{e}");
+        for url in ["rediss://:pw@h:1", "rediss://h:6379"] {
+            let e = refused(url);
+            assert!(e.contains("TLS"), "{e}");
+            assert!(e.contains("not supported by this build"), "{e}");
+            assert!(!e.contains("cluster"), "{e}");
+        }
+        for url in ["redis+unix:///tmp/r.sock", "unix:///tmp/r.sock?pass=pw"] {
+            let e = refused(url);
+            assert!(e.contains("drives redis-benchmark over TCP"), "{e}");
+            assert!(e.contains("use redis://HOST:PORT"), "{e}");
+            assert!(!e.contains("cluster"), "{e}");
+        }
+        let e = refused("valkey://h:1");
+        assert!(e.contains("is not a Redis URL"), "{e}");
+        assert!(!e.contains("cluster"), "{e}");
+    }
+
+    #[test]
+    fn each_size_is_checked_against_its_own_bounds() {
+        let args = || Args::defaults("redis://127.0.0.1:6379".into(), false, false);
+        let refused = |args: Args| args.checked_plan().err().expect("refused");
+        // At the bounds: accepted.
+        let mut at = args();
+        (at.requests, at.pipeline, at.connections, at.keys) =
+            (100_000_000, 10_000, 256, 2_147_483_647);
+        (at.round_trips, at.rounds) = (1_000_000, Some(50));
+        assert!(at.checked_plan().is_ok());
+        let mut none = args();
+        (none.round_trips, none.rounds) = (0, Some(1));
+        assert_eq!(none.checked_plan().unwrap().round_trips, 0);
+        // One past each, and below each: the flag, its range and the value.
+        type Change = fn(&mut Args);
+        let cases: [(Change, &str); 11] = [
+            (
+                |a| a.requests = 100_000_001,
+                "--requests must be between 1 and 100000000, not 100000001",
+            ),
+            (
+                |a| a.requests = 0,
+                "--requests must be between 1 and 100000000, not 0",
+            ),
+            (
+                |a| a.pipeline = 10_001,
+                "--pipeline must be between 1 and 10000, not 10001",
+            ),
+            (
+                |a| a.pipeline = 0,
+                "--pipeline must be between 1 and 10000, not 0",
+            ),
+            (
+                |a| a.connections = 257,
+                "--connections must be between 1 and 256, not 257",
+            ),
+            (
+                |a| a.connections = 0,
+                "--connections must be between 1 and 256, not 0",
+            ),
+            (
+                |a| a.keys = 2_147_483_648,
+                "--keys must be between 1 and 2147483647, not 2147483648",
+            ),
+            (
+                |a| a.keys = 0,
+                "--keys must be between 1 and 2147483647, not 0",
+            ),
+            (
+                |a| a.round_trips = 1_000_001,
+                "--round-trips must be between 0 and 1000000, not 1000001",
+            ),
+            (
+                |a| a.rounds = Some(51),
+                "--rounds must be between 1 and 50, not 51",
+            ),
+            (
+                |a| a.rounds = Some(0),
+                "--rounds must be between 1 and 50, not 0",
+            ),
+        ];
+        for (change, message) in cases {
+            let mut a = args();
+            change(&mut a);
+            let e = refused(a);
+            assert!(e.starts_with(message), "{e}");
+            let flag = message.split(' ').next().unwrap();
+            for other in [
+                "--requests",
+                "--pipeline",
+                "--connections",
+                "--keys",
+                "--round-trips",
+                "--rounds",
+            ] {
+                assert!(other == flag || !e.contains(other), "{e}");
+            }
+        }
+        // The help names this bound of --pipeline.
+        assert_eq!(ratewarden_redis::MAX_BATCH, 10_000);
+    }
+
+    #[test]
+    fn connection_failures_say_what_to_change() {
+        let io = |kind| RedisError::from(std::io::Error::new(kind, "os error"));
+        let e = connect_error(
+            &RedisError::from((
+                ErrorKind::AuthenticationFailed,
+                "Password authentication failed",
+            )),
+            "h:1",
+            CONNECT_TIMEOUT,
+        );
+        assert!(e.contains("refused the URL's user or password"), "{e}");
+        assert!(!e.contains("AuthenticationFailed"), "{e}");
+        let e = connect_error(
+            &RedisError::from((
+                ErrorKind::ParseError,
+                "invalid response",
+                "HTTP/1.1".to_owned(),
+            )),
+            "h:1",
+            CONNECT_TIMEOUT,
+        );
+        assert!(e.contains("not Redis's protocol"), "{e}");
+        assert!(e.contains("check the port"), "{e}");
+        let e = connect_error(&io(std::io::ErrorKind::WouldBlock), "h:1", CONNECT_TIMEOUT);
+        assert!(e.contains("Redis at h:1 did not answer within 2 s"), "{e}");
+        let e = connect_error(
+            &io(std::io::ErrorKind::ConnectionRefused),
+            "h:1",
+            CONNECT_TIMEOUT,
+        );
+        assert!(e.contains("connection refused"), "{e}");
+        assert!(e.contains("start redis-server there"), "{e}");
+    }
+
+    #[test]
+    fn a_child_past_its_deadline_is_stopped_and_the_step_fails() {
+        let mut sleeper = Command::new("sleep");
+        sleeper.arg("30");
+        let started = Instant::now();
+        let e = output_within(sleeper, Duration::from_millis(200)).unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(e.contains("sleep did not finish within 200ms"), "{e}");
+        let mut echo = Command::new("echo");
+        echo.arg("done");
+        let out = output_within(echo, Duration::from_secs(10)).unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "done\n");
+        // A generous bound: 10 s to start, then a millisecond a request.
+        assert_eq!(redis_benchmark_deadline(50), Duration::from_millis(10_050));
+        assert_eq!(redis_benchmark_deadline(200_000), Duration::from_secs(210));
     }
 
     fn round(minimal_usec: f64, ours_usec: f64, minimal_per_s: f64, ours_per_s: f64) -> Round {
