@@ -842,10 +842,17 @@ fn flat(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
+fn json_rows(out: &Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
 /// The run writes under its own prefix only, and leaves no key without a
 /// TTL: a user key named as redis-benchmark's default INCR key and any
 /// other key stay as they were, and a user allowed only the prefix's keys
-/// can run it.
+/// can run it. Its JSON says what it ran with and tells its rows apart.
 #[test]
 fn bench_redis_writes_only_under_its_prefix_and_leaves_no_key_without_a_ttl() {
     let server = RedisServer::start();
@@ -862,7 +869,7 @@ fn bench_redis_writes_only_under_its_prefix_and_leaves_no_key_without_a_ttl() {
         "+@all",
     ]);
     let url = format!("redis://bench:bench-pw@127.0.0.1:{}", server.port());
-    let args: Vec<&str> = ["bench-redis", "--store", &url]
+    let args: Vec<&str> = ["bench-redis", "--store", &url, "--json"]
         .into_iter()
         .chain(SMALL)
         .chain(["--round-trips", "100"])
@@ -871,8 +878,6 @@ fn bench_redis_writes_only_under_its_prefix_and_leaves_no_key_without_a_ttl() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(!stderr.contains("bench-pw"), "{stderr}");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("redis-benchmark INCR: "), "{stdout}");
 
     assert_eq!(server.cli(&["GET", "counter:__rand_int__"]).trim(), "41");
     assert_eq!(server.cli(&["TTL", "counter:__rand_int__"]).trim(), "-1");
@@ -895,6 +900,68 @@ fn bench_redis_writes_only_under_its_prefix_and_leaves_no_key_without_a_ttl() {
         let ttl: i64 = redis::cmd("PTTL").arg(&key).query(&mut conn).unwrap();
         assert!(ttl == -2 || (0..=2000).contains(&ttl), "{key}: PTTL {ttl}");
     }
+
+    let rows = json_rows(&out);
+    assert!(
+        rows.iter().all(|r| r["workload"].is_string()),
+        "a row without its kind: {rows:?}"
+    );
+    let kind = |k: &str| -> Vec<&serde_json::Value> {
+        rows.iter().filter(|r| r["workload"] == k).collect()
+    };
+    let run = &rows[0];
+    assert_eq!(run["workload"], "run", "{run}");
+    assert_eq!(run["key_prefix"], prefix.as_str(), "{run}");
+    assert_eq!(
+        run["store"],
+        format!("redis://***:***@127.0.0.1:{}", server.port()),
+        "{run}"
+    );
+    for (field, value) in [
+        ("requests", 200),
+        ("pipeline", 16),
+        ("connections", 4),
+        ("keys", 50),
+        ("round_trips", 10),
+        ("rounds", 1),
+        ("limit", 100),
+        ("window_ms", 1000),
+    ] {
+        assert_eq!(run[field], value, "{field}: {run}");
+    }
+    assert!(run["machine"].as_str().unwrap().contains("cores"), "{run}");
+    assert!(run["redis_benchmark"]
+        .as_str()
+        .unwrap()
+        .starts_with("redis-benchmark"));
+    let policies = kind("policy");
+    assert_eq!(policies.len(), 5, "{rows:?}");
+    for row in policies {
+        assert!(row["decisions_per_s"].as_f64().unwrap() > 0.0, "{row}");
+        assert!(row["round_trip_us_p50"].as_f64().unwrap() > 0.0, "{row}");
+        assert!(row["server_usec_per_call"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    let baselines = kind("baseline");
+    let minimal = baselines
+        .iter()
+        .find(|r| r["policy"] == "minimal-swc")
+        .expect("the minimal script's row");
+    assert!(
+        minimal["server_usec_per_call"].as_f64().unwrap() > 0.0,
+        "{minimal}"
+    );
+    let incr = baselines
+        .iter()
+        .find(|r| r["command"] == "INCR")
+        .expect("the INCR row");
+    assert!(incr["requests_per_s"].as_f64().unwrap() > 0.0, "{incr}");
+    // Its keys were written (under the prefix, or NOPERM), then removed.
+    let removed = incr["keys_removed"].as_u64().unwrap();
+    assert!((1..=50).contains(&removed), "{incr}");
+    assert_eq!(kind("round").len(), 1);
+    assert_eq!(kind("target").len(), 2);
+    let end = kind("end");
+    assert!(end[0]["elapsed_s"].as_f64().unwrap() > 0.0, "{end:?}");
 }
 
 /// redis-benchmark's -r wraps above 2^31 - 1: a larger --keys would put
@@ -921,6 +988,63 @@ fn bench_redis_refuses_keys_redis_benchmark_would_wrap() {
     let help = ratewarden(&["bench-redis", "--help"]);
     let help = flat(&String::from_utf8_lossy(&help.stdout));
     assert!(help.contains("1 to 2,147,483,647"), "{help}");
+}
+
+/// Percentiles of no round trip are shown as missing, not as 0.
+#[test]
+fn bench_redis_shows_no_round_trip_figure_when_none_was_timed() {
+    let server = RedisServer::start();
+    let url = server.url();
+    // --round-trips 5 with --quick times a tenth: none.
+    let args: Vec<&str> = ["bench-redis", "--store", &url]
+        .into_iter()
+        .chain(SMALL)
+        .chain(["--round-trips", "5"])
+        .collect();
+    let (out, _) = ratewarden_within(&args, &[], Duration::from_secs(120));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("0 round trips per policy"), "{stdout}");
+    for policy in [
+        "fixed-window",
+        "sliding-window-counter",
+        "sliding-log",
+        "token-bucket",
+        "gcra",
+    ] {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("{policy} ")))
+            .unwrap_or_else(|| panic!("no row for {policy}: {stdout}"));
+        let columns: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(&columns[2..4], ["-", "-"], "{line}");
+        assert!(columns[1].parse::<f64>().unwrap() > 0.0, "{line}");
+    }
+
+    let args: Vec<&str> = ["bench-redis", "--store", &url, "--json"]
+        .into_iter()
+        .chain(SMALL)
+        .chain(["--round-trips", "0"])
+        .collect();
+    let (out, _) = ratewarden_within(&args, &[], Duration::from_secs(120));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows = json_rows(&out);
+    assert_eq!(rows[0]["round_trips"], 0);
+    let policies: Vec<_> = rows.iter().filter(|r| r["workload"] == "policy").collect();
+    assert_eq!(policies.len(), 5);
+    for row in policies {
+        assert!(row["round_trip_us_p50"].is_null(), "{row}");
+        assert!(row["round_trip_us_p99"].is_null(), "{row}");
+        assert!(row["decisions_per_s"].as_f64().unwrap() > 0.0, "{row}");
+    }
 }
 
 /// 2: the command line cannot run; 1: the run failed.

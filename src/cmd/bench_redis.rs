@@ -185,8 +185,8 @@ struct Plan {
 struct PolicyFigures {
     policy: PolicyKind,
     decisions_per_s: f64,
-    round_trip_us_p50: f64,
-    round_trip_us_p99: f64,
+    /// The round-trip percentiles, `None` when no round trip was timed.
+    round_trip_us: Option<(f64, f64)>,
     server_usec_per_call: Option<f64>,
 }
 
@@ -406,10 +406,17 @@ struct Measured {
     shown: String,
     load_at_start: String,
     load_at_end: String,
+    /// `redis-benchmark --version`'s answer.
+    redis_benchmark: String,
+    /// What every key the run wrote begins with.
+    key_prefix: String,
+    slice_requests: u64,
     figures: Vec<PolicyFigures>,
     minimal_rate: f64,
     minimal_usec: Option<f64>,
     incr: f64,
+    /// How many keys the `INCR` step wrote, all removed when it ended.
+    incr_keys_removed: u64,
     rounds: Vec<Round>,
     verdict: Verdict,
     elapsed_s: f64,
@@ -421,7 +428,7 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
     let shown = redact_url(&args.store);
     // Without it the run could measure every policy and only then fail:
     // look first.
-    redis_benchmark_version()?;
+    let redis_benchmark_version = redis_benchmark_version()?;
     // One client thread, as redis-benchmark has: on a small machine a
     // second worker thread only takes a core from the server it measures,
     // and hands every reply across threads.
@@ -468,7 +475,7 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
         let stores = runtime
             .block_on(connect_all(&args.store, config, &prefix, args.connections))
             .map_err(during(&format!("{name}, connecting"), &shown))?;
-        let (p50, p99) = runtime
+        let round_trip_us = runtime
             .block_on(round_trips(&stores[0], plan.round_trips, args.keys))
             .map_err(during(&format!("{name}, round trips"), &shown))?;
         let step = format!("{name}, pipelined decisions");
@@ -480,8 +487,7 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
         figures.push(PolicyFigures {
             policy,
             decisions_per_s: done as f64 / seconds,
-            round_trip_us_p50: p50,
-            round_trip_us_p99: p99,
+            round_trip_us,
             server_usec_per_call: usec,
         });
     }
@@ -523,7 +529,7 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
         common
     };
     let keys = args.keys.to_string();
-    let incr = incr_step(
+    let (incr, incr_keys_removed) = incr_step(
         &mut admin,
         &common_with(plan.requests),
         &keys,
@@ -595,16 +601,20 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
         shown,
         load_at_start,
         load_at_end: super::bench::load_average(),
+        redis_benchmark: redis_benchmark_version,
+        key_prefix,
+        slice_requests,
         figures,
         minimal_rate,
         minimal_usec,
         incr,
+        incr_keys_removed,
         rounds,
         verdict,
         elapsed_s: started.elapsed().as_secs_f64(),
     };
     if args.json {
-        print_json(&measured);
+        print_json(args, plan, &measured);
     } else {
         print_table(args, plan, &measured);
     }
@@ -614,14 +624,15 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
 /// `redis-benchmark`'s `INCR`, Redis's simplest write, for scale: over
 /// `keys` keys under `key_prefix`, as the scripts' requests are spread.
 /// `INCR` sets no TTL, so its keys are removed as soon as the step ends,
-/// whether it ended well or not.
+/// whether it ended well or not. Returns the requests per second and how
+/// many keys were removed.
 fn incr_step(
     admin: &mut redis::Connection,
     common: &[String],
     keys: &str,
     key_prefix: &str,
     requests: u64,
-) -> Result<f64, String> {
+) -> Result<(f64, u64), String> {
     let extra = [
         "-r".to_owned(),
         keys.to_owned(),
@@ -637,7 +648,7 @@ fn incr_step(
         )
     });
     match (rate, removed) {
-        (Ok(rate), Ok(_)) => Ok(rate),
+        (Ok(rate), Ok(removed)) => Ok((rate, removed)),
         (Err(e), Ok(_)) => Err(e),
         (Ok(_), Err(cleanup)) => Err(cleanup),
         (Err(e), Err(cleanup)) => Err(format!("{e}; then {cleanup}")),
@@ -680,33 +691,39 @@ fn met(yes: bool) -> &'static str {
     }
 }
 
+/// A figure with `digits` decimals, or `-` when there is none.
+fn show(v: Option<f64>, digits: usize) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"))
+}
+
 fn print_table(args: &Args, plan: &Plan, m: &Measured) {
     println!("machine: {}", super::bench::machine(&m.load_at_start));
     println!(
-        "Redis at {}: {} requests per measurement, pipeline {}, {} connections, {} keys; \
-         reference numbers ({} per {} ms); {} rounds",
+        "Redis at {}: {} requests per measurement, pipeline {}, {} connections, {} keys, \
+         {} round trips per policy; reference numbers ({} per {} ms); {} rounds; keys under {}",
         m.shown,
         plan.requests,
         args.pipeline,
         args.connections,
         args.keys,
+        plan.round_trips,
         REFERENCE.limit,
         REFERENCE.window_ms,
-        plan.rounds
+        plan.rounds,
+        m.key_prefix
     );
     println!(
         "{:<26} {:>12} {:>11} {:>11} {:>17}",
         "policy", "decisions/s", "rtt_us_p50", "rtt_us_p99", "server_usec/call"
     );
-    let show = |u: Option<f64>| u.map_or("-".to_owned(), |u| format!("{u:.2}"));
     for f in &m.figures {
         println!(
-            "{:<26} {:>12.0} {:>11.1} {:>11.1} {:>17}",
+            "{:<26} {:>12.0} {:>11} {:>11} {:>17}",
             f.policy.name(),
             f.decisions_per_s,
-            f.round_trip_us_p50,
-            f.round_trip_us_p99,
-            show(f.server_usec_per_call)
+            show(f.round_trip_us.map(|(p50, _)| p50), 1),
+            show(f.round_trip_us.map(|(_, p99)| p99), 1),
+            show(f.server_usec_per_call, 2)
         );
     }
     println!(
@@ -715,7 +732,7 @@ fn print_table(args: &Args, plan: &Plan, m: &Measured) {
         m.minimal_rate,
         "-",
         "-",
-        show(m.minimal_usec)
+        show(m.minimal_usec, 2)
     );
     println!("redis-benchmark INCR: {:.0} requests/s", m.incr);
     println!();
@@ -769,30 +786,57 @@ fn print_table(args: &Args, plan: &Plan, m: &Measured) {
     );
 }
 
-fn print_json(m: &Measured) {
+/// The JSON lines, in the table's order; `workload` tells the kinds of
+/// row apart, as in `bench`'s JSON (docs/redis.md lists every field).
+fn print_json(args: &Args, plan: &Plan, m: &Measured) {
+    // What the rows were measured with, so that a saved file can be read
+    // on its own.
+    println!(
+        "{}",
+        json!({
+            "workload": "run", "policy": null, "store": m.shown,
+            "machine": super::bench::machine(&m.load_at_start),
+            "redis_benchmark": m.redis_benchmark,
+            "limit": REFERENCE.limit, "window_ms": REFERENCE.window_ms,
+            "requests": plan.requests, "pipeline": args.pipeline,
+            "connections": args.connections, "keys": args.keys,
+            "round_trips": plan.round_trips, "rounds": plan.rounds,
+            "slices": SLICES, "slice_requests": m.slice_requests, "quick": args.quick,
+            "key_prefix": m.key_prefix,
+        })
+    );
     for f in &m.figures {
         println!(
             "{}",
             json!({
-                "policy": f.policy.name(), "decisions_per_s": f.decisions_per_s,
-                "round_trip_us_p50": f.round_trip_us_p50, "round_trip_us_p99": f.round_trip_us_p99,
+                "workload": "policy", "policy": f.policy.name(),
+                "decisions_per_s": f.decisions_per_s,
+                "round_trip_us_p50": f.round_trip_us.map(|(p50, _)| p50),
+                "round_trip_us_p99": f.round_trip_us.map(|(_, p99)| p99),
                 "server_usec_per_call": f.server_usec_per_call,
             })
         );
     }
     println!(
         "{}",
-        json!({ "policy": "minimal-swc", "client": "ratewarden", "decisions_per_s": m.minimal_rate })
+        json!({
+            "workload": "baseline", "policy": "minimal-swc", "client": "ratewarden",
+            "decisions_per_s": m.minimal_rate, "server_usec_per_call": m.minimal_usec,
+        })
     );
     println!(
         "{}",
-        json!({ "command": "INCR", "client": "redis-benchmark", "requests_per_s": m.incr })
+        json!({
+            "workload": "baseline", "command": "INCR", "client": "redis-benchmark",
+            "requests_per_s": m.incr, "keys_removed": m.incr_keys_removed,
+        })
     );
     for (i, r) in m.rounds.iter().enumerate() {
         println!(
             "{}",
             json!({
-                "round": i + 1, "first": if r.minimal_first { "minimal" } else { "ours" },
+                "workload": "round", "round": i + 1,
+                "first": if r.minimal_first { "minimal" } else { "ours" },
                 "minimal_usec_per_call": r.minimal_usec_per_call,
                 "ours_usec_per_call": r.ours_usec_per_call, "cpu_ratio": r.cpu_ratio(),
                 "minimal_requests_per_s": r.minimal_per_s,
@@ -805,23 +849,25 @@ fn print_json(m: &Measured) {
     println!(
         "{}",
         json!({
-            "target": "server_cpu_ratio", "median": verdict.cpu_ratio_median,
-            "bound": CPU_RATIO_AT_MOST, "direction": "at_most", "met": verdict.cpu_met(),
-            "rounds": m.rounds.len(),
+            "workload": "target", "target": "server_cpu_ratio",
+            "median": verdict.cpu_ratio_median, "bound": CPU_RATIO_AT_MOST,
+            "direction": "at_most", "met": verdict.cpu_met(), "rounds": m.rounds.len(),
         })
     );
     println!(
         "{}",
         json!({
-            "target": "throughput_share", "median": verdict.throughput_share_median,
-            "bound": THROUGHPUT_SHARE_AT_LEAST, "direction": "at_least",
-            "met": verdict.throughput_met(), "rounds": m.rounds.len(),
+            "workload": "target", "target": "throughput_share",
+            "median": verdict.throughput_share_median, "bound": THROUGHPUT_SHARE_AT_LEAST,
+            "direction": "at_least", "met": verdict.throughput_met(), "rounds": m.rounds.len(),
         })
     );
-    println!("{}", json!({ "elapsed_s": m.elapsed_s }));
     println!(
         "{}",
-        json!({ "load_average_at_start": m.load_at_start, "load_average_at_end": m.load_at_end })
+        json!({
+            "workload": "end", "elapsed_s": m.elapsed_s,
+            "load_average_at_start": m.load_at_start, "load_average_at_end": m.load_at_end,
+        })
     );
 }
 
@@ -1017,7 +1063,12 @@ async fn connect_all(
     Ok(stores)
 }
 
-async fn round_trips(store: &RedisStore, n: usize, keys: u64) -> Result<(f64, f64), String> {
+/// The p50 and p99 of `n` single calls, in microseconds; `None` for none.
+async fn round_trips(
+    store: &RedisStore,
+    n: usize,
+    keys: u64,
+) -> Result<Option<(f64, f64)>, String> {
     let mut us = Vec::with_capacity(n);
     for i in 0..n {
         let started = Instant::now();
@@ -1027,12 +1078,18 @@ async fn round_trips(store: &RedisStore, n: usize, keys: u64) -> Result<(f64, f6
             .map_err(|e| e.to_string())?;
         us.push(started.elapsed().as_secs_f64() * 1e6);
     }
+    Ok(percentiles(us))
+}
+
+/// The p50 and p99 of `us`, `None` when it is empty: no figure is shown
+/// for what was not measured.
+fn percentiles(mut us: Vec<f64>) -> Option<(f64, f64)> {
     if us.is_empty() {
-        return Ok((0.0, 0.0));
+        return None;
     }
     us.sort_by(f64::total_cmp);
     let at = |q: f64| us[((us.len() - 1) as f64 * q).round() as usize];
-    Ok((at(0.50), at(0.99)))
+    Some((at(0.50), at(0.99)))
 }
 
 /// Decides `requests` requests in pipelined batches over `stores` (one
@@ -1403,6 +1460,18 @@ mod tests {
         }
         // The help names this bound of --pipeline.
         assert_eq!(ratewarden_redis::MAX_BATCH, 10_000);
+    }
+
+    #[test]
+    fn no_round_trip_timed_gives_no_percentile() {
+        assert_eq!(percentiles(Vec::new()), None);
+        assert_eq!(percentiles(vec![5.0]), Some((5.0, 5.0)));
+        let us: Vec<f64> = (1..=101).rev().map(f64::from).collect();
+        assert_eq!(percentiles(us), Some((51.0, 100.0)));
+        // --round-trips under 10 with --quick times none.
+        let mut args = Args::defaults("redis://127.0.0.1:6379".into(), true, false);
+        args.round_trips = 9;
+        assert_eq!(args.checked_plan().unwrap().round_trips, 0);
     }
 
     #[test]
