@@ -261,6 +261,11 @@ async fn readyz_on_a_cluster_pings_every_master() {
     cluster.nodes()[frozen].pause();
     let body = readyz_until(&client, &serve, 503).await;
     assert!(body.starts_with("not ready: redis-cluster://"), "{body}");
+    // Every probe fails, not one in three: each pings every master.
+    for _ in 0..5 {
+        let (status, body) = readyz(&client, &serve).await;
+        assert_eq!(status, 503, "{body}");
+    }
     cluster.nodes()[frozen].resume();
     readyz_until(&client, &serve, 200).await;
 }

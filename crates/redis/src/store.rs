@@ -7,7 +7,9 @@ use ratewarden_core::{Decision, PolicyConfig, PolicyKind, StoreError, StoreError
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::SingleNodeRoutingInfo;
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, ResponsePolicy, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
+};
 use redis::AsyncConnectionConfig;
 use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, Script, Value};
 
@@ -616,8 +618,9 @@ impl RedisStore {
     }
 
     /// The error of a batch's request that was not sent because the
-    /// batch's time ran out before its turn (a key's earlier request took
-    /// it): nothing of it was applied.
+    /// batch's time ran out before its turn (a key's earlier request, or
+    /// sending the batch's other requests, took it): nothing of it was
+    /// applied.
     fn not_sent(&self) -> StoreError {
         StoreError::new(
             StoreErrorKind::Timeout,
@@ -649,33 +652,97 @@ impl RedisStore {
     }
 
     /// Asks Redis whether it answers, deciding nothing and touching no
-    /// key: `PING`, to the node or to every master of a cluster, within
-    /// [`RedisOptions::timeout_ms`]. For readiness checks.
+    /// key, within [`RedisOptions::timeout_ms`]. For readiness checks.
+    ///
+    /// One node: `PING`. A cluster: `CLUSTER SLOTS` (of every node, the
+    /// first answer taken), then `PING` to the master of each slot range,
+    /// at the address the cluster gives for it, so that a cluster is ready
+    /// only when every slot's master answers (a master this client cannot
+    /// reach fails it, even while the others do).
     ///
     /// Errors: as [`RedisStore::decide`]'s, except that a timeout says
-    /// only that Redis did not answer (a `PING` changes nothing). On a
-    /// cluster, a timeout also starts a new connection for later calls, as
-    /// a decision's does.
+    /// only what did not answer (a `PING` changes nothing), on a cluster
+    /// naming the master's slots and address. On a cluster, a timeout also
+    /// starts a new connection for later calls, as a decision's does.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        let timeout = Duration::from_millis(self.inner.options.timeout_ms);
-        let mut conn = self.conn();
-        let cmd = redis::cmd("PING");
-        let timed_out = || {
+        let timeout_ms = self.inner.options.timeout_ms;
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
+        let timed_out = |who: &str, command: &str| {
             let e = self.timed_out();
             StoreError::new(
                 e.kind(),
-                format!(
-                    "Redis did not answer PING within {} ms",
-                    self.inner.options.timeout_ms
-                ),
+                format!("{who} did not answer {command} within {timeout_ms} ms"),
             )
         };
-        match tokio::time::timeout(timeout, self.try_call(&mut conn, &cmd)).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) if e.is_timeout() => Err(timed_out()),
-            Ok(Err(e)) => Err(map_error(e)),
-            Err(_) => Err(timed_out()),
+        let cluster = match self.conn() {
+            Conn::Node(node) => {
+                let mut conn = Conn::Node(node);
+                let cmd = redis::cmd("PING");
+                return match tokio::time::timeout_at(deadline, self.try_call(&mut conn, &cmd)).await
+                {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err(e)) if e.is_timeout() => Err(timed_out("Redis", "PING")),
+                    Ok(Err(e)) => Err(map_error(e)),
+                    Err(_) => Err(timed_out("Redis", "PING")),
+                };
+            }
+            Conn::Cluster(cluster) => cluster,
+        };
+        let slots = {
+            let mut conn = cluster.clone();
+            let cmd = redis::cmd("CLUSTER").arg("SLOTS").to_owned();
+            // Asked of every node, the first answer taken: a frozen node
+            // must not stop the probe before it can name the frozen master.
+            let asked = conn.route_command(
+                &cmd,
+                RoutingInfo::MultiNode((
+                    MultipleNodeRoutingInfo::AllNodes,
+                    Some(ResponsePolicy::OneSucceeded),
+                )),
+            );
+            match tokio::time::timeout_at(deadline, asked).await {
+                Ok(Ok(value)) => slot_ranges(&value)?,
+                Ok(Err(e)) if e.is_timeout() => {
+                    return Err(timed_out("Redis Cluster", "CLUSTER SLOTS"))
+                }
+                Ok(Err(e)) => return Err(map_error(e)),
+                Err(_) => return Err(timed_out("Redis Cluster", "CLUSTER SLOTS")),
+            }
+        };
+        // One PING per master: its first range stands for the others.
+        let mut seen = std::collections::HashSet::new();
+        let masters = slots
+            .iter()
+            .filter(|range| range.master.as_ref().is_none_or(|m| seen.insert(m.clone())));
+        let pings = masters.map(|range| {
+            let mut conn = cluster.clone();
+            async move {
+                let answer = tokio::time::timeout_at(deadline, ping_master(&mut conn, range)).await;
+                (range, answer)
+            }
+        });
+        for (range, answer) in futures_util::future::join_all(pings).await {
+            let master = format!("the master of slots {range}");
+            match answer {
+                Ok(Ok(())) => {}
+                Ok(Err(None)) => {
+                    return Err(StoreError::new(
+                        StoreErrorKind::ConnectionDropped,
+                        format!("{master}: no connection to it, and it did not take a new one"),
+                    ))
+                }
+                Ok(Err(Some(e))) if e.is_timeout() => return Err(timed_out(&master, "PING")),
+                Ok(Err(Some(e))) => {
+                    let e = map_error(e);
+                    return Err(StoreError::new(
+                        e.kind(),
+                        format!("{master}: {}", e.detail()),
+                    ));
+                }
+                Err(_) => return Err(timed_out(&master, "PING")),
+            }
         }
+        Ok(())
     }
 
     /// Whether a call that failed with `e` goes once more, on a new
@@ -948,6 +1015,132 @@ impl RedisStore {
             .map_err(|_| self.timed_out())?
     }
 }
+
+/// A slot range of `CLUSTER SLOTS`, with its master's address when the
+/// reply names one (for messages).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SlotRange {
+    first: u16,
+    last: u16,
+    /// The master's host and port, as the cluster client keys its
+    /// connections.
+    master: Option<(String, u16)>,
+}
+
+impl std::fmt::Display for SlotRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.first, self.last)?;
+        match &self.master {
+            Some((host, port)) if host.contains(':') => write!(f, " ([{host}]:{port})"),
+            Some((host, port)) => write!(f, " ({host}:{port})"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The slot ranges of a `CLUSTER SLOTS` reply: each an array of the first
+/// and last slot, then the master's `[host, port, ...]`, then replicas'.
+/// At most [`MAX_SLOT_RANGES`]: a cluster has at most 16,384 slots, and
+/// far fewer ranges in practice.
+fn slot_ranges(reply: &Value) -> Result<Vec<SlotRange>, StoreError> {
+    let malformed = || {
+        StoreError::new(
+            StoreErrorKind::Backend,
+            "CLUSTER SLOTS answered something that is not a list of slot ranges",
+        )
+    };
+    let Value::Array(entries) = reply else {
+        return Err(malformed());
+    };
+    let slot = |v: Option<&Value>| match v {
+        Some(Value::Int(n)) => u16::try_from(*n).ok().filter(|&n| n < 16_384),
+        _ => None,
+    };
+    let mut ranges = Vec::with_capacity(entries.len().min(MAX_SLOT_RANGES));
+    for entry in entries.iter().take(MAX_SLOT_RANGES) {
+        let Value::Array(fields) = entry else {
+            return Err(malformed());
+        };
+        let (Some(first), Some(last)) = (slot(fields.first()), slot(fields.get(1))) else {
+            return Err(malformed());
+        };
+        let master = match fields.get(2) {
+            Some(Value::Array(node)) => match (node.first(), node.get(1)) {
+                (Some(Value::BulkString(host)), Some(Value::Int(port))) if !host.is_empty() => {
+                    u16::try_from(*port)
+                        .ok()
+                        .map(|port| (String::from_utf8_lossy(host).into_owned(), port))
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        ranges.push(SlotRange {
+            first,
+            last,
+            master,
+        });
+    }
+    if ranges.is_empty() {
+        return Err(StoreError::new(
+            StoreErrorKind::ConnectionDropped,
+            "CLUSTER SLOTS lists no slot: the cluster serves none (is it set up?)",
+        ));
+    }
+    Ok(ranges)
+}
+
+/// `PING` to the master of `range`, at the address `CLUSTER SLOTS` gave.
+///
+/// By address, because the client's own routing answers from any node
+/// when it cannot connect to a slot's master: a `PING` routed by slot would
+/// be answered while the master is down. By address, a master the client
+/// has no connection to fails; the client is then asked to connect to it,
+/// as a decision would, and the `PING` goes once more, so that a master
+/// back up is found again (the client reconnects to a node only when a
+/// call routed by slot needs it).
+///
+/// Errors: Redis's, or `None` for a master the client has no connection
+/// to and could not connect to.
+async fn ping_master(
+    conn: &mut ClusterConnection,
+    range: &SlotRange,
+) -> Result<(), Option<RedisError>> {
+    let ping = redis::cmd("PING");
+    let by_slot = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+        range.first,
+        SlotAddr::Master,
+    )));
+    let Some((host, port)) = &range.master else {
+        // No address in the reply: the client's routing is all there is.
+        return conn
+            .route_command(&ping, by_slot)
+            .await
+            .map(drop)
+            .map_err(Some);
+    };
+    let by_address = || {
+        RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+            host: host.clone(),
+            port: *port,
+        })
+    };
+    match conn.route_command(&ping, by_address()).await {
+        Err(e) if e.kind() == ErrorKind::ClientError => {
+            // Its answer may come from another node: only the next one,
+            // by address, counts.
+            let _ = conn.route_command(&ping, by_slot).await;
+            conn.route_command(&ping, by_address())
+                .await
+                .map(drop)
+                .map_err(|e| (e.kind() != ErrorKind::ClientError).then_some(e))
+        }
+        other => other.map(drop).map_err(Some),
+    }
+}
+
+/// The most slot ranges [`RedisStore::ping`] pings: one `PING` each.
+const MAX_SLOT_RANGES: usize = 16_384;
 
 /// The `redis://` URL of each seed of a `redis-cluster://` URL (its part
 /// after the scheme). Credentials written once, on the first seed, hold for
@@ -1355,6 +1548,45 @@ impl ratewarden_core::Limiter for RedisStore {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn slot_ranges_read_cluster_slots_with_or_without_addresses() {
+        let node = |host: &str, port: i64| {
+            Value::Array(vec![
+                Value::BulkString(host.as_bytes().to_vec()),
+                Value::Int(port),
+                Value::BulkString(b"id".to_vec()),
+            ])
+        };
+        let reply = Value::Array(vec![
+            Value::Array(vec![
+                Value::Int(0),
+                Value::Int(5460),
+                node("127.0.0.1", 7001),
+            ]),
+            Value::Array(vec![Value::Int(5461), Value::Int(16383), node("::1", 7002)]),
+            Value::Array(vec![Value::Int(9), Value::Int(9), node("", 7003)]),
+        ]);
+        let ranges = slot_ranges(&reply).unwrap();
+        assert_eq!(ranges[0].master, Some(("127.0.0.1".to_owned(), 7001)));
+        let shown: Vec<String> = ranges.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            shown,
+            ["0-5460 (127.0.0.1:7001)", "5461-16383 ([::1]:7002)", "9-9"]
+        );
+
+        let bad = |v: Value| slot_ranges(&v).unwrap_err();
+        assert_eq!(bad(Value::Int(1)).kind(), StoreErrorKind::Backend);
+        let past_last_slot = Value::Array(vec![Value::Array(vec![
+            Value::Int(0),
+            Value::Int(16_384),
+            node("h", 1),
+        ])]);
+        assert_eq!(bad(past_last_slot).kind(), StoreErrorKind::Backend);
+        let none = bad(Value::Array(vec![]));
+        assert_eq!(none.kind(), StoreErrorKind::ConnectionDropped);
+        assert!(none.detail().contains("serves none"), "{none}");
+    }
+
     use super::*;
 
     fn reply(items: &[i64]) -> Value {

@@ -353,7 +353,8 @@ fn ping_follows_redis() {
 
     server.kill();
     let err = rt.block_on(store.ping()).unwrap_err();
-    assert!(err.is_transient(), "{err}");
+    // Refused at once, not a timeout.
+    assert_eq!(err.kind(), StoreErrorKind::ConnectionDropped, "{err}");
 }
 
 #[test]

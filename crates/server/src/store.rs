@@ -81,25 +81,25 @@ impl StoreFactory for MemoryFactory {
 /// Redis (one node, or a cluster): one connection and one Lua script per
 /// rule. Decisions read Redis `TIME`, so every server process on one Redis
 /// shares one clock. Its description and `Debug` show the URL without its
-/// credentials.
+/// credentials. Clones share the connection [`StoreFactory::probe`] uses.
 #[derive(Clone)]
 pub struct RedisFactory {
-    /// `redis://host:port[/db]`, `redis+unix:///path` or
-    /// `redis-cluster://host:port,host:port`.
-    pub url: String,
-    /// The longest one call may take, in ms.
-    pub timeout_ms: u64,
-    /// What every key name starts with (`[server] key_prefix`).
-    pub key_prefix: String,
+    url: String,
+    timeout_ms: u64,
+    key_prefix: String,
     /// The connection [`StoreFactory::probe`] pings on, its own so that a
     /// probe never waits behind decisions: made at the first probe, and at
-    /// each later one until it is made.
+    /// each later one until it is made. The fields above are private so
+    /// that it always belongs to `url`.
     probe: Arc<tokio::sync::OnceCell<ratewarden_redis::RedisStore>>,
 }
 
 impl RedisFactory {
-    /// A factory for the Redis at `url` (see [`RedisFactory::url`]); no
-    /// connection is made until a rule or a probe needs one.
+    /// A factory for the Redis at `url` (`redis://host:port[/db]`,
+    /// `redis+unix:///path` or `redis-cluster://host:port,host:port`), each
+    /// call bounded by `timeout_ms`, every key name starting with
+    /// `key_prefix` (`[server] key_prefix`). No connection is made until a
+    /// rule or a probe needs one.
     pub fn new(url: String, timeout_ms: u64, key_prefix: String) -> Self {
         RedisFactory {
             url,
@@ -107,6 +107,22 @@ impl RedisFactory {
             key_prefix,
             probe: Arc::default(),
         }
+    }
+
+    /// The URL, with its credentials: show [`StoreFactory::describe`]
+    /// instead.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The longest one call may take, in ms.
+    pub fn timeout_ms(&self) -> u64 {
+        self.timeout_ms
+    }
+
+    /// What every key name starts with.
+    pub fn key_prefix(&self) -> &str {
+        &self.key_prefix
     }
 }
 
