@@ -781,16 +781,22 @@ fn bench_redis_refuses_a_cluster_saying_what_it_takes() {
 /// `within` (then killed, and the test fails): its output and process id,
 /// the id naming the keys it writes (`ratewarden-bench%3A<pid>:`).
 fn ratewarden_within(args: &[&str], env: &[(&str, &Path)], within: Duration) -> (Output, u32) {
-    let child = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+    let child = spawn_ratewarden(args, env);
+    let pid = child.id();
+    (finish_within(child, within, args), pid)
+}
+
+/// `ratewarden args...` started with `env` set, its output piped (read it
+/// with [`finish_within`]).
+fn spawn_ratewarden(args: &[&str], env: &[(&str, &Path)]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_ratewarden"))
         .args(args)
         .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("the ratewarden binary runs");
-    let pid = child.id();
-    (finish_within(child, within, args), pid)
+        .expect("the ratewarden binary runs")
 }
 
 /// Waits for `child` at most `within`, reading its output meanwhile.
@@ -1241,8 +1247,8 @@ fn bench_redis_names_the_step_when_redis_dies_mid_run() {
     let mut server = RedisServer::start_with(&["--requirepass", "kill-pw"]);
     let port = server.port();
     let url = format!("redis://:kill-pw@127.0.0.1:{port}");
-    let child = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
-        .args([
+    let child = spawn_ratewarden(
+        &[
             "bench-redis",
             "--store",
             &url,
@@ -1252,11 +1258,9 @@ fn bench_redis_names_the_step_when_redis_dies_mid_run() {
             // test's thread is slow to see the first key.
             "--round-trips",
             "1000000",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        ],
+        &[],
+    );
     let pid = child.id();
     // The first key of the first policy's round trips.
     let key = format!("ratewarden-bench%3A{pid}:v2:fixed-window:100:1000:0");
@@ -1295,8 +1299,8 @@ fn bench_redis_names_the_step_when_redis_dies_mid_run() {
 fn bench_redis_fails_in_bounded_time_when_redis_freezes() {
     let server = RedisServer::start();
     let url = server.url();
-    let child = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
-        .args([
+    let child = spawn_ratewarden(
+        &[
             "bench-redis",
             "--store",
             &url,
@@ -1311,11 +1315,9 @@ fn bench_redis_fails_in_bounded_time_when_redis_freezes() {
             "0",
             "--keys",
             "1000",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        ],
+        &[],
+    );
     let key = format!("ratewarden-bench%3A{}:minimal:0", child.id());
     assert!(
         wait_for_key(&server, &key, Duration::from_secs(60)),
