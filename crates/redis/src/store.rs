@@ -654,11 +654,16 @@ impl RedisStore {
     /// Asks Redis whether it answers, deciding nothing and touching no
     /// key, within [`RedisOptions::timeout_ms`]. For readiness checks.
     ///
-    /// One node: `PING`. A cluster: `CLUSTER SLOTS` (of every node, the
-    /// first answer taken), then `PING` to the master of each slot range,
-    /// at the address the cluster gives for it, so that a cluster is ready
-    /// only when every slot's master answers (a master this client cannot
-    /// reach fails it, even while the others do).
+    /// One node: `PING`. A cluster: `CLUSTER SLOTS` (of every master, the
+    /// first answer taken), then, to the master of each slot range, routed
+    /// by slot as a decision for that range is, `CLUSTER MYID` and
+    /// `CLUSTER INFO`: the node that answers must be the master the slot
+    /// map names (the client answers from another node when it cannot
+    /// reach a slot's master) and must report `cluster_state:ok` (a master
+    /// just restarted answers at once, but refuses its keys until the
+    /// cluster takes it back). So a cluster is ready only when every
+    /// slot's master can decide, and a master this client cannot reach
+    /// fails it, even while the others answer.
     ///
     /// Errors: as [`RedisStore::decide`]'s, except that a timeout says
     /// only what did not answer (a `PING` changes nothing), on a cluster
@@ -667,12 +672,9 @@ impl RedisStore {
     pub async fn ping(&self) -> Result<(), StoreError> {
         let timeout_ms = self.inner.options.timeout_ms;
         let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
-        let timed_out = |who: &str, command: &str| {
+        let timed_out = |what: &str| {
             let e = self.timed_out();
-            StoreError::new(
-                e.kind(),
-                format!("{who} did not answer {command} within {timeout_ms} ms"),
-            )
+            StoreError::new(e.kind(), format!("{what} within {timeout_ms} ms"))
         };
         let cluster = match self.conn() {
             Conn::Node(node) => {
@@ -681,9 +683,9 @@ impl RedisStore {
                 return match tokio::time::timeout_at(deadline, self.try_call(&mut conn, &cmd)).await
                 {
                     Ok(Ok(_)) => Ok(()),
-                    Ok(Err(e)) if e.is_timeout() => Err(timed_out("Redis", "PING")),
+                    Ok(Err(e)) if e.is_timeout() => Err(timed_out("Redis did not answer PING")),
                     Ok(Err(e)) => Err(map_error(e)),
-                    Err(_) => Err(timed_out("Redis", "PING")),
+                    Err(_) => Err(timed_out("Redis did not answer PING")),
                 };
             }
             Conn::Cluster(cluster) => cluster,
@@ -691,55 +693,78 @@ impl RedisStore {
         let slots = {
             let mut conn = cluster.clone();
             let cmd = redis::cmd("CLUSTER").arg("SLOTS").to_owned();
-            // Asked of every node, the first answer taken: a frozen node
-            // must not stop the probe before it can name the frozen master.
+            // Asked of every master, the first answer taken: a frozen
+            // master must not stop the probe before it can be named (and
+            // replicas, which a probe does not need, are left out).
             let asked = conn.route_command(
                 &cmd,
                 RoutingInfo::MultiNode((
-                    MultipleNodeRoutingInfo::AllNodes,
+                    MultipleNodeRoutingInfo::AllMasters,
                     Some(ResponsePolicy::OneSucceeded),
                 )),
             );
             match tokio::time::timeout_at(deadline, asked).await {
                 Ok(Ok(value)) => slot_ranges(&value)?,
                 Ok(Err(e)) if e.is_timeout() => {
-                    return Err(timed_out("Redis Cluster", "CLUSTER SLOTS"))
+                    return Err(timed_out("no master answered CLUSTER SLOTS"))
                 }
                 Ok(Err(e)) => return Err(map_error(e)),
-                Err(_) => return Err(timed_out("Redis Cluster", "CLUSTER SLOTS")),
+                Err(_) => return Err(timed_out("no master answered CLUSTER SLOTS")),
             }
         };
-        // One PING per master: its first range stands for the others.
-        let mut seen = std::collections::HashSet::new();
-        let masters = slots
-            .iter()
-            .filter(|range| range.master.as_ref().is_none_or(|m| seen.insert(m.clone())));
-        let pings = masters.map(|range| {
+        // One check per master: its first range stands for the others.
+        let mut ranges_of: std::collections::HashMap<&str, usize> = Default::default();
+        let mut masters: Vec<&SlotRange> = Vec::new();
+        for range in &slots {
+            match ranges_of.get_mut(range.id.as_str()) {
+                Some(n) => *n += 1,
+                None => {
+                    ranges_of.insert(&range.id, 1);
+                    masters.push(range);
+                }
+            }
+        }
+        let checks = masters.into_iter().map(|range| {
             let mut conn = cluster.clone();
             async move {
-                let answer = tokio::time::timeout_at(deadline, ping_master(&mut conn, range)).await;
+                let answer =
+                    tokio::time::timeout_at(deadline, check_master(&mut conn, range)).await;
                 (range, answer)
             }
         });
-        for (range, answer) in futures_util::future::join_all(pings).await {
-            let master = format!("the master of slots {range}");
+        for (range, answer) in futures_util::future::join_all(checks).await {
+            let more = ranges_of[range.id.as_str()] - 1;
+            let master = match more {
+                0 => format!("the master of slots {range}"),
+                1 => format!("the master of slots {range} and 1 more range"),
+                n => format!("the master of slots {range} and {n} more ranges"),
+            };
+            let failed =
+                |detail: String| Err(StoreError::new(StoreErrorKind::ConnectionDropped, detail));
             match answer {
                 Ok(Ok(())) => {}
-                Ok(Err(None)) => {
-                    return Err(StoreError::new(
-                        StoreErrorKind::ConnectionDropped,
-                        format!("{master}: no connection to it, and it did not take a new one"),
+                Ok(Err(MasterCheck::Another(id))) => {
+                    return failed(format!(
+                        "{master}: node {id} answered in its place (the client cannot reach it)"
                     ))
                 }
-                Ok(Err(Some(e))) if e.is_timeout() => return Err(timed_out(&master, "PING")),
-                Ok(Err(Some(e))) => {
+                Ok(Err(MasterCheck::NotOk)) => {
+                    return failed(format!(
+                        "{master}: it does not report cluster_state:ok (the cluster has not \
+                         taken it back yet, or is down)"
+                    ))
+                }
+                Ok(Err(MasterCheck::Redis(e))) if e.is_timeout() => {
+                    return Err(timed_out(&format!("{master} did not answer")))
+                }
+                Ok(Err(MasterCheck::Redis(e))) => {
                     let e = map_error(e);
                     return Err(StoreError::new(
                         e.kind(),
                         format!("{master}: {}", e.detail()),
                     ));
                 }
-                Err(_) => return Err(timed_out(&master, "PING")),
+                Err(_) => return Err(timed_out(&format!("{master} did not answer"))),
             }
         }
         Ok(())
@@ -1022,9 +1047,10 @@ impl RedisStore {
 struct SlotRange {
     first: u16,
     last: u16,
-    /// The master's host and port, as the cluster client keys its
-    /// connections.
+    /// The master's host and port, for messages.
     master: Option<(String, u16)>,
+    /// The master's node id.
+    id: String,
 }
 
 impl std::fmt::Display for SlotRange {
@@ -1064,21 +1090,27 @@ fn slot_ranges(reply: &Value) -> Result<Vec<SlotRange>, StoreError> {
         let (Some(first), Some(last)) = (slot(fields.first()), slot(fields.get(1))) else {
             return Err(malformed());
         };
-        let master = match fields.get(2) {
-            Some(Value::Array(node)) => match (node.first(), node.get(1)) {
-                (Some(Value::BulkString(host)), Some(Value::Int(port))) if !host.is_empty() => {
-                    u16::try_from(*port)
-                        .ok()
-                        .map(|port| (String::from_utf8_lossy(host).into_owned(), port))
-                }
-                _ => None,
-            },
+        let Some(Value::Array(node)) = fields.get(2) else {
+            return Err(malformed());
+        };
+        // The id, since Redis 3.2 (a cluster before it has no EVALSHA
+        // fit for these scripts either).
+        let Some(Value::BulkString(id)) = node.get(2) else {
+            return Err(malformed());
+        };
+        let master = match (node.first(), node.get(1)) {
+            (Some(Value::BulkString(host)), Some(Value::Int(port))) if !host.is_empty() => {
+                u16::try_from(*port)
+                    .ok()
+                    .map(|port| (String::from_utf8_lossy(host).into_owned(), port))
+            }
             _ => None,
         };
         ranges.push(SlotRange {
             first,
             last,
             master,
+            id: String::from_utf8_lossy(id).into_owned(),
         });
     }
     if ranges.is_empty() {
@@ -1090,56 +1122,53 @@ fn slot_ranges(reply: &Value) -> Result<Vec<SlotRange>, StoreError> {
     Ok(ranges)
 }
 
-/// `PING` to the master of `range`, at the address `CLUSTER SLOTS` gave.
-///
-/// By address, because the client's own routing answers from any node
-/// when it cannot connect to a slot's master: a `PING` routed by slot would
-/// be answered while the master is down. By address, a master the client
-/// has no connection to fails; the client is then asked to connect to it,
-/// as a decision would, and the `PING` goes once more, so that a master
-/// back up is found again (the client reconnects to a node only when a
-/// call routed by slot needs it).
-///
-/// Errors: Redis's, or `None` for a master the client has no connection
-/// to and could not connect to.
-async fn ping_master(
-    conn: &mut ClusterConnection,
-    range: &SlotRange,
-) -> Result<(), Option<RedisError>> {
-    let ping = redis::cmd("PING");
-    let by_slot = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
-        range.first,
-        SlotAddr::Master,
-    )));
-    let Some((host, port)) = &range.master else {
-        // No address in the reply: the client's routing is all there is.
-        return conn
-            .route_command(&ping, by_slot)
-            .await
-            .map(drop)
-            .map_err(Some);
-    };
-    let by_address = || {
-        RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
-            host: host.clone(),
-            port: *port,
-        })
-    };
-    match conn.route_command(&ping, by_address()).await {
-        Err(e) if e.kind() == ErrorKind::ClientError => {
-            // Its answer may come from another node: only the next one,
-            // by address, counts.
-            let _ = conn.route_command(&ping, by_slot).await;
-            conn.route_command(&ping, by_address())
-                .await
-                .map(drop)
-                .map_err(|e| (e.kind() != ErrorKind::ClientError).then_some(e))
-        }
-        other => other.map(drop).map_err(Some),
-    }
+/// Why the master of a slot range cannot decide (see [`check_master`]).
+enum MasterCheck {
+    /// The call failed.
+    Redis(RedisError),
+    /// Another node, of this id, answered in its place.
+    Another(String),
+    /// It answered, without `cluster_state:ok`.
+    NotOk,
 }
 
-/// The most slot ranges [`RedisStore::ping`] pings: one `PING` each.
+/// Whether the master of `range` can decide: `CLUSTER MYID` and `CLUSTER
+/// INFO` in one pipeline, routed by slot as a decision for that range is
+/// (connecting to the master when the client has no connection to it).
+///
+/// Its id must be the one `CLUSTER SLOTS` gave, because the client answers
+/// from any node when it cannot reach a slot's master; and it must report
+/// `cluster_state:ok`, because a master just restarted answers at once but
+/// refuses its keys (`CLUSTERDOWN`) until the cluster takes it back.
+async fn check_master(conn: &mut ClusterConnection, range: &SlotRange) -> Result<(), MasterCheck> {
+    let mut pipe = redis::pipe();
+    pipe.cmd("CLUSTER").arg("MYID").cmd("CLUSTER").arg("INFO");
+    let route = SingleNodeRoutingInfo::SpecificNode(Route::new(range.first, SlotAddr::Master));
+    let values = conn
+        .route_pipeline(&pipe, 0, 2, route)
+        .await
+        .map_err(MasterCheck::Redis)?;
+    let text = |v: Option<&Value>| match v {
+        Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+        Some(Value::VerbatimString { text, .. }) => text.clone(),
+        Some(Value::SimpleString(s)) => s.clone(),
+        _ => String::new(),
+    };
+    let id = text(values.first());
+    let id = id.trim();
+    if id != range.id {
+        return Err(MasterCheck::Another(id.to_owned()));
+    }
+    if !text(values.get(1))
+        .lines()
+        .any(|l| l.trim() == "cluster_state:ok")
+    {
+        return Err(MasterCheck::NotOk);
+    }
+    Ok(())
+}
+
+/// The most slot ranges [`RedisStore::ping`] reads.
 const MAX_SLOT_RANGES: usize = 16_384;
 
 /// The `redis://` URL of each seed of a `redis-cluster://` URL (its part
@@ -1554,7 +1583,7 @@ mod tests {
             Value::Array(vec![
                 Value::BulkString(host.as_bytes().to_vec()),
                 Value::Int(port),
-                Value::BulkString(b"id".to_vec()),
+                Value::BulkString(format!("id-{port}").into_bytes()),
             ])
         };
         let reply = Value::Array(vec![
@@ -1568,6 +1597,7 @@ mod tests {
         ]);
         let ranges = slot_ranges(&reply).unwrap();
         assert_eq!(ranges[0].master, Some(("127.0.0.1".to_owned(), 7001)));
+        assert_eq!(ranges[2].id, "id-7003");
         let shown: Vec<String> = ranges.iter().map(ToString::to_string).collect();
         assert_eq!(
             shown,
@@ -1582,6 +1612,12 @@ mod tests {
             node("h", 1),
         ])]);
         assert_eq!(bad(past_last_slot).kind(), StoreErrorKind::Backend);
+        let without_id = Value::Array(vec![Value::Array(vec![
+            Value::Int(0),
+            Value::Int(1),
+            Value::Array(vec![Value::BulkString(b"h".to_vec()), Value::Int(1)]),
+        ])]);
+        assert_eq!(bad(without_id).kind(), StoreErrorKind::Backend);
         let none = bad(Value::Array(vec![]));
         assert_eq!(none.kind(), StoreErrorKind::ConnectionDropped);
         assert!(none.detail().contains("serves none"), "{none}");

@@ -381,6 +381,12 @@ impl RedisCluster {
         self.nodes[index].kill();
     }
 
+    /// Kills the node at `index` and starts it again on its port and
+    /// folder, so that it rejoins the cluster from its `nodes.conf`.
+    pub fn restart_node(&mut self, index: usize) {
+        self.nodes[index].restart();
+    }
+
     /// Waits until the node at `index` is a master, at most `within`;
     /// whether it became one.
     pub fn wait_until_master(&self, index: usize, within: Duration) -> bool {

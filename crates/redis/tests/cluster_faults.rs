@@ -284,6 +284,40 @@ fn ping_fails_while_any_master_is_frozen() {
     });
 }
 
+/// A master restarted from its `nodes.conf` answers at once, but refuses
+/// its keys (`CLUSTERDOWN`) until the cluster takes it back: `ping` is not
+/// ready until then, so once it is, every key decides.
+#[test]
+fn ping_is_not_ready_while_a_restarted_master_refuses_its_keys() {
+    let mut cluster = RedisCluster::start();
+    let rt = common::runtime();
+    let store = rt.block_on(async {
+        RedisStore::connect(&cluster.url(), REFERENCE, options("restart"))
+            .await
+            .expect("connect")
+    });
+    rt.block_on(store.ping())
+        .expect("a healthy cluster answers");
+    cluster.restart_node(0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while let Err(e) = rt.block_on(store.ping()) {
+        assert!(
+            Instant::now() < deadline,
+            "not ready 30 s after the restart: {e}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // A master that takes its keys back never refuses them again unless
+    // it fails anew: what ping saw holds for the decisions after it.
+    let failed = rt.block_on(failures(&store));
+    assert!(
+        failed.is_empty(),
+        "ready, but {} of {KEYS} decisions failed, the first with {}",
+        failed.len(),
+        failed[0]
+    );
+}
+
 /// On a cluster, a batch's timeout is per request: with one master frozen,
 /// its keys time out and the other masters' keys keep their decisions,
 /// all within the batch's time; a request said not to have been sent was
