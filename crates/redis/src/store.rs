@@ -156,7 +156,8 @@ impl Cluster {
             .clone()
     }
 
-    /// A call timed out: starts making a new connection in the background,
+    /// A call timed out (or a probe found the slot map out of date): starts
+    /// making a new connection in the background,
     /// unless one is being made, or was started less than
     /// [`CLUSTER_REBUILD_INTERVAL`] ago, or replaced the old one less than
     /// a call timeout ago (the timeout may be a late one of a call begun on
@@ -661,9 +662,13 @@ impl RedisStore {
     /// map names (the client answers from another node when it cannot
     /// reach a slot's master) and must report `cluster_state:ok` (a master
     /// just restarted answers at once, but refuses its keys until the
-    /// cluster takes it back). So a cluster is ready only when every
-    /// slot's master can decide, and a master this client cannot reach
-    /// fails it, even while the others answer.
+    /// cluster takes it back). Every slot must have a master. So a cluster
+    /// is ready only when every slot's master can decide, and a master this
+    /// client cannot reach fails it, even while the others answer. When
+    /// another node answers in a master's place, a new connection is
+    /// started in the background, as for a timeout: the client's slot map
+    /// may be out of date (a failover it has not seen, which nothing else
+    /// would tell it without decisions on those keys).
     ///
     /// Errors: as [`RedisStore::decide`]'s, except that a timeout says
     /// only what did not answer (a `PING` changes nothing), on a cluster
@@ -712,6 +717,21 @@ impl RedisStore {
                 Err(_) => return Err(timed_out("no master answered CLUSTER SLOTS")),
             }
         };
+        // A cluster that does not require full coverage stays
+        // `cluster_state:ok` with slots nobody serves, whose keys fail.
+        let assigned: u32 = slots
+            .iter()
+            .map(|r| u32::from(r.last.saturating_sub(r.first)) + 1)
+            .sum();
+        if assigned < 16_384 {
+            return Err(StoreError::new(
+                StoreErrorKind::ConnectionDropped,
+                format!(
+                    "CLUSTER SLOTS assigns {assigned} of the 16384 slots to a master: keys of \
+                     the others cannot be decided"
+                ),
+            ));
+        }
         // One check per master: its first range stands for the others.
         let mut ranges_of: std::collections::HashMap<&str, usize> = Default::default();
         let mut masters: Vec<&SlotRange> = Vec::new();
@@ -744,9 +764,16 @@ impl RedisStore {
             match answer {
                 Ok(Ok(())) => {}
                 Ok(Err(MasterCheck::Another(id))) => {
+                    // A slot map out of date (a failover the client has not
+                    // seen) is mended only by a new connection: nothing
+                    // else tells redis-rs, since its fallback node answered.
+                    if let Backend::Cluster(cluster) = &self.inner.backend {
+                        cluster.timed_out();
+                    }
                     return failed(format!(
-                        "{master}: node {id} answered in its place (the client cannot reach it)"
-                    ))
+                        "{master}: node {id} answered in its place (the client cannot reach \
+                         it, or its slot map is out of date)"
+                    ));
                 }
                 Ok(Err(MasterCheck::NotOk)) => {
                     return failed(format!(

@@ -318,6 +318,74 @@ fn ping_is_not_ready_while_a_restarted_master_refuses_its_keys() {
     );
 }
 
+/// After a failover, with no decision to send the client a `MOVED`, `ping`
+/// still finds the new master: a master answered for by another node makes
+/// the store read the slot map afresh, and pings are then ready, every one.
+#[test]
+fn ping_is_ready_again_after_a_failover_without_decisions() {
+    let mut cluster = RedisCluster::start_with_replicas(1000);
+    let replica = cluster
+        .replica_of(0, 1)
+        .expect("the first master has a replica");
+    let rt = common::runtime();
+    let store = rt.block_on(async {
+        RedisStore::connect(&cluster.url(), REFERENCE, options("failover-ping"))
+            .await
+            .expect("connect")
+    });
+    rt.block_on(store.ping())
+        .expect("a healthy cluster answers");
+    cluster.kill_node(0);
+    assert!(
+        cluster.wait_until_master(replica, Duration::from_secs(20)),
+        "the replica was not promoted"
+    );
+    // Ready within a few seconds, then five pings in a row: a ping that
+    // got through only when a fallback node happened to be the new master
+    // would not pass five times running.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut in_a_row = 0;
+    while in_a_row < 5 {
+        match rt.block_on(store.ping()) {
+            Ok(()) => in_a_row += 1,
+            Err(e) => {
+                in_a_row = 0;
+                assert!(
+                    Instant::now() < deadline,
+                    "not ready 15 s after the failover: {e}"
+                );
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A cluster that does not require full coverage stays `cluster_state:ok`
+/// with a slot no master serves: `ping` is not ready, since that slot's
+/// keys cannot be decided.
+#[test]
+fn ping_is_not_ready_while_a_slot_has_no_master() {
+    let cluster = RedisCluster::start();
+    let rt = common::runtime();
+    let store = rt.block_on(async {
+        RedisStore::connect(&cluster.url(), REFERENCE, options("coverage"))
+            .await
+            .expect("connect")
+    });
+    rt.block_on(store.ping())
+        .expect("a healthy cluster answers");
+    for node in cluster.nodes() {
+        node.cli(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
+        node.cli(&["CLUSTER", "DELSLOTS", "0"]);
+    }
+    let err = rt.block_on(store.ping()).unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::ConnectionDropped, "{err}");
+    assert!(
+        err.detail().contains("assigns 16383 of the 16384 slots"),
+        "{err}"
+    );
+}
+
 /// On a cluster, a batch's timeout is per request: with one master frozen,
 /// its keys time out and the other masters' keys keep their decisions,
 /// all within the batch's time; a request said not to have been sent was
