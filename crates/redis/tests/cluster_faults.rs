@@ -27,6 +27,17 @@ fn options(tag: &str) -> RedisOptions {
     }
 }
 
+/// A store on `cluster`, checked with a `ping` that answers.
+fn ready_store(cluster: &RedisCluster, rt: &tokio::runtime::Runtime, tag: &str) -> RedisStore {
+    rt.block_on(async {
+        let store = RedisStore::connect(&cluster.url(), REFERENCE, options(tag))
+            .await
+            .expect("connect");
+        store.ping().await.expect("a healthy cluster answers");
+        store
+    })
+}
+
 /// One decision for each of the keys, all at once; how many failed.
 async fn round(store: &RedisStore) -> usize {
     failures(store).await.len()
@@ -248,13 +259,7 @@ fn a_failed_cluster_stops_connecting_saying_so() {
 fn ping_fails_while_any_master_is_frozen() {
     let cluster = RedisCluster::start();
     let rt = common::runtime();
-    let store = rt.block_on(async {
-        RedisStore::connect(&cluster.url(), REFERENCE, options("ping"))
-            .await
-            .expect("connect")
-    });
-    rt.block_on(store.ping())
-        .expect("a healthy cluster answers");
+    let store = ready_store(&cluster, &rt, "ping");
     cluster.nodes()[0].pause();
     let port = cluster.nodes()[0].port();
     // Spaced past the store's one new connection a second, so that later
@@ -291,13 +296,7 @@ fn ping_fails_while_any_master_is_frozen() {
 fn ping_is_not_ready_while_a_restarted_master_refuses_its_keys() {
     let mut cluster = RedisCluster::start();
     let rt = common::runtime();
-    let store = rt.block_on(async {
-        RedisStore::connect(&cluster.url(), REFERENCE, options("restart"))
-            .await
-            .expect("connect")
-    });
-    rt.block_on(store.ping())
-        .expect("a healthy cluster answers");
+    let store = ready_store(&cluster, &rt, "restart");
     cluster.restart_node(0);
     let deadline = Instant::now() + Duration::from_secs(30);
     while let Err(e) = rt.block_on(store.ping()) {
@@ -328,13 +327,7 @@ fn ping_is_ready_again_after_a_failover_without_decisions() {
         .replica_of(0, 1)
         .expect("the first master has a replica");
     let rt = common::runtime();
-    let store = rt.block_on(async {
-        RedisStore::connect(&cluster.url(), REFERENCE, options("failover-ping"))
-            .await
-            .expect("connect")
-    });
-    rt.block_on(store.ping())
-        .expect("a healthy cluster answers");
+    let store = ready_store(&cluster, &rt, "failover-ping");
     cluster.kill_node(0);
     assert!(
         cluster.wait_until_master(replica, Duration::from_secs(20)),
@@ -367,13 +360,7 @@ fn ping_is_ready_again_after_a_failover_without_decisions() {
 fn ping_is_not_ready_while_a_slot_has_no_master() {
     let cluster = RedisCluster::start();
     let rt = common::runtime();
-    let store = rt.block_on(async {
-        RedisStore::connect(&cluster.url(), REFERENCE, options("coverage"))
-            .await
-            .expect("connect")
-    });
-    rt.block_on(store.ping())
-        .expect("a healthy cluster answers");
+    let store = ready_store(&cluster, &rt, "coverage");
     for node in cluster.nodes() {
         node.cli(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
         node.cli(&["CLUSTER", "DELSLOTS", "0"]);
