@@ -385,10 +385,7 @@ impl RedisStore {
                             format!("Redis Cluster at {shown} cannot be used: CLUSTER INFO: {e}"),
                         )
                     })?;
-                let state = info
-                    .lines()
-                    .find_map(|l| l.trim().strip_prefix("cluster_state:"))
-                    .unwrap_or("(not given)");
+                let state = cluster_state(&info).unwrap_or("(not given)");
                 if state != "ok" {
                     return Err(StoreError::new(
                         StoreErrorKind::Backend,
@@ -682,8 +679,8 @@ impl RedisStore {
             StoreError::new(e.kind(), format!("{what} within {timeout_ms} ms"))
         };
         let cluster = match self.conn() {
-            Conn::Node(node) => {
-                let mut conn = Conn::Node(node);
+            Conn::Cluster(cluster) => cluster,
+            mut conn => {
                 let cmd = redis::cmd("PING");
                 return match tokio::time::timeout_at(deadline, self.try_call(&mut conn, &cmd)).await
                 {
@@ -693,7 +690,6 @@ impl RedisStore {
                     Err(_) => Err(timed_out("Redis did not answer PING")),
                 };
             }
-            Conn::Cluster(cluster) => cluster,
         };
         let slots = {
             let mut conn = cluster.clone();
@@ -1175,24 +1171,25 @@ async fn check_master(conn: &mut ClusterConnection, range: &SlotRange) -> Result
         .route_pipeline(&pipe, 0, 2, route)
         .await
         .map_err(MasterCheck::Redis)?;
-    let text = |v: Option<&Value>| match v {
-        Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
-        Some(Value::VerbatimString { text, .. }) => text.clone(),
-        Some(Value::SimpleString(s)) => s.clone(),
-        _ => String::new(),
+    let text = |v: Option<&Value>| {
+        v.and_then(|v| redis::from_redis_value::<String>(v).ok())
+            .unwrap_or_default()
     };
     let id = text(values.first());
     let id = id.trim();
     if id != range.id {
         return Err(MasterCheck::Another(id.to_owned()));
     }
-    if !text(values.get(1))
-        .lines()
-        .any(|l| l.trim() == "cluster_state:ok")
-    {
+    if cluster_state(&text(values.get(1))) != Some("ok") {
         return Err(MasterCheck::NotOk);
     }
     Ok(())
+}
+
+/// The `cluster_state` a `CLUSTER INFO` reply gives (`ok` or `fail`).
+fn cluster_state(info: &str) -> Option<&str> {
+    info.lines()
+        .find_map(|l| l.trim().strip_prefix("cluster_state:"))
 }
 
 /// The most slot ranges [`RedisStore::ping`] reads.
