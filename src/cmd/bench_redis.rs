@@ -968,23 +968,29 @@ fn redis_benchmark_version() -> Result<String, String> {
 fn connect_admin(url: &str, address: &str) -> Result<redis::Connection, String> {
     let client = redis::Client::open(url)
         .map_err(|e| format!("{:?} is not a Redis URL: {e}", redact_url(url)))?;
+    // The message gives the time waited, not the timeout: redis-rs
+    // applies the timeout to each read of its connection set-up, so a
+    // server that takes the connection and never answers is given it
+    // twice.
+    let started = Instant::now();
     let mut admin = client
         .get_connection_with_timeout(CONNECT_TIMEOUT)
-        .map_err(|e| connect_error(&e, address, CONNECT_TIMEOUT))?;
+        .map_err(|e| connect_error(&e, address, started.elapsed()))?;
     admin
         .set_read_timeout(Some(CALL_TIMEOUT))
         .and_then(|()| admin.set_write_timeout(Some(CALL_TIMEOUT)))
         .map_err(|e| format!("Redis at {address}: cannot bound the connection's waits: {e}"))?;
     // Connecting sends nothing that needs a password when the URL has
     // none: a server that wants one says so only when asked.
+    let started = Instant::now();
     redis::cmd("PING")
         .query::<String>(&mut admin)
-        .map_err(|e| connect_error(&e, address, CALL_TIMEOUT))?;
+        .map_err(|e| connect_error(&e, address, started.elapsed()))?;
     Ok(admin)
 }
 
 /// A failure to connect to, or to use, the server at `address`, saying
-/// what to change; `waited`: how long the call that failed could wait.
+/// what to change; `waited`: how long the call that failed waited.
 fn connect_error(e: &RedisError, address: &str, waited: Duration) -> String {
     const WITH_PASSWORD: &str =
         "redis://:PASSWORD@HOST:PORT (or redis://USER:PASSWORD@HOST:PORT for an ACL user)";
