@@ -396,6 +396,11 @@ fn integer_field(
     field: &str,
     max: u64,
 ) -> Result<u64, VectorError> {
+    // The least value the messages name. A window of 0 is a whole number
+    // and is refused later, by the configuration's own check, which says
+    // why; a message for a value that is no whole number still names the
+    // range that would be taken.
+    let min = if field == "window_ms" { 1 } else { 0 };
     let here = || format!("{path}.{field}");
     match obj.get(field) {
         Some(Value::Number(n)) => match n.as_u64().or_else(|| exact_whole(n)) {
@@ -411,18 +416,18 @@ fn integer_field(
                 &here(),
                 format!(
                     "{n} is above 2^64 - 1, or written as a float above 2^53 - 1 (where it \
-                     may already be rounded); write a whole number from 0 to {max} as an \
-                     integer"
+                     may already be rounded); write a whole number from {min} to {max} as \
+                     an integer"
                 ),
             )),
             None => Err(err(
                 &here(),
-                format!("must be a whole number from 0 to {max}, found {n}"),
+                format!("must be a whole number from {min} to {max}, found {n}"),
             )),
         },
         Some(other) => Err(err(
             &here(),
-            format!("must be a whole number from 0 to {max}, found {other}"),
+            format!("must be a whole number from {min} to {max}, found {other}"),
         )),
         None => Err(err(path, format!("missing field \"{field}\""))),
     }
@@ -720,7 +725,15 @@ mod tests {
                     r#""policy": "fixed-window", "limit": -1, "window_ms": 10"#,
                     GOOD_STEP,
                 ),
-                "cases[0].limit: must be a whole number",
+                "cases[0].limit: must be a whole number from 0 to 9007199254740991, found -1",
+            ),
+            (
+                // A window's range starts at 1.
+                case_with(
+                    r#""policy": "fixed-window", "limit": 1, "window_ms": -1000"#,
+                    GOOD_STEP,
+                ),
+                "cases[0].window_ms: must be a whole number from 1 to 9007199254740991, found -1000",
             ),
             (
                 case_with(
