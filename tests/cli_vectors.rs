@@ -308,3 +308,36 @@ fn fields_the_format_does_not_have_are_named_on_standard_error() {
     let out = ratewarden(&["vectors", concat!(env!("CARGO_MANIFEST_DIR"), "/vectors")]);
     assert!(!stderr(&out).contains("note:"), "{}", stderr(&out));
 }
+
+/// A case of no steps passes, as it tests nothing, and is named on
+/// standard error: a file cut short, or steps under a misspelt name (then
+/// also noted), would otherwise pass without a sign.
+#[test]
+fn cases_of_no_steps_are_named_on_standard_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = scratch(
+        &dir,
+        "empty.json",
+        r#"{"cases": [
+            {"description": "one", "policy": "fixed-window", "limit": 5, "window_ms": 1000,
+             "steps": [{"key": 1, "now_ms": 0, "cost": 1, "allowed": true,
+                        "retry_after_ms": 0, "remaining": 4}]},
+            {"description": "none", "policy": "fixed-window", "limit": 5, "window_ms": 1000,
+             "steps": []}]}"#,
+    );
+    let out = ratewarden(&["vectors", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(
+            "empty.json: note: cases with no steps, which pass without testing anything: \
+             cases[1]\n"
+        ),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
+        stdout(&out).contains("2 passed, 0 failed"),
+        "{}",
+        stdout(&out)
+    );
+}

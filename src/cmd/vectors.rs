@@ -336,26 +336,32 @@ struct Tally {
     mix32_differ: usize,
 }
 
-/// Places shown of a file's unknown fields; the note counts the rest.
-const UNKNOWN_FIELDS_SHOWN: usize = 5;
+/// Places shown in a note; the note counts the rest.
+const NOTE_PLACES_SHOWN: usize = 5;
 
 /// Says, on standard error, where a file holds fields the format does not
 /// have: they are ignored, and a misspelt one (`brust`) would otherwise
 /// change what a case tests without a sign. The verdict is unchanged.
 fn note_unknown_fields(path: &Path, places: &[String]) {
+    note(
+        path,
+        "ignored fields the vector format does not have (check their spelling)",
+        places,
+    );
+}
+
+/// Prints `what` and the first [`NOTE_PLACES_SHOWN`] of `places` as a note
+/// on standard error, when there are any.
+fn note(path: &Path, what: &str, places: &[String]) {
     if places.is_empty() {
         return;
     }
-    let shown = places[..places.len().min(UNKNOWN_FIELDS_SHOWN)].join(", ");
-    let more = match places.len().saturating_sub(UNKNOWN_FIELDS_SHOWN) {
+    let shown = places[..places.len().min(NOTE_PLACES_SHOWN)].join(", ");
+    let more = match places.len().saturating_sub(NOTE_PLACES_SHOWN) {
         0 => String::new(),
         n => format!(" and {n} more"),
     };
-    eprintln!(
-        "{}: note: ignored fields the vector format does not have (check their spelling): \
-         {shown}{more}",
-        path.display()
-    );
+    eprintln!("{}: note: {what}: {shown}{more}", path.display());
 }
 
 /// Runs every mix32 value and case of one file, printing each failure.
@@ -380,6 +386,9 @@ fn run_file(
             ));
         }
     }
+    // A case of no steps passes; a file cut short, or steps under a
+    // misspelt name, would otherwise pass without a sign.
+    let mut empty = Vec::new();
     for (i, case) in file.cases.iter().enumerate() {
         let case = match case {
             Ok(case) => case,
@@ -389,6 +398,9 @@ fn run_file(
                 continue;
             }
         };
+        if case.steps.is_empty() {
+            empty.push(format!("cases[{i}]"));
+        }
         match runner.run(case) {
             CaseOutcome::Passed => tally.passed += 1,
             CaseOutcome::Mismatch {
@@ -421,6 +433,11 @@ fn run_file(
             }
         }
     }
+    note(
+        path,
+        "cases with no steps, which pass without testing anything",
+        &empty,
+    );
 }
 
 fn show_expected(e: &Expected) -> String {
