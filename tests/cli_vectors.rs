@@ -304,6 +304,22 @@ fn fields_the_format_does_not_have_are_named_on_standard_error() {
         "{}",
         stdout(&out)
     );
+    // A field given twice is named too: readers differ on which they take.
+    let path = scratch(
+        &dir,
+        "twice.json",
+        r#"{"cases": [{"description": "twice", "policy": "token-bucket", "limit": 50,
+            "window_ms": 1000, "limit": 5, "steps": [{"key": 1, "now_ms": 0, "cost": 1,
+            "allowed": true, "retry_after_ms": 0, "remaining": 4}]}]}"#,
+    );
+    let out = ratewarden(&["vectors", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("twice.json: note: fields given twice in one object")
+            && stderr(&out).contains("keep one): cases[0].limit\n"),
+        "{}",
+        stderr(&out)
+    );
     // The project's own files hold no such field.
     let out = ratewarden(&["vectors", concat!(env!("CARGO_MANIFEST_DIR"), "/vectors")]);
     assert!(!stderr(&out).contains("note:"), "{}", stderr(&out));

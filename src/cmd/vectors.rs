@@ -192,6 +192,12 @@ pub fn run(args: Args) -> ExitCode {
             }
         };
         note_unknown_fields(path, &file.unknown_fields);
+        note(
+            path,
+            "fields given twice in one object, where the last is taken (JSON readers differ \
+             on which they take; keep one)",
+            &file.duplicate_fields,
+        );
         run_file(path, &file, runner.as_mut(), &mut tally, &mut out);
     }
     if tally.malformed_cases > 0 {

@@ -166,6 +166,11 @@ pub struct EachCase {
     /// misspelt field (`brust` for `burst`) changes what a case tests
     /// without a sign, so a runner should say so.
     pub unknown_fields: Vec<String>,
+    /// Where an object of the file names a field twice
+    /// (`cases[0].limit`): the last is taken, but JSON readers differ on
+    /// which they take (RFC 8259 leaves it open), so another port may run
+    /// a different case, and a runner should say so.
+    pub duplicate_fields: Vec<String>,
 }
 
 /// The fields of SPEC's format: at the top, in a `mix32` entry, in a case
@@ -226,6 +231,92 @@ fn unknown_fields(root: &Map<String, Value>) -> Vec<String> {
     out
 }
 
+/// The places in the JSON `text` (already known to parse) of fields an
+/// object names twice, at any depth.
+fn duplicate_fields(text: &str) -> Vec<String> {
+    use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+    use std::collections::HashSet;
+
+    /// Walks one value at `path`, adding the places of repeated fields to
+    /// `found`. (With serde_json's `arbitrary_precision`, a number comes
+    /// as an object of one field, which never repeats.)
+    struct Walk<'a> {
+        path: String,
+        found: &'a mut Vec<String>,
+    }
+    impl<'de> DeserializeSeed<'de> for Walk<'_> {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Walk<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            let mut seen = HashSet::new();
+            while let Some(field) = map.next_key::<String>()? {
+                let path = if self.path.is_empty() {
+                    field.clone()
+                } else {
+                    format!("{}.{field}", self.path)
+                };
+                if !seen.insert(field) {
+                    self.found.push(path.clone());
+                }
+                map.next_value_seed(Walk {
+                    path,
+                    found: &mut *self.found,
+                })?;
+            }
+            Ok(())
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            for i in 0.. {
+                let item = Walk {
+                    path: format!("{}[{i}]", self.path),
+                    found: &mut *self.found,
+                };
+                if seq.next_element_seed(item)?.is_none() {
+                    break;
+                }
+            }
+            Ok(())
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_str<E>(self, _: &str) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_unit<E>(self) -> Result<(), E> {
+            Ok(())
+        }
+    }
+
+    let mut found = Vec::new();
+    let mut reader = serde_json::Deserializer::from_str(text);
+    // The text parsed as a `Value` already, so this walk cannot fail; if it
+    // somehow did, the places found so far are still right.
+    let _ = Walk {
+        path: String::new(),
+        found: &mut found,
+    }
+    .deserialize(&mut reader);
+    found
+}
+
 /// Parses a vector file as [`parse`] does, except that a malformed case is
 /// kept as its error in its place and the file's other cases still parse:
 /// a runner can run them and report that one. The file itself (its JSON,
@@ -244,6 +335,7 @@ pub fn parse_each(text: &str) -> Result<EachCase, VectorError> {
     })?;
     let mut file = EachCase {
         unknown_fields: unknown_fields(root),
+        duplicate_fields: duplicate_fields(text),
         ..EachCase::default()
     };
     if let Some(mix) = root.get("mix32") {
@@ -672,6 +764,37 @@ mod tests {
             r#"{{"cases": [{{"description": "", "policy": "gcra", "limit": 1, "window_ms": 10, "burst": 2, "steps": [{GOOD_STEP}]}}]}}"#
         );
         assert!(parse_each(&clean).unwrap().unknown_fields.is_empty());
+    }
+
+    #[test]
+    fn fields_given_twice_are_named() {
+        let text = format!(
+            r#"{{"cases": [
+                {{"policy": "fixed-window", "limit": 5, "limit": 1, "window_ms": 10,
+                  "steps": [{GOOD_STEP}]}},
+                {{"policy": "fixed-window", "limit": 1, "window_ms": 10, "steps": [
+                    {GOOD_STEP},
+                    {{"key": 1, "key": 2, "now_ms": 9007199254740991, "cost": 1,
+                      "allowed": false, "retry_after_ms": 340282366920938463463374607431768211455,
+                      "remaining": 0, "remaining": 0}}]}}
+            ], "cases": []}}"#
+        );
+        let each = parse_each(&text).unwrap();
+        assert_eq!(
+            each.duplicate_fields,
+            [
+                "cases[0].limit",
+                "cases[1].steps[1].key",
+                "cases[1].steps[1].remaining",
+                "cases",
+            ]
+        );
+        // As serde_json reads it, the last is taken.
+        assert!(each.cases.is_empty());
+        let clean = format!(
+            r#"{{"cases": [{{"description": "", "policy": "gcra", "limit": 1, "window_ms": 10, "burst": 2, "steps": [{GOOD_STEP}, {GOOD_STEP}]}}]}}"#
+        );
+        assert!(parse_each(&clean).unwrap().duplicate_fields.is_empty());
     }
 
     #[test]
