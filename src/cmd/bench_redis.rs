@@ -9,7 +9,8 @@
 //! median of its per-round ratios, so that one noisy moment on a shared
 //! machine cannot decide it.
 //!
-//! Run as `ratewarden bench-redis --store redis://HOST:PORT`. Every key it
+//! Run as `ratewarden bench-redis --store redis://HOST:PORT` (or
+//! `redis+unix:///PATH`). Every key it
 //! writes is under one prefix, `ratewarden-bench%3A<pid>:` (the store's
 //! escaped form of `ratewarden-bench:<pid>`): the scripts' keys expire
 //! within two seconds, and the keys of `redis-benchmark`'s `INCR`, which
@@ -65,8 +66,10 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(clap::Args)]
 pub struct Args {
     /// The Redis to measure: `redis://[[USER]:PASSWORD@]HOST:PORT[/DB]`
-    /// (one standalone node, over TCP; redis-benchmark is pointed at the
-    /// same host, port, database and credentials).
+    /// (one standalone node, over TCP) or
+    /// `redis+unix:///PATH[?db=DB&user=USER&pass=PASSWORD]` (over a Unix
+    /// socket); redis-benchmark is pointed at the same address, database
+    /// and credentials.
     #[arg(long)]
     pub store: String,
     /// Decisions per pipelined measurement (per policy, and per script in
@@ -877,7 +880,8 @@ struct Target {
     /// The URL's host, port, database and credentials, as
     /// `redis-benchmark`'s own options.
     args: Vec<String>,
-    /// `HOST:PORT`, as a user writes it (an IPv6 host in brackets).
+    /// `HOST:PORT`, as a user writes it (an IPv6 host in brackets), or
+    /// `unix:PATH`.
     address: String,
     /// Whether the URL's password goes on `redis-benchmark`'s command line.
     password: bool,
@@ -890,12 +894,6 @@ fn redis_benchmark_target(url: &str) -> Result<Target, String> {
     if url.starts_with("rediss://") {
         return Err(ratewarden_redis::url_form_error(url));
     }
-    if url.starts_with("redis+unix://") || url.starts_with("unix://") {
-        return Err(format!(
-            "{shown:?} is a Unix socket: bench-redis drives redis-benchmark over TCP; use \
-             redis://HOST:PORT, an address the server also listens on"
-        ));
-    }
     if url.starts_with("redis-cluster://") {
         return Err(format!(
             "{shown:?}: bench-redis measures one standalone redis-server, named \
@@ -903,8 +901,10 @@ fn redis_benchmark_target(url: &str) -> Result<Target, String> {
              redis-benchmark, the peer it is measured against, drives one node)"
         ));
     }
-    let form = "redis://[[USER]:PASSWORD@]HOST:PORT[/DB]";
-    if !url.starts_with("redis://") {
+    let form = "redis://[[USER]:PASSWORD@]HOST:PORT[/DB] or \
+                redis+unix:///PATH[?db=DB&user=USER&pass=PASSWORD]";
+    let socket = url.starts_with("redis+unix://") || url.starts_with("unix://");
+    if !url.starts_with("redis://") && !socket {
         return Err(format!(
             "{shown:?} is not a Redis URL: bench-redis takes {form}"
         ));
@@ -912,15 +912,27 @@ fn redis_benchmark_target(url: &str) -> Result<Target, String> {
     let info: redis::ConnectionInfo = url
         .parse()
         .map_err(|e| format!("{shown:?} is not a Redis URL ({e}): bench-redis takes {form}"))?;
-    let redis::ConnectionAddr::Tcp(host, port) = info.addr else {
-        return Err(format!("{shown:?}: bench-redis takes {form}"));
+    let (address, mut args) = match info.addr {
+        redis::ConnectionAddr::Tcp(host, port) => {
+            let address = if host.contains(':') {
+                format!("[{host}]:{port}")
+            } else {
+                format!("{host}:{port}")
+            };
+            (
+                address,
+                vec!["-h".to_owned(), host, "-p".to_owned(), port.to_string()],
+            )
+        }
+        redis::ConnectionAddr::Unix(path) => {
+            let path = path
+                .to_str()
+                .ok_or_else(|| format!("{shown:?}: the socket's path is not UTF-8"))?
+                .to_owned();
+            (format!("unix:{path}"), vec!["-s".to_owned(), path])
+        }
+        _ => return Err(format!("{shown:?}: bench-redis takes {form}")),
     };
-    let address = if host.contains(':') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
-    };
-    let mut args = vec!["-h".to_owned(), host, "-p".to_owned(), port.to_string()];
     if info.redis.db != 0 {
         args.extend(["--dbnum".to_owned(), info.redis.db.to_string()]);
     }
@@ -1012,7 +1024,7 @@ fn connect_error(e: &RedisError, address: &str, waited: Duration) -> String {
     } else if e.is_connection_refusal() {
         format!(
             "nothing accepts connections at {address} (connection refused): start \
-             redis-server there, or correct the URL's host and port"
+             redis-server there, or correct the URL's address"
         )
     } else if e.kind() == ErrorKind::ParseError {
         format!(
@@ -1351,6 +1363,14 @@ mod tests {
             args("redis://app:pw@h:1/2"),
             "-h h -p 1 --dbnum 2 --user app -a pw"
         );
+        // A Unix socket goes to redis-benchmark's -s.
+        assert_eq!(args("redis+unix:///tmp/r.sock"), "-s /tmp/r.sock");
+        assert_eq!(
+            args("unix:///tmp/r.sock?db=2&user=app&pass=pw"),
+            "-s /tmp/r.sock --dbnum 2 --user app -a pw"
+        );
+        let target = redis_benchmark_target("redis+unix:///tmp/r.sock").unwrap();
+        assert_eq!(target.address, "unix:/tmp/r.sock");
         let target = redis_benchmark_target("redis://[::1]:6380").unwrap();
         assert_eq!(target.address, "[::1]:6380");
         assert!(!target.password);
@@ -1373,12 +1393,6 @@ mod tests {
             let e = refused(url);
             assert!(e.contains("TLS"), "{e}");
             assert!(e.contains("not supported by this build"), "{e}");
-            assert!(!e.contains("cluster"), "{e}");
-        }
-        for url in ["redis+unix:///tmp/r.sock", "unix:///tmp/r.sock?pass=pw"] {
-            let e = refused(url);
-            assert!(e.contains("drives redis-benchmark over TCP"), "{e}");
-            assert!(e.contains("use redis://HOST:PORT"), "{e}");
             assert!(!e.contains("cluster"), "{e}");
         }
         let e = refused("valkey://h:1");
