@@ -23,7 +23,8 @@ use crate::measure::{check_size, Row, MAX_KEYS, REFERENCE_LIMIT, REFERENCE_WINDO
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// The store to measure: `memory` (every policy beside governor and a
-    /// bare hash map) or `redis://HOST:PORT` (pipelined decisions per second
+    /// bare hash map), `redis://HOST:PORT` or `redis+unix:///PATH`
+    /// (pipelined decisions per second
     /// and round trips per policy beside redis-benchmark, as
     /// `ratewarden bench-redis` measures with its default sizes).
     #[arg(long, default_value = "memory")]
@@ -862,7 +863,7 @@ fn memory_only_message(flags: &[&str], store: &str) -> String {
 pub fn run(args: Args) -> ExitCode {
     if args.store != "memory" {
         // Every Redis-like URL goes to bench-redis, which says what is
-        // wrong with the ones it does not take (TLS, a socket, a cluster).
+        // wrong with the ones it does not take (TLS, a cluster).
         if ratewarden_redis::is_redis_like_url(&args.store) {
             let ignored = args.memory_only_flags();
             if !ignored.is_empty() {
@@ -877,7 +878,8 @@ pub fn run(args: Args) -> ExitCode {
             ));
         }
         eprintln!(
-            "ratewarden bench: unknown store {:?}; use memory or redis://HOST:PORT",
+            "ratewarden bench: unknown store {:?}; use memory, redis://HOST:PORT or \
+             redis+unix:///PATH",
             ratewarden_redis::redact_url(&args.store)
         );
         return ExitCode::from(2);

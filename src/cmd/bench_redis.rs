@@ -903,7 +903,9 @@ fn redis_benchmark_target(url: &str) -> Result<Target, String> {
     }
     let form = "redis://[[USER]:PASSWORD@]HOST:PORT[/DB] or \
                 redis+unix:///PATH[?db=DB&user=USER&pass=PASSWORD]";
-    let socket = url.starts_with("redis+unix://") || url.starts_with("unix://");
+    // `unix://` is redis-rs's other spelling, which the store does not
+    // take: it is refused below, naming the two forms.
+    let socket = url.starts_with("redis+unix://");
     if !url.starts_with("redis://") && !socket {
         return Err(format!(
             "{shown:?} is not a Redis URL: bench-redis takes {form}"
@@ -981,9 +983,10 @@ fn connect_admin(url: &str, address: &str) -> Result<redis::Connection, String> 
     let client = redis::Client::open(url)
         .map_err(|e| format!("{:?} is not a Redis URL: {e}", redact_url(url)))?;
     // The message gives the time waited, not the timeout: redis-rs
-    // applies the timeout to each read of its connection set-up, so a
-    // server that takes the connection and never answers is given it
-    // twice.
+    // waits the timeout for each reply of its connection set-up (two, and
+    // one more for each of a password, a /DB and RESP3), so a server that
+    // takes the connection and never answers is given it two to four
+    // times.
     let started = Instant::now();
     let mut admin = client
         .get_connection_with_timeout(CONNECT_TIMEOUT)
@@ -1004,17 +1007,20 @@ fn connect_admin(url: &str, address: &str) -> Result<redis::Connection, String> 
 /// A failure to connect to, or to use, the server at `address`, saying
 /// what to change; `waited`: how long the call that failed waited.
 fn connect_error(e: &RedisError, address: &str, waited: Duration) -> String {
-    const WITH_PASSWORD: &str =
-        "redis://:PASSWORD@HOST:PORT (or redis://USER:PASSWORD@HOST:PORT for an ACL user)";
+    let with_password = if address.starts_with("unix:") {
+        "redis+unix:///PATH?pass=PASSWORD (with &user=USER for an ACL user)"
+    } else {
+        "redis://:PASSWORD@HOST:PORT (or redis://USER:PASSWORD@HOST:PORT for an ACL user)"
+    };
     let text = e.to_string();
     // With a /DB, connecting sends SELECT first, whose refusal wraps the
     // NOAUTH in its own words.
     if e.code() == Some("NOAUTH") || text.contains("Authentication required") {
-        format!("Redis at {address} requires a password: put it in the URL as {WITH_PASSWORD}")
+        format!("Redis at {address} requires a password: put it in the URL as {with_password}")
     } else if e.kind() == ErrorKind::AuthenticationFailed || e.code() == Some("WRONGPASS") {
         format!(
             "Redis at {address} refused the URL's user or password: correct them in \
-             {WITH_PASSWORD}"
+             {with_password}"
         )
     } else if text.contains("DB index is out of range") {
         format!(
@@ -1033,10 +1039,10 @@ fn connect_error(e: &RedisError, address: &str, waited: Duration) -> String {
         )
     } else if e.is_timeout() {
         format!(
-            "Redis at {address} did not answer within {} s: the port took the connection, \
+            "Redis at {address} did not answer in {:.1} s: the port took the connection, \
              but a Redis that is stopped or overloaded, or a server that is not Redis, did \
              not answer",
-            waited.as_secs()
+            waited.as_secs_f64()
         )
     } else {
         format!("Redis at {address} cannot be used: {e}")
@@ -1366,9 +1372,13 @@ mod tests {
         // A Unix socket goes to redis-benchmark's -s.
         assert_eq!(args("redis+unix:///tmp/r.sock"), "-s /tmp/r.sock");
         assert_eq!(
-            args("unix:///tmp/r.sock?db=2&user=app&pass=pw"),
+            args("redis+unix:///tmp/r.sock?db=2&user=app&pass=pw"),
             "-s /tmp/r.sock --dbnum 2 --user app -a pw"
         );
+        // redis-rs's other spelling, which the store does not take, is
+        // refused before anything starts, naming the form it takes.
+        let e = redis_benchmark_target("unix:///tmp/r.sock").unwrap_err();
+        assert!(e.contains("redis+unix:///PATH"), "{e}");
         let target = redis_benchmark_target("redis+unix:///tmp/r.sock").unwrap();
         assert_eq!(target.address, "unix:/tmp/r.sock");
         let target = redis_benchmark_target("redis://[::1]:6380").unwrap();
@@ -1519,7 +1529,7 @@ mod tests {
         assert!(e.contains("not Redis's protocol"), "{e}");
         assert!(e.contains("check the port"), "{e}");
         let e = connect_error(&io(std::io::ErrorKind::WouldBlock), "h:1", CONNECT_TIMEOUT);
-        assert!(e.contains("Redis at h:1 did not answer within 2 s"), "{e}");
+        assert!(e.contains("Redis at h:1 did not answer in 2.0 s"), "{e}");
         let e = connect_error(
             &io(std::io::ErrorKind::ConnectionRefused),
             "h:1",
