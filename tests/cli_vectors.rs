@@ -326,8 +326,8 @@ fn fields_the_format_does_not_have_are_named_on_standard_error() {
 }
 
 /// A case of no steps passes, as it tests nothing, and is named on
-/// standard error: a file cut short, or steps under a misspelt name (then
-/// also noted), would otherwise pass without a sign.
+/// standard error: one a generator wrote empty, or left as a placeholder,
+/// would otherwise pass without a sign.
 #[test]
 fn cases_of_no_steps_are_named_on_standard_error() {
     let dir = tempfile::tempdir().unwrap();

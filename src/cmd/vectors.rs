@@ -392,8 +392,8 @@ fn run_file(
             ));
         }
     }
-    // A case of no steps passes; a file cut short, or steps under a
-    // misspelt name, would otherwise pass without a sign.
+    // A case of no steps passes; one a generator wrote empty, or left as
+    // a placeholder, would otherwise pass without a sign.
     let mut empty = Vec::new();
     for (i, case) in file.cases.iter().enumerate() {
         let case = match case {

@@ -44,8 +44,10 @@
 //! The store holds at most [`MemoryOptions::max_keys`] keys, rounded up to
 //! a multiple of its shard count ([`MemoryStore::max_keys`]). It forgets
 //! keys only in [`MemoryStore::forget_idle`], an explicit call with a bound,
-//! and only keys whose forgetting cannot change a decision (SPEC "Memory"):
-//! the library starts no threads. When a new key arrives at a full shard,
+//! and only keys whose forgetting cannot change a decision at or after the
+//! time it is given (SPEC "Memory"; docs/SPEC.md says what that means for
+//! a request stamped earlier and decided later): the library starts no
+//! threads. When a new key arrives at a full shard,
 //! the store first forgets that shard's idle keys (at most once per
 //! millisecond of `now_ms`, and, in a shard of more than 256 keys, only
 //! once a new key or a millisecond per 256 keys held has come since the
