@@ -28,23 +28,51 @@ use tower::ServiceExt;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
-/// The `rust` blocks of `markdown`: each one's first line number and its
-/// lines.
+/// The `rust` blocks of `markdown` (info string `rust`, or `rust,` and
+/// attributes such as `ignore`, which are compiled here all the same):
+/// each one's first line number and its lines. Every fenced block is
+/// tracked, of backticks or tildes, closed by a fence of the same
+/// character at least as long, so a fence shown inside another block
+/// opens nothing.
 fn rust_blocks(markdown: &str) -> Vec<(usize, Vec<&str>)> {
     let mut blocks = Vec::new();
-    let mut open: Option<(usize, Vec<&str>)> = None;
+    // The open block's fence, whether it is rust, and its lines.
+    let mut open: Option<(&str, bool, usize, Vec<&str>)> = None;
     for (i, line) in markdown.lines().enumerate() {
+        let trimmed = line.trim_start();
+        let fence_len = |c: char| trimmed.len() - trimmed.trim_start_matches(c).len();
+        let (ticks, tildes) = (fence_len('`'), fence_len('~'));
+        let fence = if ticks >= 3 {
+            Some(&trimmed[..ticks])
+        } else if tildes >= 3 {
+            Some(&trimmed[..tildes])
+        } else {
+            None
+        };
         match open.take() {
-            None if line.trim_start().starts_with("```rust") => open = Some((i + 1, Vec::new())),
-            None => {}
-            Some(block) if line.trim_start().starts_with("```") => blocks.push(block),
-            Some((start, mut lines)) => {
+            None => {
+                if let Some(fence) = fence {
+                    let info = trimmed[fence.len()..].trim();
+                    let rust = info.split(',').next() == Some("rust");
+                    open = Some((fence, rust, i + 1, Vec::new()));
+                }
+            }
+            Some((opener, rust, start, lines))
+                if fence.is_some_and(|f| f.starts_with(opener))
+                    && trimmed[fence.unwrap_or("").len()..].trim().is_empty() =>
+            {
+                if rust {
+                    assert!(!lines.is_empty(), "an empty rust block at line {start}");
+                    blocks.push((start, lines));
+                }
+            }
+            Some((opener, rust, start, mut lines)) => {
                 lines.push(line);
-                open = Some((start, lines));
+                open = Some((opener, rust, start, lines));
             }
         }
     }
-    assert!(open.is_none(), "a rust block is not closed");
+    assert!(open.is_none(), "a block is not closed");
     blocks
 }
 
@@ -80,6 +108,10 @@ fn every_rust_block_of_the_pages_is_compiled_here() {
 
 #[test]
 fn the_block_checker_finds_blocks_and_their_lines() {
+    // Fences of other kinds, and a rust fence shown inside another block.
+    let markdown =
+        "````markdown\n```rust\nnot code\n```\n````\n~~~rust,ignore\ny\n~~~\n```sh\n```rust\n```\n";
+    assert_eq!(rust_blocks(markdown), vec![(6, vec!["y"])]);
     let markdown =
         "text\n```rust\nlet a = 1;\n\n  let b = 2;\n```\n```sh\nls\n```\n```rust\nx\n```\n";
     assert_eq!(
