@@ -855,6 +855,30 @@ fn json_rows(out: &Output) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// A small `bench-redis --json` run on `url` with `extra` flags, which
+/// must succeed: its rows, and the five policies' rows among them.
+fn small_json_run(url: &str, extra: &[&str]) -> (Vec<serde_json::Value>, Vec<serde_json::Value>) {
+    let args: Vec<&str> = ["bench-redis", "--store", url, "--json"]
+        .into_iter()
+        .chain(SMALL)
+        .chain(extra.iter().copied())
+        .collect();
+    let (out, _) = ratewarden_within(&args, &[], Duration::from_secs(120));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows = json_rows(&out);
+    let policies: Vec<_> = rows
+        .iter()
+        .filter(|r| r["workload"] == "policy")
+        .cloned()
+        .collect();
+    assert_eq!(policies.len(), 5, "{rows:?}");
+    (rows, policies)
+}
+
 /// The run writes under its own prefix only, and leaves no key without a
 /// TTL: a user key named as redis-benchmark's default INCR key and any
 /// other key stay as they were, and a user allowed only the prefix's keys
@@ -1031,21 +1055,8 @@ fn bench_redis_shows_no_round_trip_figure_when_none_was_timed() {
         assert!(columns[1].parse::<f64>().unwrap() > 0.0, "{line}");
     }
 
-    let args: Vec<&str> = ["bench-redis", "--store", &url, "--json"]
-        .into_iter()
-        .chain(SMALL)
-        .chain(["--round-trips", "0"])
-        .collect();
-    let (out, _) = ratewarden_within(&args, &[], Duration::from_secs(120));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows = json_rows(&out);
+    let (rows, policies) = small_json_run(&url, &["--round-trips", "0"]);
     assert_eq!(rows[0]["round_trips"], 0);
-    let policies: Vec<_> = rows.iter().filter(|r| r["workload"] == "policy").collect();
-    assert_eq!(policies.len(), 5);
     for row in policies {
         assert!(row["round_trip_us_p50"].is_null(), "{row}");
         assert!(row["round_trip_us_p99"].is_null(), "{row}");
@@ -1070,19 +1081,7 @@ fn bench_redis_measures_a_server_on_a_unix_socket() {
         "only-this-one",
     ]);
     let url = format!("redis+unix://{socket}?pass=only-this-one");
-    let args: Vec<&str> = ["bench-redis", "--store", &url, "--json"]
-        .into_iter()
-        .chain(SMALL)
-        .collect();
-    let (out, _) = ratewarden_within(&args, &[], Duration::from_secs(120));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows = json_rows(&out);
-    let policies: Vec<_> = rows.iter().filter(|r| r["workload"] == "policy").collect();
-    assert_eq!(policies.len(), 5);
+    let (_, policies) = small_json_run(&url, &[]);
     for row in &policies {
         assert!(row["decisions_per_s"].as_f64().unwrap() > 0.0, "{row}");
     }
