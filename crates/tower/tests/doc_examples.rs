@@ -20,6 +20,7 @@ use axum::middleware::{self, Next};
 use axum::routing::get;
 use axum::Router;
 use bytes::Bytes;
+use pulldown_cmark::{CodeBlockKind, Event, Parser, Tag, TagEnd};
 use ratewarden_core::{Limiter, LocalLimiter, REFERENCE};
 use ratewarden_tower::key::{ExtensionKey, PeerIp, RequestKey};
 use ratewarden_tower::{RateLimitLayer, Refusal};
@@ -30,49 +31,35 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 
 /// The `rust` blocks of `markdown` (info string `rust`, or `rust,` and
 /// attributes such as `ignore`, which are compiled here all the same):
-/// each one's first line number and its lines. Every fenced block is
-/// tracked, of backticks or tildes, closed by a fence of the same
-/// character at least as long, so a fence shown inside another block
-/// opens nothing.
-fn rust_blocks(markdown: &str) -> Vec<(usize, Vec<&str>)> {
+/// each one's first line number (its opening fence's) and its lines. A
+/// CommonMark parser finds them, so fences of every form count, and a
+/// fence shown inside another block opens nothing.
+fn rust_blocks(markdown: &str) -> Vec<(usize, Vec<String>)> {
     let mut blocks = Vec::new();
-    // The open block's fence, whether it is rust, and its lines.
-    let mut open: Option<(&str, bool, usize, Vec<&str>)> = None;
-    for (i, line) in markdown.lines().enumerate() {
-        let trimmed = line.trim_start();
-        let fence_len = |c: char| trimmed.len() - trimmed.trim_start_matches(c).len();
-        let (ticks, tildes) = (fence_len('`'), fence_len('~'));
-        let fence = if ticks >= 3 {
-            Some(&trimmed[..ticks])
-        } else if tildes >= 3 {
-            Some(&trimmed[..tildes])
-        } else {
-            None
-        };
-        match open.take() {
-            None => {
-                if let Some(fence) = fence {
-                    let info = trimmed[fence.len()..].trim();
-                    let rust = info.split(',').next() == Some("rust");
-                    open = Some((fence, rust, i + 1, Vec::new()));
-                }
-            }
-            Some((opener, rust, start, lines))
-                if fence.is_some_and(|f| f.starts_with(opener))
-                    && trimmed[fence.unwrap_or("").len()..].trim().is_empty() =>
+    // The open rust block's line and text.
+    let mut open: Option<(usize, String)> = None;
+    for (event, at) in Parser::new(markdown).into_offset_iter() {
+        match event {
+            Event::Start(Tag::CodeBlock(CodeBlockKind::Fenced(info)))
+                if info.split(',').next() == Some("rust") =>
             {
-                if rust {
-                    assert!(!lines.is_empty(), "an empty rust block at line {start}");
-                    blocks.push((start, lines));
+                let line = markdown[..at.start].matches('\n').count() + 1;
+                open = Some((line, String::new()));
+            }
+            Event::Text(text) => {
+                if let Some((_, body)) = &mut open {
+                    body.push_str(&text);
                 }
             }
-            Some((opener, rust, start, mut lines)) => {
-                lines.push(line);
-                open = Some((opener, rust, start, lines));
+            Event::End(TagEnd::CodeBlock) => {
+                if let Some((line, body)) = open.take() {
+                    assert!(!body.is_empty(), "an empty rust block at line {line}");
+                    blocks.push((line, body.lines().map(str::to_owned).collect()));
+                }
             }
+            _ => {}
         }
     }
-    assert!(open.is_none(), "a block is not closed");
     blocks
 }
 
@@ -106,17 +93,24 @@ fn every_rust_block_of_the_pages_is_compiled_here() {
     }
 }
 
+fn owned(lines: &[&str]) -> Vec<String> {
+    lines.iter().map(|l| l.to_string()).collect()
+}
+
 #[test]
 fn the_block_checker_finds_blocks_and_their_lines() {
     // Fences of other kinds, and a rust fence shown inside another block.
     let markdown =
         "````markdown\n```rust\nnot code\n```\n````\n~~~rust,ignore\ny\n~~~\n```sh\n```rust\n```\n";
-    assert_eq!(rust_blocks(markdown), vec![(6, vec!["y"])]);
+    assert_eq!(rust_blocks(markdown), [(6, owned(&["y"]))]);
     let markdown =
         "text\n```rust\nlet a = 1;\n\n  let b = 2;\n```\n```sh\nls\n```\n```rust\nx\n```\n";
     assert_eq!(
         rust_blocks(markdown),
-        vec![(2, vec!["let a = 1;", "", "  let b = 2;"]), (10, vec!["x"])]
+        [
+            (2, owned(&["let a = 1;", "", "  let b = 2;"])),
+            (10, owned(&["x"]))
+        ]
     );
 }
 
