@@ -346,7 +346,7 @@ pub fn parse_each(text: &str) -> Result<EachCase, VectorError> {
             let path = format!("mix32[{i}]");
             let obj = object(entry, &path)?;
             let input = string_field(obj, &path, "input")?;
-            let output = integer_field(obj, &path, "output", u64::from(u32::MAX))? as u32;
+            let output = integer_field(obj, &path, "output", 0, u64::from(u32::MAX))? as u32;
             file.mix32.push(Mix32Vector { input, output });
         }
     }
@@ -377,11 +377,11 @@ fn parse_case(value: &Value, path: &str) -> Result<Case, VectorError> {
     let policy: PolicyKind = name
         .parse()
         .map_err(|e: crate::ConfigError| err(&format!("{path}.policy"), e.to_string()))?;
-    let limit = integer_field(obj, path, "limit", MAX_SAFE)?;
-    let window_ms = integer_field(obj, path, "window_ms", MAX_SAFE)?;
+    let limit = integer_field(obj, path, "limit", 0, MAX_SAFE)?;
+    let window_ms = integer_field(obj, path, "window_ms", 1, MAX_SAFE)?;
     let burst = match obj.get("burst") {
         None | Some(Value::Null) => None,
-        Some(_) => Some(integer_field(obj, path, "burst", MAX_SAFE)?),
+        Some(_) => Some(integer_field(obj, path, "burst", 0, MAX_SAFE)?),
     };
     // SPEC's own example of the format gives a sliding-window counter a
     // burst: a policy without a bucket has no use for one and ignores it.
@@ -415,7 +415,7 @@ fn parse_step(value: &Value, path: &str) -> Result<Step, VectorError> {
     let obj = object(value, path)?;
     let key = match obj.get("key") {
         Some(Value::String(s)) => VectorKey::Str(s.clone()),
-        Some(Value::Number(_)) => VectorKey::Int(integer_field(obj, path, "key", u64::MAX)?),
+        Some(Value::Number(_)) => VectorKey::Int(integer_field(obj, path, "key", 0, u64::MAX)?),
         Some(_) => {
             return Err(err(
                 &format!("{path}.key"),
@@ -424,8 +424,8 @@ fn parse_step(value: &Value, path: &str) -> Result<Step, VectorError> {
         }
         None => return Err(err(path, "missing field \"key\"")),
     };
-    let now_ms = integer_field(obj, path, "now_ms", MAX_SAFE)?;
-    let cost = integer_field(obj, path, "cost", MAX_SAFE)?;
+    let now_ms = integer_field(obj, path, "now_ms", 0, MAX_SAFE)?;
+    let cost = integer_field(obj, path, "cost", 0, MAX_SAFE)?;
     let allowed = match obj.get("allowed") {
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(err(&format!("{path}.allowed"), "must be true or false")),
@@ -452,7 +452,7 @@ fn parse_step(value: &Value, path: &str) -> Result<Step, VectorError> {
         }
         None => return Err(err(path, "missing field \"retry_after_ms\"")),
     };
-    let remaining = integer_field(obj, path, "remaining", u64::MAX)?;
+    let remaining = integer_field(obj, path, "remaining", 0, u64::MAX)?;
     Ok(Step {
         key,
         now_ms,
@@ -482,17 +482,17 @@ fn string_field(obj: &Map<String, Value>, path: &str, field: &str) -> Result<Str
     }
 }
 
+/// Reads `field` of `obj` as a whole number up to `max`. `min` is the
+/// least value the field takes, named in the messages for values that are
+/// no whole number; a whole number below it (a window of 0) is returned,
+/// for the configuration's own check to refuse saying why.
 fn integer_field(
     obj: &Map<String, Value>,
     path: &str,
     field: &str,
+    min: u64,
     max: u64,
 ) -> Result<u64, VectorError> {
-    // The least value the messages name. A window of 0 is a whole number
-    // and is refused later, by the configuration's own check, which says
-    // why; a message for a value that is no whole number still names the
-    // range that would be taken.
-    let min = if field == "window_ms" { 1 } else { 0 };
     let here = || format!("{path}.{field}");
     match obj.get(field) {
         Some(Value::Number(n)) => match n.as_u64().or_else(|| exact_whole(n)) {
