@@ -11,7 +11,7 @@ use http::request::Parts;
 use http::{HeaderValue, Request, Response, StatusCode};
 use ratewarden_core::{
     BoxFuture, Clock, ConfigError, Decision, FailurePolicy, KeyHash, Limiter, LocalLimiter,
-    LogGate, MonotonicClock, PolicyConfig, StoreError,
+    LogGate, MonotonicClock, PolicyConfig, StoreError, StoreErrorKind,
 };
 use tower_layer::Layer;
 use tower_service::Service;
@@ -210,8 +210,11 @@ impl RateLimitBuilder {
 
     /// What to do when the limiter fails (default
     /// [`FailurePolicy::FailClosed`]): `FailOpen` admits the request without
-    /// rate-limit headers, `FailClosed` answers `503 Service Unavailable`,
-    /// `Local` decides on an in-memory limiter with the same configuration.
+    /// rate-limit headers (but answers corrupt state as `FailClosed` does:
+    /// admitting would lift that key's limit until someone deletes it),
+    /// `FailClosed` answers `503 Service Unavailable`, `Local` decides on an
+    /// in-memory limiter with the same configuration. A cost above the
+    /// policy's capacity is refused under each, as the store would.
     pub fn failure_policy(mut self, policy: FailurePolicy) -> Self {
         self.failure_policy = policy;
         self
@@ -423,7 +426,7 @@ impl Shared {
             Poll::Pending => match tokio::time::timeout(self.check_timeout, check).await {
                 Ok(result) => result,
                 Err(_) => Err(StoreError::new(
-                    ratewarden_core::StoreErrorKind::Timeout,
+                    StoreErrorKind::Timeout,
                     format!(
                         "the limiter did not answer within {} ms",
                         self.check_timeout.as_millis()
@@ -447,7 +450,21 @@ impl Shared {
                 "rate limiter failed"
             );
         }
-        match self.failure_policy {
+        if cost > self.limiter.config().capacity() {
+            // No budget ever admits it, which needs no store to know:
+            // refused as the store would have, with no wait, whatever the
+            // failure policy (as `ratewarden serve` does).
+            return Verdict::Decided(Decision::refused(None, 0));
+        }
+        let policy = match (error.kind(), self.failure_policy) {
+            // The failure policies are for a store that is away and comes
+            // back. A key whose state the store cannot read fails on every
+            // request until someone deletes it: admitting would lift that
+            // key's limit for good, and silently, so it is refused.
+            (StoreErrorKind::CorruptState, FailurePolicy::FailOpen) => FailurePolicy::FailClosed,
+            (_, policy) => policy,
+        };
+        match policy {
             FailurePolicy::FailOpen => Verdict::AdmitUndecided,
             FailurePolicy::FailClosed => Verdict::Unavailable,
             FailurePolicy::Local => match self.fallback.as_ref().map(|f| f.check_now(key, cost)) {

@@ -941,6 +941,63 @@ async fn fail_closed_answers_503_without_a_retry_claim() {
     assert_eq!(header(&response, &RATELIMIT), None);
 }
 
+/// A key whose state the store cannot read fails on every request until
+/// someone deletes it: failing open would lift its limit for good, so the
+/// layer refuses it as it would fail closed (as `ratewarden serve` does).
+#[tokio::test]
+async fn corrupt_state_is_refused_even_when_failing_open() {
+    let corrupt = Arc::new(Failing(REFERENCE, StoreErrorKind::CorruptState));
+    let open = RateLimitLayer::builder(corrupt.clone(), GlobalKey::new(0))
+        .failure_policy(FailurePolicy::FailOpen)
+        .build()
+        .unwrap();
+    let (response, body) = send(&router(open), Request::builder().uri("/")).await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(body, "the rate limiter is unavailable; try again later\n");
+    assert_eq!(header(&response, &RETRY_AFTER), None);
+    // The local fallback still decides: it holds state of its own.
+    let (fallback, _clock) = local(REFERENCE);
+    let local = RateLimitLayer::builder(corrupt, GlobalKey::new(0))
+        .failure_policy(FailurePolicy::Local)
+        .local_fallback(fallback)
+        .build()
+        .unwrap();
+    let (response, _) = send(&router(local), Request::builder().uri("/")).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(header(&response, &RATELIMIT), Some("\"default\";r=99"));
+}
+
+/// No budget ever admits a cost above the policy's capacity, which needs
+/// no store to know: refused with no wait whatever the failure policy.
+#[tokio::test]
+async fn a_cost_above_the_capacity_is_refused_while_the_store_fails() {
+    for policy in [
+        FailurePolicy::FailOpen,
+        FailurePolicy::FailClosed,
+        FailurePolicy::Local,
+    ] {
+        let mut builder = RateLimitLayer::builder(failing(), GlobalKey::new(0))
+            .cost(|_| REFERENCE.capacity() + 1)
+            .failure_policy(policy);
+        if policy == FailurePolicy::Local {
+            builder = builder.local_fallback(local(REFERENCE).0);
+        }
+        let (response, body) = send(
+            &router(builder.build().unwrap()),
+            Request::builder().uri("/"),
+        )
+        .await;
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS, "{policy}");
+        assert_eq!(header(&response, &RETRY_AFTER), None, "{policy}");
+        assert_eq!(
+            header(&response, &RATELIMIT),
+            Some("\"default\";r=0"),
+            "{policy}"
+        );
+        assert!(body.contains("above what"), "{policy}: {body}");
+    }
+}
+
 #[tokio::test]
 async fn fail_local_decides_on_the_in_memory_fallback() {
     let config = PolicyConfig::new(PolicyKind::FixedWindow, 3, 1000);
