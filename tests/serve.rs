@@ -1052,6 +1052,77 @@ fn a_body_that_never_arrives_neither_holds_the_connection_nor_delays_shutdown() 
     server.stop();
 }
 
+/// A body declared over 64 KiB is refused before it is read, with no `100
+/// Continue` inviting it; one sent in chunks, with no declared length, is
+/// refused once 64 KiB have arrived.
+#[test]
+fn a_body_over_the_bound_is_refused_whether_declared_or_chunked() {
+    use std::io::{Read, Write};
+    let server = Server::start(&[]);
+    let answer = |request: &[u8]| {
+        let mut stream = std::net::TcpStream::connect(server.http).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        // The server may answer and close before the last byte.
+        let _ = stream.write_all(request);
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    let declared = answer(
+        b"POST /v1/check HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n\
+          Content-Length: 99999999999\r\n\r\n",
+    );
+    assert!(declared.starts_with("HTTP/1.1 413"), "{declared}");
+    assert!(declared.contains("larger than 65536 bytes"), "{declared}");
+    let mut chunked =
+        b"POST /v1/check HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+    for _ in 0..70 {
+        chunked.extend_from_slice(b"400\r\n");
+        chunked.extend_from_slice(&[b' '; 1024]);
+        chunked.extend_from_slice(b"\r\n");
+    }
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    let chunked = answer(&chunked);
+    assert!(chunked.starts_with("HTTP/1.1 413"), "{chunked}");
+    server.stop();
+}
+
+/// A client that sends requests and never reads the answers stalls the
+/// server's writes once the socket buffers fill: the connection is closed
+/// 10 s after the last write that made progress, so it can neither hold
+/// the connection nor keep shutdown waiting for the 30 s drain bound.
+#[test]
+fn a_client_that_never_reads_neither_holds_the_connection_nor_delays_shutdown() {
+    use std::io::Write;
+    let server = Server::start(&[]);
+    let mut stream = std::net::TcpStream::connect(server.http).unwrap();
+    stream
+        .set_write_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let requests = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(100);
+    // Pipelined requests until the client's own writes block: the server
+    // stopped reading, since its answers no longer fit the buffers. A
+    // bound, in case some system's buffers took all of it.
+    let mut blocked = false;
+    for _ in 0..100_000 {
+        if stream.write_all(&requests).is_err() {
+            blocked = true;
+            break;
+        }
+    }
+    assert!(
+        blocked,
+        "the server kept reading 370 MB of unanswered requests"
+    );
+    let stopping = Instant::now();
+    // Exits cleanly within 20 s (`stop`'s bound): before the drain bound.
+    server.stop();
+    assert!(stopping.elapsed() < Duration::from_secs(20));
+    drop(stream);
+}
+
 /// A client controls descriptor values (paths, headers) and Envoy lets a
 /// descriptor carry its own hits_addend: neither a long value nor a huge
 /// cost may turn the call into an error, which Envoy would answer by

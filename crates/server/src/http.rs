@@ -17,6 +17,7 @@ use ratewarden_core::MAX_SAFE;
 use ratewarden_tower::headers::{advertised_remaining, header_wait_secs, quota, window_secs};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
+use tokio_io_timeout::TimeoutStream;
 
 use crate::conn::Acceptor;
 use crate::metrics::Api;
@@ -26,6 +27,11 @@ use crate::service::{BadRequest, DescriptorOutcome, DescriptorRequest, Service};
 /// longest an idle keep-alive connection is kept), so connections that
 /// send nothing cannot pile up.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The longest an answer's write may wait on a client that does not read
+/// it (the time between two writes that make progress, as nginx's
+/// `send_timeout`): then the connection is closed.
+pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Serves `app` on the connections `acceptor` admits until `stop` turns
 /// true, then stops accepting and lets every open connection finish the
@@ -54,7 +60,12 @@ pub async fn serve(
             builder
                 .timer(TokioTimer::new())
                 .header_read_timeout(HEADER_READ_TIMEOUT);
-            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            // A client that stops reading would otherwise stall an
+            // answer's write, and so hold its connection (and delay a
+            // shutdown), for as long as it likes.
+            let mut stream = TimeoutStream::new(stream);
+            stream.set_write_timeout(Some(WRITE_STALL_TIMEOUT));
+            let conn = builder.serve_connection(TokioIo::new(Box::pin(stream)), service);
             tokio::pin!(conn);
             let stopping = tokio::select! {
                 served = conn.as_mut() => {
@@ -318,9 +329,30 @@ fn parse_cost(cost: Option<Option<serde_json::Number>>) -> Result<u64, String> {
     }
 }
 
+/// The answer to a body over [`MAX_BODY_BYTES`].
+fn too_large() -> Response {
+    bad(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!("the request body is larger than {MAX_BODY_BYTES} bytes; send a shorter key, or fewer or shorter descriptors"),
+    )
+}
+
 async fn check(State(service): State<Arc<Service>>, request: Request) -> Response {
     let started = Instant::now();
-    let response =
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let response = if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        // Answered before the body is read, so hyper sends no `100
+        // Continue` inviting it; the connection closes, since the body
+        // may follow all the same.
+        let mut response = too_large();
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        response
+    } else {
         match tokio::time::timeout(BODY_READ_TIMEOUT, Bytes::from_request(request, &())).await {
             Ok(body) => decide(&service, body).await,
             Err(_) => {
@@ -338,7 +370,8 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
                     .insert(header::CONNECTION, HeaderValue::from_static("close"));
                 response
             }
-        };
+        }
+    };
     // A refusal (429) is an answer, not a bad request.
     if response.status().is_client_error() && response.status() != StatusCode::TOO_MANY_REQUESTS {
         service.metrics.bad_request(Api::Http);
@@ -350,13 +383,13 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
 async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Response {
     let body = match body {
         Ok(b) => b,
-        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => return too_large(),
+        Err(e) => {
             return bad(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("the request body is larger than {MAX_BODY_BYTES} bytes; send a shorter key, or fewer or shorter descriptors"),
+                StatusCode::BAD_REQUEST,
+                format!("the request body could not be read: {e}"),
             )
         }
-        Err(e) => return bad(StatusCode::BAD_REQUEST, format!("the request body could not be read: {e}")),
     };
     // RFC 8259 lets a reader ignore a byte order mark, which some clients
     // (PowerShell, Windows editors) put before the JSON.
