@@ -405,6 +405,9 @@ impl RedisStore {
                     call_timeout: response_timeout,
                 }))
             } else {
+                if let Some(what) = crate::url::query_error(url, shown) {
+                    return Err(StoreError::new(StoreErrorKind::InvalidInput, what));
+                }
                 let client = redis::Client::open(url).map_err(|e| invalid_url(shown, e))?;
                 // One attempt per (re)connection, no backoff: redis-rs
                 // 0.32 waits at least a second (backon's minimum delay,

@@ -193,9 +193,46 @@ fn redact_userinfo(node: &str) -> String {
 }
 /// The forms [`RedisStore::connect`](crate::RedisStore::connect) takes, for
 /// error messages.
-pub(crate) const FORMS: &str = "redis://[:PASSWORD@]HOST:PORT[/DB], \
-     redis+unix:///PATH[?db=DB&pass=PASSWORD] or \
-     redis-cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT...]";
+pub(crate) const FORMS: &str = "redis://[[USER]:PASSWORD@]HOST:PORT[/DB], \
+     redis+unix:///PATH[?db=DB&user=USER&pass=PASSWORD] or \
+     redis-cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]";
+
+/// What is wrong with the query of a one-node URL, if anything. redis-rs
+/// reads a few query fields (`protocol` on `redis://`; `db`, `user`,
+/// `pass` and `protocol` on `redis+unix://`) and ignores the rest without a
+/// word, so `redis://HOST:PORT?db=3` would count in database 0, and
+/// `?password=` would send no password. `shown`: the URL without its
+/// credentials. A URL that does not parse is left to redis-rs's message.
+pub(crate) fn query_error(url: &str, shown: &str) -> Option<String> {
+    let parsed = ::url::Url::parse(url).ok()?;
+    let unix = parsed.scheme() == "redis+unix";
+    let taken: &[&str] = if unix {
+        &["db", "user", "pass", "protocol"]
+    } else {
+        &["protocol"]
+    };
+    let (field, _) = parsed
+        .query_pairs()
+        .find(|(field, _)| !taken.contains(&field.as_ref()))?;
+    // Only a field name a user would mean is echoed: anything else typed
+    // after the `?` may be a secret.
+    let named = match field.as_ref() {
+        f @ ("db" | "user" | "username" | "pass" | "password") => format!("the field {f:?}"),
+        _ => "a field".to_owned(),
+    };
+    let instead = match (unix, field.as_ref()) {
+        (true, _) => "a redis+unix:// URL takes ?db=DB&user=USER&pass=PASSWORD",
+        (false, "db") => "write the database as the path: redis://HOST:PORT/DB",
+        (false, "user" | "username" | "pass" | "password") => {
+            "write the credentials before the host: redis://USER:PASSWORD@HOST:PORT, or \
+             redis://:PASSWORD@HOST:PORT"
+        }
+        (false, _) => "write redis://[[USER]:PASSWORD@]HOST:PORT[/DB], with no query",
+    };
+    Some(format!(
+        "{shown:?}: its query has {named} that is not read, so it would be ignored; {instead}"
+    ))
+}
 
 /// Whether `url` is of a form the store takes (by its scheme alone; the
 /// rest is checked when connecting): for command-line parsers, so that a

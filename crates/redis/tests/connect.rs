@@ -231,6 +231,27 @@ fn a_unix_socket_url_connects_and_tls_is_refused_saying_so() {
     );
     let e = connect("http://127.0.0.1:6379").expect_err("not Redis");
     assert!(e.to_string().contains("redis+unix:///PATH"), "{e}");
+
+    // redis-rs ignores the query fields it does not read: `?db=3` would
+    // count in database 0, `?password=` would send none. Refused before
+    // connecting, saying where the value goes, and showing no secret.
+    for (url, says) in [
+        ("redis://127.0.0.1:1?db=3", "write the database as the path"),
+        (
+            "redis://127.0.0.1:1?password=s3cret",
+            "write the credentials before the host",
+        ),
+        ("redis://127.0.0.1:1/0?s3cret", "with no query"),
+        (
+            "redis+unix:///tmp/ratewarden-none.sock?password=s3cret",
+            "takes ?db=DB&user=USER&pass=PASSWORD",
+        ),
+    ] {
+        let e = connect(url).expect_err(url);
+        assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+        assert!(e.to_string().contains(says), "{e}");
+        assert!(!e.to_string().contains("s3cret"), "{e}");
+    }
 }
 
 #[test]
