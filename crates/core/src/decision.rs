@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 /// let contradiction = r#"{"allowed":true,"retry_after_ms":250,"remaining":0}"#;
 /// assert!(serde_json::from_str::<Decision>(contradiction).is_err());
 /// ```
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Serialize, Deserialize)]
 #[serde(into = "DecisionFields", try_from = "DecisionFields")]
 pub struct Decision {
     /// Admitted or refused. A refused request changes no count.
@@ -34,7 +34,9 @@ pub struct Decision {
     /// A wait longer than `u64::MAX` ms (585 million years: only a token
     /// bucket or GCRA with a huge burst and window and a tiny limit needs
     /// one, up to about 2^106 ms) reads `u64::MAX` here;
-    /// [`Decision::retry_after_ms_exact`] has it exactly.
+    /// [`Decision::retry_after_ms_exact`] has it exactly, for as long as
+    /// this field says `Some(u64::MAX)`: a wrapper that caps the wait by
+    /// writing a smaller one here caps the exact wait too.
     pub retry_after_ms: Option<u64>,
     /// After this decision: the largest cost a request at the same instant
     /// would be admitted with. Never negative.
@@ -50,6 +52,26 @@ pub struct Decision {
     /// decision took 10 to 15 ns in `ratewarden bench --quick` instead of 5
     /// to 10.
     retry_after_ms_wide: [u64; 2],
+}
+
+/// Equal when the fields a user knows are, the wait exact (a wide wait's
+/// halves left behind by a capped `retry_after_ms` do not count).
+impl PartialEq for Decision {
+    fn eq(&self, other: &Self) -> bool {
+        self.allowed == other.allowed
+            && self.remaining == other.remaining
+            && self.retry_after_ms_exact() == other.retry_after_ms_exact()
+    }
+}
+
+impl Eq for Decision {}
+
+impl std::hash::Hash for Decision {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.allowed.hash(state);
+        self.retry_after_ms_exact().hash(state);
+        self.remaining.hash(state);
+    }
 }
 
 /// A [`Decision`] as serde writes and reads it: the wait exact, in one
@@ -136,7 +158,9 @@ impl Decision {
         }
     }
 
-    /// A refused request; `retry_after_ms` is `None` for "never".
+    /// A refused request; `retry_after_ms` is `None` for "never", else at
+    /// least 1 (a refusal with no wait contradicts itself, and serde
+    /// refuses to read one back).
     pub const fn refused(retry_after_ms: Option<u64>, remaining: u64) -> Self {
         Decision {
             allowed: false,
@@ -186,7 +210,7 @@ impl Decision {
     pub const fn retry_after_ms_exact(&self) -> Option<u128> {
         let [high, low] = self.retry_after_ms_wide;
         match self.retry_after_ms {
-            Some(_) if high != 0 => Some(((high as u128) << 64) | low as u128),
+            Some(u64::MAX) if high != 0 => Some(((high as u128) << 64) | low as u128),
             Some(ms) => Some(ms as u128),
             None => None,
         }
@@ -228,6 +252,13 @@ mod tests {
             assert_ne!(d, Decision::refused(Some(u64::MAX), 3));
         }
         assert_eq!(Decision::refused_exact(None, 3), Decision::refused(None, 3));
+        // A wrapper that caps the wait through the public field caps it
+        // everywhere: the exact wait, `Debug`, equality.
+        let mut capped = Decision::refused_exact(Some(1 << 70), 3);
+        capped.retry_after_ms = Some(60_000);
+        assert_eq!(capped.retry_after_ms_exact(), Some(60_000));
+        assert_eq!(capped, Decision::refused(Some(60_000), 3));
+        assert!(format!("{capped:?}").contains("Some(60000)"));
         assert_eq!(Decision::admitted(7).retry_after_ms_exact(), Some(0));
         // No 16-byte field, so no 16-byte tag for a `Result` to test.
         assert_eq!(std::mem::align_of::<Decision>(), 8);
