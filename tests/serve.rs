@@ -1173,8 +1173,10 @@ async fn long_values_and_huge_costs_never_void_the_other_limits() {
         .await;
         assert_eq!(r.overall_code, Code::OverLimit as i32);
         assert_eq!(r.statuses[0].code, Code::OverLimit as i32);
-        // It never fits: no wait is given.
+        // It never fits: no wait is given, and the budget it left alone
+        // is reported whole.
         assert_eq!(r.statuses[0].duration_until_reset, None);
+        assert_eq!(r.statuses[0].limit_remaining, 100);
         assert_eq!(r.statuses[1].code, Code::Ok as i32);
     }
     // The refused requests consumed nothing from the other descriptors.

@@ -378,13 +378,16 @@ impl Service {
         // descriptor refused the request: only its own is counted in the
         // metrics.
         let mut own = vec![false; groups.len()];
-        for (g, (_, cost)) in groups.iter().enumerate() {
+        for (g, (m, cost)) in groups.iter().enumerate() {
             // No limit exceeds 2^53 - 1, so a larger cost never fits: it is
             // refused with no wait, as a cost above the limit is, without
-            // asking the store (which takes no such cost). An error instead
-            // would void every other descriptor's limit in the request.
+            // asking the store to take it (it takes no such cost). An error
+            // instead would void every other descriptor's limit in the
+            // request. What is left comes from a cost-0 check, as for any
+            // refusal (0 if the store fails it).
             if *cost > MAX_SAFE {
-                decided[g] = Some((Decision::refused(None, 0), false));
+                let remaining = self.call(m, 0).await.map_or(0, |d| d.remaining);
+                decided[g] = Some((Decision::refused(None, remaining), false));
                 own[g] = true;
             }
         }
