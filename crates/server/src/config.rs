@@ -338,6 +338,14 @@ fn plain_message(message: &str) -> String {
              allow less)"
         );
     }
+    // The parser's own depth bounds, for tables named by very long dotted
+    // keys (its message then has no position) and for nested values.
+    if message.contains("recursion limit") || message.contains("cannot recurse further") {
+        return format!(
+            "{message}: the file nests too deeply for the parser; descriptors nest at most \
+             {MAX_DEPTH} levels (flatten them), and no setting takes a nested list or table"
+        );
+    }
     let message = message.replace("expected i64", "expected a whole number");
     if message.contains("invalid type: map, expected a sequence") {
         return format!(
@@ -1189,6 +1197,27 @@ shadow = true
         assert!(e.message.contains("expected a whole number"), "{e}");
         let e = parse_err("[domains]\ndomain = \"api\"\n");
         assert!(e.message.contains("write [[domains]]"), "{e}");
+    }
+
+    /// The parser's own depth bounds say what to change too: a table named
+    /// by a very long dotted key (whose error has no position) and a
+    /// nested value.
+    #[test]
+    fn nesting_past_the_parser_s_bounds_says_what_to_change() {
+        let mut deep = String::from("[[domains]]\ndomain = \"d\"\n");
+        let mut path = String::from("domains");
+        for _ in 0..100 {
+            path.push_str(".descriptors");
+            deep.push_str(&format!("[[{path}]]\nkey = \"k\"\n"));
+        }
+        let nested = format!("[keys]\nlimit = {}1{}\n", "[".repeat(500), "]".repeat(500));
+        for text in [deep, nested] {
+            let e = parse_err(&text);
+            assert!(
+                e.message.contains("descriptors nest at most 16 levels"),
+                "{e}"
+            );
+        }
     }
 
     #[test]
