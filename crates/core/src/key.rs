@@ -49,13 +49,20 @@ pub fn xxh3_64(key: &str) -> u64 {
 }
 
 /// Which hash turns a string key into an integer key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+///
+/// With serde it is its name, as in configuration files: `"mix32"` or
+/// `"xxh3-64"`.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
 pub enum KeyHash {
     /// [`mix32`]: SPEC's default, portable, 32 bits.
     #[default]
+    #[serde(rename = "mix32")]
     Mix32,
     /// [`xxh3_64`]: 64 bits, for millions of keys and wherever clients
     /// choose key material.
+    #[serde(rename = "xxh3-64")]
     Xxh3_64,
 }
 

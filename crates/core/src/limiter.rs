@@ -11,6 +11,8 @@ use std::pin::Pin;
 use std::str::FromStr;
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
+
 use crate::clock::{Clock, SystemClock};
 use crate::registry::{AnyPolicy, PolicyConfig};
 use crate::store::memory::{MemoryOptions, MemoryStore};
@@ -39,15 +41,21 @@ impl<L: Limiter + ?Sized> Limiter for Arc<L> {
 }
 
 /// What a limiter does with a request when its store fails.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+///
+/// With serde it is its name, as in configuration files: `"open"`,
+/// `"closed"` or `"local"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum FailurePolicy {
     /// Admit the request: availability over protection.
+    #[serde(rename = "open")]
     FailOpen,
     /// Refuse the request: protection over availability.
     #[default]
+    #[serde(rename = "closed")]
     FailClosed,
     /// Decide it on a local in-memory limiter with the same configuration:
     /// each process enforces the limit alone until the store returns.
+    #[serde(rename = "local")]
     Local,
 }
 

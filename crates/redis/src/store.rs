@@ -32,7 +32,11 @@ const STATE_FORMAT: &str = "v2";
 pub const MAX_BATCH: usize = 10_000;
 
 /// How a [`RedisStore`] names keys, bounds its calls and sets TTLs.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// With serde, an object of these fields; a field left out takes its
+/// [`Default`] value, and a field it does not know is refused.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct RedisOptions {
     /// The first part of every key name (escaped; see [`escape_key_part`]).
     pub prefix: String,
@@ -1604,6 +1608,22 @@ impl ratewarden_core::Limiter for RedisStore {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn options_read_from_a_file_take_defaults_and_refuse_unknown_fields() {
+        let options: super::RedisOptions =
+            serde_json::from_str(r#"{"prefix": "app", "timeout_ms": 20}"#).unwrap();
+        assert_eq!(
+            options,
+            super::RedisOptions {
+                prefix: "app".to_owned(),
+                timeout_ms: 20,
+                ..super::RedisOptions::default()
+            }
+        );
+        let e = serde_json::from_str::<super::RedisOptions>(r#"{"timeout": 20}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `timeout`"), "{e}");
+    }
+
     #[test]
     fn slot_ranges_read_cluster_slots_with_or_without_addresses() {
         let node = |host: &str, port: i64| {

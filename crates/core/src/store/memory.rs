@@ -87,7 +87,11 @@ const fn prev_power_of_two(n: usize) -> usize {
 }
 
 /// Limits and layout of a [`MemoryStore`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// With serde, `{"max_keys": N, "shards": N}`; a field left out takes its
+/// [`Default`] value, and a field it does not know is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct MemoryOptions {
     /// The most keys the store holds at once, split evenly over the
     /// shards: each holds `max_keys / shards`, rounded up, at least 1, so
