@@ -1079,7 +1079,7 @@ async fn connect_all(
         stores.push(
             RedisStore::connect(url, config, options)
                 .await
-                // The detail alone: the error's kind ("invalid request")
+                // The detail alone: the error's kind ("invalid input")
                 // would only stand in the way of what it says.
                 .map_err(|e| e.detail().to_owned())?,
         );

@@ -99,7 +99,10 @@ pub enum StoreErrorKind {
     CapacityExhausted,
     /// The state stored under the key is not valid state for the policy.
     CorruptState,
-    /// The request itself is invalid (`now_ms` or `cost` out of range).
+    /// The input is invalid, and stays so however often it is retried: a
+    /// request's `now_ms` or `cost` out of range, or, from a store's
+    /// constructor (`RedisStore::connect`), its configuration, options or
+    /// URL.
     InvalidInput,
     /// The store answered with an error of its own.
     Backend,
@@ -202,7 +205,7 @@ impl fmt::Display for StoreError {
             StoreErrorKind::ConnectionDropped => "store connection dropped",
             StoreErrorKind::CapacityExhausted => "store capacity exhausted",
             StoreErrorKind::CorruptState => "corrupt state in store",
-            StoreErrorKind::InvalidInput => "invalid request",
+            StoreErrorKind::InvalidInput => "invalid input",
             StoreErrorKind::Backend => "store error",
         };
         write!(f, "{kind}: {}", self.detail)

@@ -599,10 +599,14 @@ impl RedisStore {
     /// or the client's): a timeout says that the request may have been
     /// applied.
     fn call_error(&self, e: StoreError) -> StoreError {
-        if e.is_timeout() {
-            self.timed_out()
-        } else {
-            e
+        match e.kind() {
+            StoreErrorKind::Timeout => self.timed_out(),
+            // Named, since the connection's own words ("Reconnecting
+            // failed: Connection refused") do not say which Redis.
+            StoreErrorKind::ConnectionDropped | StoreErrorKind::Backend => {
+                StoreError::new(e.kind(), format!("Redis at {}: {}", self.url(), e.detail()))
+            }
+            _ => e,
         }
     }
 
@@ -616,7 +620,9 @@ impl RedisStore {
         StoreError::new(
             StoreErrorKind::Timeout,
             format!(
-                "Redis did not answer within {} ms; the request may or may not have been applied",
+                "Redis at {} did not answer within {} ms; the request may or may not have been \
+                 applied",
+                self.url(),
                 self.inner.options.timeout_ms
             ),
         )

@@ -610,14 +610,17 @@ fn a_refusing_redis_fails_calls_as_connection_errors_and_the_first_call_back_suc
         .expect("connect");
     assert!(rt.block_on(store.decide(1, None, 1)).is_ok());
     server.kill();
-    let kinds: Vec<StoreErrorKind> = (0..10)
+    let errors: Vec<_> = (0..10)
         .map(|i| {
             rt.block_on(store.decide(i, None, 1))
                 .expect_err("Redis is down")
-                .kind()
         })
         .collect();
+    let kinds: Vec<StoreErrorKind> = errors.iter().map(|e| e.kind()).collect();
     assert_eq!(kinds, vec![StoreErrorKind::ConnectionDropped; 10]);
+    // The connection's own words do not say which Redis: the error does.
+    let named = format!("Redis at {}: ", server.url());
+    assert!(errors[0].detail().starts_with(&named), "{}", errors[0]);
     server.restart();
     for i in 0..3 {
         if let Err(e) = rt.block_on(store.decide(i, None, 1)) {
