@@ -779,7 +779,9 @@ impl Validator<'_> {
         default_name: &str,
     ) -> Result<RuleSpec, ConfigFileError> {
         let f = |name: &str| format!("{field}.{name}");
-        let name = match raw.name {
+        // Errors about the name point at it when it is written, else at
+        // the rule whose default it is.
+        let (name, name_span) = match raw.name {
             Some(n) if n.get_ref().is_empty() => {
                 return Err(self.err(
                     n.span(),
@@ -787,12 +789,12 @@ impl Validator<'_> {
                     "the name is empty; remove it or name the rule",
                 ))
             }
-            Some(n) => n.into_inner(),
-            None => default_name.to_owned(),
+            Some(n) => (n.get_ref().clone(), n.span()),
+            None => (default_name.to_owned(), span.clone()),
         };
         if name.ends_with(".override") {
             return Err(self.err(
-                span,
+                name_span,
                 &f("name"),
                 format!(
                     "the rule's name {name:?} ends in \".override\", which names the limits that \
@@ -802,7 +804,7 @@ impl Validator<'_> {
         }
         if let Some(other) = self.names.get(&name) {
             return Err(self.err(
-                span,
+                name_span,
                 &f("name"),
                 format!(
                     "the rule's name {name:?} is already the name of {other}; every rule needs a \
@@ -1167,7 +1169,8 @@ shadow = true
     #[test]
     fn every_rule_has_a_name_of_its_own() {
         let e = parse_err("[keys]\nname = \"same\"\nlimit = 1\nwindow_ms = 10\n[fallback]\nname = \"same\"\nlimit = 2\nwindow_ms = 10\n");
-        assert_eq!((e.line, e.field.as_str()), (Some(5), "fallback.name"));
+        // At the second name as written.
+        assert_eq!((e.line, e.field.as_str()), (Some(6), "fallback.name"));
         assert!(e.message.contains("already the name of keys"), "{e}");
         // Default names can clash too: a_b + c and a + b_c.
         let e = parse_err(
@@ -1187,6 +1190,8 @@ shadow = true
     fn names_of_overrides_are_reserved() {
         let e = parse_err("[keys]\nname = \"api.x.override\"\nlimit = 1\nwindow_ms = 10\n");
         assert_eq!(e.field, "keys.name");
+        // At the name as written, not at the table.
+        assert_eq!(e.line, Some(2));
         assert!(e.message.contains("ends in \".override\""), "{e}");
     }
 
