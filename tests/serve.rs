@@ -490,7 +490,16 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
             400,
             "cost is 9007199254740992",
         ),
-        ("{\"key\": \"k\", \"cost\": \"1\"}", 400, "malformed JSON"),
+        (
+            "{\"key\": \"k\", \"cost\": \"1\"}",
+            400,
+            "cost is a string: it must be a JSON number",
+        ),
+        (
+            "{\"key\": \"k\", \"cost\": {\"n\": 1}}",
+            400,
+            "cost is an object: it must be a JSON number",
+        ),
         ("{\"key\": \"k\", \"kost\": 1}", 400, "unknown field `kost`"),
         ("{\"domain\": \"edge\"}", 400, "descriptors is missing"),
         (

@@ -187,20 +187,20 @@ struct CheckRequest {
     key: Option<String>,
     domain: Option<String>,
     descriptors: Option<Vec<DescriptorJson>>,
-    /// `None` when absent, `Some(None)` for `null`: serde reads both as
-    /// `None` into a plain option, and null is not the absent cost of 1.
+    /// `None` when absent, `Some(Value::Null)` for `null`, which is not
+    /// the absent cost of 1. Any JSON value, so that [`parse_cost`] says
+    /// what is wrong with one that is no number in its own words (a
+    /// `Number` read from an object complains of "a field with custom
+    /// name", serde_json's private spelling of a precise number).
     #[serde(default, deserialize_with = "present")]
-    cost: Option<Option<serde_json::Number>>,
+    cost: Option<serde_json::Value>,
 }
 
 /// Reads a field that is present, null or not, so that absent (the
-/// default) and null stay apart.
-fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
-where
-    D: serde::Deserializer<'de>,
-    T: Deserialize<'de>,
-{
-    Option::<T>::deserialize(d).map(Some)
+/// default, `None`) and null (`Some(Value::Null)`) stay apart: a plain
+/// option reads both as `None`.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<serde_json::Value>, D::Error> {
+    serde_json::Value::deserialize(d).map(Some)
 }
 
 #[derive(Deserialize)]
@@ -312,16 +312,29 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
 /// Reads `cost`: a whole number from 0 to 2^53 - 1, 1 when absent. Null is
 /// refused rather than read as absent: a client that sends it most likely
 /// meant some cost, and the API says a cost is a whole number.
-fn parse_cost(cost: Option<Option<serde_json::Number>>) -> Result<u64, String> {
+fn parse_cost(cost: Option<serde_json::Value>) -> Result<u64, String> {
+    use serde_json::Value;
     let n = match cost {
         None => return Ok(1),
-        Some(None) => {
+        Some(Value::Null) => {
             return Err(format!(
                 "cost is null: leave `cost` out for a cost of 1, or send a whole number \
                  from 0 to {MAX_SAFE} (2^53 - 1)"
             ))
         }
-        Some(Some(n)) => n,
+        Some(Value::Number(n)) => n,
+        Some(other) => {
+            let what = match other {
+                Value::Bool(b) => b.to_string(),
+                Value::String(_) => "a string".to_owned(),
+                Value::Array(_) => "an array".to_owned(),
+                _ => "an object".to_owned(),
+            };
+            return Err(format!(
+                "cost is {what}: it must be a JSON number, a whole number from 0 to \
+                 {MAX_SAFE} (2^53 - 1), written without quotes"
+            ));
+        }
     };
     match n.as_u64() {
         Some(c) if c <= MAX_SAFE => Ok(c),
@@ -608,9 +621,9 @@ mod tests {
 
     #[test]
     fn costs_must_be_whole_and_in_range() {
-        let n = |s: &str| Some(Some(serde_json::from_str::<serde_json::Number>(s).unwrap()));
+        let n = |s: &str| Some(serde_json::from_str::<serde_json::Value>(s).unwrap());
         assert_eq!(parse_cost(None), Ok(1));
-        let e = parse_cost(Some(None)).unwrap_err();
+        let e = parse_cost(n("null")).unwrap_err();
         assert!(e.contains("leave `cost` out for a cost of 1"), "{e}");
         assert_eq!(parse_cost(n("0")), Ok(0));
         assert_eq!(parse_cost(n("9007199254740991")), Ok(MAX_SAFE));
@@ -625,6 +638,18 @@ mod tests {
             let e = parse_cost(n(bad)).unwrap_err();
             assert!(
                 e.contains("whole number from 0 to 9007199254740991"),
+                "{bad}: {e}"
+            );
+        }
+        for (bad, what) in [
+            (r#""1""#, "a string"),
+            ("true", "true"),
+            ("[1]", "an array"),
+            (r#"{"n": 1}"#, "an object"),
+        ] {
+            let e = parse_cost(n(bad)).unwrap_err();
+            assert!(
+                e.starts_with(&format!("cost is {what}: it must be a JSON number")),
                 "{bad}: {e}"
             );
         }
