@@ -501,6 +501,23 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
             "cost is an object: it must be a JSON number",
         ),
         ("{\"key\": \"k\", \"kost\": 1}", 400, "unknown field `kost`"),
+        // Descriptors and entries are objects: arrays of their fields are
+        // refused, saying so, rather than read in order.
+        (
+            "{\"domain\": \"edge\", \"descriptors\": [[[[\"k\", \"v\"]]]]}",
+            400,
+            "invalid type: sequence, expected a JSON object at line 1 column 35",
+        ),
+        (
+            "{\"domain\": \"edge\", \"descriptors\": [{\"entries\": [[\"k\", \"v\", \"x\"]]}]}",
+            400,
+            "invalid type: sequence, expected a JSON object",
+        ),
+        (
+            "{\"domain\": \"edge\", \"descriptors\": [{\"entries\": [{\"kee\": \"k\"}]}]}",
+            400,
+            "unknown field `kee`, expected `key` or `value` at line 1 column",
+        ),
         ("{\"domain\": \"edge\"}", 400, "descriptors is missing"),
         (
             "{\"domain\": \"edge\", \"descriptors\": []}",

@@ -186,7 +186,7 @@ async fn metrics(State(service): State<Arc<Service>>) -> Response {
 struct CheckRequest {
     key: Option<String>,
     domain: Option<String>,
-    descriptors: Option<Vec<DescriptorJson>>,
+    descriptors: Option<Vec<Object<DescriptorJson>>>,
     /// `None` when absent, `Some(Value::Null)` for `null`, which is not
     /// the absent cost of 1. Any JSON value, so that [`parse_cost`] says
     /// what is wrong with one that is no number in its own words (a
@@ -209,7 +209,30 @@ struct DescriptorJson {
     /// Missing is empty, as a repeated field is in Envoy's protobuf: both
     /// get the message that names the descriptor by its index.
     #[serde(default)]
-    entries: Vec<EntryJson>,
+    entries: Vec<Object<EntryJson>>,
+}
+
+/// A `T` read from a JSON object only. serde's derive also reads a struct
+/// from an array (its fields in order), which took `[[["k", "v"]]]` for
+/// descriptors and answered a near miss with a message about arrays
+/// ("trailing characters") instead of saying an object was wanted.
+struct Object<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Object<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct OnlyMaps<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for OnlyMaps<T> {
+            type Value = T;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+            }
+        }
+        d.deserialize_map(OnlyMaps(std::marker::PhantomData))
+            .map(Object)
+    }
 }
 
 #[derive(Deserialize)]
@@ -456,7 +479,7 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
             let descriptors: Vec<DescriptorRequest> = descriptors
                 .into_iter()
                 // No override over HTTP: the JSON API has no such field.
-                .map(|d| DescriptorRequest { entries: d.entries.into_iter().map(|e| (e.key, e.value)).collect(), cost, limit: None })
+                .map(|Object(d)| DescriptorRequest { entries: d.entries.into_iter().map(|Object(e)| (e.key, e.value)).collect(), cost, limit: None })
                 .collect();
             service.check_descriptors(&domain, &descriptors).await
         }
