@@ -75,9 +75,11 @@ pub struct Checked {
 /// failure policy: `FailOpen` admits (`remaining` 0), `FailClosed` refuses
 /// (`retry_after_ms` the window, at most 1000), `Local` decides on an
 /// in-memory limiter with the same configuration, so each process enforces
-/// the limit alone until Redis returns. Corrupt state and invalid input are
-/// returned as errors: retrying cannot fix them and admitting would hide
-/// them. The connection reconnects by itself when Redis returns.
+/// the limit alone until Redis returns. A cost above the policy's capacity
+/// is refused with no wait under each, as Redis would refuse it. Corrupt
+/// state and invalid input are returned as errors: retrying cannot fix
+/// them and admitting would hide them. The connection reconnects by itself
+/// when Redis returns.
 ///
 /// A failure answered by the policy is logged with `tracing::warn!`, at
 /// most one line a second (each line says how many failures it stands for),
@@ -214,6 +216,10 @@ impl RedisLimiter {
             );
         }
         let decision = match inner.failure_policy {
+            // No budget ever admits a cost above the capacity, which needs
+            // no Redis to know: refused as Redis would, with no wait,
+            // whatever the policy (as `serve` and the tower layer do).
+            _ if cost > inner.store.config().capacity() => Decision::refused(None, 0),
             FailurePolicy::FailOpen => {
                 c.failed_open.fetch_add(1, Ordering::Relaxed);
                 Decision::admitted(0)

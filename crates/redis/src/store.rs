@@ -1050,12 +1050,14 @@ impl RedisStore {
                         Err(e) if e.kind() == ErrorKind::NoScriptError && attempt == 0 => {
                             again.push(i)
                         }
-                        Err(e) => results[i] = Some(Err(map_error(e))),
+                        Err(e) => results[i] = Some(Err(self.call_error(map_error(e)))),
                         Ok(v) => results[i] = Some(parse_reply(v)),
                     }
                 }
                 if !again.is_empty() {
-                    self.load_script(&mut conn).await?;
+                    self.load_script(&mut conn)
+                        .await
+                        .map_err(|e| self.call_error(e))?;
                 }
                 todo = again;
             }

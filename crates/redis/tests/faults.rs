@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ratewarden_core::{
-    FailurePolicy, ManualClock, MemoryOptions, PolicyConfig, PolicyKind, StoreErrorKind, REFERENCE,
+    Decision, FailurePolicy, ManualClock, MemoryOptions, PolicyConfig, PolicyKind, StoreErrorKind,
+    REFERENCE,
 };
 use ratewarden_redis::test_support::RedisServer;
 use ratewarden_redis::{RedisLimiter, RedisOptions, RedisStore, RedisTime};
@@ -190,6 +191,16 @@ fn the_failure_policies_decide_as_documented() {
             n
         };
         assert_eq!(admitted, REFERENCE.limit);
+        // A cost above the capacity is refused with no wait, as Redis
+        // would refuse it, whatever the policy.
+        for limiter in [&open, &closed, &local] {
+            let d = limiter
+                .check_detailed(2, REFERENCE.capacity() + 1)
+                .await
+                .unwrap();
+            assert_eq!(d.decision, Decision::refused(None, 0), "{limiter:?}");
+            assert!(d.failure.is_some());
+        }
     });
 }
 
@@ -626,5 +637,37 @@ fn a_refusing_redis_fails_calls_as_connection_errors_and_the_first_call_back_suc
         if let Err(e) = rt.block_on(store.decide(i, None, 1)) {
             panic!("call {i} after Redis returned failed: {e}");
         }
+    }
+}
+
+/// An error Redis answers (here out of memory) names the Redis, from one
+/// call and from each request of a batch alike: Redis's own words do not
+/// say which one answered.
+#[test]
+fn errors_redis_answers_name_the_redis() {
+    let rt = common::runtime();
+    let server = RedisServer::start();
+    let store = rt
+        .block_on(RedisStore::connect(
+            &server.url(),
+            REFERENCE,
+            options("oom"),
+        ))
+        .expect("connect");
+    assert_eq!(
+        server.cli(&["CONFIG", "SET", "maxmemory", "1"]).trim(),
+        "OK"
+    );
+    let named = format!("Redis at {}: ", server.url());
+    let e = rt.block_on(store.decide(1, None, 1)).unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Backend, "{e}");
+    assert!(e.detail().starts_with(&named), "{e}");
+    let batch = rt
+        .block_on(store.decide_many(&[(2, 1), (3, 1)], None))
+        .unwrap();
+    for e in batch {
+        let e = e.unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::Backend, "{e}");
+        assert!(e.detail().starts_with(&named), "{e}");
     }
 }
