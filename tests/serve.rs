@@ -1149,6 +1149,43 @@ fn a_client_that_never_reads_neither_holds_the_connection_nor_delays_shutdown() 
     drop(stream);
 }
 
+/// A client that reads its answers slowly but steadily (about 40 KB/s
+/// here, four times the least the docs promise) is not cut by the write
+/// timeout, however long it takes: the send buffer is bounded, so each
+/// little it reads wakes the server's blocked write.
+#[test]
+fn a_client_that_reads_slowly_but_steadily_keeps_its_connection() {
+    use std::io::{Read, Write};
+    let server = Server::start(&[]);
+    let mut stream = std::net::TcpStream::connect(server.http).unwrap();
+    stream
+        .set_write_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let requests = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(100);
+    for _ in 0..100_000 {
+        if stream.write_all(&requests).is_err() {
+            break;
+        }
+    }
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let started = Instant::now();
+    let mut buf = [0u8; 4096];
+    let mut read = 0;
+    // Past the 10 s write timeout, with a margin.
+    while started.elapsed() < Duration::from_secs(14) {
+        match stream.read(&mut buf) {
+            Ok(0) => panic!("closed after {:?}, {read} bytes read", started.elapsed()),
+            Ok(n) => read += n,
+            Err(e) => panic!("{e} after {:?}, {read} bytes read", started.elapsed()),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(stream);
+    server.stop();
+}
+
 /// A client controls descriptor values (paths, headers) and Envoy lets a
 /// descriptor carry its own hits_addend: neither a long value nor a huge
 /// cost may turn the call into an error, which Envoy would answer by

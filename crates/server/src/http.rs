@@ -33,6 +33,12 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// `send_timeout`): then the connection is closed.
 pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Each HTTP connection's socket send buffer, in bytes, as asked of the
+/// kernel (Linux doubles it for its bookkeeping). Answers are small but
+/// for `/metrics`; a client that reads at least about a third of this per
+/// [`WRITE_STALL_TIMEOUT`] is never cut.
+pub const SEND_BUFFER_BYTES: usize = 128 * 1024;
+
 /// Serves `app` on the connections `acceptor` admits until `stop` turns
 /// true, then stops accepting and lets every open connection finish the
 /// request it is on.
@@ -60,6 +66,12 @@ pub async fn serve(
             builder
                 .timer(TokioTimer::new())
                 .header_read_timeout(HEADER_READ_TIMEOUT);
+            // A bounded send buffer: a blocked write is woken once about a
+            // third of the buffer has drained, so with the kernel's own
+            // (auto-tuned up to 4 MiB) a client reading steadily, but below
+            // about 130 KB/s, let no write progress for 10 s and was cut.
+            // It also bounds the kernel memory each connection holds.
+            let _ = socket2::SockRef::from(&stream).set_send_buffer_size(SEND_BUFFER_BYTES);
             // A client that stops reading would otherwise stall an
             // answer's write, and so hold its connection (and delay a
             // shutdown), for as long as it likes.
