@@ -34,9 +34,10 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Each HTTP connection's socket send buffer, in bytes, as asked of the
-/// kernel (Linux doubles it for its bookkeeping). Answers are small but
-/// for `/metrics`; a client that reads at least about a third of this per
-/// [`WRITE_STALL_TIMEOUT`] is never cut.
+/// kernel. Linux doubles it (for its bookkeeping) and wakes a blocked
+/// write once about a third of that has drained, so a client that reads
+/// about 85 KB per [`WRITE_STALL_TIMEOUT`] (some 10 KB/s) or more is never
+/// cut. Answers are small but for `/metrics`.
 pub const SEND_BUFFER_BYTES: usize = 128 * 1024;
 
 /// Serves `app` on the connections `acceptor` admits until `stop` turns
