@@ -242,6 +242,13 @@ fn failures_are_logged_once_a_second_and_the_recovery_once() {
         .finish();
     // The calls below run on this thread (block_on), where this applies.
     let _guard = tracing::subscriber::set_default(subscriber);
+    // A second dispatcher stays registered meanwhile. tracing caches each
+    // callsite's interest for the whole process, and while one dispatcher
+    // alone is registered it takes that interest from whichever thread
+    // reaches the callsite first: a sibling test's thread, with no
+    // subscriber, caches "never", and this thread's failure lines are lost
+    // (tokio-rs/tracing#3611). With two, every registered one counts.
+    let _second = tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default());
     let rt = common::runtime();
     let mut server = RedisServer::start();
     let limiter = rt.block_on(limiter(&server, FailurePolicy::FailOpen));

@@ -875,15 +875,27 @@ async fn fail_open_admits_without_rate_limit_headers() {
 struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
 
 impl Captured {
-    /// Captures what this thread logs until the guard is dropped.
-    fn on_this_thread() -> (Captured, tracing::subscriber::DefaultGuard) {
+    /// Captures what this thread logs until the guards are dropped.
+    ///
+    /// A second dispatcher stays registered meanwhile. tracing caches each
+    /// callsite's interest for the whole process, and while one dispatcher
+    /// alone is registered it takes that interest from whichever thread
+    /// reaches the callsite first: a sibling test's thread, with no
+    /// subscriber, caches "never", and this thread's events at that
+    /// callsite are lost (tokio-rs/tracing#3611). With two, the interest is
+    /// taken from every registered dispatcher, this one included.
+    fn on_this_thread() -> (
+        Captured,
+        (tracing::subscriber::DefaultGuard, tracing::Dispatch),
+    ) {
+        let second = tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default());
         let log = Captured::default();
         let writer = log.clone();
         let subscriber = tracing_subscriber::fmt()
             .with_writer(move || writer.clone())
             .with_ansi(false)
             .finish();
-        (log, tracing::subscriber::set_default(subscriber))
+        (log, (tracing::subscriber::set_default(subscriber), second))
     }
 }
 
