@@ -1115,33 +1115,33 @@ fn a_body_over_the_bound_is_refused_whether_declared_or_chunked() {
     server.stop();
 }
 
+/// A connection to `server` on which `/metrics` requests were pipelined,
+/// none of their answers read, until the client's own writes blocked: the
+/// server stopped reading, since its answers no longer fit the buffers.
+fn pipelined_until_the_server_stalls(server: &Server) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(server.http).unwrap();
+    stream
+        .set_write_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let requests = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(100);
+    // A bound, in case some system's buffers took all of it.
+    for _ in 0..100_000 {
+        if stream.write_all(&requests).is_err() {
+            return stream;
+        }
+    }
+    panic!("the server kept reading 370 MB of unanswered requests");
+}
+
 /// A client that sends requests and never reads the answers stalls the
 /// server's writes once the socket buffers fill: the connection is closed
 /// 10 s after the last write that made progress, so it can neither hold
 /// the connection nor keep shutdown waiting for the 30 s drain bound.
 #[test]
 fn a_client_that_never_reads_neither_holds_the_connection_nor_delays_shutdown() {
-    use std::io::Write;
     let server = Server::start(&[]);
-    let mut stream = std::net::TcpStream::connect(server.http).unwrap();
-    stream
-        .set_write_timeout(Some(Duration::from_secs(2)))
-        .unwrap();
-    let requests = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(100);
-    // Pipelined requests until the client's own writes block: the server
-    // stopped reading, since its answers no longer fit the buffers. A
-    // bound, in case some system's buffers took all of it.
-    let mut blocked = false;
-    for _ in 0..100_000 {
-        if stream.write_all(&requests).is_err() {
-            blocked = true;
-            break;
-        }
-    }
-    assert!(
-        blocked,
-        "the server kept reading 370 MB of unanswered requests"
-    );
+    let stream = pipelined_until_the_server_stalls(&server);
     let stopping = Instant::now();
     // Exits cleanly within 20 s (`stop`'s bound): before the drain bound.
     server.stop();
@@ -1155,18 +1155,9 @@ fn a_client_that_never_reads_neither_holds_the_connection_nor_delays_shutdown() 
 /// little it reads wakes the server's blocked write.
 #[test]
 fn a_client_that_reads_slowly_but_steadily_keeps_its_connection() {
-    use std::io::{Read, Write};
+    use std::io::Read;
     let server = Server::start(&[]);
-    let mut stream = std::net::TcpStream::connect(server.http).unwrap();
-    stream
-        .set_write_timeout(Some(Duration::from_secs(2)))
-        .unwrap();
-    let requests = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(100);
-    for _ in 0..100_000 {
-        if stream.write_all(&requests).is_err() {
-            break;
-        }
-    }
+    let mut stream = pipelined_until_the_server_stalls(&server);
     stream
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
