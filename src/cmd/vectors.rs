@@ -191,7 +191,13 @@ pub fn run(args: Args) -> ExitCode {
                 continue;
             }
         };
-        note_unknown_fields(path, &file.unknown_fields);
+        // Ignored, as SPEC allows, but a misspelt one (`brust`) would
+        // change what a case tests without a sign.
+        note(
+            path,
+            "ignored fields the vector format does not have (check their spelling)",
+            &file.unknown_fields,
+        );
         note(
             path,
             "fields given twice in one object, where the last is taken (JSON readers differ \
@@ -345,19 +351,9 @@ struct Tally {
 /// Places shown in a note; the note counts the rest.
 const NOTE_PLACES_SHOWN: usize = 5;
 
-/// Says, on standard error, where a file holds fields the format does not
-/// have: they are ignored, and a misspelt one (`brust`) would otherwise
-/// change what a case tests without a sign. The verdict is unchanged.
-fn note_unknown_fields(path: &Path, places: &[String]) {
-    note(
-        path,
-        "ignored fields the vector format does not have (check their spelling)",
-        places,
-    );
-}
-
 /// Prints `what` and the first [`NOTE_PLACES_SHOWN`] of `places` as a note
-/// on standard error, when there are any.
+/// on standard error, when there are any. A note never changes the
+/// verdict.
 fn note(path: &Path, what: &str, places: &[String]) {
     if places.is_empty() {
         return;
