@@ -320,6 +320,23 @@ fn fields_the_format_does_not_have_are_named_on_standard_error() {
         "{}",
         stderr(&out)
     );
+    // A burst on a policy without a bucket, as in SPEC's own example, is
+    // ignored, and said: a case written for a bucket tests something else.
+    let path = scratch(
+        &dir,
+        "burst.json",
+        r#"{"cases": [{"description": "burst", "policy": "fixed-window", "limit": 5,
+            "window_ms": 1000, "burst": 50, "steps": [{"key": 1, "now_ms": 0, "cost": 1,
+            "allowed": true, "retry_after_ms": 0, "remaining": 4}]}]}"#,
+    );
+    let out = ratewarden(&["vectors", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("burst.json: note: bursts given to a policy without a bucket")
+            && stderr(&out).contains("gcra take one): cases[0].burst\n"),
+        "{}",
+        stderr(&out)
+    );
     // The project's own files hold no such field.
     let out = ratewarden(&["vectors", concat!(env!("CARGO_MANIFEST_DIR"), "/vectors")]);
     assert!(!stderr(&out).contains("note:"), "{}", stderr(&out));

@@ -204,6 +204,12 @@ pub fn run(args: Args) -> ExitCode {
              on which they take; keep one)",
             &file.duplicate_fields,
         );
+        note(
+            path,
+            "bursts given to a policy without a bucket, which ignores them (only token-bucket \
+             and gcra take one)",
+            &file.ignored_bursts,
+        );
         run_file(path, &file, runner.as_mut(), &mut tally, &mut out);
     }
     if tally.malformed_cases > 0 {

@@ -171,6 +171,11 @@ pub struct EachCase {
     /// which they take (RFC 8259 leaves it open), so another port may run
     /// a different case, and a runner should say so.
     pub duplicate_fields: Vec<String>,
+    /// Where a case gives a `burst` to a policy without a bucket
+    /// (`cases[0].burst`): SPEC's own example does, and the policy ignores
+    /// it, but a case written for a bucket's burst then tests something
+    /// else, so a runner should say so.
+    pub ignored_bursts: Vec<String>,
 }
 
 /// The fields of SPEC's format: at the top, in a `mix32` entry, in a case
@@ -361,7 +366,15 @@ pub fn parse_each(text: &str) -> Result<EachCase, VectorError> {
         None => return Err(err("", "missing field \"cases\"")),
     };
     for (i, case) in cases.iter().enumerate() {
-        file.cases.push(parse_case(case, &format!("cases[{i}]")));
+        let path = format!("cases[{i}]");
+        let parsed = parse_case(case, &path);
+        if let Ok(c) = &parsed {
+            let burst = case.get("burst").is_some_and(|b| !b.is_null());
+            if burst && !c.config.policy.has_burst() {
+                file.ignored_bursts.push(format!("{path}.burst"));
+            }
+        }
+        file.cases.push(parsed);
     }
     Ok(file)
 }
@@ -701,6 +714,18 @@ mod tests {
             GOOD_STEP,
         );
         assert_eq!(parse(&bucket).unwrap().cases[0].config.burst, Some(5));
+        // Ignored, but said: the window case is named, the bucket's and a
+        // null burst are not.
+        assert_eq!(
+            parse_each(&text).unwrap().ignored_bursts,
+            ["cases[0].burst"]
+        );
+        assert!(parse_each(&bucket).unwrap().ignored_bursts.is_empty());
+        let null = case_with(
+            r#""policy": "fixed-window", "limit": 1, "window_ms": 10, "burst": null"#,
+            GOOD_STEP,
+        );
+        assert!(parse_each(&null).unwrap().ignored_bursts.is_empty());
     }
 
     #[test]
