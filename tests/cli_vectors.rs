@@ -244,6 +244,33 @@ fn links_run_each_file_once() {
     assert_eq!(stdout(&out).lines().last(), Some("1 passed, 0 failed"));
 }
 
+/// A directory's vector files are found by their extension in any case: a
+/// failing `B.JSON` beside a passing `a.json` is run, not left out of a
+/// run that would then pass. Other files are not read.
+#[test]
+fn a_directory_is_searched_for_json_in_any_case() {
+    let dir = tempfile::tempdir().unwrap();
+    let case = |allowed: bool| {
+        format!(
+            r#"{{"cases": [{{"description": "one", "policy": "fixed-window", "limit": 1, "window_ms": 10,
+            "steps": [{{"now_ms": 0, "key": 1, "cost": 1, "allowed": {allowed}, "retry_after_ms": 0, "remaining": 0}}]}}]}}"#
+        )
+    };
+    scratch(&dir, "a.json", &case(true));
+    scratch(&dir, "B.JSON", &case(false));
+    scratch(&dir, "notes.txt", "not a vector file");
+    let out = ratewarden(&["vectors", dir.path().to_str().unwrap()]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    assert!(stdout(&out).contains("B.JSON case 0"), "{}", stdout(&out));
+    assert_eq!(stdout(&out).lines().last(), Some("1 passed, 1 failed"));
+}
+
 /// A reader that stops early (`ratewarden vectors DIR | head`) is not a
 /// failure: the run ends quietly, with the status its cases give, rather
 /// than panicking on the broken pipe.

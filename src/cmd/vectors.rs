@@ -24,7 +24,8 @@ pub struct Args {
     /// fresh key prefix).
     #[arg(long, default_value = "memory", value_parser = super::StoreUrlParser)]
     pub store: StoreUrl,
-    /// Vector files, or directories searched (recursively) for `*.json`.
+    /// Vector files, or directories searched (recursively) for `*.json`
+    /// (in any case).
     #[arg(required = true)]
     pub paths: Vec<PathBuf>,
 }
@@ -191,8 +192,9 @@ pub fn run(args: Args) -> ExitCode {
                 continue;
             }
         };
-        // Ignored, as SPEC allows, but a misspelt one (`brust`) would
-        // change what a case tests without a sign.
+        // Ignored (SPEC's format names its fields and says nothing of
+        // others), but a misspelt one (`brust`) would change what a case
+        // tests without a sign.
         note(
             path,
             "ignored fields the vector format does not have (check their spelling)",
@@ -261,7 +263,8 @@ struct Walk {
     done: std::collections::HashMap<PathBuf, usize>,
 }
 
-/// Adds `path` (a file), or every `*.json` below it (a directory), in a
+/// Adds `path` (a file), or every `*.json` below it (a directory, the
+/// extension in any case), in a
 /// stable order; each file once, however many links or arguments lead to
 /// it (`seen` holds the canonical paths of the files added), and each
 /// directory walked once per argument. Returns how many vector files the
@@ -298,7 +301,12 @@ fn collect(
     for entry in entries {
         if entry.is_dir() {
             found += collect(&entry, out, seen, walk)?;
-        } else if entry.extension().is_some_and(|x| x == "json") {
+        } else if entry
+            .extension()
+            .is_some_and(|x| x.eq_ignore_ascii_case("json"))
+        {
+            // In any case: a `B.JSON` skipped beside a passing `a.json`
+            // would leave its failures out of a run that then passes.
             // A file that cannot be read (a dangling link) is run, and
             // reported with its reason, beside the folder's other files.
             found += collect(&entry, out, seen, walk).unwrap_or_else(|_| {
