@@ -162,9 +162,10 @@ pub struct EachCase {
     /// Every case in file order: parsed, or why it cannot be run.
     pub cases: Vec<Result<Case, VectorError>>,
     /// Where the file holds a field the format does not have, case by
-    /// case (`cases[0].brust`): ignored, as SPEC's format allows, but a
-    /// misspelt field (`brust` for `burst`) changes what a case tests
-    /// without a sign, so a runner should say so.
+    /// case (`cases[0].brust`): ignored (SPEC's format names its fields
+    /// and says nothing of others), but a misspelt field (`brust` for
+    /// `burst`) changes what a case tests without a sign, so a runner
+    /// should say so.
     pub unknown_fields: Vec<String>,
     /// Where an object of the file names a field twice
     /// (`cases[0].limit`): the last is taken, but JSON readers differ on
