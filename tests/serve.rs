@@ -1115,6 +1115,52 @@ fn a_body_over_the_bound_is_refused_whether_declared_or_chunked() {
     server.stop();
 }
 
+/// An HTTP/1.1 request without exactly one `Host` header is answered 400,
+/// as RFC 9112 requires of a server, and counted as a bad request; an
+/// HTTP/1.0 request needs none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_1_1_request_needs_exactly_one_host() {
+    let server = Server::start(&[]);
+    let client = client();
+    let bad = r#"ratewarden_bad_requests_total{api="http"}"#;
+    let answer = |head: &str| {
+        let request =
+            format!("{head}\r\nContent-Length: 11\r\nConnection: close\r\n\r\n{{\"key\":\"k\"}}");
+        let addr = server.http;
+        tokio::task::spawn_blocking(move || {
+            use std::io::{Read, Write};
+            let mut stream = std::net::TcpStream::connect(addr).unwrap();
+            stream
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            stream.write_all(request.as_bytes()).unwrap();
+            let mut answer = Vec::new();
+            let _ = stream.read_to_end(&mut answer);
+            String::from_utf8_lossy(&answer).into_owned()
+        })
+    };
+    let none = answer("POST /v1/check HTTP/1.1").await.unwrap();
+    assert!(none.starts_with("HTTP/1.1 400"), "{none}");
+    assert!(
+        none.contains(r#"{"error":"the request has no Host header; an HTTP/1.1 request must carry exactly one"#),
+        "{none}"
+    );
+    let two = answer("GET /healthz HTTP/1.1\r\nHost: a\r\nHost: b")
+        .await
+        .unwrap();
+    assert!(two.starts_with("HTTP/1.1 400"), "{two}");
+    assert!(two.contains("the request has 2 Host headers"), "{two}");
+    assert_eq!(common::metric(&client, server.http, bad).await, 2);
+    // Neither was decided: the key's first decision is still to come.
+    let one = answer("POST /v1/check HTTP/1.1\r\nHost: x").await.unwrap();
+    assert!(one.starts_with("HTTP/1.1 200"), "{one}");
+    assert!(one.contains(r#""remaining":99"#), "{one}");
+    let old = answer("POST /v1/check HTTP/1.0").await.unwrap();
+    assert!(old.starts_with("HTTP/1.0 200"), "{old}");
+    assert_eq!(common::metric(&client, server.http, bad).await, 2);
+    server.stop();
+}
+
 /// A connection to `server` on which `/metrics` requests were pipelined,
 /// none of their answers read, until the client's own writes blocked: the
 /// server stopped reading, since its answers no longer fit the buffers.

@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri, Version};
+use axum::middleware::{from_fn_with_state, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -129,7 +130,33 @@ pub fn router(service: Arc<Service>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(from_fn_with_state(Arc::clone(&service), one_host))
         .with_state(service)
+}
+
+/// Refuses an HTTP/1.1 request without exactly one `Host` header, as RFC
+/// 9112 (section 3.2) requires of every server; hyper leaves it to the
+/// service. HTTP/1.0 requests need none.
+async fn one_host(State(service): State<Arc<Service>>, request: Request, next: Next) -> Response {
+    if request.version() == Version::HTTP_11 {
+        let hosts = request.headers().get_all(header::HOST).iter().count();
+        if hosts != 1 {
+            service.metrics.bad_request(Api::Http);
+            let what = if hosts == 0 {
+                "no Host header".to_owned()
+            } else {
+                format!("{hosts} Host headers")
+            };
+            return bad(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "the request has {what}; an HTTP/1.1 request must carry exactly one \
+                     (RFC 9112, section 3.2), such as Host: localhost"
+                ),
+            );
+        }
+    }
+    next.run(request).await
 }
 
 /// Every endpoint, for the errors that send a client to the right one.
