@@ -1,6 +1,6 @@
 //! The response headers: `Retry-After` (RFC 9110) and `RateLimit-Policy` /
-//! `RateLimit` from draft-ietf-httpapi-ratelimit-headers, written in the
-//! draft's structured-field syntax:
+//! `RateLimit` from draft-ietf-httpapi-ratelimit-headers, revision -10,
+//! written in the draft's structured-field syntax:
 //!
 //! ```text
 //! RateLimit-Policy: "default";q=100;w=1
