@@ -480,11 +480,12 @@ fn widening_while_deciding_loses_no_count() {
     // (configuration, the last time at which a state packs, the first at
     // which none does), checked below.
     let cases = [
-        // 2 x 31 count bits leave 2 bits of time: window 3 packs, 6 not.
+        // 2 x 31 count bits leave 2 bits for the window's index: window 9
+        // (index 3) packs, 12 not.
         (
             PolicyConfig::new(PolicyKind::SlidingWindowCounter, 1 << 30, 3),
-            5,
-            6,
+            11,
+            12,
         ),
         // 41 count bits leave 23 of time: the window from 2^23 - 4
         // packs, the next one (2^23 + 3) does not.
@@ -493,11 +494,12 @@ fn widening_while_deciding_loses_no_count() {
             (1 << 23) - 1,
             (1 << 23) + 3,
         ),
-        // A level of 52 bits leaves 12 of time.
+        // A level of 52 bits, counted in units of gcd(2^47, 16) = 16,
+        // takes 48 and leaves 16 of time.
         (
             PolicyConfig::new(PolicyKind::TokenBucket, 1 << 47, 16),
-            4095,
-            4096,
+            65_535,
+            65_536,
         ),
         // The scaled time passes 2^64 at 2048 ms; at 2047 ms three
         // admissions of an eighth of the limit carry a state past it.

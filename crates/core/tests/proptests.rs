@@ -321,6 +321,10 @@ proptest! {
         for &(now, cost) in &trace {
             let _ = policy.decide(&mut state, now, cost);
             let _ = policy.is_forgettable(&state, now);
+            // Whatever packs unpacks to itself, past the range too.
+            if let Some(packed) = policy.pack(&state) {
+                prop_assert_eq!(&policy.unpack(packed), &state, "{}", config);
+            }
         }
     }
 }

@@ -70,6 +70,21 @@ pub trait Policy: Send + Sync + 'static {
     }
 }
 
+/// Milliseconds since 1970 stay below this until the year 2109: a packed
+/// layout whose time field reaches it packs states at wall-clock times.
+/// A layout whose field falls short stores its time more compactly
+/// instead (a window's index, a level in larger units), at the cost of a
+/// division when packing.
+pub(crate) const WALL_CLOCK_BOUND_MS: u64 = 1 << 42;
+
+/// The greatest common divisor of `a` and `b` (`b` when `a` is 0).
+pub(crate) const fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while a != 0 {
+        (a, b) = (b % a, a);
+    }
+    b
+}
+
 /// Bits needed to hold every value up to `max` (0 for 0).
 #[inline]
 pub(crate) const fn bits_for(max: u128) -> u32 {
@@ -281,6 +296,49 @@ mod tests {
         round_trips(&TokenBucket::new(100, 1000, None).unwrap(), now_ms);
         round_trips(&Gcra::new(100, 1000, None).unwrap(), now_ms);
         assert_eq!(size_of::<(u64, u64)>(), 16);
+    }
+
+    /// Larger limits pack at wall-clock times too: a sliding-window
+    /// counter stores its window's index once the start in ms leaves too
+    /// few bits (a limit of 2,048 or more), and a bucket its level in
+    /// units of `gcd(limit, window_ms)` once `burst * W` reaches 2^23.
+    #[test]
+    fn common_larger_limits_pack_at_wall_clock_times() {
+        fn round_trips<P: Policy + std::fmt::Debug>(p: &P, now_ms: u64, cost: u64)
+        where
+            P::State: PartialEq + std::fmt::Debug,
+        {
+            let mut s = p.new_state(now_ms);
+            for step in 0..3000 {
+                // Forward mostly, across many windows, and back now and then.
+                let now = now_ms + step * 97 - (step % 7) * 300;
+                p.decide(&mut s, now, cost + step % 3);
+                let packed = p
+                    .pack(&s)
+                    .unwrap_or_else(|| panic!("{p:?} at {now}: {s:?}"));
+                assert_eq!(p.unpack(packed), s);
+            }
+        }
+        // 2100 in ms since 1970 is about 2^41.9.
+        for now_ms in [1_800_000_000_000, 4_102_444_800_000] {
+            for (limit, window_ms) in [
+                (2048, 1000),
+                (65_535, 1000),
+                (5000, 60_000),
+                (262_143, 60_000),
+            ] {
+                let p = SlidingWindowCounter::new(limit, window_ms).unwrap();
+                round_trips(&p, now_ms, limit / 600);
+            }
+            for (limit, window_ms, burst) in [
+                (1000, 60_000, None),
+                (10_000, 3_600_000, None),
+                (100, 1000, Some(100_000)),
+            ] {
+                let p = TokenBucket::new(limit, window_ms, burst).unwrap();
+                round_trips(&p, now_ms, limit / 300);
+            }
+        }
     }
 }
 

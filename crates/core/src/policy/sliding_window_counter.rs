@@ -1,7 +1,7 @@
 //! `sliding-window-counter`: the current and previous aligned windows, the
 //! previous one fading out linearly as the current one fills.
 
-use super::{bits_for, mul_div, time_bound, window_start, Divisor, Policy};
+use super::{bits_for, mul_div, time_bound, window_start, Divisor, Policy, WALL_CLOCK_BOUND_MS};
 use crate::registry::{check_limit, check_window};
 use crate::{ConfigError, Decision};
 
@@ -18,10 +18,15 @@ pub struct SlidingWindowCounter {
     /// `window_ms` as a divisor, for the carried share.
     per_window: Divisor,
     /// Packed layout: `current` in the low `count_bits`, `previous` in the
-    /// next `count_bits` (both enough for `limit`), the window start above
-    /// them, below `time_bound`.
+    /// next `count_bits` (both enough for `limit`), the window above them,
+    /// below `time_bound`: its start in ms or, when `by_index`, its index
+    /// (`start / window_ms`). The index is chosen when the start in ms
+    /// would not fit at wall-clock times (a limit of 2,048 or more), so
+    /// that such limits still pack (up to 65,535 per second or 262,143 per
+    /// minute, until the year 2100).
     count_bits: u32,
     time_bound: u64,
+    by_index: bool,
 }
 
 /// A key's two windows.
@@ -43,12 +48,15 @@ impl SlidingWindowCounter {
     pub fn new(limit: u64, window_ms: u64) -> Result<Self, ConfigError> {
         check_limit(limit)?;
         check_window(window_ms)?;
+        let count_bits = bits_for(u128::from(limit));
+        let time_bound = time_bound(2 * count_bits);
         Ok(SlidingWindowCounter {
             limit,
             window_ms,
             per_window: Divisor::new(window_ms),
-            count_bits: bits_for(u128::from(limit)),
-            time_bound: time_bound(2 * bits_for(u128::from(limit))),
+            count_bits,
+            time_bound,
+            by_index: time_bound < WALL_CLOCK_BOUND_MS && window_ms > 1,
         })
     }
 
@@ -157,21 +165,37 @@ impl Policy for SlidingWindowCounter {
     #[inline]
     fn pack(&self, s: &SlidingWindowCounterState) -> Option<u64> {
         let b = self.count_bits;
-        (s.window_start_ms < self.time_bound && s.previous >> b == 0 && s.current >> b == 0).then(
-            || {
-                // `time_bound` is non-zero only when 2 b < 64, so every
-                // shift is below 64.
-                (s.window_start_ms << (2 * b)) | (s.previous << b) | s.current
-            },
-        )
+        let window = if self.by_index {
+            // Exact only for a start on a window edge, which every state
+            // the policy makes has; any other stays wide.
+            let index = s.window_start_ms / self.window_ms;
+            if index * self.window_ms != s.window_start_ms {
+                return None;
+            }
+            index
+        } else {
+            s.window_start_ms
+        };
+        (window < self.time_bound && s.previous >> b == 0 && s.current >> b == 0).then(|| {
+            // `time_bound` is non-zero only when 2 b < 64, so every shift
+            // is below 64.
+            (window << (2 * b)) | (s.previous << b) | s.current
+        })
     }
 
     #[inline]
     fn unpack(&self, packed: u64) -> SlidingWindowCounterState {
         let b = self.count_bits;
         let mask = (1u64 << b) - 1;
+        let window = packed >> (2 * b);
         SlidingWindowCounterState {
-            window_start_ms: packed >> (2 * b),
+            // Below 2^53 when packed: the index times the window is the
+            // start it was packed from.
+            window_start_ms: if self.by_index {
+                window * self.window_ms
+            } else {
+                window
+            },
             previous: (packed >> b) & mask,
             current: packed & mask,
         }

@@ -1,7 +1,7 @@
 //! `token-bucket`: a bucket of `burst` tokens refilled continuously at
 //! `limit` per `window_ms`.
 
-use super::{bits_for, time_bound, Divisor, Policy, Wide};
+use super::{bits_for, gcd, time_bound, Divisor, Policy, Wide, WALL_CLOCK_BOUND_MS};
 use crate::registry::{check_burst, check_limit, check_window};
 use crate::{ConfigError, Decision};
 
@@ -19,9 +19,15 @@ pub struct TokenBucket {
     /// `window_ms` and `limit` as divisors, for `remaining` and the wait.
     per_window: Divisor,
     per_limit: Divisor,
-    /// Packed layout: the level in the low `level_bits` (enough for the
-    /// capacity), the last refill time above it, below `time_bound`.
+    /// Packed layout: the level divided by `level_unit` in the low
+    /// `level_bits` (enough for the capacity), the last refill time above
+    /// it, below `time_bound`. Every level is a multiple of
+    /// `gcd(limit, window_ms)` (it starts at `burst * W`, gains `L` a
+    /// millisecond and loses `cost * W`); `level_unit` is that divisor when
+    /// the level in units of 1 would leave too few bits for wall-clock
+    /// times (`burst * W` of 2^23 or more, as 1,000 per minute), else 1.
     level_bits: u32,
+    level_unit: u64,
     time_bound: u64,
 }
 
@@ -43,9 +49,15 @@ impl TokenBucket {
         check_window(window_ms)?;
         let burst = burst.unwrap_or(limit);
         check_burst(burst)?;
-        let level_bits = bits_for(u128::from(burst) * u128::from(window_ms));
+        let capacity = u128::from(burst) * u128::from(window_ms);
+        let mut level_unit = 1;
+        if time_bound(bits_for(capacity)) < WALL_CLOCK_BOUND_MS {
+            level_unit = gcd(limit, window_ms);
+        }
+        let level_bits = bits_for(capacity / u128::from(level_unit));
         Ok(TokenBucket {
             level_bits,
+            level_unit,
             time_bound: time_bound(level_bits),
             limit,
             window_ms,
@@ -117,16 +129,31 @@ impl Policy for TokenBucket {
 
     #[inline]
     fn pack(&self, s: &TokenBucketState) -> Option<u64> {
-        let level = s.level.get();
-        // `time_bound` is non-zero only when `level_bits < 64`.
+        // A level past 64 bits stays wide: no layout has room for it.
+        let mut level = u64::try_from(s.level.get()).ok()?;
+        if self.level_unit > 1 {
+            // Exact only for a multiple of the unit, which every level the
+            // policy makes is; any other stays wide.
+            if level % self.level_unit != 0 {
+                return None;
+            }
+            level /= self.level_unit;
+        }
+        // `time_bound` is non-zero only when `level_bits < 64`, so the
+        // shift is evaluated only below 64.
         (s.last_ms < self.time_bound && level >> self.level_bits == 0)
-            .then(|| (s.last_ms << self.level_bits) | level as u64)
+            .then(|| (s.last_ms << self.level_bits) | level)
     }
 
     #[inline]
     fn unpack(&self, packed: u64) -> TokenBucketState {
+        let level = packed & ((1u64 << self.level_bits) - 1);
         TokenBucketState {
-            level: Wide::new(u128::from(packed & ((1u64 << self.level_bits) - 1))),
+            level: Wide::new(if self.level_unit > 1 {
+                u128::from(level) * u128::from(self.level_unit)
+            } else {
+                u128::from(level)
+            }),
             last_ms: packed >> self.level_bits,
         }
     }

@@ -1,8 +1,8 @@
 //! The embedded, concurrent in-memory store.
 //!
 //! Keys are spread over shards, each a hash table with its own lock. A
-//! decision on a known key whose state packs into 64 bits (every key of
-//! the four counting policies in any common configuration) decides on the
+//! decision on a known key whose state packs into 64 bits (see below for
+//! which do) decides on the
 //! state it reads from the key's slot and writes the new state with one
 //! compare-and-swap on that slot, deciding again if another thread wrote
 //! first; a decision that changes nothing writes nothing. While one
@@ -26,20 +26,31 @@
 //! chooses keys cannot predict which collide (no hash flooding).
 //!
 //! Memory per key: a shard keeps `(u64 key, u64 packed state)` pairs, 16
-//! bytes, in a flat open-addressing table (`table.rs`) held between 9/16
-//! and 13/16 full, so a key costs 20 to 29 bytes, while every state fits
-//! the 64-bit layout its policy chose from
-//! the configuration ([`Policy::pack`]): for the reference configuration
-//! (100 per 1000 ms) the window counters and buckets pack every time below
-//! 2^50 ms (35,000 years of wall-clock time). Decisions unpack, decide on
-//! the wide state and pack again, so they are the same either way. The
+//! bytes, in a flat open-addressing table (`table.rs`) rebuilt 9/16 full
+//! and grown at 13/16, so a key costs 20 to 29 bytes as the table fills
+//! (forgetting keys can leave it a little over a quarter full before it
+//! shrinks: up to 64 bytes per key held), while every state fits the
+//! 64-bit layout its policy chose from the configuration
+//! ([`Policy::pack`]). At wall-clock times (until the year 2100) that is
+//! every state of `fixed-window` up to 4,194,303 per window; of
+//! `sliding-window-counter` up to 65,535 per second or 262,143 per minute
+//! (limits of 2,048 or more store the window's index rather than its
+//! start); of `token-bucket` while `burst * window_ms / gcd(limit,
+//! window_ms)` stays below 2^22 (1,000 per minute: 60,000); and of `gcra`
+//! up to a limit of 4,194,303. For the reference configuration (100 per
+//! 1000 ms) they pack every time below 2^50 ms. Decisions unpack, decide
+//! on the wide state and pack again, so they are the same either way. The
 //! first state of a shard that does not fit turns that shard, once, into a
-//! table of `(u64 key, state)` with the wide states: 24 bytes for
-//! `fixed-window` and `gcra`, 32 for `sliding-window-counter` and
-//! `token-bucket`, and 48 plus 16 per log entry for `sliding-log` (which
-//! never packs), in a SwissTable, which adds one control byte per slot and
-//! keeps its load between 7/16 and 7/8; a wide shard decides under its
-//! lock. `ratewarden bench` measures the bytes per key.
+//! SwissTable of `(u64 key, state)` with the wide states, which adds one
+//! control byte per slot and keeps its load between 7/16 and 7/8, and
+//! decides under its lock. A state is 16 bytes for `fixed-window` and
+//! `gcra`, 24 for `sliding-window-counter` and `token-bucket`, and 40 plus
+//! 16 per log entry for `sliding-log` (which never packs), in a store of
+//! one policy (`MemoryStore<FixedWindow>`); in a store built from a
+//! [`PolicyConfig`] ([`MemoryStore::for_config`],
+//! `LocalLimiter`), whose state is [`AnyState`](crate::registry::AnyState),
+//! every wide state takes the largest, 40 bytes: about 98 bytes a key in a
+//! full wide store. `ratewarden bench` measures the bytes per key.
 //!
 //! The store holds at most [`MemoryOptions::max_keys`] keys, rounded up to
 //! a multiple of its shard count ([`MemoryStore::max_keys`]). It forgets
@@ -102,14 +113,16 @@ pub struct MemoryOptions {
     pub max_keys: usize,
     /// Number of shards, rounded up to a power of two, at most 65,536; 0
     /// picks four per available core (at least 16), but no more than give
-    /// each shard 1,024 keys (a small store gets fewer shards, down to one,
-    /// so that it holds `max_keys` keys exactly).
+    /// each shard 1,024 keys (a small store gets fewer shards, down to one
+    /// below 2,048 keys, where it holds `max_keys` keys exactly).
     pub shards: usize,
 }
 
 impl Default for MemoryOptions {
-    /// 4,194,304 keys (2^22), about 200 MiB at worst for the window
-    /// counters, and automatic sharding.
+    /// 4,194,304 keys (2^22) and automatic sharding: about 84 MiB when
+    /// full of packed states; when they stop packing (see the module's
+    /// docs), about 200 MiB for a `MemoryStore<FixedWindow>` and 400 MiB
+    /// for a store built from a `PolicyConfig`.
     fn default() -> Self {
         MemoryOptions {
             max_keys: 1 << 22,
