@@ -7,9 +7,11 @@
 //! Why not a SwissTable (hashbrown): a SwissTable's capacity is a power of
 //! two and it grows by doubling at 7/8 full, so between doublings its load
 //! falls to 7/16 and a key costs up to 38 bytes (16 for the pair, one
-//! control byte, over the load). This table takes any capacity, keeps its
-//! load between [`MIN_LOAD`] and [`MAX_LOAD`], and has no control bytes:
-//! 20 to 29 bytes per key. A lookup that hits reads the pair at the key's
+//! control byte, over the load). This table takes any capacity, is
+//! rebuilt at [`MIN_LOAD`] and grown at [`MAX_LOAD`], and has no control
+//! bytes: 20 to 29 bytes per key as it fills. (Forgetting keys empties
+//! slots without a rebuild until a quarter or fewer hold live keys, so a
+//! table that forgot most of its keys holds up to 64 bytes per key left.) A lookup that hits reads the pair at the key's
 //! home slot or a few slots on, usually one cache line, where a SwissTable
 //! reads a control group and then the slot, two. And a SwissTable cannot
 //! be read while it is written.
