@@ -1601,7 +1601,8 @@ mod tests {
         let configs = [
             PolicyConfig::new(PolicyKind::FixedWindow, 100, 1000),
             PolicyConfig::new(PolicyKind::SlidingWindowCounter, 100, 1000),
-            // 2 x 31 count bits leave 2 bits of time: widens at 4 ms.
+            // 2 x 31 count bits leave 2 bits for the window index:
+            // widens at 12 ms.
             PolicyConfig::new(PolicyKind::SlidingWindowCounter, 1 << 30, 3),
             PolicyConfig::new(PolicyKind::FixedWindow, 1 << 40, 7),
             PolicyConfig::new(PolicyKind::TokenBucket, 100, 1000),
