@@ -160,7 +160,9 @@ impl Decision {
 
     /// A refused request; `retry_after_ms` is `None` for "never", else at
     /// least 1 (a refusal with no wait contradicts itself, and serde
-    /// refuses to read one back).
+    /// refuses to read one back). That is the caller's to keep: it is not
+    /// checked here, and a bare policy given inputs past 2^53 - 1, which
+    /// stores refuse, can make such a refusal.
     pub const fn refused(retry_after_ms: Option<u64>, remaining: u64) -> Self {
         Decision {
             allowed: false,

@@ -1590,6 +1590,7 @@ fn parse_reply(value: Value) -> Result<Decision, StoreError> {
     };
     match (allowed, retry_after_ms) {
         (1, Some(0)) => Ok(Decision::admitted(remaining)),
+        (0, Some(0)) => Err(bad("a refusal with no wait")),
         (0, retry) => Ok(Decision::refused_exact(retry, remaining)),
         _ => Err(bad("not a decision")),
     }
@@ -1803,6 +1804,8 @@ mod tests {
         assert_eq!(read(&[1, 4, 1, 0]), Decision::admitted(4));
         assert_eq!(read(&[0, 0, 1, 250]), Decision::refused(Some(250), 0));
         assert_eq!(read(&[0, 3, 0]), Decision::refused(None, 3));
+        // A refusal with no wait contradicts itself: no script sends one.
+        assert!(parse_reply(reply(&[0, 0, 1, 0])).is_err());
         // Five 24-bit limbs, least significant first: 2^96 + 5 ms.
         let wide = read(&[0, 0, 2, 5, 0, 0, 0, 1]);
         assert_eq!(wide.retry_after_ms_exact(), Some((1 << 96) + 5));
