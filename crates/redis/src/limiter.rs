@@ -127,11 +127,9 @@ impl RedisLimiter {
     ) -> Result<Self, ConfigError> {
         let fallback = match &time {
             RedisTime::Server => LocalLimiter::new(*store.config(), fallback_options)?,
-            RedisTime::Caller(clock) => LocalLimiter::with_clock(
-                *store.config(),
-                fallback_options,
-                SharedClock(Arc::clone(clock)),
-            )?,
+            RedisTime::Caller(clock) => {
+                LocalLimiter::with_clock(*store.config(), fallback_options, Arc::clone(clock))?
+            }
         };
         Ok(RedisLimiter {
             inner: Arc::new(Inner {
@@ -247,14 +245,5 @@ impl Limiter for RedisLimiter {
 
     fn check(&self, key: u64, cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
         Box::pin(async move { self.check_detailed(key, cost).await.map(|c| c.decision) })
-    }
-}
-
-/// The caller's clock, shared with the fallback limiter.
-struct SharedClock(Arc<dyn Clock>);
-
-impl Clock for SharedClock {
-    fn now_ms(&self) -> u64 {
-        self.0.now_ms()
     }
 }

@@ -91,10 +91,8 @@ pub struct ServerSettings {
 }
 
 /// The fewest keys a shard of a rule's in-memory store is given room for:
-/// with fewer, shards fill unevenly and a store refuses new keys well
-/// before `max_keys` in all (the core's automatic sharding keeps the same
-/// floor).
-const MIN_KEYS_PER_SHARD: usize = 1024;
+/// the core's floor for its automatic sharding, for the same reason.
+const MIN_KEYS_PER_SHARD: usize = MemoryOptions::MIN_KEYS_PER_AUTO_SHARD;
 
 impl ServerSettings {
     /// The options of every in-memory store of a rule (the store itself, a
@@ -175,14 +173,14 @@ impl Default for ServerSettings {
             key_hash: KeyHash::Xxh3_64,
             failure_policy: FailurePolicy::FailClosed,
             store_timeout_ms: 100,
-            max_keys: 1 << 22,
+            max_keys: MemoryOptions::default().max_keys,
             housekeeping_interval_ms: 1000,
             housekeeping_max_scanned: 65_536,
             // Well below common open-file limits once both interfaces are
             // full, and far above what Envoy (a few connections per proxy)
             // or a fleet of HTTP clients needs.
             max_connections: 10_000,
-            key_prefix: "ratewarden".to_owned(),
+            key_prefix: ratewarden_redis::RedisOptions::default().prefix,
         }
     }
 }

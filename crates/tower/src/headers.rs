@@ -35,21 +35,26 @@ pub const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
 /// prose.
 pub const MAX_POLICY_NAME_LEN: usize = 64;
 
-/// Whole seconds to wait for a wait of `retry_after_ms`: rounded up, at
-/// least 1 (a `Retry-After: 0` would invite an immediate retry that is
-/// refused again).
+/// Whole seconds to wait for a wait of `retry_after_ms`, as `Retry-After`
+/// and `t` say it: rounded up, at least 1 (a `Retry-After: 0` would invite
+/// an immediate retry that is refused again), at most [`SF_INTEGER_MAX`]
+/// (the structured fields' bound). [`header_wait_secs`] does the same for
+/// a decision, with its wait past `u64::MAX` ms too.
 ///
 /// ```
-/// use ratewarden_tower::headers::retry_after_secs;
+/// use ratewarden_tower::headers::{retry_after_secs, SF_INTEGER_MAX};
 /// assert_eq!(retry_after_secs(1), 1);
 /// assert_eq!(retry_after_secs(1000), 1);
 /// assert_eq!(retry_after_secs(1001), 2);
 /// assert_eq!(retry_after_secs(0), 1);
+/// assert_eq!(retry_after_secs(u64::MAX), SF_INTEGER_MAX);
 /// ```
 pub const fn retry_after_secs(retry_after_ms: u64) -> u64 {
     let secs = retry_after_ms.div_ceil(1000);
     if secs == 0 {
         1
+    } else if secs > SF_INTEGER_MAX {
+        SF_INTEGER_MAX
     } else {
         secs
     }
@@ -302,7 +307,7 @@ mod tests {
         for (ms, secs) in cases {
             assert_eq!(retry_after_secs(ms), secs, "{ms} ms");
         }
-        assert_eq!(retry_after_secs(u64::MAX), u64::MAX.div_ceil(1000));
+        assert_eq!(retry_after_secs(u64::MAX), SF_INTEGER_MAX);
     }
 
     #[test]

@@ -83,9 +83,6 @@ use crate::policy::Policy;
 use crate::registry::{AnyPolicy, PolicyConfig};
 use crate::{ConfigError, Decision, StoreError, StoreErrorKind, MAX_SAFE};
 
-/// The fewest keys per shard when the store picks its shard count.
-const MIN_KEYS_PER_AUTO_SHARD: usize = 1024;
-
 /// The keys of a full shard one new key, or one millisecond, pays for
 /// sweeping (see `ShardTable::new_keys_since_sweep`): a shard of up to
 /// this many keys is swept for every new key (once per millisecond of
@@ -116,6 +113,13 @@ pub struct MemoryOptions {
     /// each shard 1,024 keys (a small store gets fewer shards, down to one
     /// below 2,048 keys, where it holds `max_keys` keys exactly).
     pub shards: usize,
+}
+
+impl MemoryOptions {
+    /// The fewest keys per shard when the store picks its shard count
+    /// (`shards: 0`): with fewer, shards fill unevenly and a store refuses
+    /// new keys well before `max_keys` in all.
+    pub const MIN_KEYS_PER_AUTO_SHARD: usize = 1024;
 }
 
 impl Default for MemoryOptions {
@@ -495,7 +499,7 @@ impl<P: Policy> MemoryStore<P> {
             let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
             // Every shard fills on its own: with few keys per shard, one
             // fills while the store as a whole is far from max_keys.
-            let fits = (options.max_keys / MIN_KEYS_PER_AUTO_SHARD).max(1);
+            let fits = (options.max_keys / MemoryOptions::MIN_KEYS_PER_AUTO_SHARD).max(1);
             (cores * 4).max(16).min(prev_power_of_two(fits))
         } else {
             options.shards
@@ -1515,8 +1519,9 @@ mod tests {
             };
             let store = MemoryStore::for_config(&config, options).unwrap();
             let shards = store.inner.shards.len();
-            assert!(shards * MIN_KEYS_PER_AUTO_SHARD <= max_keys.max(MIN_KEYS_PER_AUTO_SHARD));
-            if max_keys < MIN_KEYS_PER_AUTO_SHARD {
+            let floor = MemoryOptions::MIN_KEYS_PER_AUTO_SHARD;
+            assert!(shards * floor <= max_keys.max(floor));
+            if max_keys < floor {
                 assert_eq!(store.max_keys(), max_keys, "{max_keys}");
                 for key in 0..max_keys as u64 {
                     store.decide(key, 0, 1).unwrap();
