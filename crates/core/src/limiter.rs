@@ -190,4 +190,18 @@ mod tests {
             .to_string();
         assert!(err.contains("open, closed, local"), "{err}");
     }
+
+    /// Clones share one store, so one budget (a layer's clones in each
+    /// worker rely on it).
+    #[test]
+    fn clones_share_one_budget() {
+        let clock = crate::ManualClock::new(0);
+        let config = PolicyConfig::new(crate::PolicyKind::FixedWindow, 3, 1000);
+        let a = LocalLimiter::with_clock(config, MemoryOptions::default(), clock).unwrap();
+        let b = a.clone();
+        assert!(a.check_now(7, 2).unwrap().allowed);
+        assert_eq!(b.check_now(7, 1).unwrap().remaining, 0);
+        assert!(!a.check_now(7, 1).unwrap().allowed);
+        assert_eq!(b.store().entries_tracked(), 1);
+    }
 }

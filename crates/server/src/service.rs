@@ -814,6 +814,33 @@ shadow = true
         }
     }
 
+    /// The bounds on one request: 64 descriptors of 32 entries are
+    /// decided, one more of either is refused, naming the bound.
+    #[tokio::test]
+    async fn a_request_holds_at_most_64_descriptors_of_32_entries() {
+        let s = service(TWO).await;
+        let entries: Vec<(String, String)> = (0..MAX_ENTRIES)
+            .map(|i| (format!("k{i}"), "v".to_owned()))
+            .collect();
+        let entries: Vec<(&str, &str)> = entries.iter().map(|(k, v)| (&**k, &**v)).collect();
+        let full = vec![d(&entries, 1); MAX_DESCRIPTORS];
+        assert_eq!(s.check_descriptors("api", &full).await.unwrap().len(), 64);
+        let mut more = full.clone();
+        more.push(d(&[("a", "x")], 1));
+        let e = s.check_descriptors("api", &more).await.unwrap_err().0;
+        assert!(
+            e.starts_with("65 descriptors sent; at most 64 are allowed"),
+            "{e}"
+        );
+        let mut wide = full;
+        wide[3].entries.push(("k32".to_owned(), "v".to_owned()));
+        let e = s.check_descriptors("api", &wide).await.unwrap_err().0;
+        assert!(
+            e.starts_with("descriptors[3] has 33 entries; at most 32 are allowed"),
+            "{e}"
+        );
+    }
+
     #[tokio::test]
     async fn unmatched_descriptors_are_unlimited_and_bad_input_is_named() {
         let s = service(TWO).await;
