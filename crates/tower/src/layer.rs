@@ -210,13 +210,13 @@ impl RateLimitBuilder {
 
     /// What to do when the limiter fails (default
     /// [`FailurePolicy::FailClosed`]): `FailOpen` admits the request without
-    /// rate-limit headers (but answers corrupt state and a new key at a full
-    /// in-memory store as `FailClosed` does: admitting would lift that key's
-    /// limit until someone deletes it, or let a client that mints keys pass
-    /// unlimited once it has filled the store),
+    /// rate-limit headers (but answers corrupt state as `FailClosed` does:
+    /// admitting would lift that key's limit until someone deletes it),
     /// `FailClosed` answers `503 Service Unavailable`, `Local` decides on an
     /// in-memory limiter with the same configuration. A cost above the
-    /// policy's capacity is refused under each, as the store would.
+    /// policy's capacity is refused under each, as the store would. A new
+    /// key at a full in-memory store is such a failure too: `FailOpen`
+    /// admits it (see docs/middleware.md, "Keys", for keys clients choose).
     pub fn failure_policy(mut self, policy: FailurePolicy) -> Self {
         self.failure_policy = policy;
         self
@@ -462,14 +462,8 @@ impl Shared {
             // The failure policies are for a store that is away and comes
             // back. A key whose state the store cannot read fails on every
             // request until someone deletes it: admitting would lift that
-            // key's limit for good, and silently, so it is refused. So is a
-            // new key at a full in-memory store: admitted, a client that
-            // mints keys (a fresh header value each request) would fill the
-            // store and then pass unlimited on every new key.
-            (
-                StoreErrorKind::CorruptState | StoreErrorKind::CapacityExhausted,
-                FailurePolicy::FailOpen,
-            ) => FailurePolicy::FailClosed,
+            // key's limit for good, and silently, so it is refused.
+            (StoreErrorKind::CorruptState, FailurePolicy::FailOpen) => FailurePolicy::FailClosed,
             (_, policy) => policy,
         };
         match policy {

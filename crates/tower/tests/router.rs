@@ -979,36 +979,40 @@ async fn corrupt_state_is_refused_even_when_failing_open() {
     assert_eq!(header(&response, &RATELIMIT), Some("\"default\";r=99"));
 }
 
-/// A new key at a full in-memory store is refused as when failing closed,
-/// even when failing open: admitted, a client minting a fresh key per
-/// request would fill the store and then pass unlimited on every new key.
-/// The keys already held keep their limits.
+/// A new key at a full in-memory store is a failure like any other: failing
+/// open admits it, without headers (there was no decision), and failing
+/// closed answers 503. The keys already held keep their limits.
 #[tokio::test]
-async fn a_new_key_at_a_full_store_is_refused_even_when_failing_open() {
-    let config = PolicyConfig::new(PolicyKind::FixedWindow, 1, 60_000);
-    let options = ratewarden_core::MemoryOptions {
-        max_keys: 2,
-        shards: 1,
-    };
-    let full = LocalLimiter::with_clock(config, options, ManualClock::new(0)).unwrap();
-    let key = HeaderKey::new(HeaderName::from_static("x-api-key"));
-    let layer = RateLimitLayer::builder(Arc::new(full), key)
-        .failure_policy(FailurePolicy::FailOpen)
-        .build()
-        .unwrap();
-    let app = router(layer);
-    let with_key = |key: &str| Request::builder().uri("/").header("x-api-key", key);
-    for key in ["a", "b"] {
-        let (response, _) = send(&app, with_key(key)).await;
-        assert_eq!(response.status(), StatusCode::OK, "{key}");
+async fn a_new_key_at_a_full_store_gets_the_failure_policy() {
+    for (policy, status) in [
+        (FailurePolicy::FailOpen, StatusCode::OK),
+        (FailurePolicy::FailClosed, StatusCode::SERVICE_UNAVAILABLE),
+    ] {
+        let config = PolicyConfig::new(PolicyKind::FixedWindow, 1, 60_000);
+        let options = ratewarden_core::MemoryOptions {
+            max_keys: 2,
+            shards: 1,
+        };
+        let full = LocalLimiter::with_clock(config, options, ManualClock::new(0)).unwrap();
+        let key = HeaderKey::new(HeaderName::from_static("x-api-key"));
+        let layer = RateLimitLayer::builder(Arc::new(full), key)
+            .failure_policy(policy)
+            .build()
+            .unwrap();
+        let app = router(layer);
+        let with_key = |key: &str| Request::builder().uri("/").header("x-api-key", key);
+        for key in ["a", "b"] {
+            let (response, _) = send(&app, with_key(key)).await;
+            assert_eq!(response.status(), StatusCode::OK, "{policy} {key}");
+        }
+        for key in ["c", "d", "c"] {
+            let (response, _) = send(&app, with_key(key)).await;
+            assert_eq!(response.status(), status, "{policy} {key}");
+            assert_eq!(header(&response, &RATELIMIT), None, "{policy} {key}");
+        }
+        let (response, _) = send(&app, with_key("a")).await;
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS, "{policy}");
     }
-    for key in ["c", "d", "c"] {
-        let (response, body) = send(&app, with_key(key)).await;
-        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE, "{key}");
-        assert_eq!(body, "the rate limiter is unavailable; try again later\n");
-    }
-    let (response, _) = send(&app, with_key("a")).await;
-    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
 }
 
 /// No budget ever admits a cost above the policy's capacity, which needs
