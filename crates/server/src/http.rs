@@ -134,27 +134,40 @@ pub fn router(service: Arc<Service>) -> Router {
         .with_state(service)
 }
 
-/// Refuses an HTTP/1.1 request without exactly one `Host` header, as RFC
-/// 9112 (section 3.2) requires of every server; hyper leaves it to the
-/// service. HTTP/1.0 requests need none.
+/// Refuses what RFC 9112 (section 3.2) says a server must answer 400: an
+/// HTTP/1.1 request without a `Host` header, and any request with more
+/// than one or with a value that is no `host[:port]`. hyper leaves these
+/// to the service. An HTTP/1.0 request may leave `Host` out; an empty value
+/// is allowed (a request whose target has no host sends one).
 async fn one_host(State(service): State<Arc<Service>>, request: Request, next: Next) -> Response {
-    if request.version() == Version::HTTP_11 {
-        let hosts = request.headers().get_all(header::HOST).iter().count();
-        if hosts != 1 {
-            service.metrics.bad_request(Api::Http);
-            let what = if hosts == 0 {
-                "no Host header".to_owned()
-            } else {
-                format!("{hosts} Host headers")
-            };
-            return bad(
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "the request has {what}; an HTTP/1.1 request must carry exactly one \
-                     (RFC 9112, section 3.2), such as Host: localhost"
-                ),
-            );
+    let mut hosts = request.headers().get_all(header::HOST).iter();
+    let problem = match (hosts.next(), hosts.next()) {
+        (None, _) if request.version() == Version::HTTP_11 => {
+            Some("has no Host header; an HTTP/1.1 request must carry one".to_owned())
         }
+        (None, _) => None,
+        (Some(_), Some(_)) => Some(format!(
+            "has {} Host headers; send exactly one",
+            request.headers().get_all(header::HOST).iter().count()
+        )),
+        (Some(host), None) => {
+            let value = host.as_bytes();
+            // An authority without a user part: `userinfo@` is no host.
+            let valid = value.is_empty()
+                || (!value.contains(&b'@') && axum::http::uri::Authority::try_from(value).is_ok());
+            (!valid).then(|| {
+                "has a Host header that is no host[:port]; send the server's name or address, \
+                 with its port if not the default"
+                    .to_owned()
+            })
+        }
+    };
+    if let Some(problem) = problem {
+        service.metrics.bad_request(Api::Http);
+        return bad(
+            StatusCode::BAD_REQUEST,
+            format!("the request {problem} (RFC 9112, section 3.2), such as Host: localhost"),
+        );
     }
     next.run(request).await
 }
