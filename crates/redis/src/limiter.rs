@@ -78,7 +78,8 @@ pub struct Checked {
 /// the limit alone until Redis returns. A cost above the policy's capacity
 /// is refused with no wait under each, as Redis would refuse it. Corrupt
 /// state and invalid input are returned as errors: retrying cannot fix
-/// them and admitting would hide them. The connection reconnects by itself
+/// them and admitting would hide them; so is the error of a `Local`
+/// fallback that cannot decide (full of keys). The connection reconnects by itself
 /// when Redis returns.
 ///
 /// A failure answered by the policy is logged with `tracing::warn!`, at
@@ -227,8 +228,11 @@ impl RedisLimiter {
                 Decision::refused(Some(inner.store.config().window_ms.min(1000)), 0)
             }
             FailurePolicy::Local => {
+                // Counted once decided: a fallback that fails (full of
+                // keys) passes its error on and decides nothing.
+                let decision = inner.fallback.check_now(key, cost)?;
                 c.decided_locally.fetch_add(1, Ordering::Relaxed);
-                inner.fallback.check_now(key, cost)?
+                decision
             }
         };
         Ok(Checked {

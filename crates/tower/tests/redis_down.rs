@@ -219,3 +219,63 @@ async fn the_layer_decides_locally_when_redis_is_down() {
     assert_eq!(code, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(ratelimit.as_deref(), Some("\"default\";r=0;t=1"));
 }
+
+/// A `RedisLimiter` whose `local` fallback is full of keys passes the
+/// fallback's error on, deciding nothing (and counting nothing as decided
+/// locally); the layer's own failure policy answers it.
+#[tokio::test]
+async fn a_full_local_fallback_is_left_to_the_layer() {
+    use ratewarden_tower::key::HeaderKey;
+    for (policy, refused) in [
+        (FailurePolicy::FailOpen, StatusCode::OK),
+        (FailurePolicy::FailClosed, StatusCode::SERVICE_UNAVAILABLE),
+    ] {
+        let mut server = RedisServer::start();
+        let clock = ManualClock::new(10_000);
+        let limiter = RedisLimiter::new(
+            connect(&server).await,
+            RedisTime::Caller(Arc::new(clock)),
+            FailurePolicy::Local,
+            ratewarden_core::MemoryOptions {
+                max_keys: 1,
+                shards: 1,
+            },
+        )
+        .unwrap();
+        let key = HeaderKey::new(http::HeaderName::from_static("x-key"));
+        let layer = RateLimitLayer::builder(Arc::new(limiter.clone()), key)
+            .failure_policy(policy)
+            .build()
+            .unwrap();
+        let app = app(layer);
+        server.kill();
+        let mut answers = Vec::new();
+        for key in ["a", "b", "c"] {
+            let request = Request::builder().uri("/").header("x-key", key);
+            let response = app
+                .clone()
+                .oneshot(request.body(Body::empty()).unwrap())
+                .await
+                .unwrap();
+            let status = response.status();
+            let body = axum::body::to_bytes(response.into_body(), 1024)
+                .await
+                .unwrap();
+            answers.push((status, String::from_utf8_lossy(&body).into_owned()));
+        }
+        // The fallback holds one key: `a` is decided there, `b` and `c`
+        // find it full.
+        assert_eq!(
+            answers[0],
+            (StatusCode::OK, "decided 2".to_owned()),
+            "{policy}"
+        );
+        for answer in &answers[1..] {
+            assert_eq!(answer.0, refused, "{policy}: {answers:?}");
+        }
+        if policy == FailurePolicy::FailOpen {
+            assert_eq!(answers[1].1, "undecided");
+        }
+        assert_eq!(limiter.failure_counts().decided_locally, 1, "{policy}");
+    }
+}
