@@ -301,7 +301,7 @@ mod tests {
     /// Larger limits pack at wall-clock times too: a sliding-window
     /// counter stores its window's index once the start in ms leaves too
     /// few bits (a limit of 2,048 or more), and a bucket its level in
-    /// units of `gcd(limit, window_ms)` once `burst * W` reaches 2^23.
+    /// units of `gcd(limit, window_ms)` once `burst * W` reaches 2^22.
     #[test]
     fn common_larger_limits_pack_at_wall_clock_times() {
         fn round_trips<P: Policy + std::fmt::Debug>(p: &P, now_ms: u64, cost: u64)

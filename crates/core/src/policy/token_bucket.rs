@@ -25,7 +25,7 @@ pub struct TokenBucket {
     /// `gcd(limit, window_ms)` (it starts at `burst * W`, gains `L` a
     /// millisecond and loses `cost * W`); `level_unit` is that divisor when
     /// the level in units of 1 would leave too few bits for wall-clock
-    /// times (`burst * W` of 2^23 or more, as 1,000 per minute), else 1.
+    /// times (`burst * W` of 2^22 or more, as 1,000 per minute), else 1.
     level_bits: u32,
     level_unit: u64,
     time_bound: u64,

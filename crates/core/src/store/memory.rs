@@ -37,8 +37,9 @@
 //! (limits of 2,048 or more store the window's index rather than its
 //! start); of `token-bucket` while `burst * window_ms / gcd(limit,
 //! window_ms)` stays below 2^22 (1,000 per minute: 60,000); and of `gcra`
-//! up to a limit of 4,194,303. For the reference configuration (100 per
-//! 1000 ms) they pack every time below 2^50 ms. Decisions unpack, decide
+//! up to a limit of 4,194,303 (while `burst * window_ms` stays far below
+//! 2^64). For the reference configuration (100 per 1000 ms) they pack
+//! every time below 2^47 ms (over 4,000 years). Decisions unpack, decide
 //! on the wide state and pack again, so they are the same either way. The
 //! first state of a shard that does not fit turns that shard, once, into a
 //! SwissTable of `(u64 key, state)` with the wide states, which adds one
