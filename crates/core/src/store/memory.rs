@@ -1555,7 +1555,7 @@ mod tests {
     /// the store then read as a pinned key and panicked on.
     #[test]
     fn states_that_pack_to_a_reserved_value_decide_as_the_policy_does() {
-        let cases: [(PolicyConfig, &[(u64, u64)]); 4] = [
+        let cases: [(PolicyConfig, &[(u64, u64)]); 6] = [
             (
                 PolicyConfig::new(PolicyKind::FixedWindow, 4_294_967_294, 1),
                 &[(4_294_967_295, 4_294_967_294), (4_294_967_295, 0)],
@@ -1575,6 +1575,23 @@ mod tests {
                     (281_474_976_710_911, 254),
                     (281_474_976_710_911, 0),
                 ],
+            ),
+            // The window-index layout (12-bit counts, 40-bit index): both
+            // counts full in the last index, the previous window's count
+            // carrying nothing at the window's last millisecond.
+            (
+                PolicyConfig::new(PolicyKind::SlidingWindowCounter, 4095, 4096),
+                &[
+                    (4_503_599_627_362_304, 4095),
+                    (4_503_599_627_370_495, 4095),
+                    (4_503_599_627_370_495, 0),
+                ],
+            ),
+            // The level in units of gcd(2, 2) = 2: a full bucket of
+            // 2^23 - 1 units refilled at the last of 41 bits of time.
+            (
+                PolicyConfig::new(PolicyKind::TokenBucket, 2, 2).with_burst((1 << 23) - 1),
+                &[(2_199_023_255_551, 0), (2_199_023_255_551, 1)],
             ),
         ];
         for (config, steps) in cases {
