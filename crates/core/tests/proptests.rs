@@ -299,6 +299,59 @@ proptest! {
         ..ProptestConfig::default()
     })]
 
+    /// At wall-clock times, with limits, windows and bursts that the
+    /// compact layouts serve (a counter's window index, a bucket's level in
+    /// units of `gcd(limit, window_ms)`) as well as others, the store
+    /// decides exactly as the bare policy does, over several windows and
+    /// with the clock stepping back.
+    #[test]
+    fn memory_store_matches_the_policy_at_wall_clock_times(
+        (config, trace) in (
+            prop_oneof![
+                Just(PolicyKind::SlidingWindowCounter),
+                Just(PolicyKind::TokenBucket),
+                Just(PolicyKind::FixedWindow),
+                Just(PolicyKind::Gcra),
+            ],
+            prop_oneof![3 => 2048u64..(1 << 20), 1 => 0u64..2048],
+            prop_oneof![
+                Just(1u64),
+                Just(1000),
+                Just(60_000),
+                Just(3_600_000),
+                2u64..100_000,
+            ],
+            prop_oneof![Just(None), (0u64..(1 << 24)).prop_map(Some)],
+        )
+            .prop_map(|(policy, limit, window_ms, burst)| PolicyConfig {
+                policy,
+                limit,
+                window_ms,
+                burst: burst.filter(|_| policy.has_burst()),
+            })
+            .prop_flat_map(|config| {
+                let cost = prop_oneof![
+                    0u64..3,
+                    (0u64..=config.limit / 4),
+                    Just(config.limit),
+                ];
+                let step = (0u64..3, prop_oneof![3 => 0u64..2000, 1 => 0u64..(3 * config.window_ms)], any::<bool>(), cost);
+                (Just(config), proptest::collection::vec(step, 1..40))
+            }),
+    ) {
+        let store = MemoryStore::for_config(&config, MemoryOptions::default()).unwrap();
+        let policy = config.build().unwrap();
+        let mut states = std::collections::HashMap::new();
+        let mut now = 1_800_000_000_000u64;
+        for (i, &(key, dt, back, cost)) in trace.iter().enumerate() {
+            now = if back { now.saturating_sub(dt / 4) } else { now + dt };
+            let state = states.entry(key).or_insert_with(|| policy.new_state(now));
+            let expected = policy.decide(state, now, cost);
+            let real = store.decide(key, now, cost).unwrap();
+            prop_assert_eq!(real, expected, "step {} key {} at {} cost {} of {}", i, key, now, cost, config);
+        }
+    }
+
     /// A bare policy fed times and costs above 2^53 - 1 (which stores
     /// refuse before deciding) decides something unspecified, but never
     /// panics: a debug build panics on any overflow, so this is the check.
