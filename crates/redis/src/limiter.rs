@@ -79,8 +79,8 @@ pub struct Checked {
 /// is refused with no wait under each, as Redis would refuse it. Corrupt
 /// state and invalid input are returned as errors: retrying cannot fix
 /// them and admitting would hide them; so is the error of a `Local`
-/// fallback that cannot decide (full of keys). The connection reconnects by itself
-/// when Redis returns.
+/// fallback that cannot decide (full of keys). The connection reconnects
+/// by itself when Redis returns.
 ///
 /// A failure answered by the policy is logged with `tracing::warn!`, at
 /// most one line a second (each line says how many failures it stands for),

@@ -2,10 +2,9 @@
 //!
 //! Keys are spread over shards, each a hash table with its own lock. A
 //! decision on a known key whose state packs into 64 bits (see below for
-//! which do) decides on the
-//! state it reads from the key's slot and writes the new state with one
-//! compare-and-swap on that slot, deciding again if another thread wrote
-//! first; a decision that changes nothing writes nothing. While one
+//! which do) decides on the state it reads from the key's slot and writes
+//! the new state with one compare-and-swap on that slot, deciding again if
+//! another thread wrote first; a decision that changes nothing writes nothing. While one
 //! thread decides, it reaches the slot under the shard's lock, whose
 //! cache line then stays in its core. While several do, each reaches it
 //! without the lock, through its own view of the shard's array

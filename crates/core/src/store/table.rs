@@ -11,8 +11,9 @@
 //! rebuilt at [`MIN_LOAD`] and grown at [`MAX_LOAD`], and has no control
 //! bytes: 20 to 29 bytes per key as it fills. (Forgetting keys empties
 //! slots without a rebuild until a quarter or fewer hold live keys, so a
-//! table that forgot most of its keys holds up to 64 bytes per key left.) A lookup that hits reads the pair at the key's
-//! home slot or a few slots on, usually one cache line, where a SwissTable
+//! table that forgot most of its keys holds up to 64 bytes per key left.)
+//! A lookup that hits reads the pair at the key's home slot or a few slots
+//! on, usually one cache line, where a SwissTable
 //! reads a control group and then the slot, two. And a SwissTable cannot
 //! be read while it is written.
 //!
