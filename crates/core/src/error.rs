@@ -214,8 +214,17 @@ impl fmt::Display for StoreError {
 
 impl std::error::Error for StoreError {}
 
-/// Checks a request's numbers against SPEC's range before any decision.
-pub(crate) fn check_request(now_ms: u64, cost: u64) -> Result<(), StoreError> {
+/// Checks a request's numbers against SPEC's range (`0 ..= 2^53 - 1`)
+/// before any decision, as every store does: an
+/// [`StoreErrorKind::InvalidInput`] naming the number that is out of it.
+///
+/// ```
+/// use ratewarden_core::{check_request, MAX_SAFE};
+/// assert!(check_request(MAX_SAFE, MAX_SAFE).is_ok());
+/// let e = check_request(0, MAX_SAFE + 1).unwrap_err();
+/// assert_eq!(e.detail(), "cost is 9007199254740992, above 2^53 - 1 (9007199254740991)");
+/// ```
+pub fn check_request(now_ms: u64, cost: u64) -> Result<(), StoreError> {
     if now_ms > crate::MAX_SAFE {
         return Err(StoreError::new(
             StoreErrorKind::InvalidInput,

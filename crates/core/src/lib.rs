@@ -43,7 +43,7 @@ pub mod vectors;
 
 pub use clock::{Clock, ManualClock, MonotonicClock, SystemClock};
 pub use decision::Decision;
-pub use error::{ConfigError, StoreError, StoreErrorKind};
+pub use error::{check_request, ConfigError, StoreError, StoreErrorKind};
 pub use key::{mix32, xxh3_64, KeyHash};
 pub use limiter::{BoxFuture, FailurePolicy, Limiter, LocalLimiter};
 pub use log_gate::LogGate;

@@ -571,20 +571,9 @@ impl RedisStore {
         cmd
     }
 
+    /// The core's range check; Redis `TIME` (no `now_ms`) is in range.
     fn check(now_ms: Option<u64>, cost: u64) -> Result<(), StoreError> {
-        if let Some(now) = now_ms.filter(|&n| n > MAX_SAFE) {
-            return Err(StoreError::new(
-                StoreErrorKind::InvalidInput,
-                format!("now_ms is {now}, above 2^53 - 1 (9007199254740991)"),
-            ));
-        }
-        if cost > MAX_SAFE {
-            return Err(StoreError::new(
-                StoreErrorKind::InvalidInput,
-                format!("cost is {cost}, above 2^53 - 1 (9007199254740991)"),
-            ));
-        }
-        Ok(())
+        ratewarden_core::check_request(now_ms.unwrap_or(0), cost)
     }
 
     /// A handle on the current connection, for one call.

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use ratewarden_core::{MemoryStore, Policy, PolicyConfig, PolicyKind, MAX_SAFE};
+use ratewarden_core::{MemoryStore, Policy, PolicyConfig, PolicyKind, StoreErrorKind, MAX_SAFE};
 use ratewarden_redis::test_support::RedisServer;
 
 const WALL_CLOCK_MS: u64 = 1_764_000_000_000;
@@ -298,4 +298,24 @@ fn extreme_configurations_match_including_waits_past_2_pow_53() {
     }
     assert!(saw_past_u64, "no wait past u64::MAX was exercised");
     assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
+    // One step past the range: refused before Redis is asked, with the
+    // memory store's very error.
+    let config = PolicyConfig::new(PolicyKind::FixedWindow, 1, 1000);
+    let memory = MemoryStore::for_config(&config, Default::default()).unwrap();
+    let redis = rt.block_on(common::store(&server.url(), config, "range"));
+    let keys = server.cli(&["DBSIZE"]);
+    for (now, cost) in [(MAX_SAFE + 1, 1), (0, MAX_SAFE + 1)] {
+        let expected = memory.decide(1, now, cost).unwrap_err();
+        let actual = rt.block_on(redis.decide(1, Some(now), cost)).unwrap_err();
+        assert_eq!(actual.kind(), StoreErrorKind::InvalidInput, "{actual}");
+        assert_eq!(actual.detail(), expected.detail());
+    }
+    let e = rt
+        .block_on(redis.decide(1, None, MAX_SAFE + 1))
+        .unwrap_err();
+    assert_eq!(
+        e.detail(),
+        "cost is 9007199254740992, above 2^53 - 1 (9007199254740991)"
+    );
+    assert_eq!(server.cli(&["DBSIZE"]), keys, "nothing was written");
 }
