@@ -351,6 +351,26 @@ async fn descriptors_match_as_configured() {
     assert_eq!(r.statuses[1].limit_remaining, 1);
     assert_eq!(r.statuses[2].limit_remaining, 2);
     assert_eq!(r.statuses[3].limit_remaining, 6);
+    // An admitted fixed window says when its count starts again: the end
+    // of its aligned hour, as envoyproxy/ratelimit says it. The other
+    // policies have no such moment.
+    let reset = r.statuses[3]
+        .duration_until_reset
+        .expect("a fixed window's reset");
+    let reset_ms = reset.seconds as u64 * 1000 + reset.nanos as u64 / 1_000_000;
+    let wall_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let expected = 3_600_000 - wall_ms % 3_600_000;
+    assert!(
+        reset_ms.abs_diff(expected) < 5_000 || expected.abs_diff(reset_ms) > 3_590_000,
+        "{reset_ms} ms to the hour's end, where the clock says {expected}"
+    );
+    assert!((1..=3_600_000).contains(&reset_ms), "{reset_ms}");
+    for i in [0, 1, 2, 4] {
+        assert_eq!(r.statuses[i].duration_until_reset, None, "status {i}");
+    }
     assert_eq!(
         r.statuses[0]
             .current_limit

@@ -8,6 +8,8 @@ use tokio::sync::Notify;
 
 use tonic::{Request, Response, Status};
 
+use ratewarden_core::{Clock, PolicyKind, SystemClock};
+
 use crate::metrics::Api;
 use crate::proto::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use crate::proto::envoy::service::ratelimit::v3::rate_limit_response::{
@@ -151,15 +153,19 @@ impl Rls {
         } else {
             Code::OverLimit
         };
+        // The wall clock the rules' limiters decide by (Redis's own on a
+        // Redis store, which agrees with this one to the clocks' skew).
+        let now_ms = SystemClock.now_ms();
         Ok(RateLimitResponse {
             overall_code: overall as i32,
-            statuses: outcomes.iter().map(status).collect(),
+            statuses: outcomes.iter().map(|o| status(o, now_ms)).collect(),
             ..Default::default()
         })
     }
 }
 
-fn status(o: &DescriptorOutcome) -> DescriptorStatus {
+/// The status of one descriptor, answered at `now_ms`.
+fn status(o: &DescriptorOutcome, now_ms: u64) -> DescriptorStatus {
     let Some(rule) = &o.rule else {
         return DescriptorStatus {
             code: Code::Ok as i32,
@@ -182,6 +188,12 @@ fn status(o: &DescriptorOutcome) -> DescriptorStatus {
         limit_remaining: u32::try_from(o.decision.remaining).unwrap_or(u32::MAX),
         duration_until_reset: if refused {
             o.decision.retry_after_ms.map(duration)
+        } else if policy.policy == PolicyKind::FixedWindow && !o.by_failure_policy {
+            // A fixed window's count starts again at the window's end, as
+            // envoyproxy/ratelimit's do (its windows are aligned the same
+            // way), and Envoy shows it as `X-RateLimit-Reset`. The other
+            // policies have no such moment.
+            Some(duration(policy.window_ms - now_ms % policy.window_ms))
         } else {
             None
         },
