@@ -358,8 +358,8 @@ async fn descriptors_match_as_configured() {
         .duration_until_reset
         .expect("a fixed window's reset");
     let reset_ms = reset.seconds as u64 * 1000 + reset.nanos as u64 / 1_000_000;
-    let wall_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
+    let wall_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_millis() as u64;
     let expected = 3_600_000 - wall_ms % 3_600_000;
@@ -1039,18 +1039,7 @@ async fn refusals_are_not_counted_as_bad_requests() {
     for request in unreadable {
         let answer = tokio::task::spawn_blocking({
             let (addr, request) = (server.http, request.to_vec());
-            move || {
-                use std::io::{Read, Write};
-                let mut stream = std::net::TcpStream::connect(addr).unwrap();
-                stream
-                    .set_read_timeout(Some(Duration::from_secs(10)))
-                    .unwrap();
-                // The server may answer and close before the last byte.
-                let _ = stream.write_all(&request);
-                let mut answer = Vec::new();
-                let _ = stream.read_to_end(&mut answer);
-                String::from_utf8_lossy(&answer).into_owned()
-            }
+            move || exchange(addr, &request, Duration::from_secs(10))
         })
         .await
         .unwrap();
@@ -1098,24 +1087,27 @@ fn a_body_that_never_arrives_neither_holds_the_connection_nor_delays_shutdown() 
     server.stop();
 }
 
+/// Sends `request` on a new connection to `addr` and reads the answer,
+/// as text, until the server closes the connection or `read_timeout`
+/// passes. A failed write is no error: the server may answer and close
+/// before the last byte.
+fn exchange(addr: SocketAddr, request: &[u8], read_timeout: Duration) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(read_timeout)).unwrap();
+    let _ = stream.write_all(request);
+    let mut answer = Vec::new();
+    let _ = stream.read_to_end(&mut answer);
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
 /// A body declared over 64 KiB is refused before it is read, with no `100
 /// Continue` inviting it; one sent in chunks, with no declared length, is
 /// refused once 64 KiB have arrived.
 #[test]
 fn a_body_over_the_bound_is_refused_whether_declared_or_chunked() {
-    use std::io::{Read, Write};
     let server = Server::start(&[]);
-    let answer = |request: &[u8]| {
-        let mut stream = std::net::TcpStream::connect(server.http).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
-        // The server may answer and close before the last byte.
-        let _ = stream.write_all(request);
-        let mut answer = Vec::new();
-        let _ = stream.read_to_end(&mut answer);
-        String::from_utf8_lossy(&answer).into_owned()
-    };
+    let answer = |request: &[u8]| exchange(server.http, request, Duration::from_secs(5));
     let declared = answer(
         b"POST /v1/check HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n\
           Content-Length: 99999999999\r\n\r\n",
@@ -1149,15 +1141,7 @@ async fn requests_need_one_valid_host_as_rfc_9112_says() {
             format!("{head}\r\nContent-Length: 11\r\nConnection: close\r\n\r\n{{\"key\":\"k\"}}");
         let addr = server.http;
         tokio::task::spawn_blocking(move || {
-            use std::io::{Read, Write};
-            let mut stream = std::net::TcpStream::connect(addr).unwrap();
-            stream
-                .set_read_timeout(Some(Duration::from_secs(5)))
-                .unwrap();
-            stream.write_all(request.as_bytes()).unwrap();
-            let mut answer = Vec::new();
-            let _ = stream.read_to_end(&mut answer);
-            String::from_utf8_lossy(&answer).into_owned()
+            exchange(addr, request.as_bytes(), Duration::from_secs(5))
         })
     };
     let refused = [
