@@ -605,6 +605,10 @@ where
                             );
                         }
                     }
+                    // The quota with every count, so that a client learns
+                    // it before its first refusal; appended, as `RateLimit`
+                    // is, beside the items of any nested layer.
+                    headers.append(RATELIMIT_POLICY, shared.headers.policy().clone());
                     headers.append(RATELIMIT, shared.headers.ratelimit(&decision));
                     Ok(response)
                 }

@@ -15,7 +15,7 @@
 //! - **Standard headers.** A refusal is `429 Too Many Requests` with
 //!   `Retry-After` (whole seconds, rounded up, at least 1),
 //!   `RateLimit-Policy` and `RateLimit`; an admitted response carries
-//!   `RateLimit` (see [`headers`]). Handlers find the
+//!   `RateLimit-Policy` and `RateLimit` (see [`headers`]). Handlers find the
 //!   [`Decision`](ratewarden_core::Decision) in the request's extensions.
 //! - **Failures follow a policy.** When the store fails, the
 //!   [`FailurePolicy`](ratewarden_core::FailurePolicy) admits (open), answers

@@ -99,6 +99,11 @@ async fn reference_admits_exactly_100_and_headers_match_the_decisions() {
         assert_eq!(body, format!("Some(0) true {}", expected.remaining));
         let ratelimit = format!("\"default\";r={}", expected.remaining);
         assert_eq!(header(&response, &RATELIMIT), Some(ratelimit.as_str()));
+        // The quota with every count, before any refusal.
+        assert_eq!(
+            header(&response, &RATELIMIT_POLICY),
+            Some("\"default\";q=100;w=1")
+        );
         assert_eq!(header(&response, &RETRY_AFTER), None);
     }
     let expected = twin.check_now(1, 1).unwrap();
@@ -1169,6 +1174,12 @@ async fn nested_layers_each_report_their_own_policy() {
     let (response, _) = send(&app, get_from("192.0.2.1:1")).await;
     let values: Vec<_> = response.headers().get_all(&RATELIMIT).iter().collect();
     assert_eq!(values, ["\"per-ip\";r=1", "\"global\";r=2"]);
+    let policies: Vec<_> = response
+        .headers()
+        .get_all(&RATELIMIT_POLICY)
+        .iter()
+        .collect();
+    assert_eq!(policies, ["\"per-ip\";q=2;w=1", "\"global\";q=3;w=60"]);
     send(&app, get_from("192.0.2.1:1")).await;
     // Refused per client: the global budget was spent by the admitted
     // request, and the refusal carries both policies' counts.
@@ -1176,10 +1187,12 @@ async fn nested_layers_each_report_their_own_policy() {
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     let values: Vec<_> = response.headers().get_all(&RATELIMIT).iter().collect();
     assert_eq!(values, ["\"per-ip\";r=0;t=1", "\"global\";r=0"]);
-    assert_eq!(
-        header(&response, &RATELIMIT_POLICY),
-        Some("\"per-ip\";q=2;w=1")
-    );
+    let policies: Vec<_> = response
+        .headers()
+        .get_all(&RATELIMIT_POLICY)
+        .iter()
+        .collect();
+    assert_eq!(policies, ["\"per-ip\";q=2;w=1", "\"global\";q=3;w=60"]);
     // The global budget is spent: another client is refused by it.
     let (response, _) = send(&app, get_from("192.0.2.2:1")).await;
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);

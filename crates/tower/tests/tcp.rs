@@ -106,6 +106,7 @@ async fn example_server_limits_a_real_client_over_tcp() {
                 reply.ratelimit.as_deref(),
                 Some(format!("\"default\";r={remaining}").as_str())
             );
+            assert_eq!(reply.policy.as_deref(), Some("\"default\";q=100;w=1"));
         }
         let refused = get(&mut sender).await;
         assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
