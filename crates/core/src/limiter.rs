@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::clock::{Clock, SystemClock};
 use crate::registry::{AnyPolicy, PolicyConfig};
 use crate::store::memory::{MemoryOptions, MemoryStore};
-use crate::{ConfigError, Decision, StoreError};
+use crate::{ConfigError, Decision, StoreError, StoreErrorKind};
 
 /// A boxed, sendable future, as [`Limiter::check`] returns.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -60,6 +60,25 @@ pub enum FailurePolicy {
 }
 
 impl FailurePolicy {
+    /// The policy that answers a store failure of `kind`. The policies are
+    /// for a store that is away and comes back; a key whose state the store
+    /// cannot read ([`StoreErrorKind::CorruptState`]) fails on every request
+    /// until someone deletes it, and admitting it would lift that key's
+    /// limit for good, silently, so `open` refuses it as `closed` does.
+    ///
+    /// ```
+    /// use ratewarden_core::{FailurePolicy, StoreErrorKind};
+    /// let open = FailurePolicy::FailOpen;
+    /// assert_eq!(open.answering(StoreErrorKind::Timeout), FailurePolicy::FailOpen);
+    /// assert_eq!(open.answering(StoreErrorKind::CorruptState), FailurePolicy::FailClosed);
+    /// ```
+    pub fn answering(self, kind: StoreErrorKind) -> FailurePolicy {
+        match (kind, self) {
+            (StoreErrorKind::CorruptState, FailurePolicy::FailOpen) => FailurePolicy::FailClosed,
+            (_, policy) => policy,
+        }
+    }
+
     /// The name used in configuration files and on the command line.
     pub const fn name(self) -> &'static str {
         match self {

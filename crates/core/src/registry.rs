@@ -181,6 +181,39 @@ impl PolicyConfig {
             self.limit
         }
     }
+
+    /// The decision for `cost` that needs no state, if there is one: a cost
+    /// above [`PolicyConfig::capacity`] is refused with no wait by every
+    /// state, so a limiter whose store failed gives this answer under every
+    /// failure policy, as the store would have. Its `remaining` is 0: what
+    /// the key has left is in the store that failed.
+    ///
+    /// ```
+    /// use ratewarden_core::{Decision, REFERENCE};
+    /// assert_eq!(REFERENCE.refused_whatever_the_state(100), None);
+    /// assert_eq!(
+    ///     REFERENCE.refused_whatever_the_state(101),
+    ///     Some(Decision::refused(None, 0))
+    /// );
+    /// ```
+    pub fn refused_whatever_the_state(&self, cost: u64) -> Option<Decision> {
+        (cost > self.capacity()).then(|| Decision::refused(None, 0))
+    }
+
+    /// The refusal of the `closed` failure policy: retry after a second, or
+    /// after the window when it is shorter, by when the store may answer
+    /// again. Its `remaining` is 0, so that a client reading it slows down:
+    /// what the key has left is in the store that failed.
+    ///
+    /// ```
+    /// use ratewarden_core::{Decision, PolicyConfig, PolicyKind, REFERENCE};
+    /// assert_eq!(REFERENCE.refused_while_failing(), Decision::refused(Some(1000), 0));
+    /// let short = PolicyConfig::new(PolicyKind::FixedWindow, 5, 250);
+    /// assert_eq!(short.refused_while_failing(), Decision::refused(Some(250), 0));
+    /// ```
+    pub fn refused_while_failing(&self) -> Decision {
+        Decision::refused(Some(self.window_ms.clamp(1, 1000)), 0)
+    }
 }
 
 impl fmt::Display for PolicyConfig {

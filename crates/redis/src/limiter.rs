@@ -214,26 +214,26 @@ impl RedisLimiter {
                 "Redis failed, the failure policy answers: {error}"
             );
         }
-        let decision = match inner.failure_policy {
-            // No budget ever admits a cost above the capacity, which needs
-            // no Redis to know: refused as Redis would, with no wait,
-            // whatever the policy (as `serve` and the tower layer do).
-            _ if cost > inner.store.config().capacity() => Decision::refused(None, 0),
-            FailurePolicy::FailOpen => {
-                c.failed_open.fetch_add(1, Ordering::Relaxed);
-                Decision::admitted(0)
-            }
-            FailurePolicy::FailClosed => {
-                c.failed_closed.fetch_add(1, Ordering::Relaxed);
-                Decision::refused(Some(inner.store.config().window_ms.min(1000)), 0)
-            }
-            FailurePolicy::Local => {
-                // Counted once decided: a fallback that fails (full of
-                // keys) passes its error on and decides nothing.
-                let decision = inner.fallback.check_now(key, cost)?;
-                c.decided_locally.fetch_add(1, Ordering::Relaxed);
-                decision
-            }
+        let config = inner.store.config();
+        let decision = match config.refused_whatever_the_state(cost) {
+            Some(refused) => refused,
+            None => match inner.failure_policy {
+                FailurePolicy::FailOpen => {
+                    c.failed_open.fetch_add(1, Ordering::Relaxed);
+                    Decision::admitted(0)
+                }
+                FailurePolicy::FailClosed => {
+                    c.failed_closed.fetch_add(1, Ordering::Relaxed);
+                    config.refused_while_failing()
+                }
+                FailurePolicy::Local => {
+                    // Counted once decided: a fallback that fails (full of
+                    // keys) passes its error on and decides nothing.
+                    let decision = inner.fallback.check_now(key, cost)?;
+                    c.decided_locally.fetch_add(1, Ordering::Relaxed);
+                    decision
+                }
+            },
         };
         Ok(Checked {
             decision,

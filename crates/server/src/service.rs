@@ -536,28 +536,14 @@ impl Service {
                 m.rule.metrics.store_error(e.kind());
                 self.last_failure_ms
                     .store(self.clock.now_ms(), Ordering::Relaxed);
-                if cost > m.rule.spec.policy.capacity() {
-                    // No budget ever admits it, which needs no store to
-                    // know: refused as the store would have, with no wait,
-                    // whatever the failure policy.
+                if let Some(refused) = m.rule.spec.policy.refused_whatever_the_state(cost) {
                     self.log_store_error(&m.rule, &e, self.settings.failure_policy);
-                    return (Decision::refused(None, 0), false);
+                    return (refused, false);
                 }
-                let policy = match (e.kind(), self.settings.failure_policy) {
-                    // The failure policies are for a store that is away,
-                    // and comes back. A key holding state the script cannot
-                    // read fails on every request until someone deletes it:
-                    // admitting it would lift that key's limit for good, and
-                    // silently, so it is refused (and logged, and counted).
-                    (StoreErrorKind::CorruptState, FailurePolicy::FailOpen) => {
-                        FailurePolicy::FailClosed
-                    }
-                    (_, policy) => policy,
-                };
-                // Retry within a second (or the window, when shorter): the
-                // store may be back by then.
-                let closed =
-                    || Decision::refused(Some(m.rule.spec.policy.window_ms.clamp(1, 1000)), 0);
+                // A corrupt key is refused under `open` too (and logged, and
+                // counted).
+                let policy = self.settings.failure_policy.answering(e.kind());
+                let closed = || m.rule.spec.policy.refused_while_failing();
                 let decision = match policy {
                     // Nothing is known of the budget: report none left, so a
                     // client that reads `remaining` slows down.

@@ -452,21 +452,10 @@ impl Shared {
                 "rate limiter failed"
             );
         }
-        if cost > self.limiter.config().capacity() {
-            // No budget ever admits it, which needs no store to know:
-            // refused as the store would have, with no wait, whatever the
-            // failure policy (as `ratewarden serve` does).
-            return Verdict::Decided(Decision::refused(None, 0));
+        if let Some(refused) = self.limiter.config().refused_whatever_the_state(cost) {
+            return Verdict::Decided(refused);
         }
-        let policy = match (error.kind(), self.failure_policy) {
-            // The failure policies are for a store that is away and comes
-            // back. A key whose state the store cannot read fails on every
-            // request until someone deletes it: admitting would lift that
-            // key's limit for good, and silently, so it is refused.
-            (StoreErrorKind::CorruptState, FailurePolicy::FailOpen) => FailurePolicy::FailClosed,
-            (_, policy) => policy,
-        };
-        match policy {
+        match self.failure_policy.answering(error.kind()) {
             FailurePolicy::FailOpen => Verdict::AdmitUndecided,
             FailurePolicy::FailClosed => Verdict::Unavailable,
             FailurePolicy::Local => match self.fallback.as_ref().map(|f| f.check_now(key, cost)) {
