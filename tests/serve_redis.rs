@@ -547,6 +547,21 @@ fn tls_urls_are_refused_saying_so() {
     }
 }
 
+/// Mistakes that show in the URL itself are refused while the arguments
+/// are read (exit 2), saying what to write, and a typo with no password in
+/// it is shown whole.
+#[test]
+fn store_url_mistakes_are_refused_before_anything_runs() {
+    let (status, stderr) = serve_refused("redis://127.0.0.1:1?db=3");
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--store"), "{stderr}");
+    assert!(stderr.contains("redis://HOST:PORT/DB"), "{stderr}");
+    assert!(!stderr.contains("rule"), "{stderr}");
+    let (status, stderr) = serve_refused("redis:/127.0.0.1:1");
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("\"redis:/127.0.0.1:1\""), "{stderr}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_unix_socket_url_serves() {
     let socket = std::env::temp_dir().join(format!("ratewarden-serve-{}.sock", std::process::id()));

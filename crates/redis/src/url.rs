@@ -35,8 +35,11 @@
 ///     redact_url("redis+unix:///run/r.sock?pass=s3cr@t&x&db=1"),
 ///     "redis+unix:///run/r.sock?pass=***&***&db=1"
 /// );
-/// // Not a URL, but maybe a mistyped one: nothing past its scheme.
+/// // Not a URL, but maybe a mistyped one: nothing past its scheme when
+/// // it could hold a password, else all of it, so the typo shows.
 /// assert_eq!(redact_url("redis+unix:/run/r.sock?pass=pw"), "redis+unix:***");
+/// assert_eq!(redact_url("redis:/:pw@127.0.0.1:6379"), "redis:***");
+/// assert_eq!(redact_url("redis:/127.0.0.1:6379"), "redis:/127.0.0.1:6379");
 /// ```
 pub fn redact_url(url: &str) -> String {
     // A scheme is a letter, then letters, digits, `+`, `-` or `.`: a `://`
@@ -48,8 +51,9 @@ pub fn redact_url(url: &str) -> String {
     };
     let Some((scheme, rest)) = url.split_once("://").filter(|(s, _)| is_scheme(s)) else {
         // Not a URL at all: it may still be a mistyped one holding a
-        // password, so show none of what could be one.
-        if !url.contains(['@', '?', '=', '&', '/']) {
+        // password, so show none of what could be one. A password stands
+        // before an `@`, or in a query: without those, the typo is shown.
+        if !url.contains(['@', '?', '=', '&']) {
             return url.to_owned();
         }
         return match url.split_once(':') {
@@ -241,6 +245,29 @@ pub fn is_store_url(url: &str) -> bool {
     ["redis://", "redis+unix://", "redis-cluster://"]
         .iter()
         .any(|p| url.starts_with(p))
+}
+
+/// What is wrong with `url` that shows without connecting, if anything: a
+/// form the store does not take ([`url_form_error`]), or a query field
+/// that a one-node URL would ignore (`redis://HOST:PORT?db=3` would count
+/// in database 0). For command-line parsers, so that such a URL is refused
+/// before anything runs; [`RedisStore::connect`](crate::RedisStore::connect)
+/// refuses the same URLs.
+///
+/// ```
+/// use ratewarden_redis::url_error;
+/// assert_eq!(url_error("redis://127.0.0.1:6379/3"), None);
+/// assert!(url_error("redis://127.0.0.1:6379?db=3").unwrap().contains("redis://HOST:PORT/DB"));
+/// assert!(url_error("rediss://127.0.0.1:6379").unwrap().contains("TLS"));
+/// ```
+pub fn url_error(url: &str) -> Option<String> {
+    if !is_store_url(url) {
+        return Some(url_form_error(url));
+    }
+    if url.starts_with("redis-cluster://") {
+        return None;
+    }
+    query_error(url, &redact_url(url))
 }
 
 /// Whether `url` looks meant for Redis (a Redis-like scheme) though

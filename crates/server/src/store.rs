@@ -281,7 +281,12 @@ impl std::str::FromStr for StoreUrl {
         } else if s.starts_with("redis-cluster://") {
             Ok(StoreUrl::RedisCluster(s.to_owned()))
         } else if ratewarden_redis::is_store_url(s) {
-            Ok(StoreUrl::Redis(s.to_owned()))
+            // A query the client would ignore is refused here, with the
+            // other mistakes of form, rather than when the rules connect.
+            match ratewarden_redis::url_error(s) {
+                Some(e) => Err(e),
+                None => Ok(StoreUrl::Redis(s.to_owned())),
+            }
         } else if ratewarden_redis::is_redis_like_url(s) {
             // Says what is wrong with the form (TLS, for rediss://).
             Err(ratewarden_redis::url_form_error(s))
