@@ -262,6 +262,31 @@ impl RuleSet {
         &self.all
     }
 
+    /// The names of the enforcing rules that admit nothing, ever: a limit
+    /// of 0 (a burst of 0 for the buckets). A valid way to close a route,
+    /// but also what someone who meant "no limit" writes, so `serve` warns
+    /// of them at start and at each reload.
+    pub fn closed_rules(&self) -> Vec<&str> {
+        self.all
+            .iter()
+            .filter(|r| !r.spec.shadow && r.spec.policy.capacity() == 0)
+            .map(|r| r.spec.name.as_str())
+            .collect()
+    }
+
+    /// Warns of [`RuleSet::closed_rules`], if any.
+    pub fn warn_of_closed_rules(&self) {
+        let closed = self.closed_rules();
+        if !closed.is_empty() {
+            tracing::warn!(
+                rules = %closed.join(", "),
+                "these rules refuse every request for good (a limit of 0, or a burst of 0); \
+                 if that is not meant, give them a limit, or write `unlimited = true` in a \
+                 descriptor that should have none"
+            );
+        }
+    }
+
     /// Whether the domain is configured, or a fallback rule covers it.
     pub fn knows_domain(&self, domain: &str) -> bool {
         self.domains.contains_key(domain) || self.fallback.is_some()
@@ -886,6 +911,49 @@ name = "login-per-user"
 limit = 1
 window_ms = 1000
 "#;
+
+    #[test]
+    fn rules_that_admit_nothing_are_named() {
+        let s = set(r#"
+[keys]
+limit = 0
+window_ms = 1000
+
+[[domains]]
+domain = "api"
+
+[[domains.descriptors]]
+key = "a"
+policy = "token-bucket"
+limit = 10
+burst = 0
+window_ms = 1000
+
+[[domains.descriptors]]
+key = "b"
+limit = 0
+window_ms = 1000
+shadow = true
+
+[[domains.descriptors]]
+key = "c"
+policy = "gcra"
+limit = 0
+burst = 1
+window_ms = 1000
+
+[[domains.descriptors]]
+key = "d"
+limit = 1
+window_ms = 1000
+"#);
+        // A shadow rule refuses nothing, and a bucket with a burst admits
+        // that burst even when it never refills.
+        let mut closed = s.closed_rules();
+        closed.sort();
+        assert_eq!(closed, ["api.a", "keys"]);
+        assert!(set(TREE).closed_rules().is_empty());
+    }
 
     #[test]
     fn descriptors_match_value_before_any_value_and_nest() {

@@ -116,6 +116,7 @@ impl Service {
         let metrics = Arc::new(Metrics::default());
         let settings = config.server.clone();
         let rules = RuleSet::build(config, factory.as_ref(), None, &metrics).await?;
+        rules.warn_of_closed_rules();
         Ok(Service {
             rules: ArcSwap::from_pointee(rules),
             settings,
@@ -177,6 +178,7 @@ impl Service {
                     .await
                     .map_err(|e| format!("{e:#}"))?;
             let count = rules.rules().len();
+            rules.warn_of_closed_rules();
             self.rules.store(Arc::new(rules));
             Ok::<_, String>(count)
         }
