@@ -14,7 +14,11 @@ use ratewarden_server::StoreUrl;
 /// "unexpected argument '-1' found".
 pub fn whole<T: std::str::FromStr>(s: &str) -> Result<T, String> {
     if s.starts_with('-') && s[1..].parse::<u128>().is_ok() {
-        return Err("must be a whole number, 0 or more, not a negative one".into());
+        // No lower bound is named here: some flags start at 0, others at
+        // 1, and each says its own when the value is below it.
+        return Err(
+            "must be a whole number, not a negative one (see --help for the bounds)".into(),
+        );
     }
     s.parse().map_err(|_| {
         let digits = s.strip_prefix('+').unwrap_or(s);
@@ -22,7 +26,7 @@ pub fn whole<T: std::str::FromStr>(s: &str) -> Result<T, String> {
             // Digits alone that do not parse are too many of them.
             format!("`{s}` is too large; give a smaller whole number (see --help for the bounds)")
         } else {
-            format!("must be a whole number, 0 or more, not `{s}`")
+            format!("must be a whole number, not `{s}` (see --help for the bounds)")
         }
     })
 }
