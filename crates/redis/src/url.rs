@@ -9,7 +9,11 @@
 /// follows its last `@` when that is a list of HOST:PORT, or nothing but
 /// its scheme (a `redis+unix://` URL with anything before its absolute
 /// path or `@` in it, a query typed without its `?`, seeds that carry
-/// credentials beside seeds that do not).
+/// credentials beside seeds that do not, a node with no `@` that is not
+/// HOST or HOST:PORT). A string that is no URL is shown whole only when it
+/// holds none of `@ ? = & /`, or is a scheme and HOST:PORT[/DB] with the
+/// `//` mistyped, so that a typo shows but a secret given by mistake does
+/// not.
 ///
 /// ```
 /// use ratewarden_redis::redact_url;
@@ -39,7 +43,12 @@
 /// // it could hold a password, else all of it, so the typo shows.
 /// assert_eq!(redact_url("redis+unix:/run/r.sock?pass=pw"), "redis+unix:***");
 /// assert_eq!(redact_url("redis:/:pw@127.0.0.1:6379"), "redis:***");
-/// assert_eq!(redact_url("redis:/127.0.0.1:6379"), "redis:/127.0.0.1:6379");
+/// assert_eq!(redact_url("redis:/:pw"), "redis:***");
+/// assert_eq!(redact_url("redis:/127.0.0.1:6379/2"), "redis:/127.0.0.1:6379/2");
+/// // A node with no `@` that is no HOST[:PORT] may be a password whose
+/// // `@` was escaped or forgotten: hidden whole.
+/// assert_eq!(redact_url("redis://:pw%40127.0.0.1:6379"), "redis://***");
+/// assert_eq!(redact_url("redis://localhost/1"), "redis://localhost/1");
 /// ```
 pub fn redact_url(url: &str) -> String {
     // A scheme is a letter, then letters, digits, `+`, `-` or `.`: a `://`
@@ -51,9 +60,18 @@ pub fn redact_url(url: &str) -> String {
     };
     let Some((scheme, rest)) = url.split_once("://").filter(|(s, _)| is_scheme(s)) else {
         // Not a URL at all: it may still be a mistyped one holding a
-        // password, so show none of what could be one. A password stands
-        // before an `@`, or in a query: without those, the typo is shown.
-        if !url.contains(['@', '?', '=', '&']) {
+        // password, or a secret given by mistake, so show none of what
+        // could be one. Shown whole: a word such as `memroy`, and a
+        // scheme with `://` mistyped before HOST:PORT[/DB], so the typo
+        // shows.
+        let typo_before_host = url.split_once(':').is_some_and(|(scheme, rest)| {
+            let rest = rest.trim_start_matches('/');
+            let (authority, db) = rest.split_once('/').unwrap_or((rest, "0"));
+            is_scheme(scheme)
+                && looks_like_host_port(authority)
+                && db.bytes().all(|b| b.is_ascii_digit())
+        });
+        if typo_before_host || !url.contains(['@', '?', '=', '&', '/']) {
             return url.to_owned();
         }
         return match url.split_once(':') {
@@ -118,6 +136,15 @@ pub fn redact_url(url: &str) -> String {
     if rest.contains(['=', '&']) {
         return format!("{scheme}://***");
     }
+    // A node with no `@` is shown whole: unless it is HOST or HOST:PORT,
+    // it may be a password whose `@` was escaped, typed as another
+    // character or forgotten.
+    if rest
+        .split(',')
+        .any(|n| !n.contains('@') && !looks_like_host(n))
+    {
+        return format!("{scheme}://***");
+    }
     let nodes: Vec<String> = rest.split(',').map(redact_userinfo).collect();
     let mut out = format!("{scheme}://{}", nodes.join(","));
     if let Some(query) = query {
@@ -155,23 +182,32 @@ fn redact_query(query: &str) -> String {
 fn looks_like_host_port(node: &str) -> bool {
     let authority = node.split('/').next().unwrap_or_default();
     authority.rsplit_once(':').is_some_and(|(host, port)| {
-        // A name or IPv4 address, or an IPv6 address in brackets.
-        let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
-            Some(v6) => {
-                !v6.is_empty()
-                    && v6
-                        .chars()
-                        .all(|c| c.is_ascii_hexdigit() || c == ':' || c == '.')
-            }
-            None => {
-                !host.is_empty()
-                    && host
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))
-            }
-        };
-        host_ok && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
+        is_host(host) && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
     })
+}
+
+/// Whether `node` (up to its first `/`) is `HOST:PORT`, `HOST` or empty.
+fn looks_like_host(node: &str) -> bool {
+    let authority = node.split('/').next().unwrap_or_default();
+    authority.is_empty() || is_host(authority) || looks_like_host_port(authority)
+}
+
+/// A name or IPv4 address, or an IPv6 address in brackets.
+fn is_host(host: &str) -> bool {
+    match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => {
+            !v6.is_empty()
+                && v6
+                    .chars()
+                    .all(|c| c.is_ascii_hexdigit() || c == ':' || c == '.')
+        }
+        None => {
+            !host.is_empty()
+                && host
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))
+        }
+    }
 }
 
 /// `user:password@host...` to `***:***@host...`, `:password@` to `:***@`.
@@ -350,9 +386,36 @@ mod tests {
                         assert!(!shown.contains(part), "{url} shown as {shown}");
                     }
                 }
+                // With no real `@` before the host (escaped, typed as
+                // another character, or forgotten), or no host at all, or
+                // a secret given where the URL goes. A password holding an
+                // `@` and no host after it reads as USER:PASSWORD@HOST, so
+                // these forms take the others only.
+                if password.contains('@') {
+                    continue;
+                }
+                for url in [
+                    format!("redis://:{password}"),
+                    format!("redis://default:{password}"),
+                    format!("redis://:{password}%40127.0.0.1:6379"),
+                    format!("redis://default:{password}\u{ff20}127.0.0.1:6379"),
+                    format!("redis-cluster://:{password}%40a:1,b:2"),
+                    format!("redis:/:{password}"),
+                    format!("redis:/default:{password}"),
+                    format!("redis:/:{password}%40h:1"),
+                    format!("redis:/:{password}\u{ff20}h:1"),
+                    format!("redis:h:1/{password}"),
+                    format!("x/{password}"),
+                ] {
+                    tried += 1;
+                    let shown = redact_url(&url);
+                    for part in ["qqq", "zzz", "xxx"] {
+                        assert!(!shown.contains(part), "{url} shown as {shown}");
+                    }
+                }
             }
         }
-        assert!(tried > 4000);
+        assert!(tried > 6000);
     }
 
     /// Well-formed URLs stay readable: only their credentials go.
