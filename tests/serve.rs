@@ -1871,3 +1871,58 @@ fn serve_raises_its_open_file_limit_or_says_why_not() {
         "{log}"
     );
 }
+
+/// Rules that admit nothing are named in a warning at start, and again at
+/// each reload that keeps or adds one.
+#[cfg(unix)]
+#[test]
+fn rules_that_admit_nothing_are_named_at_start_and_at_reload() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let file = ConfigFile::new("[keys]\nlimit = 0\nwindow_ms = 1000\n");
+    let mut child = Command::new(BIN)
+        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .args(["--config", file.path()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (lines, received) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if lines.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let next_warning = || {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match received.recv_timeout(left) {
+                Ok(line) if line.contains("admit no request") => return line,
+                Ok(_) => {}
+                Err(e) => panic!("no warning within 20 s: {e}"),
+            }
+        }
+    };
+    let line = next_warning();
+    assert!(
+        line.contains("WARN") && line.contains("rules=keys"),
+        "{line}"
+    );
+    file.write(
+        "[keys]\nlimit = 5\nwindow_ms = 1000\n\n\
+         [fallback]\npolicy = \"token-bucket\"\nlimit = 5\nburst = 0\nwindow_ms = 1000\n",
+    );
+    let hup = Command::new("kill")
+        .args(["-HUP", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(hup.success());
+    let line = next_warning();
+    assert!(line.contains("rules=fallback"), "{line}");
+    let _ = child.kill();
+    let _ = child.wait();
+}

@@ -36,19 +36,19 @@ pub struct Args {
     /// One JSON object per row on standard output instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// Distinct keys of the `*-1m` workloads and of the memory rows, at
-    /// most 16,777,216 [default: 1,000,000].
+    /// Distinct keys of the `*-1m` workloads and of the memory rows, 1 to
+    /// 16,777,216 [default: 1,000,000].
     #[arg(long, value_parser = crate::cmd::whole::<usize>)]
     pub keys: Option<usize>,
-    /// Decisions per repetition of a speed workload, at most 100,000,000
+    /// Decisions per repetition of a speed workload, 1 to 100,000,000
     /// [default: 2,000,000; 500,000 with --quick].
     #[arg(long, value_parser = crate::cmd::whole::<usize>)]
     pub decisions: Option<usize>,
-    /// Repetitions of each speed workload, at most 1,000; the median is
+    /// Repetitions of each speed workload, 1 to 1,000; the median is
     /// reported [default: 5; 3 with --quick].
     #[arg(long, value_parser = crate::cmd::whole::<usize>)]
     pub reps: Option<usize>,
-    /// Threads of `uniform-1m-threads`, at most 256 [default: every core, up
+    /// Threads of `uniform-1m-threads`, 1 to 256 [default: every core, up
     /// to 256 and to what the 400-million-key bound on the key sequences
     /// leaves room for]
     #[arg(long, value_parser = crate::cmd::whole::<usize>)]

@@ -37,7 +37,7 @@ pub struct Args {
     /// The window, in ms, at least 1.
     #[arg(long, default_value_t = 1000, value_parser = crate::cmd::whole::<u64>)]
     pub window_ms: u64,
-    /// How long the traffic lasts, in ms, at most 3,600,000 (one hour).
+    /// How long the traffic lasts, in ms, 1 to 3,600,000 (one hour).
     #[arg(long, default_value_t = 10_000, value_parser = crate::cmd::whole::<u64>)]
     pub duration_ms: u64,
     /// The traffic's random seed.

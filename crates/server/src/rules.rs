@@ -262,10 +262,11 @@ impl RuleSet {
         &self.all
     }
 
-    /// The names of the enforcing rules that admit nothing, ever: a limit
-    /// of 0 (a burst of 0 for the buckets). A valid way to close a route,
-    /// but also what someone who meant "no limit" writes, so `serve` warns
-    /// of them at start and at each reload.
+    /// The names of the enforcing rules that admit no request that costs
+    /// anything, ever: a limit of 0 (a burst of 0 for the buckets). A valid
+    /// way to close a route, but also what someone who meant "no limit"
+    /// writes, so `serve` warns of them at start and at each reload. (An
+    /// Envoy descriptor that carries its own limit is decided by that.)
     pub fn closed_rules(&self) -> Vec<&str> {
         self.all
             .iter()
@@ -280,9 +281,10 @@ impl RuleSet {
         if !closed.is_empty() {
             tracing::warn!(
                 rules = %closed.join(", "),
-                "these rules refuse every request for good (a limit of 0, or a burst of 0); \
-                 if that is not meant, give them a limit, or write `unlimited = true` in a \
-                 descriptor that should have none"
+                "these rules admit no request that costs anything, ever (a limit of 0, or a \
+                 burst of 0), unless an Envoy descriptor carries its own limit; if that is not \
+                 meant, give them a limit (a descriptor that should have none can say \
+                 `unlimited = true` instead)"
             );
         }
     }
