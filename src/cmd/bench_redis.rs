@@ -911,6 +911,11 @@ fn redis_benchmark_target(url: &str) -> Result<Target, String> {
             "{shown:?} is not a Redis URL: bench-redis takes {form}"
         ));
     }
+    // A query field the store would ignore (`?db=3`), refused here as the
+    // store refuses it, before anything runs.
+    if let Some(e) = ratewarden_redis::url_error(url) {
+        return Err(e);
+    }
     let info: redis::ConnectionInfo = url
         .parse()
         .map_err(|e| format!("{shown:?} is not a Redis URL ({e}): bench-redis takes {form}"))?;
@@ -1408,6 +1413,11 @@ mod tests {
         let e = refused("valkey://h:1");
         assert!(e.contains("is not a Redis URL"), "{e}");
         assert!(!e.contains("cluster"), "{e}");
+        // A query field the store would ignore, as the store refuses it.
+        let e = refused("redis://h:1?db=3");
+        assert!(e.contains("redis://HOST:PORT/DB"), "{e}");
+        let e = refused("redis://h:1?password=pw");
+        assert!(e.contains(":PASSWORD@HOST:PORT"), "{e}");
     }
 
     #[test]
