@@ -1880,14 +1880,9 @@ fn rules_that_admit_nothing_are_named_at_start_and_at_reload() {
     use std::io::{BufRead, BufReader};
     use std::process::Stdio;
     let file = ConfigFile::new("[keys]\nlimit = 0\nwindow_ms = 1000\n");
-    let mut child = Command::new(BIN)
-        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
-        .args(["--config", file.path()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
+    // Stopped when dropped, even when an assertion below fails.
+    let mut server = Server::start_with_stderr(&["--config", file.path()], Stdio::piped());
+    let stderr = server.child.stderr.take().unwrap();
     let (lines, received) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
@@ -1916,13 +1911,7 @@ fn rules_that_admit_nothing_are_named_at_start_and_at_reload() {
         "[keys]\nlimit = 5\nwindow_ms = 1000\n\n\
          [fallback]\npolicy = \"token-bucket\"\nlimit = 5\nburst = 0\nwindow_ms = 1000\n",
     );
-    let hup = Command::new("kill")
-        .args(["-HUP", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(hup.success());
+    server.signal("HUP");
     let line = next_warning();
     assert!(line.contains("rules=fallback"), "{line}");
-    let _ = child.kill();
-    let _ = child.wait();
 }
