@@ -81,7 +81,7 @@ pub fn redact_url(url: &str) -> String {
     // Not readable: what follows the last `@` is shown when it is a list
     // of HOST:PORT and nothing before it could have started a query.
     if let Some((hidden, after)) = rest.rsplit_once('@') {
-        if !hidden.contains(['?', '#']) && readable_hosts(scheme, after) {
+        if !hidden.contains(['?', '#']) && host_ports_then_db(after, scheme == "redis-cluster") {
             return format!("{scheme}://***@{after}");
         }
     }
@@ -93,14 +93,14 @@ pub fn redact_url(url: &str) -> String {
 /// only, carrying the same credentials or none (redis-rs takes one set for
 /// the whole cluster), and credentials holding none of `@ / ? # ,`.
 fn redact_readable(scheme: &str, rest: &str) -> Option<String> {
-    // A `#`, or an `@` after the first `?`, may be inside credentials.
-    if rest.contains('#') || rest.split_once('?').is_some_and(|(_, q)| q.contains('@')) {
-        return None;
-    }
     let (main, query) = match rest.split_once('?') {
         Some((main, query)) => (main, Some(query)),
         None => (rest, None),
     };
+    // A `#`, or an `@` after the first `?`, may be inside credentials.
+    if rest.contains('#') || query.is_some_and(|q| q.contains('@')) {
+        return None;
+    }
     let (nodes, db) = match main.split_once('/') {
         Some((nodes, db)) => (nodes, Some(db)),
         None => (main, None),
@@ -157,17 +157,16 @@ fn redact_readable(scheme: &str, rest: &str) -> Option<String> {
     Some(out)
 }
 
-/// Whether `after` (what follows the last `@`) is HOST:PORT (a list of
-/// them on a cluster) with at most a `/DB`, and nothing else.
-fn readable_hosts(scheme: &str, after: &str) -> bool {
-    let (nodes, db) = after.split_once('/').unwrap_or((after, "0"));
-    let one = |n: &str| is_host_port(n);
+/// Whether `s` is HOST:PORT (a comma-separated `list` of them, if asked)
+/// with at most a `/DB`, and nothing else.
+fn host_ports_then_db(s: &str, list: bool) -> bool {
+    let (nodes, db) = s.split_once('/').unwrap_or((s, "0"));
     !db.is_empty()
         && db.bytes().all(|b| b.is_ascii_digit())
-        && if scheme == "redis-cluster" {
-            nodes.split(',').all(one)
+        && if list {
+            nodes.split(',').all(is_host_port)
         } else {
-            one(nodes)
+            is_host_port(nodes)
         }
 }
 
@@ -229,9 +228,7 @@ fn redact_not_a_url(url: &str) -> String {
     let Some(rest) = rest.strip_prefix('/') else {
         return format!("{scheme}:***");
     };
-    let rest = rest.trim_start_matches('/');
-    let (host, db) = rest.split_once('/').unwrap_or((rest, "0"));
-    if is_host_port(host) && !db.is_empty() && db.bytes().all(|b| b.is_ascii_digit()) {
+    if host_ports_then_db(rest.trim_start_matches('/'), false) {
         return url.to_owned();
     }
     format!("{scheme}:***")
