@@ -50,6 +50,9 @@ pub struct RedisServer {
     cluster: bool,
     /// More `redis-server` arguments, such as `--requirepass`.
     extra: Vec<String>,
+    /// While a killed cluster node is down: its bus port, held (see
+    /// [`RedisServer::kill`]).
+    bus_hold: Option<TcpListener>,
 }
 
 impl RedisServer {
@@ -75,6 +78,7 @@ impl RedisServer {
                 dir,
                 cluster,
                 extra: extra.iter().map(|a| a.to_string()).collect(),
+                bus_hold: None,
             };
             if server.spawn() {
                 return server;
@@ -87,6 +91,7 @@ impl RedisServer {
     /// process exits first (its port was taken), so that a PING answered
     /// by some other server on that port never counts.
     fn spawn(&mut self) -> bool {
+        self.bus_hold = None;
         let mut cmd = Command::new("redis-server");
         cmd.args([
             "--port",
@@ -152,11 +157,27 @@ impl RedisServer {
         self.child.as_ref().map(|c| c.id())
     }
 
-    /// Kills the server at once (SIGKILL), as a crash would.
+    /// Kills the server at once (SIGKILL), as a crash would. A cluster
+    /// node's bus port (port + 10000) is then held, listening but never
+    /// answered, until the node restarts or is dropped.
+    ///
+    /// Holding it keeps the other nodes' failure detection certain. Redis
+    /// flags a node as failing only once a ping to it goes unanswered;
+    /// a refused connect records no ping when the refusal comes after
+    /// `connect` returned, as it can on a loaded machine, so a killed
+    /// node's port alone might never be flagged. And a node that a
+    /// concurrent test starts could take the freed ports: the others then
+    /// drop the killed node's address on its first answer and stop
+    /// checking it at all. Through the held port every ping is sent and
+    /// none is answered, as with a crashed host. Should another process
+    /// have taken the port in the instant since the kill, nothing is held.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+            if self.cluster {
+                self.bus_hold = TcpListener::bind((Ipv4Addr::LOCALHOST, self.port + 10_000)).ok();
+            }
         }
     }
 

@@ -5,6 +5,7 @@
 mod common;
 
 use std::net::{Ipv4Addr, TcpListener};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ratewarden_core::{PolicyConfig, PolicyKind, StoreError, StoreErrorKind, REFERENCE};
@@ -249,6 +250,60 @@ fn a_failed_cluster_stops_connecting_saying_so() {
         .expect_err("a failed cluster cannot be used");
     assert!(e.to_string().contains("cluster_state:fail"), "{e}");
     assert!(e.to_string().contains("redis-cli --cluster check"), "{e}");
+}
+
+/// While a killed node is down, a node that a concurrent test starts
+/// cannot take its ports (were one to, the killed node's peers would drop
+/// its address at the newcomer's first answer and never flag it failed),
+/// and the killed node takes them back when it restarts.
+#[test]
+fn a_killed_nodes_ports_stay_its_own_until_it_restarts() {
+    let mut cluster = RedisCluster::start();
+    let port = cluster.nodes()[2].port();
+    cluster.kill_node(2);
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let mut newcomer = Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args([
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--cluster-enabled",
+            "yes",
+        ])
+        .args(["--dir", &dir.path().display().to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start redis-server");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let exited = loop {
+        if let Some(status) = newcomer.try_wait().expect("wait for redis-server") {
+            break Some(status);
+        }
+        if Instant::now() >= deadline {
+            let _ = newcomer.kill();
+            let _ = newcomer.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let status = exited.expect("a new node took a killed node's ports");
+    assert!(!status.success(), "{status}");
+    cluster.restart_node(2);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !cluster
+        .nodes()
+        .iter()
+        .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted node did not rejoin"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// `ping` on a cluster asks every slot's master: with one frozen, every
