@@ -182,6 +182,43 @@ impl PolicyConfig {
         }
     }
 
+    /// The longest a key's state can still count after the latest time it
+    /// was decided at, in ms: once this long has passed with no request,
+    /// the key is forgettable ([`Policy::is_forgettable`]) and a store may
+    /// drop it. So a store of `max_keys` keys holds every key of a rule
+    /// that sees at most `max_keys` distinct keys in any span this long.
+    /// `None` for a bucket with a limit of 0, which never refills, so a
+    /// key that spent anything is never forgettable.
+    ///
+    /// The windows: one window (fixed window, sliding log), two for the
+    /// sliding-window counter (its previous window still counts). The
+    /// buckets: the time to refill from empty, `burst * window_ms / limit`
+    /// rounded up.
+    ///
+    /// ```
+    /// use ratewarden_core::{PolicyConfig, PolicyKind, REFERENCE};
+    /// assert_eq!(REFERENCE.idle_ms_until_forgettable(), Some(2_000));
+    /// let bucket = PolicyConfig::new(PolicyKind::TokenBucket, 10, 1000).with_burst(25);
+    /// assert_eq!(bucket.idle_ms_until_forgettable(), Some(2_500));
+    /// let closed = PolicyConfig::new(PolicyKind::Gcra, 0, 1000).with_burst(5);
+    /// assert_eq!(closed.idle_ms_until_forgettable(), None);
+    /// ```
+    pub fn idle_ms_until_forgettable(&self) -> Option<u64> {
+        let window_ms = self.window_ms;
+        match self.policy {
+            PolicyKind::FixedWindow | PolicyKind::SlidingLog => Some(window_ms),
+            PolicyKind::SlidingWindowCounter => Some(window_ms.saturating_mul(2)),
+            PolicyKind::TokenBucket | PolicyKind::Gcra => {
+                if self.limit == 0 {
+                    return None;
+                }
+                let refill = (u128::from(self.effective_burst()) * u128::from(window_ms))
+                    .div_ceil(u128::from(self.limit));
+                Some(u64::try_from(refill).unwrap_or(u64::MAX))
+            }
+        }
+    }
+
     /// The decision for `cost` that needs no state, if there is one: a cost
     /// above [`PolicyConfig::capacity`] is refused with no wait by every
     /// state, so a limiter whose store failed gives this answer under every

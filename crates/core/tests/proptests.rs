@@ -188,6 +188,44 @@ proptest! {
         }
     }
 
+    /// Once `idle_ms_until_forgettable` has passed since the latest time a
+    /// key was decided at, it is forgettable, whatever it saw before; a
+    /// bound one millisecond short is not always enough.
+    #[test]
+    fn keys_are_forgettable_once_idle_for_the_bound(
+        config in prop_oneof![config_strategy(), edgy_config()],
+        start_ms in prop_oneof![Just(0u64), 0u64..5000, (MAX_SAFE - 10_000)..(MAX_SAFE - 1_000)],
+        trace in trace_strategy(40),
+    ) {
+        let policy = config.build().unwrap();
+        let ts = times(start_ms, &trace);
+        let mut state = policy.new_state(ts[0]);
+        for (req, now) in trace.iter().zip(&ts) {
+            policy.decide(&mut state, *now, req.cost);
+        }
+        let latest = *ts.iter().max().unwrap();
+        if let Some(idle_ms) = config.idle_ms_until_forgettable() {
+            // Times past 2^53 - 1 are outside the contract.
+            prop_assume!(latest.saturating_add(idle_ms) <= MAX_SAFE);
+            prop_assert!(
+                policy.is_forgettable(&state, latest + idle_ms),
+                "{} last decided at {}: not forgettable {} ms later", config, latest, idle_ms
+            );
+            // And no shorter bound holds for every key: one that spent
+            // its whole capacity at a window's start still counts a
+            // millisecond before it.
+            let capacity = config.capacity();
+            if capacity > 0 && idle_ms > 0 {
+                let mut spent = policy.new_state(0);
+                prop_assert!(policy.decide(&mut spent, 0, capacity).allowed);
+                prop_assert!(
+                    !policy.is_forgettable(&spent, idle_ms - 1),
+                    "{} spent at 0: forgettable at {}", config, idle_ms - 1
+                );
+            }
+        }
+    }
+
     /// sliding-log never admits more than `limit` in any `window_ms`
     /// consecutive milliseconds; fixed-window never more than twice that.
     #[test]

@@ -139,13 +139,19 @@ impl Default for MemoryOptions {
     }
 }
 
-/// What one [`MemoryStore::forget_idle`] call did.
+/// What one [`MemoryStore::forget_idle`] call did, and what full shards
+/// did since the call before it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Housekeeping {
     /// Keys looked at.
     pub scanned: usize,
     /// Keys forgotten.
     pub forgotten: usize,
+    /// Keys forgotten by full shards looking for room for a new key, since
+    /// the previous `forget_idle` call (not in `forgotten`). On a store
+    /// that fills, this is where most forgetting happens: a full shard
+    /// looks through itself every few new keys, before housekeeping does.
+    pub forgotten_for_new_keys: usize,
 }
 
 /// The in-memory store for one policy. Cloning is cheap: clones share the
@@ -210,6 +216,9 @@ struct Inner<P: Policy> {
     /// Written by every `forget_idle` call, so apart from what decisions
     /// read.
     sweep_cursor: Padded<AtomicUsize>,
+    /// Keys forgotten to make room for new ones since `forget_idle` last
+    /// took the count; written only by a full shard's sweep.
+    forgotten_for_new_keys: Padded<AtomicUsize>,
     /// Read by every lock-free decision, written only when an array is
     /// retired.
     views: Padded<StoreViews>,
@@ -537,6 +546,7 @@ impl<P: Policy> MemoryStore<P> {
                 shard_mask: shards - 1,
                 max_keys_per_shard,
                 sweep_cursor: Padded(AtomicUsize::new(0)),
+                forgotten_for_new_keys: Padded(AtomicUsize::new(0)),
                 views: Padded(StoreViews::new(shards)),
             }),
         }
@@ -823,17 +833,28 @@ impl<P: Policy> MemoryStore<P> {
             // does not hold sweeps off until time catches up; what pays
             // for them still bounds how often they run.
             if paid_for && table.last_sweep_ms != Some(now_ms) {
+                let before = table.entries.len();
                 inner.sweep(shard, table, now_ms);
+                let forgotten = before - table.entries.len();
+                if forgotten > 0 {
+                    inner
+                        .forgotten_for_new_keys
+                        .fetch_add(forgotten, Ordering::Relaxed);
+                }
             }
             if table.entries.len() >= inner.max_keys_per_shard {
                 return Err(StoreError::new(
                     StoreErrorKind::CapacityExhausted,
                     format!(
-                        "the in-memory store's shard for this key is full ({} keys; the \
-                         store holds at most {} over {}) and none of them could be forgotten \
-                         when it was last looked through; raise max_keys, or forget idle keys \
-                         more often (MemoryStore::forget_idle)",
-                        inner.max_keys_per_shard,
+                        "the in-memory store's shard for this key is full ({}; the \
+                         store holds at most {} over {}) and none of them had been idle long \
+                         enough to be forgotten when it was last looked through; raise max_keys \
+                         above the distinct keys seen in the time a key still counts after its \
+                         last request",
+                        match inner.max_keys_per_shard {
+                            1 => "1 key".to_owned(),
+                            n => format!("{n} keys"),
+                        },
                         self.max_keys(),
                         match inner.shards.len() {
                             1 => "1 shard".to_owned(),
@@ -863,10 +884,16 @@ impl<P: Policy> MemoryStore<P> {
     /// `max_scanned` keys have been looked at (or every shard once). Each
     /// call resumes where the last one stopped, so a timer calling it with a
     /// small bound sweeps the whole store over several calls without ever
-    /// holding a lock for long.
+    /// holding a lock for long. It also takes the count of keys that full
+    /// shards forgot on their own since the previous call
+    /// ([`Housekeeping::forgotten_for_new_keys`]), so that a caller can
+    /// count all forgetting.
     pub fn forget_idle(&self, now_ms: u64, max_scanned: usize) -> Housekeeping {
         let inner = &*self.inner;
-        let mut done = Housekeeping::default();
+        let mut done = Housekeeping {
+            forgotten_for_new_keys: inner.forgotten_for_new_keys.swap(0, Ordering::Relaxed),
+            ..Housekeeping::default()
+        };
         for _ in 0..inner.shards.len() {
             let index = inner.sweep_cursor.fetch_add(1, Ordering::Relaxed) & inner.shard_mask;
             let shard = &inner.shards[index];
@@ -1392,6 +1419,30 @@ mod tests {
     }
 
     #[test]
+    fn forgetting_for_new_keys_is_reported_by_the_next_forget_idle() {
+        let store = MemoryStore::new(
+            FixedWindow::new(5, 10).unwrap(),
+            MemoryOptions {
+                max_keys: 4,
+                shards: 1,
+            },
+        );
+        for key in 0..4 {
+            assert!(store.decide(key, 0, 1).unwrap().allowed);
+        }
+        // Full, and nothing idle yet: refused.
+        assert!(store.decide(4, 9, 1).is_err());
+        // A window later every key is forgettable: the full shard forgets
+        // them all to make room, before any housekeeping.
+        assert!(store.decide(4, 10, 1).unwrap().allowed);
+        assert_eq!(store.entries_tracked(), 1);
+        let first = store.forget_idle(10, usize::MAX);
+        assert_eq!((first.forgotten, first.forgotten_for_new_keys), (0, 4));
+        // Taken once.
+        assert_eq!(store.forget_idle(10, usize::MAX).forgotten_for_new_keys, 0);
+    }
+
+    #[test]
     fn forget_idle_is_bounded_per_call() {
         let options = MemoryOptions {
             max_keys: 1 << 20,
@@ -1532,9 +1583,13 @@ mod tests {
                 }
                 let err = store.decide(u64::MAX, 0, 1).unwrap_err();
                 assert!(err.is_capacity_exhausted(), "{err}");
+                let held = match max_keys {
+                    1 => "1 key".to_owned(),
+                    n => format!("{n} keys"),
+                };
                 assert!(
                     err.to_string().contains(&format!(
-                        "full ({max_keys} keys; the store holds at most {max_keys} over 1 shard)"
+                        "full ({held}; the store holds at most {max_keys} over 1 shard)"
                     )),
                     "{err}"
                 );
