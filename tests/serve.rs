@@ -1877,31 +1877,10 @@ fn serve_raises_its_open_file_limit_or_says_why_not() {
 #[cfg(unix)]
 #[test]
 fn rules_that_admit_nothing_are_named_at_start_and_at_reload() {
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
     let file = ConfigFile::new("[keys]\nlimit = 0\nwindow_ms = 1000\n");
     // Stopped when dropped, even when an assertion below fails.
-    let mut server = Server::start_with_stderr(&["--config", file.path()], Stdio::piped());
-    let stderr = server.child.stderr.take().unwrap();
-    let (lines, received) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if lines.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let next_warning = || {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match received.recv_timeout(left) {
-                Ok(line) if line.contains("admit no request") => return line,
-                Ok(_) => {}
-                Err(e) => panic!("no warning within 20 s: {e}"),
-            }
-        }
-    };
+    let (server, log) = Server::start_logged(&["--config", file.path()]);
+    let next_warning = || log.next_containing("admit no request");
     let line = next_warning();
     assert!(
         line.contains("WARN") && line.contains("rules=keys"),
@@ -1914,4 +1893,37 @@ fn rules_that_admit_nothing_are_named_at_start_and_at_reload() {
     server.signal("HUP");
     let line = next_warning();
     assert!(line.contains("rules=fallback"), "{line}");
+}
+
+/// A rule's store full of keys that all still count refuses a new key by
+/// the failure policy, and its warning says where the store's size is set
+/// and how long a key of the rule counts, which is what that size must
+/// cover: not how often housekeeping runs, which a full store does not
+/// wait for.
+#[tokio::test]
+async fn a_full_store_says_how_long_its_keys_count() {
+    let file = ConfigFile::new(
+        "[server]\nmax_keys = 1\n\n\
+         [keys]\npolicy = \"sliding-window-counter\"\nlimit = 5\nwindow_ms = 60000\n",
+    );
+    let (server, log) = Server::start_logged(&["--config", file.path()]);
+    let client = client();
+    let (status, _, _) = post(&client, &server.url(), json!({"key": "a"})).await;
+    assert_eq!(status, 200);
+    let (status, _, body) = post(&client, &server.url(), json!({"key": "b"})).await;
+    assert_eq!(
+        (status, &body["failure_policy"]),
+        (429, &json!(true)),
+        "{body}"
+    );
+    let line = log.next_containing("store failed");
+    assert!(line.contains("rule=keys"), "{line}");
+    assert!(
+        line.contains(
+            "(in ratewarden serve: [server] max_keys; a key of this rule still counts up to \
+             120000 ms after its last request)"
+        ),
+        "{line}"
+    );
+    assert!(!line.contains("housekeeping"), "{line}");
 }

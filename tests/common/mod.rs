@@ -66,6 +66,22 @@ impl Server {
         }
     }
 
+    /// As [`Server::start`], with the server's log lines read as they
+    /// come.
+    pub fn start_logged(args: &[&str]) -> (Server, Log) {
+        let mut server = Self::start_with_stderr(args, Stdio::piped());
+        let stderr = server.child.stderr.take().expect("standard error is piped");
+        let (lines, received) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if lines.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        (server, Log(received))
+    }
+
     pub fn url(&self) -> String {
         format!("http://{}/v1/check", self.http)
     }
@@ -106,6 +122,25 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A server's log, line by line (see [`Server::start_logged`]).
+pub struct Log(std::sync::mpsc::Receiver<String>);
+
+impl Log {
+    /// The next line that contains `needle`, waited for at most 20 s;
+    /// the lines before it are passed over.
+    pub fn next_containing(&self, needle: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.0.recv_timeout(left) {
+                Ok(line) if line.contains(needle) => return line,
+                Ok(_) => {}
+                Err(e) => panic!("no log line with {needle:?} within 20 s: {e}"),
+            }
+        }
     }
 }
 

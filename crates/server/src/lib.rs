@@ -311,9 +311,13 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
         loop {
             tokio::select! {
                 _ = tick.tick() => {
-                    let forgotten = keeper.housekeeping();
-                    if forgotten > 0 {
-                        tracing::debug!(forgotten, "idle keys forgotten");
+                    let done = keeper.housekeeping();
+                    if done.forgotten + done.forgotten_for_new_keys > 0 {
+                        tracing::debug!(
+                            forgotten = done.forgotten,
+                            forgotten_for_new_keys = done.forgotten_for_new_keys,
+                            "idle keys forgotten"
+                        );
                     }
                 }
                 _ = keeper_stop.wait_for(|s| *s) => return Ok(()),

@@ -125,7 +125,8 @@ pub struct Metrics {
     latency_grpc: Histogram,
     reloads_ok: AtomicU64,
     reloads_failed: AtomicU64,
-    forgotten: AtomicU64,
+    /// By housekeeping, and by full stores making room for new keys.
+    forgotten: [AtomicU64; 2],
     bad_requests: [AtomicU64; 2],
     connections_refused: [AtomicU64; 2],
     unknown_domains: AtomicU64,
@@ -173,9 +174,11 @@ impl Metrics {
         .fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Counts keys forgotten by housekeeping.
-    pub fn forgotten(&self, n: usize) {
-        self.forgotten.fetch_add(n as u64, Ordering::Relaxed);
+    /// Counts keys forgotten: `by_housekeeping` in its passes, and
+    /// `for_new_keys` by full stores making room.
+    pub fn forgotten(&self, by_housekeeping: usize, for_new_keys: usize) {
+        self.forgotten[0].fetch_add(by_housekeeping as u64, Ordering::Relaxed);
+        self.forgotten[1].fetch_add(for_new_keys as u64, Ordering::Relaxed);
     }
 
     /// Counts a request naming a domain the configuration does not know.
@@ -351,14 +354,17 @@ impl Metrics {
         }
 
         out.push_str(
-            "# HELP ratewarden_keys_forgotten_total Idle keys forgotten by housekeeping.\n",
+            "# HELP ratewarden_keys_forgotten_total Idle keys forgotten from in-memory stores, \
+             by housekeeping or by a full store making room for a new key.\n",
         );
         out.push_str("# TYPE ratewarden_keys_forgotten_total counter\n");
-        let _ = writeln!(
-            out,
-            "ratewarden_keys_forgotten_total {}",
-            self.forgotten.load(Ordering::Relaxed)
-        );
+        for (by, count) in ["housekeeping", "new_key"].iter().zip(&self.forgotten) {
+            let _ = writeln!(
+                out,
+                "ratewarden_keys_forgotten_total{{by=\"{by}\"}} {}",
+                count.load(Ordering::Relaxed)
+            );
+        }
         out
     }
 }

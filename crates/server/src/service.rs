@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use ratewarden_core::{
-    Clock, Decision, FailurePolicy, LocalLimiter, LogGate, MonotonicClock, StoreError,
-    StoreErrorKind, MAX_SAFE,
+    Clock, Decision, FailurePolicy, Housekeeping, LocalLimiter, LogGate, MonotonicClock,
+    StoreError, StoreErrorKind, MAX_SAFE,
 };
 
 use crate::config::{ConfigSource, ServerSettings};
@@ -199,10 +199,11 @@ impl Service {
     }
 
     /// Forgets idle keys of every in-memory store, at most
-    /// `housekeeping_max_scanned` keys looked at per rule.
-    pub fn housekeeping(&self) -> usize {
+    /// `housekeeping_max_scanned` keys looked at per rule, and counts them
+    /// with those that full stores forgot on their own since the last pass.
+    pub fn housekeeping(&self) -> Housekeeping {
         let rules = self.rules.load_full();
-        let mut forgotten = 0;
+        let mut done = Housekeeping::default();
         let made = rules.rules().iter().cloned().chain(rules.override_rules());
         let stores: Vec<LocalLimiter> = made
             .flat_map(|rule| rule.local.clone().into_iter().chain(rule.failover.clone()))
@@ -210,13 +211,16 @@ impl Service {
             .collect();
         for local in &stores {
             let now_ms = local.clock().now_ms();
-            forgotten += local
+            let pass = local
                 .store()
-                .forget_idle(now_ms, self.settings.housekeeping_max_scanned)
-                .forgotten;
+                .forget_idle(now_ms, self.settings.housekeeping_max_scanned);
+            done.scanned += pass.scanned;
+            done.forgotten += pass.forgotten;
+            done.forgotten_for_new_keys += pass.forgotten_for_new_keys;
         }
-        self.metrics.forgotten(forgotten);
-        forgotten
+        self.metrics
+            .forgotten(done.forgotten, done.forgotten_for_new_keys);
+        done
     }
 
     /// Keys held per rule in memory, for `/metrics`; the overrides of one
@@ -579,13 +583,22 @@ impl Service {
             if !e.is_capacity_exhausted() {
                 self.failure_logged.store(true, Ordering::Relaxed);
             }
-            // The store's own advice names the library's knobs; here they
-            // are settings of the configuration file.
+            // Where the store's advice is set here, and the span it
+            // speaks of. Housekeeping more often would not help: a full
+            // store looks through itself every few new keys anyway.
             let hint = if e.is_capacity_exhausted() {
-                " (in ratewarden serve: raise [server] max_keys, or lower \
-                 housekeeping_interval_ms)"
+                match rule.spec.policy.idle_ms_until_forgettable() {
+                    Some(ms) => format!(
+                        " (in ratewarden serve: [server] max_keys; a key of this rule still \
+                         counts up to {ms} ms after its last request)"
+                    ),
+                    None => " (in ratewarden serve: [server] max_keys; a key of this rule \
+                             that spent anything counts for good, as its limit of 0 never \
+                             refills)"
+                        .to_owned(),
+                }
             } else {
-                ""
+                String::new()
             };
             // Every rule shares the one line a second: say how many
             // failures, of any rule, it stands for.
@@ -871,8 +884,37 @@ shadow = true
         }
         assert_eq!(s.keys_tracked(), vec![("keys".to_owned(), 10)]);
         tokio::time::sleep(Duration::from_millis(5)).await;
-        assert_eq!(s.housekeeping(), 10);
+        assert_eq!(s.housekeeping().forgotten, 10);
         assert_eq!(s.keys_tracked(), vec![("keys".to_owned(), 0)]);
+    }
+
+    /// Keys a full store forgets to make room are counted too, at the next
+    /// housekeeping pass: on a store that fills, they are most of them.
+    #[tokio::test]
+    async fn keys_forgotten_for_new_ones_are_counted() {
+        let s = service(
+            "[server]\nmax_keys = 2\n[keys]\npolicy = \"fixed-window\"\nlimit = 5\nwindow_ms = 20\n",
+        )
+        .await;
+        s.check_key("a", 1).await.unwrap();
+        s.check_key("b", 1).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        // Full: "c" is let in by forgetting "a" and "b", idle for a window.
+        assert!(s.check_key("c", 1).await.unwrap().decision.allowed);
+        let done = s.housekeeping();
+        assert_eq!(done.forgotten_for_new_keys, 2);
+        let text = s.metrics.render(&[]);
+        assert!(
+            text.contains("ratewarden_keys_forgotten_total{by=\"new_key\"} 2\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "ratewarden_keys_forgotten_total{{by=\"housekeeping\"}} {}\n",
+                done.forgotten
+            )),
+            "{text}"
+        );
     }
 
     /// A memory store whose override limiters count their making, and
