@@ -1637,7 +1637,7 @@ async fn a_limit_override_is_applied_with_counts_of_its_own() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overrides_beyond_the_bound_are_ignored() {
     let file = ConfigFile::new(OVERRIDDEN);
-    let server = Server::start(&["--config", file.path()]);
+    let (server, log) = Server::start_logged(&["--config", file.path()]);
     let mut grpc = server.grpc().await;
     let name = |r: &RateLimitResponse| r.statuses[0].current_limit.clone().unwrap().name;
     for limit in 1..=256 {
@@ -1656,6 +1656,14 @@ async fn overrides_beyond_the_bound_are_ignored() {
     assert_eq!(r.overall_code, Code::OverLimit as i32);
     let ignored = "ratewarden_limit_overrides_ignored_total";
     assert_eq!(common::metric(&client(), server.http, ignored).await, 1);
+    // The warning names the bound and what to change.
+    let line = log.next_containing("override");
+    assert!(
+        line.contains("the bound of 256 distinct overrides")
+            && line.contains("configure the limits as descriptors of their own")
+            && line.contains("overrides_not_logged=0"),
+        "{line}"
+    );
     server.stop();
 }
 
@@ -1775,6 +1783,32 @@ async fn connections_past_max_connections_are_closed_and_silent_grpc_peers_time_
         "closed after {waited:?}"
     );
     server.stop();
+}
+
+/// Connections refused within the second after a warning are logged when
+/// the second is up, not at the next refusal, which may never come: the
+/// `refused` counts of the lines add up to every refusal.
+#[tokio::test]
+async fn every_refused_connection_is_logged_within_a_second_or_so() {
+    use std::io::Read;
+    let file =
+        ConfigFile::new("[server]\nmax_connections = 1\n\n[keys]\nlimit = 100\nwindow_ms = 1000\n");
+    let (server, log) = Server::start_logged(&["--config", file.path()]);
+    let held = std::net::TcpStream::connect(server.http).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..5 {
+        let mut refused = std::net::TcpStream::connect(server.http).unwrap();
+        refused
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let _ = refused.read_to_end(&mut Vec::new());
+    }
+    let mut logged = 0;
+    while logged < 5 {
+        logged += common::log_field(&log.next_containing("closed unserved"), "refused");
+    }
+    assert_eq!(logged, 5);
+    drop(held);
 }
 
 /// Two descriptors matching one rule (each with a count of its own) give

@@ -340,17 +340,30 @@ async fn the_log_says_when_the_store_answers_again() {
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let (status, _) = check(&client, &server.url(), "k").await;
     assert_eq!(status, 200);
+    let errors: u64 = common::metrics(&client, server.http)
+        .await
+        .lines()
+        .filter(|l| l.starts_with("ratewarden_store_errors_total{"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+        .sum();
     server.stop();
     let text = std::fs::read_to_string(log.path()).unwrap();
-    let failed = text.lines().filter(|l| l.contains("store failed")).count();
-    assert!(failed >= 1, "{text}");
-    assert!(text.contains("failures_not_logged="), "{text}");
+    let failed: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("store failed"))
+        .collect();
+    assert!(!failed.is_empty(), "{text}");
     let again: Vec<&str> = text
         .lines()
         .filter(|l| l.contains("succeed again"))
         .collect();
     assert_eq!(again.len(), 1, "{text}");
     assert!(again[0].contains("rule=keys"), "{text}");
+    // Every failure is in the log's counts, those of the last second
+    // before the outage ended on the line that says so.
+    let not_logged = |line: &str| common::log_field(line, "failures_not_logged");
+    let logged = failed.iter().map(|l| 1 + not_logged(l)).sum::<u64>() + not_logged(again[0]);
+    assert_eq!(logged, errors, "{text}");
 }
 
 /// `ratewarden_failure_policy_decisions_total` for one policy and outcome.

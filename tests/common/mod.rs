@@ -144,6 +144,15 @@ impl Log {
     }
 }
 
+/// The whole number a log line gives its field `name` (`name=N`).
+pub fn log_field(line: &str, name: &str) -> u64 {
+    line.split(&format!("{name}="))
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no whole number {name}= in {line}"))
+}
+
 /// A configuration file in a fresh temporary directory.
 pub struct ConfigFile {
     dir: PathBuf,

@@ -60,6 +60,22 @@ impl LogGate {
         self.held.fetch_add(1, Ordering::Relaxed);
         None
     }
+
+    /// The events held back since the last one let through, taken: for a
+    /// line that closes a run of events (an outage's end, say), so that
+    /// the lines' counts add up to every event.
+    ///
+    /// ```
+    /// use ratewarden_core::LogGate;
+    /// let gate = LogGate::new(1000);
+    /// assert_eq!(gate.pass(0), Some(0));
+    /// assert_eq!(gate.pass(10), None);
+    /// assert_eq!(gate.take_held(), 1);
+    /// assert_eq!(gate.pass(1000), Some(0));
+    /// ```
+    pub fn take_held(&self) -> u64 {
+        self.held.swap(0, Ordering::Relaxed)
+    }
 }
 
 #[cfg(test)]

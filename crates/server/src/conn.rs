@@ -3,7 +3,9 @@
 //! so a flood of idle connections runs into the cap, not into the process's
 //! file-descriptor limit, where it would stop every interface from
 //! accepting. Failures are logged at most once a second, since they repeat
-//! at every attempt while they last.
+//! at every attempt while they last; those held back within the second are
+//! logged when it is up, not at the next failure, which may come hours
+//! later or never.
 
 use std::future::Future;
 use std::io;
@@ -25,6 +27,9 @@ use crate::metrics::{Api, Metrics};
 /// close it; this does.
 pub const GRPC_PREFACE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The most often a failure to accept, or a refusal, is logged.
+const WARNING_INTERVAL: Duration = Duration::from_secs(1);
+
 /// The HTTP/2 client connection preface, `PRI * HTTP/2.0...`, in bytes.
 const PREFACE_LEN: usize = 24;
 
@@ -36,8 +41,11 @@ pub struct Acceptor {
     metrics: Arc<Metrics>,
     max_connections: usize,
     last_warning: Option<Instant>,
+    /// Since the last warning.
     refused: u64,
+    /// Since the last warning, with the last error.
     failed: u64,
+    last_error: Option<io::Error>,
 }
 
 impl Acceptor {
@@ -62,6 +70,7 @@ impl Acceptor {
             last_warning: None,
             refused: 0,
             failed: 0,
+            last_error: None,
         }
     }
 
@@ -71,7 +80,20 @@ impl Acceptor {
     /// connection to serve.
     pub async fn accept(&mut self) -> (TcpStream, OwnedSemaphorePermit) {
         loop {
-            match self.listener.accept().await {
+            let held_until = match self.last_warning {
+                Some(at) if self.refused + self.failed > 0 => Some(at + WARNING_INTERVAL),
+                _ => None,
+            };
+            let accepted = tokio::select! {
+                accepted = self.listener.accept() => accepted,
+                () = tokio::time::sleep_until(held_until.unwrap_or_else(Instant::now).into()),
+                    if held_until.is_some() =>
+                {
+                    self.warn();
+                    continue;
+                }
+            };
+            match accepted {
                 Ok((stream, _)) => match Arc::clone(&self.permits).try_acquire_owned() {
                     Ok(permit) => {
                         let _ = stream.set_nodelay(true);
@@ -83,37 +105,40 @@ impl Acceptor {
                         drop(stream);
                         self.metrics.connection_refused(self.api);
                         self.refused += 1;
-                        self.warn(None);
+                        self.warn();
                     }
                 },
                 Err(e) => {
                     // Out of file descriptors, mostly: wait a little rather
                     // than spin on the error.
                     self.failed += 1;
-                    self.warn(Some(&e));
+                    self.last_error = Some(e);
+                    self.warn();
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             }
         }
     }
 
-    /// Logs what went wrong since the last warning, at most once a second.
-    fn warn(&mut self, error: Option<&io::Error>) {
+    /// Logs what went wrong since the last warning, at most once a second
+    /// (`accept` logs what was held back when the second is up).
+    fn warn(&mut self) {
         if self
             .last_warning
-            .is_some_and(|at| at.elapsed() < Duration::from_secs(1))
+            .is_some_and(|at| at.elapsed() < WARNING_INTERVAL)
         {
             return;
         }
         let api = self.api.label();
-        if let Some(e) = error {
+        if let Some(e) = self.last_error.take().filter(|_| self.failed > 0) {
             tracing::warn!(
                 api,
                 failed = self.failed,
                 "cannot accept a connection: {e} (the process may be out of file descriptors: \
                  raise its limit, `ulimit -n`, or lower server.max_connections)"
             );
-        } else {
+        }
+        if self.refused > 0 {
             tracing::warn!(
                 api,
                 refused = self.refused,

@@ -139,9 +139,9 @@ impl Rls {
                 }),
             })
             .collect();
-        if unknown_units > 0 {
+        for _ in 0..unknown_units {
             self.service
-                .limit_overrides_ignored(unknown_units, "an UNKNOWN (or unrecognised) unit");
+                .limit_override_ignored("an UNKNOWN (or unrecognised) unit");
         }
         let outcomes = self
             .service

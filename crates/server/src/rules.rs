@@ -558,9 +558,13 @@ impl RuleSet {
             match map.get(&id).cloned() {
                 Some(e) => e,
                 None if map.len() >= MAX_OVERRIDES && !self.overrides.evict_one(&mut map) => {
+                    // The text names the bound.
+                    const _: () = assert!(MAX_OVERRIDES == 256);
                     return Some(OverrideMatch::Ignored(
-                        "the bound of distinct overrides, none of which can make room (each \
-                         used in the last 10 s, in use, or holding counts)",
+                        "the bound of 256 distinct overrides held at once, none of which can make \
+                         room (each used in the last 10 s, in use, or holding counts): clients \
+                         send more distinct limits than that; have them send fewer, or configure \
+                         the limits as descriptors of their own",
                     ));
                 }
                 None => {

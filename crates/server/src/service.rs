@@ -347,7 +347,7 @@ impl Service {
             matches.push(match m {
                 Some(OverrideMatch::Applied(m)) => Some(m),
                 Some(OverrideMatch::Ignored(why)) => {
-                    self.limit_overrides_ignored(1, why);
+                    self.limit_override_ignored(why);
                     rules.match_descriptor(domain, &d.entries)
                 }
                 None => None,
@@ -532,6 +532,7 @@ impl Service {
                 {
                     tracing::info!(
                         rule = %m.rule.spec.name,
+                        failures_not_logged = self.error_log.take_held(),
                         "store calls succeed again, with no failure for a second, after the \
                          failures logged above"
                     );
@@ -611,14 +612,15 @@ impl Service {
         }
     }
 
-    /// Counts and logs (at most once a second) descriptors whose `limit`
+    /// Counts and logs (at most once a second) a descriptor whose `limit`
     /// override is ignored because of `why`: envoyproxy/ratelimit would
     /// apply it, this server applies the configured rule, and that must not
     /// go unnoticed.
-    pub fn limit_overrides_ignored(&self, n: usize, why: &str) {
-        self.metrics.limit_overrides_ignored(n);
-        if self.log_now(&self.override_log) {
+    pub fn limit_override_ignored(&self, why: &str) {
+        self.metrics.limit_overrides_ignored(1);
+        if let Some(held) = self.override_log.pass(self.clock.now_ms()) {
             tracing::warn!(
+                overrides_not_logged = held,
                 "a request carried a descriptor limit override (RateLimitDescriptor.limit) that is \
                  ignored because of {why}; the configured rule applies"
             );
