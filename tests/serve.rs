@@ -1049,6 +1049,50 @@ async fn refusals_are_not_counted_as_bad_requests() {
     server.stop();
 }
 
+/// A client that goes away before its whole body came sent nothing
+/// invalid: it is answered, should it still read, but not counted as a
+/// bad request. A malformed chunked body still is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_cut_short_by_the_client_is_no_bad_request() {
+    let server = Server::start(&[]);
+    let addr = server.http;
+    let cut_short = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        stream
+            .write_all(b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"key\"")
+            .unwrap();
+        stream.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer).into_owned()
+    })
+    .await
+    .unwrap();
+    assert!(
+        cut_short.starts_with("HTTP/1.1 400") && cut_short.contains("could not be read"),
+        "{cut_short}"
+    );
+    let client = client();
+    let bad = r#"ratewarden_bad_requests_total{api="http"}"#;
+    assert_eq!(common::metric(&client, server.http, bad).await, 0);
+    let malformed = tokio::task::spawn_blocking(move || {
+        exchange(
+            addr,
+            b"POST /v1/check HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            Duration::from_secs(10),
+        )
+    })
+    .await
+    .unwrap();
+    assert!(malformed.starts_with("HTTP/1.1 400"), "{malformed}");
+    assert_eq!(common::metric(&client, server.http, bad).await, 1);
+    server.stop();
+}
+
 /// A body that trickles in is answered 408 after the body timeout, so it
 /// cannot hold its connection or delay shutdown for long; the listening
 /// socket closes as soon as shutdown begins.

@@ -432,6 +432,9 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
         .headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    // A client that went away mid-body sent nothing wrong: answered (in
+    // case it still reads), but not counted as a bad request.
+    let mut cut_short = false;
     let response = if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
         // Answered before the body is read, so hyper sends no `100
         // Continue` inviting it; the connection closes, since the body
@@ -443,7 +446,10 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
         response
     } else {
         match tokio::time::timeout(BODY_READ_TIMEOUT, Bytes::from_request(request, &())).await {
-            Ok(body) => decide(&service, body).await,
+            Ok(body) => {
+                cut_short = body.as_ref().is_err_and(cut_short_by_the_client);
+                decide(&service, body).await
+            }
             Err(_) => {
                 let mut response = bad(
                     StatusCode::REQUEST_TIMEOUT,
@@ -462,11 +468,35 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
         }
     };
     // A refusal (429) is an answer, not a bad request.
-    if response.status().is_client_error() && response.status() != StatusCode::TOO_MANY_REQUESTS {
+    if response.status().is_client_error()
+        && response.status() != StatusCode::TOO_MANY_REQUESTS
+        && !cut_short
+    {
         service.metrics.bad_request(Api::Http);
     }
     service.metrics.latency(Api::Http, started.elapsed());
     response
+}
+
+/// Whether the body could not be read because the connection ended or
+/// was reset before all of it came (hyper's reading gives an I/O error of
+/// these kinds), rather than because of what was sent (a malformed
+/// chunked encoding is `InvalidInput`).
+fn cut_short_by_the_client(rejection: &BytesRejection) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(rejection);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::UnexpectedEof
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+            );
+        }
+        source = e.source();
+    }
+    false
 }
 
 async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Response {
