@@ -1076,9 +1076,10 @@ async fn connect_all(
     for _ in 0..n {
         let options = RedisOptions {
             prefix: prefix.to_owned(),
-            // Throughput is measured here, not failure handling: a long
-            // timeout keeps a slow moment from ending the run.
+            // Throughput is measured here, not failure handling: long
+            // timeouts keep a slow moment from ending the run.
             timeout_ms: CALL_TIMEOUT.as_millis() as u64,
+            connect_timeout_ms: CALL_TIMEOUT.as_millis() as u64,
             ..RedisOptions::default()
         };
         stores.push(

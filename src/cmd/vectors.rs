@@ -71,8 +71,11 @@ impl CaseRunner for RedisRunner {
         self.cases_run += 1;
         let options = ratewarden_redis::RedisOptions {
             prefix: format!("ratewarden-vectors:{}:{}", self.run_id, self.cases_run),
-            // Generous: conformance is checked here, not latency.
+            // Generous: conformance is checked here, not latency, and a
+            // run connects once a case, so one slow connect on a busy
+            // machine would fail a case.
             timeout_ms: 10_000,
+            connect_timeout_ms: 10_000,
             // The vectors' times are not Redis's, so a TTL computed from
             // them means nothing on Redis's clock. Every key lives exactly
             // as long as the grace after its last write, at most 1 ms more
@@ -84,7 +87,6 @@ impl CaseRunner for RedisRunner {
             // Redis for longer than an hour.
             ttl_grace_ms: 3_600_000 - 1,
             max_ttl_ms: 1,
-            ..Default::default()
         };
         let rt = &self.runtime;
         match rt.block_on(ratewarden_redis::RedisStore::connect(
@@ -123,6 +125,7 @@ pub fn run(args: Args) -> ExitCode {
             // not a failure of every case.
             let probe = ratewarden_redis::RedisOptions {
                 timeout_ms: 10_000,
+                connect_timeout_ms: 10_000,
                 ..Default::default()
             };
             if let Err(e) = runtime.block_on(ratewarden_redis::RedisStore::connect(

@@ -20,6 +20,28 @@ const SLIDING_LOG: &str = include_str!("lua/sliding_log.lua");
 const TOKEN_BUCKET: &str = include_str!("lua/token_bucket.lua");
 const GCRA: &str = include_str!("lua/gcra.lua");
 
+/// Evaluates `$check`, a connect-time command that changes nothing
+/// (awaited inside, giving a `Result<_, StoreError>`), again while it
+/// times out and one more try, taking up to `$per_try`, still ends before
+/// `$deadline`: connecting is bounded by `connect_timeout_ms`, not by the
+/// call timeout, so a Redis that is slow for a moment (a loaded machine)
+/// is not refused for it, while one that never answers is refused in
+/// time, with the check's own error. A macro rather than a function taking
+/// an async closure: the futures of such closures are not provably `Send`
+/// for every lifetime, which the server's boxed futures need.
+macro_rules! retry_timeouts {
+    ($deadline:expr, $per_try:expr, $check:block) => {
+        loop {
+            match $check {
+                Err(e)
+                    if e.kind() == StoreErrorKind::Timeout
+                        && tokio::time::Instant::now() + $per_try < $deadline => {}
+                done => break done,
+            }
+        }
+    };
+}
+
 /// The version of the stored state's format, part of every key name. The
 /// first format (hashes of decimal fields) had no version in its names;
 /// `v2` is packed doubles. A process of one version never reads another
@@ -47,7 +69,9 @@ pub struct RedisOptions {
     /// connection may take a quarter of it, so that a node that accepts
     /// connections but never answers cannot use up the whole time; a
     /// new cluster connection (see `docs/redis.md`, "A hung cluster
-    /// node") may take all of it.
+    /// node") may take all of it. The checks made while connecting
+    /// (`PING`, `CLUSTER INFO`, loading the script) each have the call's
+    /// time, and are tried again while this time lasts.
     pub connect_timeout_ms: u64,
     /// Added to every TTL, in ms. With Redis `TIME` (the default) 0 is
     /// exact: keys expire by the clock the scripts read. When callers pass
@@ -294,7 +318,8 @@ impl RedisStore {
     /// node behind `redis://` or a single node behind `redis-cluster://`
     /// ([`StoreErrorKind::InvalidInput`], naming the node and saying what
     /// to change); no connection, or a node that cannot be
-    /// used, within `connect_timeout_ms` ([`StoreErrorKind::ConnectionDropped`],
+    /// used, within `connect_timeout_ms` (a check that only timed out is
+    /// tried again while that time lasts) ([`StoreErrorKind::ConnectionDropped`],
     /// [`StoreErrorKind::Backend`] or [`StoreErrorKind::Timeout`]).
     pub async fn connect(
         url: &str,
@@ -334,6 +359,14 @@ impl RedisStore {
         let connect_timeout_ms = options.connect_timeout_ms;
         let connect_timeout = Duration::from_millis(connect_timeout_ms);
         let response_timeout = Duration::from_millis(options.timeout_ms);
+        let deadline = tokio::time::Instant::now() + connect_timeout;
+        // redis-rs re-sends a request whose cluster node connection timed
+        // out, unless the caller has stopped waiting: its response timeout
+        // is longer than the store's, so the store's always ends a call
+        // first and a timed-out call is never sent again (it may have been
+        // applied). Also the longest one try of a check below can take.
+        let node_response_timeout =
+            response_timeout + (response_timeout / 2).max(Duration::from_millis(50));
         let connecting = async move {
             let backend = if let Some(seeds) = url.strip_prefix("redis-cluster://") {
                 let nodes = cluster_nodes(seeds, shown)?;
@@ -351,13 +384,6 @@ impl RedisStore {
                 // accepts connections but never answers would otherwise
                 // spend the whole time alone.
                 let node_connect_timeout = Duration::from_millis(connect_timeout_ms.div_ceil(4));
-                // redis-rs re-sends a request whose node connection timed
-                // out, unless the caller has stopped waiting: its response
-                // timeout is longer than the store's, so the store's always
-                // ends a call first and a timed-out call is never sent
-                // again (it may have been applied).
-                let node_response_timeout =
-                    response_timeout + (response_timeout / 2).max(Duration::from_millis(50));
                 let client = ClusterClient::builder(nodes.clone())
                     .connection_timeout(node_connect_timeout)
                     .response_timeout(node_response_timeout)
@@ -378,17 +404,21 @@ impl RedisStore {
                 // (cluster_state:fail) would fail the decisions of every
                 // key in that slot: a store that cannot be used, which
                 // stops the caller at start, as a node that is down does.
-                let info: String = redis::cmd("CLUSTER")
-                    .arg("INFO")
-                    .query_async(&mut conn)
-                    .await
-                    .map_err(|e| {
-                        let e = map_error(e);
-                        StoreError::new(
-                            e.kind(),
-                            format!("Redis Cluster at {shown} cannot be used: CLUSTER INFO: {e}"),
-                        )
-                    })?;
+                let info: String = retry_timeouts!(deadline, node_response_timeout, {
+                    redis::cmd("CLUSTER")
+                        .arg("INFO")
+                        .query_async(&mut conn)
+                        .await
+                        .map_err(|e| {
+                            let e = map_error(e);
+                            StoreError::new(
+                                e.kind(),
+                                format!(
+                                    "Redis Cluster at {shown} cannot be used: CLUSTER INFO: {e}"
+                                ),
+                            )
+                        })
+                })?;
                 let state = cluster_state(&info).unwrap_or("(not given)");
                 if state != "ok" {
                     return Err(StoreError::new(
@@ -435,13 +465,18 @@ impl RedisStore {
                 // a Redis that wants one, a cluster node, or a server that
                 // is not Redis would only show at the first decision: ask
                 // now, so that an unusable store stops the caller at start.
-                check_node(&mut conn, &address, false).await?;
+                retry_timeouts!(deadline, node_response_timeout, {
+                    check_node(&mut conn, &address, false).await
+                })?;
                 Backend::Node(conn)
             };
             let store = Self::with_connection(backend, crate::redact_url(url), config, options);
             // Loading the script proves that scripts can run (on every
             // master of a cluster) and saves the first call a NOSCRIPT.
-            store.load_script(&mut store.conn()).await.map_err(|e| {
+            retry_timeouts!(deadline, node_response_timeout, {
+                store.load_script(&mut store.conn()).await
+            })
+            .map_err(|e| {
                 StoreError::new(
                     e.kind(),
                     format!("Redis at {shown} cannot load the policy's script: {e}"),
@@ -1606,6 +1641,53 @@ impl ratewarden_core::Limiter for RedisStore {
 
 #[cfg(test)]
 mod tests {
+    use ratewarden_core::{StoreError, StoreErrorKind};
+    use std::time::Duration;
+
+    /// A connect-time check that times out is tried again while another
+    /// try fits before the deadline; other errors end it at once, and so
+    /// does the last timeout, which is returned as it is.
+    #[tokio::test(start_paused = true)]
+    async fn connect_checks_are_tried_again_only_while_time_is_left() {
+        let timeout = || StoreError::new(StoreErrorKind::Timeout, "slow");
+        let per_try = Duration::from_millis(100);
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(1_000);
+        // Slow twice, then it answers.
+        let mut tries = 0;
+        let answered: Result<i32, StoreError> = retry_timeouts!(deadline, per_try, {
+            tries += 1;
+            tokio::time::sleep(per_try).await;
+            if tries < 3 {
+                Err(timeout())
+            } else {
+                Ok(tries)
+            }
+        });
+        assert_eq!(answered.unwrap(), 3);
+        // Never answers: tried while one more try fits, then refused with
+        // the check's own error, before the deadline.
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(1_000);
+        let mut tries = 0;
+        let refused: Result<(), StoreError> = retry_timeouts!(deadline, per_try, {
+            tries += 1;
+            tokio::time::sleep(per_try).await;
+            Err(timeout())
+        });
+        assert_eq!(refused.unwrap_err().detail(), "slow");
+        assert_eq!(tries, 9);
+        assert!(tokio::time::Instant::now() < deadline);
+        // Any other error is not retried.
+        let mut tries = 0;
+        let wrong: Result<(), StoreError> = retry_timeouts!(deadline, per_try, {
+            tries += 1;
+            Err(StoreError::new(StoreErrorKind::InvalidInput, "not Redis"))
+        });
+        assert_eq!(
+            (wrong.unwrap_err().kind(), tries),
+            (StoreErrorKind::InvalidInput, 1)
+        );
+    }
+
     #[test]
     fn options_read_from_a_file_take_defaults_and_refuse_unknown_fields() {
         let options: super::RedisOptions =
