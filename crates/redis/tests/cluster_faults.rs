@@ -28,15 +28,42 @@ fn options(tag: &str) -> RedisOptions {
     }
 }
 
-/// A store on `cluster`, checked with a `ping` that answers.
+/// A store on `cluster`, checked with a `ping` that answers (tried up to
+/// five times: on a busy machine a healthy master can miss 200 ms).
 fn ready_store(cluster: &RedisCluster, rt: &tokio::runtime::Runtime, tag: &str) -> RedisStore {
     rt.block_on(async {
         let store = RedisStore::connect(&cluster.url(), REFERENCE, options(tag))
             .await
             .expect("connect");
-        store.ping().await.expect("a healthy cluster answers");
+        let mut tries = 0;
+        while let Err(e) = store.ping().await {
+            tries += 1;
+            assert!(
+                e.kind() == StoreErrorKind::Timeout && tries < 5,
+                "a healthy cluster answers: {e}"
+            );
+        }
         store
     })
+}
+
+/// Every key decided in one round, on a cluster that should decide them
+/// all: up to five rounds, since on a busy machine a healthy call can miss
+/// its 200 ms now and then, while any failure but a timeout fails at once.
+async fn every_key_decided(store: &RedisStore, what: &str) {
+    for _ in 0..5 {
+        let failed = failures(store).await;
+        if failed.is_empty() {
+            return;
+        }
+        if let Some(e) = failed.iter().find(|e| e.kind() != StoreErrorKind::Timeout) {
+            panic!(
+                "{what}: {} of {KEYS} decisions failed, one with {e}",
+                failed.len()
+            );
+        }
+    }
+    panic!("{what}: decisions still timed out after 5 rounds");
 }
 
 /// One decision for each of the keys, all at once; how many failed.
@@ -69,11 +96,7 @@ fn a_hung_master_costs_its_slots_only_until_its_replica_takes_over() {
         let store = RedisStore::connect(&cluster.url(), REFERENCE, options("hung-master"))
             .await
             .expect("connect");
-        assert_eq!(
-            round(&store).await,
-            0,
-            "a healthy cluster decides every key"
-        );
+        every_key_decided(&store, "a healthy cluster decides every key").await;
         store
     });
 
@@ -188,7 +211,7 @@ fn a_seed_that_never_answers_does_not_stop_connecting() {
         let store = RedisStore::connect(&url, REFERENCE, options("silent-seed"))
             .await
             .expect("the other seeds are enough");
-        assert_eq!(round(&store).await, 0, "every key is decided");
+        every_key_decided(&store, "every key is decided").await;
     });
     drop(silent);
 }
@@ -214,7 +237,7 @@ fn a_hung_replica_does_not_stop_connecting() {
         let store = RedisStore::connect(&url, REFERENCE, options("hung-replica"))
             .await
             .expect("a hung replica does not stop connecting");
-        assert_eq!(round(&store).await, 0, "every key is decided");
+        every_key_decided(&store, "every key is decided").await;
     });
 }
 
@@ -363,13 +386,7 @@ fn ping_is_not_ready_while_a_restarted_master_refuses_its_keys() {
     }
     // A master that takes its keys back never refuses them again unless
     // it fails anew: what ping saw holds for the decisions after it.
-    let failed = rt.block_on(failures(&store));
-    assert!(
-        failed.is_empty(),
-        "ready, but {} of {KEYS} decisions failed, the first with {}",
-        failed.len(),
-        failed[0]
-    );
+    rt.block_on(every_key_decided(&store, "ready, but"));
 }
 
 /// After a failover, with no decision to send the client a `MOVED`, `ping`

@@ -27,6 +27,11 @@ async fn clients(url: &str, config: PolicyConfig, prefix: &str) -> Vec<RedisStor
     for _ in 0..CLIENTS {
         let mut options = common::exact_options("race");
         options.prefix = prefix.to_owned();
+        // A pipelined batch's last reply waits for every client's batches
+        // queued before it on one single-threaded Redis (about 6 s a
+        // policy on a busy 2-core machine): far more time than that, since
+        // counting is checked here, not latency.
+        options.timeout_ms = 120_000;
         out.push(
             RedisStore::connect(url, config, options)
                 .await

@@ -88,6 +88,11 @@ impl Limiter for StoreLimiter {
 async fn connect(server: &RedisServer) -> RedisStore {
     let options = RedisOptions {
         prefix: "tower-test".to_owned(),
+        // The tests count admissions while Redis is up and the failure
+        // policy once it is killed, when calls fail at once (refused): a
+        // healthy call slowed by a busy machine must not time out.
+        timeout_ms: 5_000,
+        connect_timeout_ms: 10_000,
         ..RedisOptions::default()
     };
     RedisStore::connect(&server.url(), CONFIG, options)
