@@ -276,7 +276,12 @@ async fn readyz_on_a_cluster_pings_every_master() {
 async fn deployments_with_their_own_key_prefix_share_no_count() {
     let redis = RedisServer::start();
     let config = |prefix: &str| {
-        format!("[server]\nkey_prefix = \"{prefix}\"\n[keys]\nlimit = 1\nwindow_ms = 3600000\n")
+        // A store timeout far above any healthy call's, however busy the
+        // machine: the counts are what is checked.
+        format!(
+            "[server]\nkey_prefix = \"{prefix}\"\nstore_timeout_ms = 5000\n\
+             [keys]\nlimit = 1\nwindow_ms = 3600000\n"
+        )
     };
     let staging = Serve::start(&redis.url(), &config("rw-staging"));
     let production = Serve::start(&redis.url(), &config("rw-production"));
@@ -308,7 +313,10 @@ async fn the_log_says_when_the_store_answers_again() {
     let mut redis = RedisServer::start();
     let log = tempfile::NamedTempFile::new().unwrap();
     let file = ConfigFile::new(
-        "[server]\nfailure_policy = \"open\"\n[keys]\nlimit = 10\nwindow_ms = 60000\n",
+        // A killed Redis refuses at once; the timeout only keeps a healthy
+        // call slowed by a busy machine from making a second outage.
+        "[server]\nfailure_policy = \"open\"\nstore_timeout_ms = 5000\n\
+         [keys]\nlimit = 10\nwindow_ms = 60000\n",
     );
     let server = Server::start_with_stderr(
         &["--store", &redis.url(), "--config", file.path()],
@@ -604,7 +612,10 @@ async fn a_corrupt_key_is_refused_even_under_open() {
     let redis = RedisServer::start();
     let serve = Serve::start(
         &redis.url(),
-        "[server]\nfailure_policy = \"open\"\n[keys]\nlimit = 5\nwindow_ms = 3600000\n",
+        // A store timeout far above any healthy call's: only the corrupt
+        // key may fail.
+        "[server]\nfailure_policy = \"open\"\nstore_timeout_ms = 5000\n\
+         [keys]\nlimit = 5\nwindow_ms = 3600000\n",
     );
     let client = reqwest::Client::new();
     let (status, _) = check(&client, &serve.url(), "victim").await;
