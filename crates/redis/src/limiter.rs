@@ -184,7 +184,13 @@ impl RedisLimiter {
                 if inner.failing.load(Ordering::Relaxed)
                     && inner.failing.swap(false, Ordering::Relaxed)
                 {
-                    tracing::info!(redis = inner.store.url(), "Redis answers again");
+                    // With the failures held back since the last line,
+                    // so that the lines' counts add up to every failure.
+                    tracing::info!(
+                        redis = inner.store.url(),
+                        failures_not_logged = inner.failure_log.take_held(),
+                        "Redis answers again"
+                    );
                 }
                 return Ok(Checked {
                     decision,
