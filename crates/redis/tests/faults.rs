@@ -257,16 +257,7 @@ fn failures_are_logged_once_a_second_and_the_recovery_once() {
     let limiter = rt.block_on(limiter(&server, FailurePolicy::FailOpen));
     server.kill();
     let started = Instant::now();
-    rt.block_on(async {
-        for i in 0..50 {
-            assert!(limiter
-                .check_detailed(i, 1)
-                .await
-                .unwrap()
-                .failure
-                .is_some());
-        }
-    });
+    rt.block_on(all_fail(&limiter, 50));
     let seconds = started.elapsed().as_millis().div_ceil(1000) as usize;
     let warned = log.lines("Redis failed, the failure policy answers");
     // One line for the first failure, at most one more per second the
@@ -289,16 +280,7 @@ fn failures_are_logged_once_a_second_and_the_recovery_once() {
     // Failures within the second after a line are held back (unless the
     // machine is very slow); the line saying Redis answers again counts
     // them.
-    rt.block_on(async {
-        for i in 0..3 {
-            assert!(limiter
-                .check_detailed(i, 1)
-                .await
-                .unwrap()
-                .failure
-                .is_some());
-        }
-    });
+    rt.block_on(all_fail(&limiter, 3));
 
     server.restart();
     rt.block_on(async {
@@ -323,6 +305,14 @@ fn failures_are_logged_once_a_second_and_the_recovery_once() {
     let counts = limiter.failure_counts();
     let failures = counts.timeouts + counts.connection_dropped + counts.backend_errors;
     assert_eq!(counted as u64, failures, "{failed:?} {back:?}");
+}
+
+/// `n` checks, each answered by the failure policy.
+async fn all_fail(limiter: &RedisLimiter, n: u64) {
+    for key in 0..n {
+        let checked = limiter.check_detailed(key, 1).await.unwrap();
+        assert!(checked.failure.is_some(), "{checked:?}");
+    }
 }
 
 /// The `failures_not_logged` count a log line gives.
