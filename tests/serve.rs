@@ -1113,8 +1113,10 @@ fn a_body_that_never_arrives_neither_holds_the_connection_nor_delays_shutdown() 
         let _ = stream.read_to_end(&mut answer);
         String::from_utf8_lossy(&answer).into_owned()
     });
-    // Shutdown starts while the body is awaited.
-    std::thread::sleep(Duration::from_millis(300));
+    // Shutdown starts while the body is awaited: 2 s for the server to
+    // take the request head even on a busy machine, well inside the 10 s
+    // it waits for the body.
+    std::thread::sleep(Duration::from_secs(2));
     server.signal("TERM");
     let deadline = Instant::now() + Duration::from_secs(5);
     while std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok() {
@@ -1790,15 +1792,17 @@ async fn connections_past_max_connections_are_closed_and_silent_grpc_peers_time_
         let held: Vec<_> = (0..2)
             .map(|_| std::net::TcpStream::connect(addr).unwrap())
             .collect();
-        // Accepted in order: give the server a moment to take both.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Accepted in order: give the server a moment to take both (a
+        // second, for a busy machine).
+        tokio::time::sleep(Duration::from_secs(1)).await;
         let third = std::net::TcpStream::connect(addr).unwrap();
         assert!(
             closed_within(third, Duration::from_secs(5)),
             "{api}: a third connection is closed unserved"
         );
         drop(held);
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // And to see both closed, freeing their places.
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
     // The places came free: HTTP and gRPC both answer again.
     let client = reqwest::Client::new();
