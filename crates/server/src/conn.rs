@@ -43,7 +43,8 @@ pub struct Acceptor {
     last_warning: Option<Instant>,
     /// Since the last warning.
     refused: u64,
-    /// Since the last warning, with the last error.
+    /// Since the last warning, with the last error (`Some` exactly while
+    /// `failed` is above 0).
     failed: u64,
     last_error: Option<io::Error>,
 }
@@ -130,7 +131,7 @@ impl Acceptor {
             return;
         }
         let api = self.api.label();
-        if let Some(e) = self.last_error.take().filter(|_| self.failed > 0) {
+        if let Some(e) = self.last_error.take() {
             tracing::warn!(
                 api,
                 failed = self.failed,

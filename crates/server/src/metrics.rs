@@ -188,10 +188,9 @@ impl Metrics {
         self.unknown_domains.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Counts descriptors whose `limit` override was ignored.
-    pub fn limit_overrides_ignored(&self, n: usize) {
-        self.limit_overrides_ignored
-            .fetch_add(n as u64, Ordering::Relaxed);
+    /// Counts a descriptor whose `limit` override was ignored.
+    pub fn limit_override_ignored(&self) {
+        self.limit_overrides_ignored.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a request rejected as invalid.

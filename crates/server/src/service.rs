@@ -617,7 +617,7 @@ impl Service {
     /// apply it, this server applies the configured rule, and that must not
     /// go unnoticed.
     pub fn limit_override_ignored(&self, why: &str) {
-        self.metrics.limit_overrides_ignored(1);
+        self.metrics.limit_override_ignored();
         if let Some(held) = self.override_log.pass(self.clock.now_ms()) {
             tracing::warn!(
                 overrides_not_logged = held,
