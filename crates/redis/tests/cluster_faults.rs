@@ -13,9 +13,10 @@ use ratewarden_redis::test_support::RedisCluster;
 use ratewarden_redis::{RedisOptions, RedisStore};
 
 const TIMEOUT_MS: u64 = 200;
-/// Scheduling slack on a busy 2-core machine; a call that hung would blow
-/// far past it.
-const MARGIN: Duration = Duration::from_millis(800);
+/// Scheduling slack on a busy 2-core machine, where other jobs can take
+/// the CPU for most of a second; a call that hung, or waited for a connect
+/// (2 s here, `options`), would blow past it.
+const MARGIN: Duration = Duration::from_millis(1_500);
 /// Keys decided in each round: enough to land on every master's slots.
 const KEYS: u64 = 100;
 
@@ -342,15 +343,27 @@ fn ping_fails_while_any_master_is_frozen() {
     let port = cluster.nodes()[0].port();
     // Spaced past the store's one new connection a second, so that later
     // pings run on a connection made while the master was frozen.
+    let names_frozen = |err: &StoreError| {
+        err.detail().contains("the master of slots") && err.detail().contains(&format!(":{port})"))
+    };
     for _ in 0..4 {
-        let started = Instant::now();
-        let err = rt.block_on(store.ping()).unwrap_err();
-        assert!(started.elapsed() < Duration::from_millis(TIMEOUT_MS) + MARGIN);
-        assert!(err.is_transient(), "{err}");
+        // Every ping fails in time; the first to miss the shared deadline
+        // is named, which on a busy machine can be a slow healthy master
+        // now and then, never every time.
+        let mut others = Vec::new();
+        while others.len() < 3 {
+            let started = Instant::now();
+            let err = rt.block_on(store.ping()).unwrap_err();
+            assert!(started.elapsed() < Duration::from_millis(TIMEOUT_MS) + MARGIN);
+            assert!(err.is_transient(), "{err}");
+            if names_frozen(&err) {
+                break;
+            }
+            others.push(err.to_string());
+        }
         assert!(
-            err.detail().contains("the master of slots")
-                && err.detail().contains(&format!(":{port})")),
-            "{err}"
+            others.len() < 3,
+            "three pings in a row named another than the frozen master: {others:?}"
         );
         std::thread::sleep(Duration::from_millis(1_100));
     }
@@ -457,16 +470,25 @@ fn a_hung_master_costs_a_batch_its_own_keys_only() {
     // count is exact.
     let config = PolicyConfig::new(PolicyKind::SlidingWindowCounter, 100, 3_600_000);
     let limit = config.limit;
-    let store = rt.block_on(async {
-        RedisStore::connect(&cluster.url(), config, options("hung-batch"))
-            .await
-            .expect("connect")
+    let options = options("hung-batch");
+    // The healthy batch goes through a store of the same keys with a long
+    // timeout: on a busy machine a healthy master can miss 200 ms, and a
+    // retry would change the counts checked below.
+    let patient = RedisOptions {
+        timeout_ms: 10_000,
+        ..options.clone()
+    };
+    let url = cluster.url();
+    let (store, patient) = rt.block_on(async {
+        let connect = |options| RedisStore::connect(&url, config, options);
+        let store = connect(options).await.expect("connect");
+        (store, connect(patient).await.expect("connect"))
     });
     // Each key twice: a key's second request waits for its first.
     let keys = KEYS as usize;
     let requests: Vec<(u64, u64)> = (0..KEYS).chain(0..KEYS).map(|key| (key, 1)).collect();
     let healthy = rt
-        .block_on(store.decide_many(&requests, None))
+        .block_on(patient.decide_many(&requests, None))
         .expect("a healthy cluster takes the batch");
     assert!(healthy.iter().all(Result::is_ok), "{healthy:?}");
 
@@ -477,7 +499,7 @@ fn a_hung_master_costs_a_batch_its_own_keys_only() {
     cluster.nodes()[0].resume();
     let results = results.expect("a hung master fails requests, not the batch");
     assert!(
-        elapsed < Duration::from_millis(TIMEOUT_MS) + Duration::from_millis(800),
+        elapsed < Duration::from_millis(TIMEOUT_MS) + MARGIN,
         "{elapsed:?}"
     );
     let is_timeout = |e: &StoreError, what: &str| {
