@@ -5,9 +5,14 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use ratewarden_redis::test_support::{free_port, RedisCluster, RedisServer};
+use ratewarden_redis::test_support::{free_port, RedisCluster, RedisServer, TestCerts};
 
 fn vectors(store: &str) -> Output {
+    vectors_with(store, &[])
+}
+
+/// `vectors` with more environment variables.
+fn vectors_with(store: &str, env: &[(&str, &Path)]) -> Output {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     Command::new(env!("CARGO_BIN_EXE_ratewarden"))
         .args([
@@ -16,6 +21,7 @@ fn vectors(store: &str) -> Output {
             store,
             root.join("vectors").to_str().unwrap(),
         ])
+        .envs(env.iter().copied())
         .output()
         .unwrap()
 }
@@ -105,7 +111,7 @@ fn a_refused_password_is_never_shown() {
 }
 
 #[test]
-fn the_documented_url_forms_are_taken_and_tls_is_refused_saying_so() {
+fn the_documented_url_forms_are_taken_tls_with_ssl_cert_file() {
     let socket = std::env::temp_dir().join(format!("ratewarden-cli-{}.sock", std::process::id()));
     let path = socket.display().to_string();
     let server = RedisServer::start_with(&["--unixsocket", &path, "--unixsocketperm", "700"]);
@@ -113,12 +119,17 @@ fn the_documented_url_forms_are_taken_and_tls_is_refused_saying_so() {
     drop(server);
     let _ = std::fs::remove_file(&socket);
 
-    let out = vectors("rediss://:pw-not-shown@127.0.0.1:6379");
+    // Over TLS, the server's certificate is checked against the system's
+    // roots, or the bundle SSL_CERT_FILE names (the command has no flag
+    // for certificate files).
+    let certs = TestCerts::new();
+    let server = RedisServer::start_tls(&certs, false);
+    let url = server.tls_url().unwrap();
+    assert_all_pass(&vectors_with(&url, &[("SSL_CERT_FILE", &certs.ca_file())]));
+    let other = TestCerts::new();
+    let out = vectors_with(&url, &[("SSL_CERT_FILE", &other.ca_file())]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(
-        stderr.contains("TLS (rediss://) is not supported"),
-        "{stderr}"
-    );
-    assert!(!stderr.contains("pw-not-shown"), "{stderr}");
+    assert!(stderr.contains("not trusted"), "{stderr}");
+    assert!(stderr.contains("SSL_CERT_FILE"), "{stderr}");
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ratewarden_redis::test_support::RedisServer;
+use ratewarden_redis::test_support::{RedisServer, TestCerts};
 use serde_json::{json, Value};
 
 mod common;
@@ -452,10 +452,19 @@ async fn descriptors_on_redis_cluster_admit_exactly_the_limit() {
 /// returns its exit status and standard error. Bounded: a server that
 /// starts anyway is killed after 20 s and the test fails.
 fn serve_refused(store: &str) -> (std::process::ExitStatus, String) {
+    serve_refused_with(store, &[])
+}
+
+/// [`serve_refused`], with more environment variables.
+fn serve_refused_with(
+    store: &str,
+    env: &[(&str, &std::path::Path)],
+) -> (std::process::ExitStatus, String) {
     use std::io::Read;
     let mut child = std::process::Command::new(common::BIN)
         .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
         .args(["--store", store])
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -549,16 +558,62 @@ fn the_password_is_never_logged() {
     }
 }
 
-#[test]
-fn tls_urls_are_refused_saying_so() {
-    let (status, stderr) = serve_refused("rediss://:pw-not-shown@127.0.0.1:6379");
+/// `serve` on a Redis that takes TLS and asks for a client certificate:
+/// the `[redis]` files, found from the configuration file's directory,
+/// trust its CA and show the certificate. Without them, `serve` stops at
+/// start saying which file to give; a password in the URL is never shown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_decides_over_tls_with_the_files_its_config_names() {
+    let certs = TestCerts::new();
+    let redis = RedisServer::start_tls(&certs, true);
+    let tls_url = redis.tls_url().unwrap();
+    let file = ConfigFile::new(
+        "[server]\nstore_timeout_ms = 5000\n\
+         [redis]\ntls_ca_file = \"ca.crt\"\ntls_cert_file = \"client.crt\"\n\
+         tls_key_file = \"client.key\"\n\
+         [keys]\nlimit = 1\nwindow_ms = 3600000\n",
+    );
+    for (from, to) in [
+        (certs.ca_file(), "ca.crt"),
+        (certs.client_cert_file(), "client.crt"),
+        (certs.client_key_file(), "client.key"),
+    ] {
+        std::fs::copy(from, file.dir().join(to)).unwrap();
+    }
+    let serve = Server::start(&["--store", &tls_url, "--config", file.path()]);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let (status, body) = check(&client, &serve.url(), "k").await;
+    assert_eq!(status, 200, "{body}");
+    let (status, _) = check(&client, &serve.url(), "k").await;
+    assert_eq!(status, 429);
+    assert_eq!(
+        redis.cli(&["DBSIZE"]).trim(),
+        "1",
+        "the count lives in Redis"
+    );
+    serve.stop();
+
+    // The system's roots do not trust the test CA.
+    let (status, stderr) = serve_refused(&tls_url);
     assert!(!status.success(), "{stderr}");
     assert!(
-        stderr.contains("TLS (rediss://) is not supported"),
+        stderr.contains("not trusted") && stderr.contains("tls_ca_file"),
         "{stderr}"
     );
-    // The argument parser's refusal shows the URL redacted, and only so.
-    assert!(stderr.contains("rediss://:***@127.0.0.1:6379"), "{stderr}");
+    // Trusted through SSL_CERT_FILE, but without the client certificate.
+    let (status, stderr) = serve_refused_with(&tls_url, &[("SSL_CERT_FILE", &certs.ca_file())]);
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("asks for a client certificate") && stderr.contains("tls_cert_file"),
+        "{stderr}"
+    );
+    // A password in a TLS URL is shown by no message.
+    let (status, stderr) = serve_refused("rediss://:pw-not-shown@127.0.0.1:1");
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("127.0.0.1:1"), "{stderr}");
     assert!(!stderr.contains("pw-not-shown"), "{stderr}");
     for refused in ["valkey://:pw-not-shown@h:1", "memroy:pw-not-shown@h"] {
         let (status, stderr) = serve_refused(refused);

@@ -20,8 +20,10 @@ use ratewarden_server::StoreUrl;
 pub struct Args {
     /// The store to run the vectors on: `memory` (the embedded store),
     /// `redis://HOST:PORT[/DB]`, `redis+unix:///PATH` or
-    /// `redis-cluster://HOST:PORT[,HOST:PORT...]` (each case under its own
-    /// fresh key prefix).
+    /// `redis-cluster://HOST:PORT[,HOST:PORT...]`, or one node over TLS,
+    /// `rediss://HOST:PORT[/DB]` (its certificate checked against the
+    /// system's roots, or the bundle `SSL_CERT_FILE` names); each case
+    /// under its own fresh key prefix.
     #[arg(long, default_value = "memory", value_parser = super::StoreUrlParser)]
     pub store: StoreUrl,
     /// Vector files, or directories searched (recursively) for `*.json`
@@ -87,6 +89,9 @@ impl CaseRunner for RedisRunner {
             // Redis for longer than an hour.
             ttl_grace_ms: 3_600_000 - 1,
             max_ttl_ms: 1,
+            // Over TLS, the system's roots or the bundle SSL_CERT_FILE
+            // names: the command has no flags for certificate files.
+            ..ratewarden_redis::RedisOptions::default()
         };
         let rt = &self.runtime;
         match rt.block_on(ratewarden_redis::RedisStore::connect(

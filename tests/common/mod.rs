@@ -6,7 +6,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -182,6 +182,12 @@ impl ConfigFile {
 
     pub fn path(&self) -> &str {
         self.path.to_str().unwrap()
+    }
+
+    /// The file's directory, where its relative paths point.
+    #[allow(dead_code)]
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 }
 

@@ -1,5 +1,6 @@
 //! The store: connection, key names, script calls, replies and errors.
 
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -10,8 +11,10 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{
     MultipleNodeRoutingInfo, ResponsePolicy, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
 };
-use redis::AsyncConnectionConfig;
+use redis::{AsyncConnectionConfig, ClientTlsConfig, TlsCertificates};
 use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, Script, Value};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 const PRELUDE: &str = include_str!("lua/prelude.lua");
 const FIXED_WINDOW: &str = include_str!("lua/fixed_window.lua");
@@ -82,11 +85,23 @@ pub struct RedisOptions {
     /// The longest TTL set, in ms: a bucket that never refills (`limit` 0)
     /// or refills over centuries keeps its key this long, not forever.
     pub max_ttl_ms: u64,
+    /// TLS only (`rediss://`): a PEM file of the
+    /// certificate authorities trusted to sign the server's certificate,
+    /// in place of the system's. `None` trusts the system's roots, or the
+    /// PEM bundle that the environment variable `SSL_CERT_FILE` names.
+    pub tls_ca_file: Option<PathBuf>,
+    /// TLS only: a PEM file of this client's certificate chain, for a Redis
+    /// that asks clients for one (`tls-auth-clients yes`, Redis's default
+    /// once TLS is on); given with `tls_key_file`.
+    pub tls_cert_file: Option<PathBuf>,
+    /// TLS only: the PEM file of `tls_cert_file`'s private key.
+    pub tls_key_file: Option<PathBuf>,
 }
 
 impl Default for RedisOptions {
-    /// Prefix `ratewarden`, a 50 ms timeout, 1 s to connect, no grace, and
-    /// TTLs of at most 2^40 ms (about 35 years).
+    /// Prefix `ratewarden`, a 50 ms timeout, 1 s to connect, no grace,
+    /// TTLs of at most 2^40 ms (about 35 years), and over TLS the system's
+    /// roots and no client certificate.
     fn default() -> Self {
         RedisOptions {
             prefix: "ratewarden".to_owned(),
@@ -94,7 +109,100 @@ impl Default for RedisOptions {
             connect_timeout_ms: 1000,
             ttl_grace_ms: 0,
             max_ttl_ms: 1 << 40,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
         }
+    }
+}
+
+impl RedisOptions {
+    /// The certificates a TLS connection is made with: `None` for the
+    /// client's defaults (the system's roots, no client certificate).
+    /// Errors when a file cannot be read, when a certificate comes without
+    /// its key or the other way round, or when a TLS file is given for a
+    /// URL without TLS (it would be ignored, and the link left plain).
+    fn tls_certificates(&self, tls: bool) -> Result<Option<TlsCertificates>, StoreError> {
+        let invalid = |what: String| StoreError::new(StoreErrorKind::InvalidInput, what);
+        let given = [
+            ("tls_ca_file", &self.tls_ca_file),
+            ("tls_cert_file", &self.tls_cert_file),
+            ("tls_key_file", &self.tls_key_file),
+        ];
+        if !tls {
+            return match given.iter().find(|(_, file)| file.is_some()) {
+                Some((name, _)) => Err(invalid(format!(
+                    "{name} is given, but the URL does not use TLS: write rediss:// for a \
+                     TLS connection (one node; a cluster takes no TLS yet), or leave {name} out"
+                ))),
+                None => Ok(None),
+            };
+        }
+        let read = |name: &str, path: &Path| {
+            std::fs::read(path).map_err(|e| {
+                invalid(format!(
+                    "{name} {:?} cannot be read: {e}; name a readable PEM file",
+                    path.display()
+                ))
+            })
+        };
+        // What each file must hold, checked here so that a file mixed up
+        // with another is named, not met as a failed handshake.
+        let certificates = |name: &str, path: &Path| {
+            let pem = read(name, path)?;
+            let mut found = CertificateDer::pem_slice_iter(&pem);
+            match found.next() {
+                Some(Ok(_)) if found.all(|c| c.is_ok()) => Ok(pem),
+                _ => Err(invalid(format!(
+                    "{name} {:?} holds no readable PEM certificate (-----BEGIN \
+                     CERTIFICATE-----); name the certificate's file",
+                    path.display()
+                ))),
+            }
+        };
+        let key = |name: &str, path: &Path| {
+            let pem = read(name, path)?;
+            match PrivateKeyDer::from_pem_slice(&pem) {
+                Ok(_) => Ok(pem),
+                Err(_) => Err(invalid(format!(
+                    "{name} {:?} holds no readable PEM private key (-----BEGIN PRIVATE \
+                     KEY-----, or an RSA or EC one); name the key's file",
+                    path.display()
+                ))),
+            }
+        };
+        let client_tls = match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(cert), Some(key_file)) => Some(ClientTlsConfig {
+                client_cert: certificates("tls_cert_file", cert)?,
+                client_key: key("tls_key_file", key_file)?,
+            }),
+            (None, None) => None,
+            (Some(_), None) => {
+                return Err(invalid(
+                    "tls_cert_file is given without tls_key_file: a client certificate needs \
+                     its private key; give both, or neither"
+                        .to_owned(),
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "tls_key_file is given without tls_cert_file: give the client \
+                     certificate with its key, or neither"
+                        .to_owned(),
+                ))
+            }
+        };
+        let root_cert = match &self.tls_ca_file {
+            Some(ca) => Some(certificates("tls_ca_file", ca)?),
+            None => None,
+        };
+        if client_tls.is_none() && root_cert.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(TlsCertificates {
+            client_tls,
+            root_cert,
+        }))
     }
 }
 
@@ -353,6 +461,15 @@ impl RedisStore {
                 crate::url_form_error(url),
             ));
         }
+        let tls = url.starts_with("rediss://");
+        let certificates = options.tls_certificates(tls)?;
+        if tls {
+            // rustls takes its crypto from the process's provider: ring,
+            // unless the application installed another first (then that
+            // one stays, and this does nothing).
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
+        let certificates = certificates.as_ref();
         // Every message shows the URL without its credentials.
         let shown = crate::redact_url(url);
         let shown = shown.as_str();
@@ -442,7 +559,7 @@ impl RedisStore {
                 if let Some(what) = crate::url::query_error(url, shown) {
                     return Err(StoreError::new(StoreErrorKind::InvalidInput, what));
                 }
-                let client = redis::Client::open(url).map_err(|e| invalid_url(shown, e))?;
+                let client = client_for(url, certificates).map_err(|e| invalid_url(shown, e))?;
                 // One attempt per (re)connection, no backoff: redis-rs
                 // 0.32 waits at least a second (backon's minimum delay,
                 // which neither the factor nor max_delay lowers) before
@@ -460,13 +577,30 @@ impl RedisStore {
                 let address = address_of(&client.get_connection_info().addr);
                 let mut conn = ConnectionManager::new_with_config(client, manager_config)
                     .await
-                    .map_err(|e| connect_error(e, &address, false))?;
+                    .map_err(|e| {
+                        connect_error(
+                            e,
+                            &address,
+                            Form {
+                                cluster: false,
+                                tls,
+                            },
+                        )
+                    })?;
                 // Connecting sends nothing when the URL has no password, so
                 // a Redis that wants one, a cluster node, or a server that
                 // is not Redis would only show at the first decision: ask
                 // now, so that an unusable store stops the caller at start.
                 retry_timeouts!(deadline, node_response_timeout, {
-                    check_node(&mut conn, &address, false).await
+                    check_node(
+                        &mut conn,
+                        &address,
+                        Form {
+                            cluster: false,
+                            tls,
+                        },
+                    )
+                    .await
                 })?;
                 Backend::Node(conn)
             };
@@ -1321,6 +1455,10 @@ async fn cluster_connect_error(
     shown: &str,
     node_timeout: Duration,
 ) -> StoreError {
+    let form = Form {
+        cluster: true,
+        tls: false,
+    };
     let probes = nodes.iter().map(|node| async move {
         let client = redis::Client::open(node.as_str()).map_err(|e| invalid_url(shown, e))?;
         let address = address_of(&client.get_connection_info().addr);
@@ -1330,8 +1468,8 @@ async fn cluster_connect_error(
         let mut conn = client
             .get_multiplexed_async_connection_with_config(&config)
             .await
-            .map_err(|e| connect_error(e, &address, true))?;
-        check_node(&mut conn, &address, true).await
+            .map_err(|e| connect_error(e, &address, form))?;
+        check_node(&mut conn, &address, form).await
     });
     let probed = futures_util::future::join_all(probes).await;
     if let Some(Err(refused)) = probed
@@ -1371,21 +1509,41 @@ async fn cluster_connect_error(
     )
 }
 
+/// The form of URL a node was reached by, for advice that shows it.
+#[derive(Debug, Clone, Copy)]
+struct Form {
+    /// A seed of a `redis-cluster://` URL.
+    cluster: bool,
+    /// Over TLS (`rediss://`, one node only).
+    tls: bool,
+}
+
+impl Form {
+    /// The scheme of a node's own URL and of a cluster's (which takes no
+    /// TLS).
+    fn schemes(self) -> (&'static str, &'static str) {
+        if self.tls {
+            ("rediss", "redis-cluster")
+        } else {
+            ("redis", "redis-cluster")
+        }
+    }
+}
+
 /// Checks that a single node can be used: it answers commands (with the
 /// URL's credentials, if any) and is not a cluster node, whose keys a
-/// single-node connection would meet as `MOVED` errors. With `cluster`
-/// (a seed of a `redis-cluster://` URL) the other way round: the node must
-/// be a cluster node.
+/// single-node connection would meet as `MOVED` errors. For a seed of a
+/// cluster URL the other way round: the node must be a cluster node.
 async fn check_node<C: ConnectionLike>(
     conn: &mut C,
     address: &str,
-    cluster: bool,
+    form: Form,
 ) -> Result<(), StoreError> {
     redis::cmd("PING")
         .query_async::<Value>(conn)
         .await
         .and_then(Value::extract_error)
-        .map_err(|e| connect_error(e, address, cluster))?;
+        .map_err(|e| connect_error(e, address, form))?;
     // INFO may be renamed away on some servers: PING proved the node
     // answers, so only a clear "cluster_enabled" line refuses.
     let Ok(info) = redis::cmd("INFO")
@@ -1395,14 +1553,15 @@ async fn check_node<C: ConnectionLike>(
     else {
         return Ok(());
     };
-    let advice = match (cluster_enabled(&info), cluster) {
+    let (node_scheme, cluster_scheme) = form.schemes();
+    let advice = match (cluster_enabled(&info), form.cluster) {
         (Some(true), false) => format!(
             "Redis at {address} is a cluster node: use \
-             redis-cluster://HOST:PORT[,HOST:PORT...] (any nodes as seeds)"
+             {cluster_scheme}://HOST:PORT[,HOST:PORT...] (any nodes as seeds)"
         ),
         (Some(false), true) => format!(
             "Redis at {address} is not a cluster node (cluster_enabled:0): use \
-             redis://{address}"
+             {node_scheme}://{address}"
         ),
         _ => return Ok(()),
     };
@@ -1430,31 +1589,36 @@ pub fn cluster_enabled(info_cluster: &str) -> Option<bool> {
 /// brackets, `[::1]:6379`), or a Unix socket's path.
 fn address_of(addr: &redis::ConnectionAddr) -> String {
     match addr {
-        redis::ConnectionAddr::Tcp(host, port) if host.contains(':') => format!("[{host}]:{port}"),
+        redis::ConnectionAddr::Tcp(host, port)
+        | redis::ConnectionAddr::TcpTls { host, port, .. }
+            if host.contains(':') =>
+        {
+            format!("[{host}]:{port}")
+        }
         other => other.to_string(),
     }
 }
 
 /// A failure to connect or to authenticate to the node at `address`,
-/// saying what to change when the cause is the credentials. `cluster`: the
-/// URL is a `redis-cluster://` one, so the advice shows that form; an
-/// `address` that is a path is a Unix socket's, whose URL takes the
-/// credentials in its query.
-fn connect_error(e: RedisError, address: &str, cluster: bool) -> StoreError {
-    let (with_password, with_user) = if cluster {
+/// saying what to change when the cause is the credentials or TLS. `form`:
+/// the URL's, whose scheme the advice shows; an `address` that is a path
+/// is a Unix socket's, whose URL takes the credentials in its query.
+fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
+    let (node_scheme, cluster_scheme) = form.schemes();
+    let (with_password, with_user) = if form.cluster {
         (
-            "redis-cluster://:PASSWORD@HOST:PORT[,HOST:PORT...]",
-            "redis-cluster://USER:PASSWORD@HOST:PORT[,HOST:PORT...]",
+            format!("{cluster_scheme}://:PASSWORD@HOST:PORT[,HOST:PORT...]"),
+            format!("{cluster_scheme}://USER:PASSWORD@HOST:PORT[,HOST:PORT...]"),
         )
     } else if address.starts_with('/') {
         (
-            "redis+unix:///PATH?pass=PASSWORD",
-            "redis+unix:///PATH?user=USER&pass=PASSWORD",
+            "redis+unix:///PATH?pass=PASSWORD".to_owned(),
+            "redis+unix:///PATH?user=USER&pass=PASSWORD".to_owned(),
         )
     } else {
         (
-            "redis://:PASSWORD@HOST:PORT",
-            "redis://USER:PASSWORD@HOST:PORT",
+            format!("{node_scheme}://:PASSWORD@HOST:PORT"),
+            format!("{node_scheme}://USER:PASSWORD@HOST:PORT"),
         )
     };
     let text = e.to_string();
@@ -1484,6 +1648,8 @@ fn connect_error(e: RedisError, address: &str, cluster: bool) -> StoreError {
                  use one below the server's `databases` setting (16 by default), such as /0"
             ),
         )
+    } else if let Some(why) = tls_error(&text, address, form) {
+        StoreError::new(StoreErrorKind::InvalidInput, why)
     } else {
         let refused = e.is_connection_refusal();
         let not_redis = e.kind() == ErrorKind::ParseError;
@@ -1502,14 +1668,74 @@ fn connect_error(e: RedisError, address: &str, cluster: bool) -> StoreError {
         } else {
             e.detail()
         };
+        // A TLS handshake sent to a plain port gets no answer (Redis
+        // waits for the rest of what it takes for a command), and a plain
+        // command sent to a TLS port has the connection closed.
+        let hint = match (form.tls, e.kind()) {
+            (true, StoreErrorKind::Timeout) => {
+                "; if this port takes plain connections, not TLS, use redis:// (without the s)"
+            }
+            (false, StoreErrorKind::ConnectionDropped)
+                if !refused && !form.cluster && !address.starts_with('/') =>
+            {
+                "; if this port takes TLS only, use rediss://"
+            }
+            _ => "",
+        };
         StoreError::new(
             e.kind(),
-            format!("Redis at {address} cannot be used: {cause}"),
+            format!("Redis at {address} cannot be used: {cause}{hint}"),
         )
     }
 }
 
+/// What to change when connecting failed in TLS: the server's certificate
+/// not trusted, or not for the URL's host; a client certificate asked for
+/// and not given, or refused. `None` for any other failure. `text`: the
+/// client's error.
+fn tls_error(text: &str, address: &str, form: Form) -> Option<String> {
+    if !form.tls {
+        return None;
+    }
+    let trust = "give the PEM file of the CA that signed it as tls_ca_file (a [server] \
+                 setting of `ratewarden serve`), or name a bundle holding it in the \
+                 environment variable SSL_CERT_FILE";
+    let why = if text.contains("invalid peer certificate: NotValidForName") {
+        format!(
+            "the TLS certificate of Redis at {address} is not for that host ({text}): connect by \
+             a name or address the certificate holds"
+        )
+    } else if text.contains("invalid peer certificate") {
+        format!("the TLS certificate of Redis at {address} is not trusted ({text}): {trust}")
+    } else if text.contains("CertificateRequired") {
+        format!(
+            "Redis at {address} asks for a client certificate (tls-auth-clients): give its PEM \
+             file as tls_cert_file and its key as tls_key_file"
+        )
+    } else if text.contains("received fatal alert: BadCertificate")
+        || text.contains("received fatal alert: UnknownCA")
+        || text.contains("received fatal alert: DecryptError")
+    {
+        format!(
+            "Redis at {address} refused the client certificate ({text}): give one signed by a \
+             CA that its tls-ca-cert-file trusts, as tls_cert_file and tls_key_file"
+        )
+    } else {
+        return None;
+    };
+    Some(why)
+}
+
 /// `shown`: the URL without its credentials.
+/// A one-node client for `url`, with `certificates` when it takes TLS
+/// files of its own.
+fn client_for(url: &str, certificates: Option<&TlsCertificates>) -> RedisResult<redis::Client> {
+    match certificates {
+        Some(certificates) => redis::Client::build_with_tls(url, certificates.clone()),
+        None => redis::Client::open(url),
+    }
+}
+
 fn invalid_url(shown: &str, e: RedisError) -> StoreError {
     StoreError::new(
         StoreErrorKind::InvalidInput,

@@ -6,7 +6,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -42,9 +42,110 @@ fn raw_command(port: u16, command: &str) -> Option<String> {
     Some(String::from_utf8_lossy(&buf[..n]).into_owned())
 }
 
+/// Certificates for TLS tests, as PEM files in a temporary directory
+/// (removed when dropped): a CA of its own, a server certificate for
+/// `127.0.0.1` and `localhost`, and a client certificate, both signed by
+/// that CA. Each value has a CA of its own, so another one's CA does not
+/// trust these certificates.
+pub struct TestCerts {
+    dir: tempfile::TempDir,
+}
+
+impl TestCerts {
+    /// Makes the CA and the two certificates.
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> TestCerts {
+        use rcgen::{
+            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+            KeyUsagePurpose,
+        };
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let write = |name: &str, pem: String| {
+            std::fs::write(dir.path().join(name), pem).expect("write a PEM file");
+        };
+        let ca_key = KeyPair::generate().expect("a CA key");
+        let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        ca.distinguished_name
+            .push(DnType::CommonName, "ratewarden test CA");
+        let ca = ca.self_signed(&ca_key).expect("the CA certificate");
+        write("ca.crt", ca.pem());
+        for (stem, names, usages) in [
+            // Client use too, as Redis's own TLS links between nodes (a
+            // cluster's bus, a replica's) show it.
+            (
+                "server",
+                vec!["127.0.0.1".to_owned(), "localhost".to_owned()],
+                vec![
+                    ExtendedKeyUsagePurpose::ServerAuth,
+                    ExtendedKeyUsagePurpose::ClientAuth,
+                ],
+            ),
+            (
+                "client",
+                vec!["client.test".to_owned()],
+                vec![ExtendedKeyUsagePurpose::ClientAuth],
+            ),
+        ] {
+            let key = KeyPair::generate().expect("a key");
+            let mut params = CertificateParams::new(names).expect("parameters");
+            params.extended_key_usages = usages;
+            params.distinguished_name.push(DnType::CommonName, stem);
+            let cert = params.signed_by(&key, &ca, &ca_key).expect("a certificate");
+            write(&format!("{stem}.crt"), cert.pem());
+            write(&format!("{stem}.key"), key.serialize_pem());
+        }
+        TestCerts { dir }
+    }
+
+    /// The CA's certificate.
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.path().join("ca.crt")
+    }
+
+    /// The server's certificate (for `127.0.0.1` and `localhost`).
+    pub fn server_cert_file(&self) -> PathBuf {
+        self.dir.path().join("server.crt")
+    }
+
+    /// The server certificate's private key.
+    pub fn server_key_file(&self) -> PathBuf {
+        self.dir.path().join("server.key")
+    }
+
+    /// The client's certificate.
+    pub fn client_cert_file(&self) -> PathBuf {
+        self.dir.path().join("client.crt")
+    }
+
+    /// The client certificate's private key.
+    pub fn client_key_file(&self) -> PathBuf {
+        self.dir.path().join("client.key")
+    }
+}
+
+/// `redis-server`'s arguments for TLS with `certs`' server certificate,
+/// asking clients for certificates with `client_certs`.
+fn tls_args(certs: &TestCerts, client_certs: bool) -> Vec<String> {
+    let path = |p: PathBuf| p.display().to_string();
+    vec![
+        "--tls-cert-file".to_owned(),
+        path(certs.server_cert_file()),
+        "--tls-key-file".to_owned(),
+        path(certs.server_key_file()),
+        "--tls-ca-cert-file".to_owned(),
+        path(certs.ca_file()),
+        "--tls-auth-clients".to_owned(),
+        if client_certs { "yes" } else { "no" }.to_owned(),
+    ]
+}
+
 /// One `redis-server` on 127.0.0.1, killed when dropped.
 pub struct RedisServer {
     port: u16,
+    /// The TLS port, when it takes TLS (beside the plain `port`).
+    tls_port: Option<u16>,
     child: Option<Child>,
     dir: tempfile::TempDir,
     cluster: bool,
@@ -67,13 +168,30 @@ impl RedisServer {
         Self::start_fresh(false, args)
     }
 
+    /// Starts a node that takes TLS on a port of its own (see
+    /// [`RedisServer::tls_url`]) with `certs`' server certificate, besides
+    /// plain connections on [`RedisServer::port`] (for the test's own
+    /// checks). With `client_certs`, a TLS client must show a certificate
+    /// that `certs`' CA signed (`tls-auth-clients yes`).
+    pub fn start_tls(certs: &TestCerts, client_certs: bool) -> RedisServer {
+        let args = tls_args(certs, client_certs);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Self::start_fresh_tls(false, &args, true)
+    }
+
     /// Starts a node on a port found free, trying another port when a
     /// concurrent test took that one first.
     fn start_fresh(cluster: bool, extra: &[&str]) -> RedisServer {
+        Self::start_fresh_tls(cluster, extra, false)
+    }
+
+    /// [`RedisServer::start_fresh`], with a TLS port of its own when `tls`.
+    fn start_fresh_tls(cluster: bool, extra: &[&str], tls: bool) -> RedisServer {
         for _ in 0..5 {
             let dir = tempfile::tempdir().expect("temporary directory");
             let mut server = RedisServer {
                 port: free_port(cluster),
+                tls_port: tls.then(|| free_port(false)),
                 child: None,
                 dir,
                 cluster,
@@ -104,6 +222,11 @@ impl RedisServer {
             "no",
         ])
         .args(["--dir", &self.dir.path().display().to_string()])
+        .args(
+            self.tls_port
+                .iter()
+                .flat_map(|port| ["--tls-port".to_owned(), port.to_string()]),
+        )
         .args(&self.extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null());
@@ -150,6 +273,18 @@ impl RedisServer {
     /// `redis://127.0.0.1:PORT`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The TLS port, on a node started with [`RedisServer::start_tls`].
+    pub fn tls_port(&self) -> Option<u16> {
+        self.tls_port
+    }
+
+    /// `rediss://127.0.0.1:TLS_PORT`, on a node started with
+    /// [`RedisServer::start_tls`].
+    pub fn tls_url(&self) -> Option<String> {
+        self.tls_port
+            .map(|port| format!("rediss://127.0.0.1:{port}"))
     }
 
     /// The process id, while running.

@@ -5,7 +5,8 @@
 /// an error message. What is shown is only what reads for sure as a host,
 /// a port, a database number, a socket path of plain characters, or a
 /// `db` or `protocol` query value: the user and password before `@` (in
-/// each node of a `redis-cluster://` URL) become `***`, and so does every
+/// each node of a `redis-cluster://` or `rediss-cluster://` URL) become
+/// `***`, and so does every
 /// other query value (a `redis+unix://` URL keeps the names `pass=` and
 /// `user=` there). A URL that does not read for sure shows less: what
 /// follows its last `@` when that is HOST:PORT (a list of them on a
@@ -81,7 +82,7 @@ pub fn redact_url(url: &str) -> String {
     // Not readable: what follows the last `@` is shown when it is a list
     // of HOST:PORT and nothing before it could have started a query.
     if let Some((hidden, after)) = rest.rsplit_once('@') {
-        if !hidden.contains(['?', '#']) && host_ports_then_db(after, scheme == "redis-cluster") {
+        if !hidden.contains(['?', '#']) && host_ports_then_db(after, is_cluster_scheme(scheme)) {
             return format!("{scheme}://***@{after}");
         }
     }
@@ -108,7 +109,7 @@ fn redact_readable(scheme: &str, rest: &str) -> Option<String> {
     if db.is_some_and(|db| !db.bytes().all(|b| b.is_ascii_digit())) {
         return None;
     }
-    let nodes: Vec<&str> = if scheme == "redis-cluster" {
+    let nodes: Vec<&str> = if is_cluster_scheme(scheme) {
         nodes.split(',').collect()
     } else {
         vec![nodes]
@@ -241,10 +242,16 @@ const STORE_SCHEMES: &[&str] = &[
     "rediss",
     "redis+unix",
     "redis-cluster",
+    "rediss-cluster",
     "unix",
     "valkey",
     "valkeys",
 ];
+
+/// A Redis Cluster URL's scheme, over TCP or TLS.
+fn is_cluster_scheme(scheme: &str) -> bool {
+    scheme == "redis-cluster" || scheme == "rediss-cluster"
+}
 
 /// A URL scheme: a letter, then letters, digits, `+`, `-` or `.`.
 fn is_scheme(s: &str) -> bool {
@@ -317,18 +324,30 @@ fn redact_userinfo(userinfo: &str) -> &'static str {
 /// The forms [`RedisStore::connect`](crate::RedisStore::connect) takes, for
 /// error messages.
 pub(crate) const FORMS: &str = "redis://[[USER]:PASSWORD@]HOST:PORT[/DB], \
-     redis+unix:///PATH[?db=DB&user=USER&pass=PASSWORD] or \
-     redis-cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]";
+     redis+unix:///PATH[?db=DB&user=USER&pass=PASSWORD], \
+     redis-cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...], or one node \
+     over TLS: rediss://[[USER]:PASSWORD@]HOST:PORT[/DB]";
 
 /// What is wrong with the query of a one-node URL, if anything. redis-rs
-/// reads a few query fields (`protocol` on `redis://`; `db`, `user`,
-/// `pass` and `protocol` on `redis+unix://`) and ignores the rest without a
-/// word, so `redis://HOST:PORT?db=3` would count in database 0, and
-/// `?password=` would send no password. `shown`: the URL without its
-/// credentials. A URL that does not parse is left to redis-rs's message.
+/// reads a few query fields (`protocol` on `redis://` and `rediss://`;
+/// `db`, `user`, `pass` and `protocol` on `redis+unix://`) and ignores the
+/// rest without a word, so `redis://HOST:PORT?db=3` would count in
+/// database 0, and `?password=` would send no password. A `rediss://`
+/// URL's fragment is refused too: `#insecure` would ask redis-rs to skip
+/// the certificate checks, which this store never does. `shown`: the URL
+/// without its credentials. A URL that does not parse is left to
+/// redis-rs's message.
 pub(crate) fn query_error(url: &str, shown: &str) -> Option<String> {
     let parsed = ::url::Url::parse(url).ok()?;
-    let unix = parsed.scheme() == "redis+unix";
+    let scheme = parsed.scheme();
+    let unix = scheme == "redis+unix";
+    if scheme == "rediss" && parsed.fragment().is_some() {
+        return Some(format!(
+            "{shown:?}: a rediss:// URL takes no #fragment: the server's certificate is always \
+             checked (#insecure is not taken); to trust a private CA, name its PEM file in \
+             SSL_CERT_FILE (or tls_ca_file in the store's options)"
+        ));
+    }
     let taken: &[&str] = if unix {
         &["db", "user", "pass", "protocol"]
     } else {
@@ -344,13 +363,13 @@ pub(crate) fn query_error(url: &str, shown: &str) -> Option<String> {
         _ => "a field".to_owned(),
     };
     let instead = match (unix, field.as_ref()) {
-        (true, _) => "a redis+unix:// URL takes ?db=DB&user=USER&pass=PASSWORD",
-        (false, "db") => "write the database as the path: redis://HOST:PORT/DB",
-        (false, "user" | "username" | "pass" | "password") => {
-            "write the credentials before the host: redis://USER:PASSWORD@HOST:PORT, or \
-             redis://:PASSWORD@HOST:PORT"
-        }
-        (false, _) => "write redis://[[USER]:PASSWORD@]HOST:PORT[/DB], with no query",
+        (true, _) => "a redis+unix:// URL takes ?db=DB&user=USER&pass=PASSWORD".to_owned(),
+        (false, "db") => format!("write the database as the path: {scheme}://HOST:PORT/DB"),
+        (false, "user" | "username" | "pass" | "password") => format!(
+            "write the credentials before the host: {scheme}://USER:PASSWORD@HOST:PORT, or \
+             {scheme}://:PASSWORD@HOST:PORT"
+        ),
+        (false, _) => format!("write {scheme}://[[USER]:PASSWORD@]HOST:PORT[/DB], with no query"),
     };
     Some(format!(
         "{shown:?}: its query has {named} that is not read, so it would be ignored; {instead}"
@@ -361,7 +380,7 @@ pub(crate) fn query_error(url: &str, shown: &str) -> Option<String> {
 /// rest is checked when connecting): for command-line parsers, so that a
 /// wrong form is refused before anything runs, with [`url_form_error`].
 pub fn is_store_url(url: &str) -> bool {
-    ["redis://", "redis+unix://", "redis-cluster://"]
+    ["redis://", "rediss://", "redis+unix://", "redis-cluster://"]
         .iter()
         .any(|p| url.starts_with(p))
 }
@@ -377,7 +396,9 @@ pub fn is_store_url(url: &str) -> bool {
 /// use ratewarden_redis::url_error;
 /// assert_eq!(url_error("redis://127.0.0.1:6379/3"), None);
 /// assert!(url_error("redis://127.0.0.1:6379?db=3").unwrap().contains("redis://HOST:PORT/DB"));
-/// assert!(url_error("rediss://127.0.0.1:6379").unwrap().contains("TLS"));
+/// assert_eq!(url_error("rediss://redis.example.com:6380"), None);
+/// assert!(url_error("rediss://127.0.0.1:6380#insecure").unwrap().contains("SSL_CERT_FILE"));
+/// assert!(url_error("http://127.0.0.1:6379").unwrap().contains("not a Redis address"));
 /// ```
 pub fn url_error(url: &str) -> Option<String> {
     if !is_store_url(url) {
@@ -402,10 +423,11 @@ pub fn is_redis_like_url(url: &str) -> bool {
 /// to write instead.
 pub fn url_form_error(url: &str) -> String {
     let shown = redact_url(url);
-    if url.starts_with("rediss://") {
+    if url.starts_with("rediss-cluster://") {
         format!(
-            "{shown:?}: TLS (rediss://) is not supported by this build; connect with \
-             redis:// (through a TLS tunnel such as stunnel if the link must be encrypted)"
+            "{shown:?}: TLS on Redis Cluster (rediss-cluster://) is not supported yet; reach \
+             the cluster with redis-cluster:// (through a TLS tunnel such as stunnel if the \
+             links must be encrypted). One node over TLS is rediss://HOST:PORT"
         )
     } else {
         format!("{shown:?} is not a Redis address; write {FORMS}")

@@ -88,6 +88,23 @@ pub struct ServerSettings {
     /// deployments with different prefixes share one Redis without sharing
     /// a count.
     pub key_prefix: String,
+    /// The TLS files of a `rediss://` store (the
+    /// `[redis]` table).
+    pub redis_tls: RedisTlsFiles,
+}
+
+/// The `[redis]` table: the files a TLS connection to Redis is made with,
+/// as [`ratewarden_redis::RedisOptions`]' fields of the same names. A
+/// relative path is taken from the configuration file's directory.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RedisTlsFiles {
+    /// The CA certificates trusted to sign Redis's certificate, in place of
+    /// the system's roots (or of the bundle `SSL_CERT_FILE` names).
+    pub tls_ca_file: Option<PathBuf>,
+    /// This client's certificate, for a Redis that asks for one.
+    pub tls_cert_file: Option<PathBuf>,
+    /// The client certificate's private key.
+    pub tls_key_file: Option<PathBuf>,
 }
 
 /// The fewest keys a shard of a rule's in-memory store is given room for:
@@ -137,6 +154,7 @@ impl ServerSettings {
             housekeeping_max_scanned,
             max_connections,
             key_prefix,
+            redis_tls,
         } = self;
         [
             ("key_hash", *key_hash != other.key_hash),
@@ -156,6 +174,18 @@ impl ServerSettings {
             ),
             ("max_connections", *max_connections != other.max_connections),
             ("key_prefix", *key_prefix != other.key_prefix),
+            (
+                "redis.tls_ca_file",
+                redis_tls.tls_ca_file != other.redis_tls.tls_ca_file,
+            ),
+            (
+                "redis.tls_cert_file",
+                redis_tls.tls_cert_file != other.redis_tls.tls_cert_file,
+            ),
+            (
+                "redis.tls_key_file",
+                redis_tls.tls_key_file != other.redis_tls.tls_key_file,
+            ),
         ]
         .into_iter()
         .filter_map(|(name, differs)| differs.then_some(name))
@@ -181,6 +211,7 @@ impl Default for ServerSettings {
             // or a fleet of HTTP clients needs.
             max_connections: 10_000,
             key_prefix: ratewarden_redis::RedisOptions::default().prefix,
+            redis_tls: RedisTlsFiles::default(),
         }
     }
 }
@@ -279,7 +310,25 @@ impl Config {
         }
         let text = std::fs::read_to_string(path)
             .map_err(|e| whole(format!("cannot read the file: {e}")))?;
-        Self::parse(&text, &file)
+        let mut config = Self::parse(&text, &file)?;
+        // The `[redis]` files are found from the file's directory, not
+        // from wherever the server was started.
+        if let Some(dir) = path.parent() {
+            let tls = &mut config.server.redis_tls;
+            for file in [
+                &mut tls.tls_ca_file,
+                &mut tls.tls_cert_file,
+                &mut tls.tls_key_file,
+            ]
+            .into_iter()
+            .flatten()
+            {
+                if file.is_relative() {
+                    *file = dir.join(&*file);
+                }
+            }
+        }
+        Ok(config)
     }
 
     /// Validates configuration text; `source` names it in errors.
@@ -476,6 +525,7 @@ fn table_at(text: &str) -> Option<String> {
 #[serde(deny_unknown_fields)]
 struct RawConfig {
     server: Option<RawServer>,
+    redis: Option<RawRedis>,
     keys: Option<Spanned<RawRule>>,
     fallback: Option<Spanned<RawRule>>,
     #[serde(default)]
@@ -493,6 +543,14 @@ struct RawServer {
     housekeeping_max_scanned: Option<Spanned<i64>>,
     max_connections: Option<Spanned<i64>>,
     key_prefix: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRedis {
+    tls_ca_file: Option<Spanned<String>>,
+    tls_cert_file: Option<Spanned<String>>,
+    tls_key_file: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -605,10 +663,13 @@ impl Validator<'_> {
     }
 
     fn config(&mut self, raw: RawConfig) -> Result<Config, ConfigFileError> {
-        let server = match raw.server {
+        let mut server = match raw.server {
             Some(s) => self.server(s)?,
             None => ServerSettings::default(),
         };
+        if let Some(redis) = raw.redis {
+            server.redis_tls = self.redis(redis)?;
+        }
         let keys = raw.keys.map(|r| self.rule(r, "keys", "keys")).transpose()?;
         let fallback = raw
             .fallback
@@ -727,6 +788,25 @@ impl Validator<'_> {
             s.key_prefix = prefix.clone();
         }
         Ok(s)
+    }
+
+    /// The `[redis]` table. The files are read when the store connects
+    /// (at start), which refuses one it cannot use, naming it.
+    fn redis(&self, raw: RawRedis) -> Result<RedisTlsFiles, ConfigFileError> {
+        let path = |v: Option<Spanned<String>>, field: &str| match v {
+            Some(v) if v.get_ref().trim().is_empty() => Err(self.err(
+                v.span(),
+                field,
+                "an empty path; name a PEM file, or leave the field out",
+            )),
+            Some(v) => Ok(Some(PathBuf::from(v.into_inner()))),
+            None => Ok(None),
+        };
+        Ok(RedisTlsFiles {
+            tls_ca_file: path(raw.tls_ca_file, "redis.tls_ca_file")?,
+            tls_cert_file: path(raw.tls_cert_file, "redis.tls_cert_file")?,
+            tls_key_file: path(raw.tls_key_file, "redis.tls_key_file")?,
+        })
     }
 
     fn positive(&self, v: &Spanned<i64>, field: &str, max: u64) -> Result<u64, ConfigFileError> {
@@ -1315,6 +1395,45 @@ shadow = true
                 .starts_with("/nonexistent/ratewarden.toml: cannot read the file"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn redis_tls_files_are_found_from_the_files_directory() {
+        let dir = std::env::temp_dir().join(format!("rw-redis-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ratewarden.toml");
+        std::fs::write(
+            &path,
+            "[redis]\ntls_ca_file = \"ca.crt\"\ntls_cert_file = \"/etc/c.crt\"\n\
+             tls_key_file = \"keys/c.key\"\n[keys]\nlimit = 1\nwindow_ms = 10\n",
+        )
+        .unwrap();
+        let c = Config::load(&path).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let tls = &c.server.redis_tls;
+        assert_eq!(tls.tls_ca_file, Some(dir.join("ca.crt")));
+        assert_eq!(tls.tls_cert_file, Some(PathBuf::from("/etc/c.crt")));
+        assert_eq!(tls.tls_key_file, Some(dir.join("keys/c.key")));
+        assert_eq!(
+            c.server.changed(&ServerSettings::default()),
+            [
+                "redis.tls_ca_file",
+                "redis.tls_cert_file",
+                "redis.tls_key_file"
+            ]
+        );
+        let e = Config::parse(
+            "[redis]\ntls_ca_file = \"\"\n[keys]\nlimit = 1\nwindow_ms = 10\n",
+            "t.toml",
+        )
+        .unwrap_err();
+        assert_eq!((e.line, e.field.as_str()), (Some(2), "redis.tls_ca_file"));
+        let e = Config::parse(
+            "[redis]\ntls_ca = \"x\"\n[keys]\nlimit = 1\nwindow_ms = 10\n",
+            "t.toml",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("tls_ca"), "{e}");
     }
 
     #[test]

@@ -78,7 +78,7 @@ use tonic_health::ServingStatus;
 
 use crate::metrics::Api;
 
-pub use config::{Config, ConfigFileError, ConfigSource, ServerSettings};
+pub use config::{Config, ConfigFileError, ConfigSource, RedisTlsFiles, ServerSettings};
 pub use service::Service;
 pub use store::{BuiltLimiter, MemoryFactory, RedisFactory, StoreFactory, StoreUrl};
 
@@ -120,6 +120,7 @@ pub fn factory_for(
                 url.clone(),
                 settings.store_timeout_ms,
                 settings.key_prefix.clone(),
+                settings.redis_tls.clone(),
             )))
         }
     }

@@ -87,6 +87,7 @@ pub struct RedisFactory {
     url: String,
     timeout_ms: u64,
     key_prefix: String,
+    tls: crate::RedisTlsFiles,
     /// The connection [`StoreFactory::probe`] pings on, its own so that a
     /// probe never waits behind decisions: made at the first probe, and at
     /// each later one until it is made. The fields above are private so
@@ -96,16 +97,35 @@ pub struct RedisFactory {
 
 impl RedisFactory {
     /// A factory for the Redis at `url` (`redis://host:port[/db]`,
-    /// `redis+unix:///path` or `redis-cluster://host:port,host:port`), each
-    /// call bounded by `timeout_ms`, every key name starting with
-    /// `key_prefix` (`[server] key_prefix`). No connection is made until a
-    /// rule or a probe needs one.
-    pub fn new(url: String, timeout_ms: u64, key_prefix: String) -> Self {
+    /// `redis+unix:///path` or `redis-cluster://host:port,host:port`, or
+    /// one node over TLS, `rediss://host:port[/db]`), each call
+    /// bounded by `timeout_ms`, every key name starting with `key_prefix`
+    /// (`[server] key_prefix`), a TLS connection made with `tls`' files
+    /// (`[redis]`). No connection is made until a rule or a probe needs
+    /// one.
+    pub fn new(
+        url: String,
+        timeout_ms: u64,
+        key_prefix: String,
+        tls: crate::RedisTlsFiles,
+    ) -> Self {
         RedisFactory {
             url,
             timeout_ms,
             key_prefix,
+            tls,
             probe: Arc::default(),
+        }
+    }
+
+    /// The options every connection of this factory is made with.
+    fn options(&self) -> ratewarden_redis::RedisOptions {
+        ratewarden_redis::RedisOptions {
+            timeout_ms: self.timeout_ms,
+            tls_ca_file: self.tls.tls_ca_file.clone(),
+            tls_cert_file: self.tls.tls_cert_file.clone(),
+            tls_key_file: self.tls.tls_key_file.clone(),
+            ..Default::default()
         }
     }
 
@@ -132,6 +152,7 @@ impl fmt::Debug for RedisFactory {
             .field("url", &ratewarden_redis::redact_url(&self.url))
             .field("timeout_ms", &self.timeout_ms)
             .field("key_prefix", &self.key_prefix)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -176,8 +197,7 @@ impl StoreFactory for RedisFactory {
                     self.key_prefix,
                     ratewarden_core::xxh3_64(rule_id)
                 ),
-                timeout_ms: self.timeout_ms,
-                ..Default::default()
+                ..self.options()
             };
             let store = ratewarden_redis::RedisStore::connect(&self.url, *config, options)
                 .await
@@ -192,10 +212,7 @@ impl StoreFactory for RedisFactory {
     fn probe(&self) -> BoxFuture<'_, anyhow::Result<()>> {
         Box::pin(async move {
             let url = ratewarden_redis::redact_url(&self.url);
-            let options = ratewarden_redis::RedisOptions {
-                timeout_ms: self.timeout_ms,
-                ..Default::default()
-            };
+            let options = self.options();
             // Probes that come while a connection is being made wait for
             // it, in turn: the bound keeps each one's wait to one connect
             // and one call, however many queue.
@@ -288,12 +305,13 @@ impl std::str::FromStr for StoreUrl {
                 None => Ok(StoreUrl::Redis(s.to_owned())),
             }
         } else if ratewarden_redis::is_redis_like_url(s) {
-            // Says what is wrong with the form (TLS, for rediss://).
+            // Says what is wrong with the form.
             Err(ratewarden_redis::url_form_error(s))
         } else {
             Err(format!(
                 "unknown store {:?}; use memory or a Redis URL: redis://HOST:PORT[/DB], \
-                 redis+unix:///PATH or redis-cluster://HOST:PORT[,HOST:PORT...]",
+                 redis+unix:///PATH or redis-cluster://HOST:PORT[,HOST:PORT...] (one node \
+                 over TLS: rediss://HOST:PORT[/DB])",
                 ratewarden_redis::redact_url(s)
             ))
         }

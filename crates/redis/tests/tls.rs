@@ -1,0 +1,196 @@
+//! TLS (`rediss://`) on a real `redis-server` with a TLS port: decisions
+//! as over a plain connection, the server's certificate checked against
+//! the CA given (or the system's roots), a client certificate shown when
+//! Redis asks for one, and every mistake refused saying what to change.
+
+mod common;
+
+use std::path::PathBuf;
+
+use ratewarden_core::{Limiter, StoreError, StoreErrorKind, REFERENCE};
+use ratewarden_redis::test_support::{RedisServer, TestCerts};
+use ratewarden_redis::{RedisOptions, RedisStore};
+
+/// Options trusting `ca` (if any), with a long connect time: connecting
+/// is checked here, not its speed.
+fn options(prefix: &str, ca: Option<PathBuf>) -> RedisOptions {
+    RedisOptions {
+        prefix: prefix.to_owned(),
+        timeout_ms: 5_000,
+        connect_timeout_ms: 10_000,
+        tls_ca_file: ca,
+        ..RedisOptions::default()
+    }
+}
+
+fn connect(url: &str, options: RedisOptions) -> Result<RedisStore, StoreError> {
+    common::runtime().block_on(RedisStore::connect(url, REFERENCE, options))
+}
+
+#[test]
+fn decisions_over_tls_share_the_counts_of_plain_ones() {
+    let certs = TestCerts::new();
+    let server = RedisServer::start_tls(&certs, false);
+    let prefix = common::fresh_prefix("tls");
+    let rt = common::runtime();
+    let tls_url = server.tls_url().expect("a TLS port");
+    let secure = rt
+        .block_on(RedisStore::connect(
+            &tls_url,
+            REFERENCE,
+            options(&prefix, Some(certs.ca_file())),
+        ))
+        .expect("connect over TLS");
+    let plain = rt
+        .block_on(RedisStore::connect(
+            &server.url(),
+            REFERENCE,
+            options(&prefix, None),
+        ))
+        .expect("connect");
+    rt.block_on(async {
+        for n in 1..=3 {
+            let d = secure.check(7, 1).await.expect("a decision over TLS");
+            assert!(d.allowed);
+            assert_eq!(d.remaining, REFERENCE.limit - n);
+        }
+        let d = plain.check(7, 1).await.expect("a decision");
+        assert_eq!(d.remaining, REFERENCE.limit - 4, "one count for both");
+        secure.ping().await.expect("ping over TLS");
+    });
+    // The name in the certificate is checked: `localhost` is in it too.
+    let by_name = format!("rediss://localhost:{}", server.tls_port().unwrap());
+    connect(&by_name, options(&prefix, Some(certs.ca_file()))).expect("connect by name");
+}
+
+#[test]
+fn a_server_certificate_the_client_does_not_trust_is_refused_saying_so() {
+    let certs = TestCerts::new();
+    let server = RedisServer::start_tls(&certs, false);
+    let url = server.tls_url().unwrap();
+    let other = TestCerts::new();
+    // Another CA, and the system's roots: neither signed the server's.
+    for ca in [Some(other.ca_file()), None] {
+        let e = connect(&url, options("untrusted", ca.clone())).unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{ca:?}: {e}");
+        assert!(e.detail().contains("certificate"), "{e}");
+        assert!(e.detail().contains("tls_ca_file"), "{e}");
+        assert!(e.detail().contains("SSL_CERT_FILE"), "{e}");
+    }
+}
+
+#[test]
+fn a_client_certificate_is_shown_when_redis_asks_for_one() {
+    let certs = TestCerts::new();
+    let server = RedisServer::start_tls(&certs, true);
+    let url = server.tls_url().unwrap();
+    let e = connect(&url, options("client-cert", Some(certs.ca_file()))).unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(e.detail().contains("tls_cert_file"), "{e}");
+    let with_cert = RedisOptions {
+        tls_cert_file: Some(certs.client_cert_file()),
+        tls_key_file: Some(certs.client_key_file()),
+        ..options("client-cert", Some(certs.ca_file()))
+    };
+    let store = connect(&url, with_cert).expect("connect with a client certificate");
+    let d = common::runtime()
+        .block_on(store.check(1, 1))
+        .expect("a decision");
+    assert!(d.allowed);
+    // A certificate its CA did not sign is refused by Redis.
+    let other = TestCerts::new();
+    let foreign = RedisOptions {
+        tls_cert_file: Some(other.client_cert_file()),
+        tls_key_file: Some(other.client_key_file()),
+        ..options("client-cert", Some(certs.ca_file()))
+    };
+    let e = connect(&url, foreign).unwrap_err();
+    assert!(e.detail().contains("certificate"), "{e}");
+}
+
+#[test]
+fn tls_and_plain_ports_mixed_up_say_which_to_use() {
+    let certs = TestCerts::new();
+    let server = RedisServer::start_tls(&certs, false);
+    // rediss:// to the plain port.
+    let url = format!("rediss://127.0.0.1:{}", server.port());
+    let e = connect(&url, options("mixed", Some(certs.ca_file()))).unwrap_err();
+    assert!(e.detail().contains("redis://"), "{e}");
+    assert!(e.detail().contains("TLS"), "{e}");
+    // redis:// to the TLS port.
+    let url = format!("redis://127.0.0.1:{}", server.tls_port().unwrap());
+    let e = connect(&url, options("mixed", None)).unwrap_err();
+    assert!(e.detail().contains("rediss://"), "{e}");
+}
+
+#[test]
+fn tls_files_that_cannot_be_used_are_refused_before_connecting() {
+    let certs = TestCerts::new();
+    let server = RedisServer::start_tls(&certs, false);
+    let tls_url = server.tls_url().unwrap();
+    let refused = |url: &str, options: RedisOptions| {
+        let e = connect(url, options).unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+        e.detail().to_owned()
+    };
+    // TLS files for a plain URL would be ignored, the link left plain.
+    let e = refused(&server.url(), options("files", Some(certs.ca_file())));
+    assert!(e.contains("tls_ca_file") && e.contains("rediss://"), "{e}");
+    // A certificate without its key, and the other way round.
+    let cert_only = RedisOptions {
+        tls_cert_file: Some(certs.client_cert_file()),
+        ..options("files", Some(certs.ca_file()))
+    };
+    assert!(refused(&tls_url, cert_only).contains("tls_key_file"));
+    let key_only = RedisOptions {
+        tls_key_file: Some(certs.client_key_file()),
+        ..options("files", Some(certs.ca_file()))
+    };
+    assert!(refused(&tls_url, key_only).contains("tls_cert_file"));
+    // A file that is not there, and one that holds no certificate.
+    let missing = certs.ca_file().with_file_name("missing.crt");
+    let e = refused(&tls_url, options("files", Some(missing)));
+    assert!(
+        e.contains("tls_ca_file") && e.contains("missing.crt"),
+        "{e}"
+    );
+    let e = refused(&tls_url, options("files", Some(certs.client_key_file())));
+    assert!(
+        e.contains("tls_ca_file") && e.contains("no readable PEM certificate"),
+        "{e}"
+    );
+    // A key where the certificate goes, and the other way round.
+    let swapped = RedisOptions {
+        tls_cert_file: Some(certs.client_key_file()),
+        tls_key_file: Some(certs.client_cert_file()),
+        ..options("files", Some(certs.ca_file()))
+    };
+    let e = refused(&tls_url, swapped);
+    assert!(
+        e.contains("tls_cert_file") && e.contains("client.key"),
+        "{e}"
+    );
+    let key_is_cert = RedisOptions {
+        tls_cert_file: Some(certs.client_cert_file()),
+        tls_key_file: Some(certs.client_cert_file()),
+        ..options("files", Some(certs.ca_file()))
+    };
+    let e = refused(&tls_url, key_is_cert);
+    assert!(
+        e.contains("tls_key_file") && e.contains("private key"),
+        "{e}"
+    );
+}
+
+#[test]
+fn tls_on_a_cluster_is_refused_saying_what_to_do() {
+    let e = connect(
+        "rediss-cluster://:pw-not-shown@127.0.0.1:1,127.0.0.1:2",
+        options("cluster", None),
+    )
+    .unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(e.detail().contains("not supported"), "{e}");
+    assert!(e.detail().contains("redis-cluster://"), "{e}");
+    assert!(!e.detail().contains("pw-not-shown"), "{e}");
+}
