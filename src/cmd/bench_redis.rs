@@ -899,7 +899,7 @@ fn redis_benchmark_target(url: &str) -> Result<Target, String> {
              redis://HOST:PORT"
         ));
     }
-    if url.starts_with("redis-cluster://") {
+    if ratewarden_redis::is_cluster_url(url) {
         return Err(format!(
             "{shown:?}: bench-redis measures one standalone redis-server, named \
              redis://HOST:PORT (not a cluster: its keys would hash to other nodes, and \

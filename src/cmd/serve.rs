@@ -16,9 +16,9 @@ pub struct Args {
     pub config: Option<PathBuf>,
     /// Where counts live: memory, redis://host:port[/db] (with a password:
     /// redis://:PASSWORD@host:port), redis+unix:///path,
-    /// redis-cluster://host:port,host:port, or one node over TLS,
-    /// rediss://host:port (certificate files in the config's [redis]
-    /// table, or SSL_CERT_FILE for the CA). Also read from the environment
+    /// redis-cluster://host:port,host:port, or over TLS rediss://host:port
+    /// and rediss-cluster://host:port,host:port (certificate files in the
+    /// config's [redis] table, or SSL_CERT_FILE for the CA). Also read from the environment
     /// variable RATEWARDEN_STORE, which keeps a password out of the
     /// process list.
     #[arg(long, env = "RATEWARDEN_STORE", hide_env_values = true, default_value = "memory", value_name = "STORE", value_parser = super::StoreUrlParser)]

@@ -20,8 +20,8 @@ use ratewarden_server::StoreUrl;
 pub struct Args {
     /// The store to run the vectors on: `memory` (the embedded store),
     /// `redis://HOST:PORT[/DB]`, `redis+unix:///PATH` or
-    /// `redis-cluster://HOST:PORT[,HOST:PORT...]`, or one node over TLS,
-    /// `rediss://HOST:PORT[/DB]` (its certificate checked against the
+    /// `redis-cluster://HOST:PORT[,HOST:PORT...]`, or over TLS `rediss://`
+    /// and `rediss-cluster://` (certificates checked against the
     /// system's roots, or the bundle `SSL_CERT_FILE` names); each case
     /// under its own fresh key prefix.
     #[arg(long, default_value = "memory", value_parser = super::StoreUrlParser)]

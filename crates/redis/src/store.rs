@@ -85,7 +85,7 @@ pub struct RedisOptions {
     /// The longest TTL set, in ms: a bucket that never refills (`limit` 0)
     /// or refills over centuries keeps its key this long, not forever.
     pub max_ttl_ms: u64,
-    /// TLS only (`rediss://`): a PEM file of the
+    /// TLS only (`rediss://`, `rediss-cluster://`): a PEM file of the
     /// certificate authorities trusted to sign the server's certificate,
     /// in place of the system's. `None` trusts the system's roots, or the
     /// PEM bundle that the environment variable `SSL_CERT_FILE` names.
@@ -132,8 +132,8 @@ impl RedisOptions {
         if !tls {
             return match given.iter().find(|(_, file)| file.is_some()) {
                 Some((name, _)) => Err(invalid(format!(
-                    "{name} is given, but the URL does not use TLS: write rediss:// for a \
-                     TLS connection (one node; a cluster takes no TLS yet), or leave {name} out"
+                    "{name} is given, but the URL does not use TLS: write rediss:// (or \
+                     rediss-cluster://) for a TLS connection, or leave {name} out"
                 ))),
                 None => Ok(None),
             };
@@ -461,7 +461,8 @@ impl RedisStore {
                 crate::url_form_error(url),
             ));
         }
-        let tls = url.starts_with("rediss://");
+        let tls = url.starts_with("rediss://") || url.starts_with("rediss-cluster://");
+        let cluster_url = crate::is_cluster_url(url);
         let certificates = options.tls_certificates(tls)?;
         if tls {
             // rustls takes its crypto from the process's provider: ring,
@@ -485,13 +486,21 @@ impl RedisStore {
         let node_response_timeout =
             response_timeout + (response_timeout / 2).max(Duration::from_millis(50));
         let connecting = async move {
-            let backend = if let Some(seeds) = url.strip_prefix("redis-cluster://") {
-                let nodes = cluster_nodes(seeds, shown)?;
+            let cluster_seeds = url
+                .strip_prefix("redis-cluster://")
+                .or_else(|| url.strip_prefix("rediss-cluster://"));
+            let backend = if let Some(seeds) = cluster_seeds {
+                let nodes = cluster_nodes(seeds, shown, tls)?;
                 if nodes.is_empty() {
                     return Err(StoreError::new(
                         StoreErrorKind::InvalidInput,
                         format!(
-                            "{shown:?} names no node; write redis-cluster://HOST:PORT[,HOST:PORT...]"
+                            "{shown:?} names no node; write {}://HOST:PORT[,HOST:PORT...]",
+                            if tls {
+                                "rediss-cluster"
+                            } else {
+                                "redis-cluster"
+                            }
                         ),
                     ));
                 }
@@ -501,20 +510,27 @@ impl RedisStore {
                 // accepts connections but never answers would otherwise
                 // spend the whole time alone.
                 let node_connect_timeout = Duration::from_millis(connect_timeout_ms.div_ceil(4));
-                let client = ClusterClient::builder(nodes.clone())
+                let mut builder = ClusterClient::builder(nodes.clone())
                     .connection_timeout(node_connect_timeout)
                     .response_timeout(node_response_timeout)
                     .retries(2)
                     .min_retry_wait(5)
-                    .max_retry_wait(50)
-                    .build()
-                    .map_err(|e| invalid_url(shown, e))?;
+                    .max_retry_wait(50);
+                if let Some(certificates) = certificates {
+                    builder = builder.certs(certificates.clone());
+                }
+                let client = builder.build().map_err(|e| invalid_url(shown, e))?;
                 let mut conn = match client.get_async_connection().await {
                     Ok(conn) => conn,
                     Err(e) => {
-                        return Err(
-                            cluster_connect_error(e, &nodes, shown, node_connect_timeout).await,
+                        return Err(cluster_connect_error(
+                            e,
+                            &nodes,
+                            certificates,
+                            shown,
+                            node_connect_timeout,
                         )
+                        .await)
                     }
                 };
                 // A cluster that answers but has a slot no master serves
@@ -618,12 +634,22 @@ impl RedisStore {
             })?;
             Ok(store)
         };
+        // A TLS handshake sent to a plain port gets no answer: the time
+        // runs out, here or in the connection's own timeout, whichever
+        // comes first, and either says so.
+        let plain_hint = if !tls {
+            ""
+        } else if cluster_url {
+            "; if these ports take plain connections, not TLS, use redis-cluster://"
+        } else {
+            "; if this port takes plain connections, not TLS, use redis://"
+        };
         tokio::time::timeout(connect_timeout, connecting)
             .await
             .map_err(|_| {
                 StoreError::new(
                     StoreErrorKind::Timeout,
-                    format!("no connection to {shown} within {connect_timeout_ms} ms"),
+                    format!("no connection to {shown} within {connect_timeout_ms} ms{plain_hint}"),
                 )
             })?
     }
@@ -1377,12 +1403,13 @@ const MAX_SLOT_RANGES: usize = 16_384;
 /// and a reader misled), and so is a seed without a port (rather than
 /// taking 6379 silently). `shown`: the URL without its credentials, for
 /// the message.
-fn cluster_nodes(seeds: &str, shown: &str) -> Result<Vec<String>, StoreError> {
+fn cluster_nodes(seeds: &str, shown: &str, tls: bool) -> Result<Vec<String>, StoreError> {
+    let (scheme, cluster_scheme) = Form { cluster: true, tls }.schemes();
     let seeds: Vec<&str> = seeds.split(',').filter(|s| !s.is_empty()).collect();
     let refuse = |what: String| {
         StoreError::new(
             StoreErrorKind::InvalidInput,
-            format!("{shown:?}: {what}, as in redis-cluster://HOST:PORT[,HOST:PORT...]"),
+            format!("{shown:?}: {what}, as in {cluster_scheme}://HOST:PORT[,HOST:PORT...]"),
         )
     };
     // A seed is echoed only when it cannot hold a password: what follows
@@ -1430,9 +1457,9 @@ fn cluster_nodes(seeds: &str, shown: &str) -> Result<Vec<String>, StoreError> {
         .iter()
         .map(|s| {
             if s.contains('@') || credentials.is_empty() {
-                format!("redis://{s}")
+                format!("{scheme}://{s}")
             } else {
-                format!("redis://{credentials}@{s}")
+                format!("{scheme}://{credentials}@{s}")
             }
         })
         .collect())
@@ -1447,20 +1474,22 @@ fn cluster_nodes(seeds: &str, shown: &str) -> Result<Vec<String>, StoreError> {
 /// connection's own error, as [`StoreErrorKind::Backend`] unless it was a
 /// timeout (something answered, so it is not a Redis to start).
 ///
-/// `nodes`: the seeds' `redis://` URLs; `shown`: the cluster URL without
-/// its credentials.
+/// `nodes`: the seeds' `redis://` (or `rediss://`) URLs, with the TLS
+/// `certificates` they are connected with; `shown`: the cluster URL
+/// without its credentials.
 async fn cluster_connect_error(
     e: RedisError,
     nodes: &[String],
+    certificates: Option<&TlsCertificates>,
     shown: &str,
     node_timeout: Duration,
 ) -> StoreError {
     let form = Form {
         cluster: true,
-        tls: false,
+        tls: nodes.iter().any(|n| n.starts_with("rediss://")),
     };
     let probes = nodes.iter().map(|node| async move {
-        let client = redis::Client::open(node.as_str()).map_err(|e| invalid_url(shown, e))?;
+        let client = client_for(node, certificates).map_err(|e| invalid_url(shown, e))?;
         let address = address_of(&client.get_connection_info().addr);
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(node_timeout)
@@ -1512,18 +1541,17 @@ async fn cluster_connect_error(
 /// The form of URL a node was reached by, for advice that shows it.
 #[derive(Debug, Clone, Copy)]
 struct Form {
-    /// A seed of a `redis-cluster://` URL.
+    /// A seed of a `redis-cluster://` (or `rediss-cluster://`) URL.
     cluster: bool,
-    /// Over TLS (`rediss://`, one node only).
+    /// Over TLS.
     tls: bool,
 }
 
 impl Form {
-    /// The scheme of a node's own URL and of a cluster's (which takes no
-    /// TLS).
+    /// The scheme of a node's own URL and of a cluster's.
     fn schemes(self) -> (&'static str, &'static str) {
         if self.tls {
-            ("rediss", "redis-cluster")
+            ("rediss", "rediss-cluster")
         } else {
             ("redis", "redis-cluster")
         }
@@ -1671,16 +1699,24 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
         // A TLS handshake sent to a plain port gets no answer (Redis
         // waits for the rest of what it takes for a command), and a plain
         // command sent to a TLS port has the connection closed.
+        let (node_scheme, cluster_scheme) = Form {
+            tls: !form.tls,
+            ..form
+        }
+        .schemes();
+        let other = if form.cluster {
+            cluster_scheme
+        } else {
+            node_scheme
+        };
         let hint = match (form.tls, e.kind()) {
             (true, StoreErrorKind::Timeout) => {
-                "; if this port takes plain connections, not TLS, use redis:// (without the s)"
+                format!("; if this port takes plain connections, not TLS, use {other}://")
             }
-            (false, StoreErrorKind::ConnectionDropped)
-                if !refused && !form.cluster && !address.starts_with('/') =>
-            {
-                "; if this port takes TLS only, use rediss://"
+            (false, StoreErrorKind::ConnectionDropped) if !refused && !address.starts_with('/') => {
+                format!("; if this port takes TLS only, use {other}://")
             }
-            _ => "",
+            _ => String::new(),
         };
         StoreError::new(
             e.kind(),
@@ -1697,9 +1733,9 @@ fn tls_error(text: &str, address: &str, form: Form) -> Option<String> {
     if !form.tls {
         return None;
     }
-    let trust = "give the PEM file of the CA that signed it as tls_ca_file (a [server] \
-                 setting of `ratewarden serve`), or name a bundle holding it in the \
-                 environment variable SSL_CERT_FILE";
+    let trust = "give the PEM file of the CA that signed it as tls_ca_file (in the \
+                 [redis] table of `ratewarden serve`'s configuration), or name a bundle \
+                 holding it in the environment variable SSL_CERT_FILE";
     let why = if text.contains("invalid peer certificate: NotValidForName") {
         format!(
             "the TLS certificate of Redis at {address} is not for that host ({text}): connect by \
@@ -1710,7 +1746,8 @@ fn tls_error(text: &str, address: &str, form: Form) -> Option<String> {
     } else if text.contains("CertificateRequired") {
         format!(
             "Redis at {address} asks for a client certificate (tls-auth-clients): give its PEM \
-             file as tls_cert_file and its key as tls_key_file"
+             file as tls_cert_file and its key as tls_key_file (in `ratewarden serve`, under \
+             [redis])"
         )
     } else if text.contains("received fatal alert: BadCertificate")
         || text.contains("received fatal alert: UnknownCA")
@@ -2010,7 +2047,7 @@ mod tests {
 
     #[test]
     fn credentials_on_the_first_seed_hold_for_every_seed() {
-        let nodes = |seeds| cluster_nodes(seeds, "shown").unwrap();
+        let nodes = |seeds| cluster_nodes(seeds, "shown", false).unwrap();
         assert_eq!(
             nodes(":pw@a:1,b:2,u:q@c:3"),
             ["redis://:pw@a:1", "redis://:pw@b:2", "redis://u:q@c:3"]
@@ -2018,13 +2055,18 @@ mod tests {
         assert_eq!(nodes("a:1,,b:2"), ["redis://a:1", "redis://b:2"]);
         assert_eq!(nodes("[::1]:7000"), ["redis://[::1]:7000"]);
         assert!(nodes(",").is_empty());
+        // Over TLS, each seed is a TLS node.
+        assert_eq!(
+            cluster_nodes(":pw@a:1,b:2", "shown", true).unwrap(),
+            ["rediss://:pw@a:1", "rediss://:pw@b:2"]
+        );
     }
 
     #[test]
     fn a_cluster_seed_with_a_database_or_without_a_port_is_refused() {
         let refused = |seeds: &str| {
             let shown = crate::redact_url(&format!("redis-cluster://{seeds}"));
-            let e = cluster_nodes(seeds, &shown).unwrap_err();
+            let e = cluster_nodes(seeds, &shown, false).unwrap_err();
             assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{seeds}: {e}");
             assert!(!e.to_string().contains("s3cret"), "{e}");
             assert!(!e.to_string().contains(":pa"), "{e}");

@@ -191,7 +191,9 @@ impl RedisServer {
             let dir = tempfile::tempdir().expect("temporary directory");
             let mut server = RedisServer {
                 port: free_port(cluster),
-                tls_port: tls.then(|| free_port(false)),
+                // A cluster node with TLS runs its bus over TLS, on the
+                // TLS port + 10000.
+                tls_port: tls.then(|| free_port(cluster)),
                 child: None,
                 dir,
                 cluster,
@@ -311,7 +313,8 @@ impl RedisServer {
             let _ = child.kill();
             let _ = child.wait();
             if self.cluster {
-                self.bus_hold = TcpListener::bind((Ipv4Addr::LOCALHOST, self.port + 10_000)).ok();
+                let bus = self.tls_port.unwrap_or(self.port) + 10_000;
+                self.bus_hold = TcpListener::bind((Ipv4Addr::LOCALHOST, bus)).ok();
             }
         }
     }
@@ -423,7 +426,19 @@ impl RedisCluster {
     /// `redis-cli --cluster create`, and waits until every node reports
     /// `cluster_state:ok`.
     pub fn start() -> RedisCluster {
-        Self::start_nodes(3, 0, &[])
+        Self::start_nodes(3, 0, &[], None)
+    }
+
+    /// Three masters that take TLS on ports of their own (see
+    /// [`RedisCluster::tls_url`]), with `certs`' server certificate, and
+    /// talk to each other over TLS (`tls-cluster yes`), so that `CLUSTER
+    /// SLOTS` asked over TLS names the TLS ports. Plain ports stay open
+    /// for the test's own checks.
+    pub fn start_tls(certs: &TestCerts) -> RedisCluster {
+        let mut args = tls_args(certs, false);
+        args.extend(["--tls-cluster", "yes", "--tls-replication", "yes"].map(str::to_owned));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Self::start_nodes(3, 0, &args, Some(certs))
     }
 
     /// Three masters and one replica of each (`--cluster-replicas 1`), with
@@ -435,20 +450,44 @@ impl RedisCluster {
     /// replicated something). The first three nodes are the masters.
     pub fn start_with_replicas(node_timeout_ms: u64) -> RedisCluster {
         let node_timeout_ms = node_timeout_ms.to_string();
-        Self::start_nodes(6, 1, &["--cluster-node-timeout", &node_timeout_ms])
+        Self::start_nodes(6, 1, &["--cluster-node-timeout", &node_timeout_ms], None)
     }
 
-    fn start_nodes(count: usize, replicas: usize, extra: &[&str]) -> RedisCluster {
+    /// `tls`: the nodes take TLS with these certificates, and are joined
+    /// through their TLS ports.
+    fn start_nodes(
+        count: usize,
+        replicas: usize,
+        extra: &[&str],
+        tls: Option<&TestCerts>,
+    ) -> RedisCluster {
         let mut nodes: Vec<RedisServer> = Vec::new();
         while nodes.len() < count {
-            let node = RedisServer::start_fresh(true, extra);
-            if nodes.iter().all(|n| n.port != node.port) {
+            let node = RedisServer::start_fresh_tls(true, extra, tls.is_some());
+            let ports_of = |n: &RedisServer| [Some(n.port), n.tls_port].into_iter().flatten();
+            let clash = nodes
+                .iter()
+                .flat_map(ports_of)
+                .any(|p| ports_of(&node).any(|q| q == p));
+            if !clash {
                 nodes.push(node);
             }
         }
         let ports: Vec<u16> = nodes.iter().map(|n| n.port).collect();
-        let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.tls_port.unwrap_or(n.port)))
+            .collect();
+        let tls_cli: Vec<String> = match tls {
+            Some(certs) => vec![
+                "--tls".to_owned(),
+                "--cacert".to_owned(),
+                certs.ca_file().display().to_string(),
+            ],
+            None => Vec::new(),
+        };
         let out = Command::new("redis-cli")
+            .args(&tls_cli)
             .args(["--cluster", "create"])
             .args(&addrs)
             .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
@@ -554,6 +593,17 @@ impl RedisCluster {
             std::thread::sleep(Duration::from_millis(50));
         }
         false
+    }
+
+    /// `rediss-cluster://127.0.0.1:T1,127.0.0.1:T2,127.0.0.1:T3`, the TLS
+    /// ports, on a cluster started with [`RedisCluster::start_tls`].
+    pub fn tls_url(&self) -> Option<String> {
+        let addrs: Option<Vec<String>> = self
+            .nodes
+            .iter()
+            .map(|n| n.tls_port.map(|p| format!("127.0.0.1:{p}")))
+            .collect();
+        Some(format!("rediss-cluster://{}", addrs?.join(",")))
     }
 
     /// `redis-cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3`.

@@ -325,8 +325,9 @@ fn redact_userinfo(userinfo: &str) -> &'static str {
 /// error messages.
 pub(crate) const FORMS: &str = "redis://[[USER]:PASSWORD@]HOST:PORT[/DB], \
      redis+unix:///PATH[?db=DB&user=USER&pass=PASSWORD], \
-     redis-cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...], or one node \
-     over TLS: rediss://[[USER]:PASSWORD@]HOST:PORT[/DB]";
+     redis-cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...], or over TLS \
+     rediss://[[USER]:PASSWORD@]HOST:PORT[/DB] and \
+     rediss-cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]";
 
 /// What is wrong with the query of a one-node URL, if anything. redis-rs
 /// reads a few query fields (`protocol` on `redis://` and `rediss://`;
@@ -380,9 +381,21 @@ pub(crate) fn query_error(url: &str, shown: &str) -> Option<String> {
 /// rest is checked when connecting): for command-line parsers, so that a
 /// wrong form is refused before anything runs, with [`url_form_error`].
 pub fn is_store_url(url: &str) -> bool {
-    ["redis://", "rediss://", "redis+unix://", "redis-cluster://"]
-        .iter()
-        .any(|p| url.starts_with(p))
+    [
+        "redis://",
+        "rediss://",
+        "redis+unix://",
+        "redis-cluster://",
+        "rediss-cluster://",
+    ]
+    .iter()
+    .any(|p| url.starts_with(p))
+}
+
+/// Whether `url` is a Redis Cluster URL (`redis-cluster://` or, over TLS,
+/// `rediss-cluster://`).
+pub fn is_cluster_url(url: &str) -> bool {
+    url.starts_with("redis-cluster://") || url.starts_with("rediss-cluster://")
 }
 
 /// What is wrong with `url` that shows without connecting, if anything: a
@@ -404,7 +417,7 @@ pub fn url_error(url: &str) -> Option<String> {
     if !is_store_url(url) {
         return Some(url_form_error(url));
     }
-    if url.starts_with("redis-cluster://") {
+    if is_cluster_url(url) {
         return None;
     }
     query_error(url, &redact_url(url))
@@ -423,15 +436,7 @@ pub fn is_redis_like_url(url: &str) -> bool {
 /// to write instead.
 pub fn url_form_error(url: &str) -> String {
     let shown = redact_url(url);
-    if url.starts_with("rediss-cluster://") {
-        format!(
-            "{shown:?}: TLS on Redis Cluster (rediss-cluster://) is not supported yet; reach \
-             the cluster with redis-cluster:// (through a TLS tunnel such as stunnel if the \
-             links must be encrypted). One node over TLS is rediss://HOST:PORT"
-        )
-    } else {
-        format!("{shown:?} is not a Redis address; write {FORMS}")
-    }
+    format!("{shown:?} is not a Redis address; write {FORMS}")
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ mod common;
 use std::path::PathBuf;
 
 use ratewarden_core::{Limiter, StoreError, StoreErrorKind, REFERENCE};
-use ratewarden_redis::test_support::{RedisServer, TestCerts};
+use ratewarden_redis::test_support::{RedisCluster, RedisServer, TestCerts};
 use ratewarden_redis::{RedisOptions, RedisStore};
 
 /// Options trusting `ca` (if any), with a long connect time: connecting
@@ -23,6 +23,9 @@ fn options(prefix: &str, ca: Option<PathBuf>) -> RedisOptions {
     }
 }
 
+/// Connects on a runtime of its own, dropped on return: for checking
+/// whether connecting succeeds, not for calls (whose connection tasks
+/// died with that runtime).
 fn connect(url: &str, options: RedisOptions) -> Result<RedisStore, StoreError> {
     common::runtime().block_on(RedisStore::connect(url, REFERENCE, options))
 }
@@ -92,10 +95,13 @@ fn a_client_certificate_is_shown_when_redis_asks_for_one() {
         tls_key_file: Some(certs.client_key_file()),
         ..options("client-cert", Some(certs.ca_file()))
     };
-    let store = connect(&url, with_cert).expect("connect with a client certificate");
-    let d = common::runtime()
-        .block_on(store.check(1, 1))
-        .expect("a decision");
+    let rt = common::runtime();
+    let d = rt
+        .block_on(async {
+            let store = RedisStore::connect(&url, REFERENCE, with_cert).await?;
+            store.check(1, 1).await
+        })
+        .expect("a decision with a client certificate");
     assert!(d.allowed);
     // A certificate its CA did not sign is refused by Redis.
     let other = TestCerts::new();
@@ -183,14 +189,43 @@ fn tls_files_that_cannot_be_used_are_refused_before_connecting() {
 }
 
 #[test]
-fn tls_on_a_cluster_is_refused_saying_what_to_do() {
-    let e = connect(
-        "rediss-cluster://:pw-not-shown@127.0.0.1:1,127.0.0.1:2",
-        options("cluster", None),
-    )
-    .unwrap_err();
+fn a_cluster_over_tls_decides_on_every_master() {
+    let certs = TestCerts::new();
+    let cluster = RedisCluster::start_tls(&certs);
+    let url = cluster.tls_url().expect("TLS ports");
+    let rt = common::runtime();
+    rt.block_on(async {
+        let store = RedisStore::connect(
+            &url,
+            REFERENCE,
+            options("tls-cluster", Some(certs.ca_file())),
+        )
+        .await
+        .expect("connect to the cluster over TLS");
+        // A hundred keys land on every master's slots.
+        for key in 0..100 {
+            let d = store.check(key, 1).await.expect("a decision over TLS");
+            assert_eq!(d.remaining, REFERENCE.limit - 1, "key {key}");
+        }
+        store.ping().await.expect("every master answers over TLS");
+    });
+    let keys: Vec<usize> = cluster
+        .nodes()
+        .iter()
+        .map(|n| n.cli(&["DBSIZE"]).trim().parse().unwrap())
+        .collect();
+    assert!(
+        keys.iter().all(|&n| n > 0),
+        "a master with no key: {keys:?}"
+    );
+    assert_eq!(keys.iter().sum::<usize>(), 100);
+    // The seeds' certificates are checked as a single node's are.
+    let other = TestCerts::new();
+    let e = connect(&url, options("tls-cluster", Some(other.ca_file()))).unwrap_err();
     assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
-    assert!(e.detail().contains("not supported"), "{e}");
-    assert!(e.detail().contains("redis-cluster://"), "{e}");
-    assert!(!e.detail().contains("pw-not-shown"), "{e}");
+    assert!(e.detail().contains("not trusted"), "{e}");
+    // The plain cluster URL on the TLS ports says which form to use.
+    let plain = url.replacen("rediss-cluster://", "redis-cluster://", 1);
+    let e = connect(&plain, options("tls-cluster", None)).unwrap_err();
+    assert!(e.detail().contains("rediss-cluster://"), "{e}");
 }

@@ -98,7 +98,7 @@ pub struct RedisFactory {
 impl RedisFactory {
     /// A factory for the Redis at `url` (`redis://host:port[/db]`,
     /// `redis+unix:///path` or `redis-cluster://host:port,host:port`, or
-    /// one node over TLS, `rediss://host:port[/db]`), each call
+    /// over TLS `rediss://...` and `rediss-cluster://...`), each call
     /// bounded by `timeout_ms`, every key name starting with `key_prefix`
     /// (`[server] key_prefix`), a TLS connection made with `tls`' files
     /// (`[redis]`). No connection is made until a rule or a probe needs
@@ -295,7 +295,7 @@ impl std::str::FromStr for StoreUrl {
     fn from_str(s: &str) -> Result<Self, String> {
         if s == "memory" {
             Ok(StoreUrl::Memory)
-        } else if s.starts_with("redis-cluster://") {
+        } else if ratewarden_redis::is_cluster_url(s) {
             Ok(StoreUrl::RedisCluster(s.to_owned()))
         } else if ratewarden_redis::is_store_url(s) {
             // A query the client would ignore is refused here, with the
@@ -310,8 +310,8 @@ impl std::str::FromStr for StoreUrl {
         } else {
             Err(format!(
                 "unknown store {:?}; use memory or a Redis URL: redis://HOST:PORT[/DB], \
-                 redis+unix:///PATH or redis-cluster://HOST:PORT[,HOST:PORT...] (one node \
-                 over TLS: rediss://HOST:PORT[/DB])",
+                 redis+unix:///PATH or redis-cluster://HOST:PORT[,HOST:PORT...] (over TLS: \
+                 rediss://... or rediss-cluster://...)",
                 ratewarden_redis::redact_url(s)
             ))
         }
