@@ -359,6 +359,32 @@ fn simulate_checks_its_output_paths_before_the_run() {
         ],
         &["names a folder; give a file path, such as"],
     );
+    // The chart is SVG: another extension, or none, is refused, and no
+    // file is made.
+    for name in ["chart.png", "chart"] {
+        let path = scratch(&dir, name);
+        let out = run(
+            path.to_str().unwrap(),
+            scratch(&dir, "s.csv").to_str().unwrap(),
+        );
+        assert_eq!(out.status.code(), Some(2));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("give a path ending in .svg"), "{stderr}");
+        assert!(!path.exists() && !scratch(&dir, "s.csv").exists());
+    }
+    // A folder that takes no new file is found before the run (a mistake
+    // in the command line, exit 2), saying so.
+    #[cfg(target_os = "linux")]
+    {
+        let out = run("/proc/ratewarden-chart.svg", svg_text);
+        assert_eq!(out.status.code(), Some(2));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("cannot write a file in /proc: the folder takes no new files"),
+            "{stderr}"
+        );
+        assert_eq!(std::fs::read_to_string(&svg).unwrap(), "old chart");
+    }
     // A symbolic link is followed: the file it points to gets the chart.
     #[cfg(unix)]
     {

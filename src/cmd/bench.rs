@@ -639,9 +639,12 @@ pub(super) fn load_average() -> String {
 const CLOUDFLARE_SOURCE: &str = "Cloudflare, sliding-window-counter on 400 million requests of \
                                  real traffic from 270,000 sources";
 /// How their traffic differs from the shapes measured here.
-const CLOUDFLARE_NOTE: &str = "Their traffic is mostly far below the limit; these shapes sit at \
-                               or above it, or attack its edges, so they show the worst of each \
-                               policy rather than its everyday error.";
+const CLOUDFLARE_NOTE: &str = "Their traffic is mostly far below the limit; these shapes come \
+                               near it, pass it or attack its edges, so they show the worst of \
+                               each policy rather than its everyday error. And a decision counts \
+                               here when it differs from the exact log's on the same requests, \
+                               even where the policy's own history made it right (see \
+                               docs/bench.md).";
 
 fn print_table(
     rows: &[Row],

@@ -289,11 +289,54 @@ impl<'a> Output<'a> {
             }
             Err(e) => bail!("{flag} {shown}: {e}"),
         };
+        // The chart is SVG text: a name that says otherwise would mislead
+        // whatever opens the file by its extension.
+        if flag == "--out" {
+            let svg = target
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("svg"));
+            ensure!(
+                svg,
+                "{flag} {shown}: the chart is SVG; give a path ending in .svg, such as {}",
+                given.with_extension("svg").display()
+            );
+        }
+        // A folder that takes no new file fails here, before the run,
+        // rather than after it: the probe is a temporary file, removed.
+        let dir = target.parent().unwrap_or(Path::new("."));
+        temp_beside(dir).map_err(|e| {
+            anyhow::anyhow!(
+                "{flag} {shown}: cannot write a file in {}: {}",
+                dir.display(),
+                cannot_write(&e)
+            )
+        })?;
         Ok(Output {
             flag,
             given,
             target,
         })
+    }
+}
+
+/// Why a file cannot be made in a folder, saying what to do.
+fn cannot_write(e: &std::io::Error) -> String {
+    use std::io::ErrorKind;
+    match e.kind() {
+        ErrorKind::PermissionDenied => {
+            "permission denied; choose a folder you can write to".to_owned()
+        }
+        ErrorKind::ReadOnlyFilesystem => {
+            "the file system is read-only; choose another folder".to_owned()
+        }
+        // What /proc and /sys answer: they take no new files.
+        ErrorKind::NotFound => "the folder takes no new files; choose another folder".to_owned(),
+        // The temporary file's own name would only confuse: the error
+        // without it.
+        kind => e.raw_os_error().map_or_else(
+            || std::io::Error::from(kind).to_string(),
+            |code| std::io::Error::from_raw_os_error(code).to_string(),
+        ),
     }
 }
 
@@ -368,18 +411,14 @@ fn publish(files: &[(Output, String)]) -> Result<()> {
                 temp.flush()?;
                 Ok(temp)
             })
-            // The temporary file's own name would only confuse: say
-            // what could not be written, and where.
+            // Say what could not be written, and where.
             .map_err(|e| {
                 anyhow::anyhow!(
                     "{} {}: cannot write a file in {}: {}",
                     output.flag,
                     output.given.display(),
                     dir.display(),
-                    e.raw_os_error().map_or_else(
-                        || std::io::Error::from(e.kind()),
-                        std::io::Error::from_raw_os_error
-                    )
+                    cannot_write(&e)
                 )
             })?;
         written.push((temp, output));

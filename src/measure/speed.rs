@@ -54,9 +54,14 @@ impl<P: Policy> Store<P> {
         // store would pick fewer shards, and the threaded rows would then
         // measure fewer locks than a store of a million keys has.
         let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+        let shards = (cores * 4).max(16);
         let options = MemoryOptions {
-            max_keys,
-            shards: (cores * 4).max(16),
+            // Room for a shard's worth of keys in every shard, however few
+            // keys the run has: the keys fall into shards by a randomly
+            // seeded hash, and a handful over 16 shards would fill one whose
+            // share of `max_keys` is two.
+            max_keys: max_keys.max(shards * MemoryOptions::MIN_KEYS_PER_AUTO_SHARD),
+            shards,
         };
         Store {
             store: MemoryStore::new(policy, options),
@@ -453,7 +458,7 @@ pub fn median(values: &mut [f64]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ratewarden_core::SlidingWindowCounter;
+    use ratewarden_core::{FixedWindow, SlidingWindowCounter};
 
     #[test]
     fn key_sets_are_distinct_and_sequences_reproducible() {
@@ -507,6 +512,19 @@ mod tests {
         let sequences = vec![vec![1u64; 10]; 8];
         let ns = run_threads(&Slow, &sequences);
         assert!(ns * 80.0 >= 10_000_000.0, "{ns} ns per decision");
+    }
+
+    #[test]
+    fn a_store_for_a_few_keys_takes_them_all_however_they_hash() {
+        // Each store's hasher is seeded anew: twenty stores try twenty
+        // splits of ten keys over the shards.
+        for _ in 0..20 {
+            let store = Store::new(FixedWindow::new(100, 1000).unwrap(), 10);
+            for key in 1..=10 {
+                assert!(store.check(key), "key {key}");
+            }
+            assert_eq!(store.entries_tracked(), 10);
+        }
     }
 
     #[test]
