@@ -88,7 +88,7 @@ pub struct ServerSettings {
     /// deployments with different prefixes share one Redis without sharing
     /// a count.
     pub key_prefix: String,
-    /// The TLS files of a `rediss://` store (the
+    /// The TLS files of a `rediss://` or `rediss-cluster://` store (the
     /// `[redis]` table).
     pub redis_tls: RedisTlsFiles,
 }
@@ -345,11 +345,19 @@ impl Config {
     pub fn parse(text: &str, source: &str) -> Result<Self, ConfigFileError> {
         let lines = LineIndex::new(text);
         let raw: RawConfig = toml::from_str(text).map_err(|e| {
+            let missing = missing_field(e.message());
             let field = e
                 .span()
-                .map(|span| field_at(text, span.start))
+                .map(|span| match missing {
+                    // The span is the table that lacks it.
+                    Some(name) => missing_field_path(text, span.start, name),
+                    None => field_at(text, span.start),
+                })
                 .unwrap_or_default();
-            let mut message = plain_message(e.message().trim());
+            let mut message = match missing {
+                Some(name) => missing_field_advice(name),
+                None => plain_message(e.message().trim()),
+            };
             if looks_like_yaml(text) {
                 message.push_str(
                     "; the file looks like YAML, but the configuration is TOML \
@@ -432,6 +440,38 @@ fn plain_message(message: &str) -> String {
             .to_owned();
     }
     message
+}
+
+/// The field a table lacks, from the parser's "missing field `NAME`".
+fn missing_field(message: &str) -> Option<&str> {
+    message
+        .trim()
+        .strip_prefix("missing field `")?
+        .strip_suffix('`')
+}
+
+/// The dotted name of the field `name` that the table at `offset` lacks:
+/// `domains[0].descriptors[1].key`.
+fn missing_field_path(text: &str, offset: usize, name: &str) -> String {
+    let offset = offset.min(text.len());
+    let line_end = text[offset..].find('\n').map_or(text.len(), |i| offset + i);
+    match table_at(&text[..line_end]) {
+        Some(t) if !t.is_empty() => format!("{t}.{name}"),
+        _ => name.to_owned(),
+    }
+}
+
+/// What to add for a required field that is missing.
+fn missing_field_advice(name: &str) -> String {
+    let add = match name {
+        "key" => "add key = \"NAME\", the descriptor entry's key this rule matches",
+        "domain" => {
+            "add domain = \"NAME\", the domain these descriptors belong to (Envoy's \
+                     domain)"
+        }
+        _ => "add it",
+    };
+    format!("missing: this table needs {name}; {add}")
 }
 
 /// Whether the first setting of a file that TOML refused is written
@@ -1395,6 +1435,28 @@ shadow = true
                 .starts_with("/nonexistent/ratewarden.toml: cannot read the file"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_missing_required_field_is_named_with_its_table() {
+        let e = Config::parse(
+            "[[domains]]\ndomain = \"api\"\n[[domains.descriptors]]\nvalue = \"x\"\nlimit = 1\n\
+             window_ms = 10\n",
+            "t.toml",
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "domains[0].descriptors[0].key", "{e}");
+        assert_eq!(e.line, Some(3), "{e}");
+        assert!(e.message.contains("add key = \"NAME\""), "{e}");
+        let e = Config::parse(
+            "[[domains]]\ndomain = \"a\"\n[[domains.descriptors]]\nkey = \"k\"\nlimit = 1\n\
+             window_ms = 10\n[[domains]]\n[[domains.descriptors]]\nkey = \"k\"\nlimit = 1\n\
+             window_ms = 10\n",
+            "t.toml",
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "domains[1].domain", "{e}");
+        assert!(e.message.contains("add domain = \"NAME\""), "{e}");
     }
 
     #[test]

@@ -368,7 +368,9 @@ fn raise_open_file_limit(max_connections: usize) {
              {FILES_BESIDE_CONNECTIONS} more): past about {} connections in all, new ones wait \
              unserved; raise the hard limit (`ulimit -Hn`, systemd's LimitNOFILE) or lower \
              server.max_connections",
-            limit.saturating_sub(FILES_BESIDE_CONNECTIONS)
+            // The margin is for a process with many rules on Redis; a
+            // limit below it still serves about half its files.
+            limit.saturating_sub(FILES_BESIDE_CONNECTIONS.min(limit / 2))
         ),
         Err(e) => tracing::warn!(
             "cannot raise the open-file limit for server.max_connections = {max_connections}: \
