@@ -270,6 +270,43 @@ async fn readyz_on_a_cluster_pings_every_master() {
     readyz_until(&client, &serve, 200).await;
 }
 
+/// A cluster over TLS (`rediss-cluster://`): decisions and `/readyz` go
+/// through every master's TLS port, its CA named in `[redis]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_decides_on_a_cluster_over_tls() {
+    let certs = TestCerts::new();
+    let cluster = ratewarden_redis::test_support::RedisCluster::start_tls(&certs);
+    let file = ConfigFile::new(&format!(
+        "[server]\nstore_timeout_ms = 5000\n[redis]\ntls_ca_file = {:?}\n\
+         [keys]\nlimit = 1\nwindow_ms = 3600000\n",
+        certs.ca_file().display().to_string()
+    ));
+    let url = cluster.tls_url().unwrap();
+    let serve = Server::start(&["--store", &url, "--config", file.path()]);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    for key in ["a", "b", "c", "d", "e", "f"] {
+        let (status, body) = check(&client, &serve.url(), key).await;
+        assert_eq!(status, 200, "{key}: {body}");
+        let (status, _) = check(&client, &serve.url(), key).await;
+        assert_eq!(status, 429, "{key}");
+    }
+    let keys: usize = cluster
+        .nodes()
+        .iter()
+        .map(|n| n.cli(&["DBSIZE"]).trim().parse::<usize>().unwrap())
+        .sum();
+    assert_eq!(keys, 6);
+    let ready = client
+        .get(format!("http://{}/readyz", serve.http))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status().as_u16(), 200);
+}
+
 /// Two deployments on one Redis, each with its own `key_prefix`, keep
 /// their own counts for rules of the same identity.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
