@@ -134,58 +134,66 @@ fn tls_files_that_cannot_be_used_are_refused_before_connecting() {
     let certs = TestCerts::new();
     let server = RedisServer::start_tls(&certs, false);
     let tls_url = server.tls_url().unwrap();
-    let refused = |url: &str, options: RedisOptions| {
-        let e = connect(url, options).unwrap_err();
+    let files = |ca: Option<PathBuf>, cert: Option<PathBuf>, key: Option<PathBuf>| RedisOptions {
+        tls_cert_file: cert,
+        tls_key_file: key,
+        ..options("files", ca)
+    };
+    let (ca, cert, key) = (
+        || Some(certs.ca_file()),
+        || Some(certs.client_cert_file()),
+        || Some(certs.client_key_file()),
+    );
+    let missing = Some(certs.ca_file().with_file_name("missing.crt"));
+    // (URL, options, words the refusal holds)
+    let cases = [
+        // TLS files for a plain URL would be ignored, the link left plain.
+        (
+            server.url(),
+            files(ca(), None, None),
+            ["tls_ca_file", "rediss://"],
+        ),
+        // A certificate without its key, and the other way round.
+        (
+            tls_url.clone(),
+            files(ca(), cert(), None),
+            ["tls_cert_file", "tls_key_file"],
+        ),
+        (
+            tls_url.clone(),
+            files(ca(), None, key()),
+            ["tls_key_file", "tls_cert_file"],
+        ),
+        // A file that is not there, and one that holds no certificate.
+        (
+            tls_url.clone(),
+            files(missing, None, None),
+            ["tls_ca_file", "missing.crt"],
+        ),
+        (
+            tls_url.clone(),
+            files(key(), None, None),
+            ["tls_ca_file", "no readable PEM certificate"],
+        ),
+        // A key where the certificate goes, and a certificate for the key.
+        (
+            tls_url.clone(),
+            files(ca(), key(), cert()),
+            ["tls_cert_file", "client.key"],
+        ),
+        (
+            tls_url.clone(),
+            files(ca(), cert(), cert()),
+            ["tls_key_file", "private key"],
+        ),
+    ];
+    for (url, options, words) in cases {
+        let e = connect(&url, options).unwrap_err();
         assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
-        e.detail().to_owned()
-    };
-    // TLS files for a plain URL would be ignored, the link left plain.
-    let e = refused(&server.url(), options("files", Some(certs.ca_file())));
-    assert!(e.contains("tls_ca_file") && e.contains("rediss://"), "{e}");
-    // A certificate without its key, and the other way round.
-    let cert_only = RedisOptions {
-        tls_cert_file: Some(certs.client_cert_file()),
-        ..options("files", Some(certs.ca_file()))
-    };
-    assert!(refused(&tls_url, cert_only).contains("tls_key_file"));
-    let key_only = RedisOptions {
-        tls_key_file: Some(certs.client_key_file()),
-        ..options("files", Some(certs.ca_file()))
-    };
-    assert!(refused(&tls_url, key_only).contains("tls_cert_file"));
-    // A file that is not there, and one that holds no certificate.
-    let missing = certs.ca_file().with_file_name("missing.crt");
-    let e = refused(&tls_url, options("files", Some(missing)));
-    assert!(
-        e.contains("tls_ca_file") && e.contains("missing.crt"),
-        "{e}"
-    );
-    let e = refused(&tls_url, options("files", Some(certs.client_key_file())));
-    assert!(
-        e.contains("tls_ca_file") && e.contains("no readable PEM certificate"),
-        "{e}"
-    );
-    // A key where the certificate goes, and the other way round.
-    let swapped = RedisOptions {
-        tls_cert_file: Some(certs.client_key_file()),
-        tls_key_file: Some(certs.client_cert_file()),
-        ..options("files", Some(certs.ca_file()))
-    };
-    let e = refused(&tls_url, swapped);
-    assert!(
-        e.contains("tls_cert_file") && e.contains("client.key"),
-        "{e}"
-    );
-    let key_is_cert = RedisOptions {
-        tls_cert_file: Some(certs.client_cert_file()),
-        tls_key_file: Some(certs.client_cert_file()),
-        ..options("files", Some(certs.ca_file()))
-    };
-    let e = refused(&tls_url, key_is_cert);
-    assert!(
-        e.contains("tls_key_file") && e.contains("private key"),
-        "{e}"
-    );
+        for word in words {
+            assert!(e.detail().contains(word), "`{word}` not in: {e}");
+        }
+    }
 }
 
 #[test]
