@@ -406,15 +406,20 @@ impl std::fmt::Debug for RedisStore {
 impl RedisStore {
     /// Connects to `url` and prepares the policy's script.
     ///
-    /// `url` is one of (and no other form: this build has no TLS, so
-    /// `rediss://` is refused, saying so):
+    /// `url` is one of (and no other form):
     ///
     /// - `redis://[[USER]:PASSWORD@]HOST:PORT[/DB]`: one node over TCP;
     /// - `redis+unix:///PATH[?db=DB&user=USER&pass=PASSWORD]`: one node over
     ///   a Unix socket;
     /// - `redis-cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]`: Redis
     ///   Cluster, any of its nodes as seeds, each with its port, none with
-    ///   a `/DB` (Redis Cluster has only database 0).
+    ///   a `/DB` (Redis Cluster has only database 0);
+    /// - `rediss://...` and `rediss-cluster://...`: the same over TLS, the
+    ///   server's certificate always checked: against
+    ///   [`RedisOptions::tls_ca_file`], else the system's roots (or the PEM
+    ///   bundle the environment variable `SSL_CERT_FILE` names), with
+    ///   [`RedisOptions::tls_cert_file`] shown when Redis asks for a client
+    ///   certificate.
     ///
     /// Connecting checks that the store can be used, so that a store that
     /// cannot is refused here rather than at every decision: a single node
