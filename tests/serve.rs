@@ -1677,6 +1677,19 @@ async fn a_limit_override_is_applied_with_counts_of_its_own() {
     server.stop();
 }
 
+/// TLS files for Redis with the embedded store are not used, and the
+/// start-up log says so rather than leaving them silently ignored.
+#[test]
+fn redis_tls_files_with_the_embedded_store_are_warned_about() {
+    let file =
+        ConfigFile::new("[redis]\ntls_ca_file = \"ca.crt\"\n[keys]\nlimit = 1\nwindow_ms = 1000\n");
+    let (server, log) = Server::start_logged(&["--config", file.path()]);
+    let line = log.next_containing("[redis] table names TLS files");
+    assert!(line.contains("WARN"), "{line}");
+    assert!(line.contains("rediss://"), "{line}");
+    server.stop();
+}
+
 /// Each distinct override is a limiter of its own, so their number is
 /// bounded: beyond 256, the configured rule applies, and the override is
 /// counted as ignored.

@@ -489,7 +489,7 @@ async fn descriptors_on_redis_cluster_admit_exactly_the_limit() {
 /// returns its exit status and standard error. Bounded: a server that
 /// starts anyway is killed after 20 s and the test fails.
 fn serve_refused(store: &str) -> (std::process::ExitStatus, String) {
-    serve_refused_with(store, &[])
+    serve_refused_as(store, &[], &[])
 }
 
 /// [`serve_refused`], with more environment variables.
@@ -497,10 +497,25 @@ fn serve_refused_with(
     store: &str,
     env: &[(&str, &std::path::Path)],
 ) -> (std::process::ExitStatus, String) {
+    serve_refused_as(store, env, &[])
+}
+
+/// [`serve_refused`], with a configuration file.
+fn serve_refused_with_config(store: &str, config: &str) -> (std::process::ExitStatus, String) {
+    serve_refused_as(store, &[], &["--config", config])
+}
+
+/// [`serve_refused`], with more environment variables and arguments.
+fn serve_refused_as(
+    store: &str,
+    env: &[(&str, &std::path::Path)],
+    args: &[&str],
+) -> (std::process::ExitStatus, String) {
     use std::io::Read;
     let mut child = std::process::Command::new(common::BIN)
         .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
         .args(["--store", store])
+        .args(args)
         .envs(env.iter().copied())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
@@ -633,6 +648,14 @@ async fn serve_decides_over_tls_with_the_files_its_config_names() {
     );
     serve.stop();
 
+    // The same files with a plain URL: refused at start, as the link
+    // would stay plain.
+    let (status, stderr) = serve_refused_with_config(&redis.url(), file.path());
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("tls_ca_file is given, but the URL does not use TLS"),
+        "{stderr}"
+    );
     // The system's roots do not trust the test CA.
     let (status, stderr) = serve_refused(&tls_url);
     assert!(!status.success(), "{stderr}");

@@ -112,9 +112,18 @@ pub fn factory_for(
     settings: &ServerSettings,
 ) -> anyhow::Result<Arc<dyn StoreFactory>> {
     match store {
-        StoreUrl::Memory => Ok(Arc::new(MemoryFactory {
-            options: settings.memory_options(),
-        })),
+        StoreUrl::Memory => {
+            if settings.redis_tls != RedisTlsFiles::default() {
+                tracing::warn!(
+                    "the configuration's [redis] table names TLS files, but the store is the \
+                     embedded one: they are not used (they are for a rediss:// or \
+                     rediss-cluster:// --store)"
+                );
+            }
+            Ok(Arc::new(MemoryFactory {
+                options: settings.memory_options(),
+            }))
+        }
         StoreUrl::Redis(url) | StoreUrl::RedisCluster(url) => {
             Ok(Arc::new(store::RedisFactory::new(
                 url.clone(),
