@@ -132,4 +132,15 @@ fn the_documented_url_forms_are_taken_tls_with_ssl_cert_file() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("not trusted"), "{stderr}");
     assert!(stderr.contains("SSL_CERT_FILE"), "{stderr}");
+    // A bundle that cannot be read fails every TLS connection: said so,
+    // naming the variable, not as a dropped connection.
+    let missing = certs.ca_file().with_file_name("missing.pem");
+    let out = vectors_with(&url, &[("SSL_CERT_FILE", &missing)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("the system's CA certificates cannot be loaded"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("SSL_CERT_FILE"), "{stderr}");
 }

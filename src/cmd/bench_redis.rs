@@ -891,7 +891,7 @@ struct Target {
 /// its form, scheme by scheme.
 fn redis_benchmark_target(url: &str) -> Result<Target, String> {
     let shown = redact_url(url);
-    if url.starts_with("rediss://") || url.starts_with("rediss-cluster://") {
+    if url.starts_with("rediss://") {
         return Err(format!(
             "{shown:?}: bench-redis measures plain connections only (TLS costs the same \
              per call on both sides of its comparison, and redis-benchmark would need \
@@ -1410,16 +1410,15 @@ mod tests {
         let e = refused("redis-cluster://:pw@h:1");
         assert!(e.contains("one standalone redis-server"), "{e}");
         assert!(e.contains("not a cluster"), "{e}");
-        for url in [
-            "rediss://:pw@h:1",
-            "rediss://h:6379",
-            "rediss-cluster://h:1",
-        ] {
+        for url in ["rediss://:pw@h:1", "rediss://h:6379"] {
             let e = refused(url);
             assert!(e.contains("TLS"), "{e}");
             assert!(e.contains("plain connections only"), "{e}");
             assert!(e.contains("redis://HOST:PORT"), "{e}");
         }
+        // A cluster over TLS is refused as a cluster.
+        let e = refused("rediss-cluster://:pw@h:1");
+        assert!(e.contains("one standalone redis-server"), "{e}");
         let e = refused("valkey://h:1");
         assert!(e.contains("is not a Redis URL"), "{e}");
         assert!(!e.contains("cluster"), "{e}");

@@ -30,6 +30,7 @@ mod limiter;
 mod store;
 #[cfg(feature = "test-support")]
 pub mod test_support;
+mod tls;
 mod url;
 
 pub use limiter::{Checked, FailureCounts, RedisLimiter, RedisTime};

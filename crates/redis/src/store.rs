@@ -1,6 +1,6 @@
 //! The store: connection, key names, script calls, replies and errors.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -11,10 +11,8 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{
     MultipleNodeRoutingInfo, ResponsePolicy, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
 };
-use redis::{AsyncConnectionConfig, ClientTlsConfig, TlsCertificates};
+use redis::{AsyncConnectionConfig, TlsCertificates};
 use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, Script, Value};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 const PRELUDE: &str = include_str!("lua/prelude.lua");
 const FIXED_WINDOW: &str = include_str!("lua/fixed_window.lua");
@@ -113,96 +111,6 @@ impl Default for RedisOptions {
             tls_cert_file: None,
             tls_key_file: None,
         }
-    }
-}
-
-impl RedisOptions {
-    /// The certificates a TLS connection is made with: `None` for the
-    /// client's defaults (the system's roots, no client certificate).
-    /// Errors when a file cannot be read, when a certificate comes without
-    /// its key or the other way round, or when a TLS file is given for a
-    /// URL without TLS (it would be ignored, and the link left plain).
-    fn tls_certificates(&self, tls: bool) -> Result<Option<TlsCertificates>, StoreError> {
-        let invalid = |what: String| StoreError::new(StoreErrorKind::InvalidInput, what);
-        let given = [
-            ("tls_ca_file", &self.tls_ca_file),
-            ("tls_cert_file", &self.tls_cert_file),
-            ("tls_key_file", &self.tls_key_file),
-        ];
-        if !tls {
-            return match given.iter().find(|(_, file)| file.is_some()) {
-                Some((name, _)) => Err(invalid(format!(
-                    "{name} is given, but the URL does not use TLS: write rediss:// (or \
-                     rediss-cluster://) for a TLS connection, or leave {name} out"
-                ))),
-                None => Ok(None),
-            };
-        }
-        let read = |name: &str, path: &Path| {
-            std::fs::read(path).map_err(|e| {
-                invalid(format!(
-                    "{name} {:?} cannot be read: {e}; name a readable PEM file",
-                    path.display()
-                ))
-            })
-        };
-        // What each file must hold, checked here so that a file mixed up
-        // with another is named, not met as a failed handshake.
-        let certificates = |name: &str, path: &Path| {
-            let pem = read(name, path)?;
-            let mut found = CertificateDer::pem_slice_iter(&pem);
-            match found.next() {
-                Some(Ok(_)) if found.all(|c| c.is_ok()) => Ok(pem),
-                _ => Err(invalid(format!(
-                    "{name} {:?} holds no readable PEM certificate (-----BEGIN \
-                     CERTIFICATE-----); name the certificate's file",
-                    path.display()
-                ))),
-            }
-        };
-        let key = |name: &str, path: &Path| {
-            let pem = read(name, path)?;
-            match PrivateKeyDer::from_pem_slice(&pem) {
-                Ok(_) => Ok(pem),
-                Err(_) => Err(invalid(format!(
-                    "{name} {:?} holds no readable PEM private key (-----BEGIN PRIVATE \
-                     KEY-----, or an RSA or EC one); name the key's file",
-                    path.display()
-                ))),
-            }
-        };
-        let client_tls = match (&self.tls_cert_file, &self.tls_key_file) {
-            (Some(cert), Some(key_file)) => Some(ClientTlsConfig {
-                client_cert: certificates("tls_cert_file", cert)?,
-                client_key: key("tls_key_file", key_file)?,
-            }),
-            (None, None) => None,
-            (Some(_), None) => {
-                return Err(invalid(
-                    "tls_cert_file is given without tls_key_file: a client certificate needs \
-                     its private key; give both, or neither"
-                        .to_owned(),
-                ))
-            }
-            (None, Some(_)) => {
-                return Err(invalid(
-                    "tls_key_file is given without tls_cert_file: give the client \
-                     certificate with its key, or neither"
-                        .to_owned(),
-                ))
-            }
-        };
-        let root_cert = match &self.tls_ca_file {
-            Some(ca) => Some(certificates("tls_ca_file", ca)?),
-            None => None,
-        };
-        if client_tls.is_none() && root_cert.is_none() {
-            return Ok(None);
-        }
-        Ok(Some(TlsCertificates {
-            client_tls,
-            root_cert,
-        }))
     }
 }
 
@@ -466,9 +374,10 @@ impl RedisStore {
                 crate::url_form_error(url),
             ));
         }
-        let tls = url.starts_with("rediss://") || url.starts_with("rediss-cluster://");
+        let tls = crate::tls::is_tls_url(url);
         let cluster_url = crate::is_cluster_url(url);
-        let certificates = options.tls_certificates(tls)?;
+        let certificates = crate::tls::certificates(&options, url)?;
+        let ca_file = options.tls_ca_file.is_some();
         if tls {
             // rustls takes its crypto from the process's provider: ring,
             // unless the application installed another first (then that
@@ -549,10 +458,21 @@ impl RedisStore {
                         .await
                         .map_err(|e| {
                             let e = map_error(e);
+                            // Over TLS, seeds that connected but a slot map
+                            // whose nodes could not be: their certificates
+                            // lack the addresses the nodes announce.
+                            let hint = if tls && e.detail().contains("ClusterConnectionNotFound") {
+                                "; over TLS, each node's certificate must hold the address it \
+                                 announces in CLUSTER SLOTS (its IP, unless \
+                                 cluster-preferred-endpoint-type is hostname)"
+                            } else {
+                                ""
+                            };
                             StoreError::new(
                                 e.kind(),
                                 format!(
-                                    "Redis Cluster at {shown} cannot be used: CLUSTER INFO: {e}"
+                                    "Redis Cluster at {shown} cannot be used: CLUSTER INFO: \
+                                     {e}{hint}"
                                 ),
                             )
                         })
@@ -580,6 +500,11 @@ impl RedisStore {
                 if let Some(what) = crate::url::query_error(url, shown) {
                     return Err(StoreError::new(StoreErrorKind::InvalidInput, what));
                 }
+                let form = Form {
+                    cluster: false,
+                    tls,
+                    ca_file,
+                };
                 let client = client_for(url, certificates).map_err(|e| invalid_url(shown, e))?;
                 // One attempt per (re)connection, no backoff: redis-rs
                 // 0.32 waits at least a second (backon's minimum delay,
@@ -598,30 +523,13 @@ impl RedisStore {
                 let address = address_of(&client.get_connection_info().addr);
                 let mut conn = ConnectionManager::new_with_config(client, manager_config)
                     .await
-                    .map_err(|e| {
-                        connect_error(
-                            e,
-                            &address,
-                            Form {
-                                cluster: false,
-                                tls,
-                            },
-                        )
-                    })?;
+                    .map_err(|e| connect_error(e, &address, form))?;
                 // Connecting sends nothing when the URL has no password, so
                 // a Redis that wants one, a cluster node, or a server that
                 // is not Redis would only show at the first decision: ask
                 // now, so that an unusable store stops the caller at start.
                 retry_timeouts!(deadline, node_response_timeout, {
-                    check_node(
-                        &mut conn,
-                        &address,
-                        Form {
-                            cluster: false,
-                            tls,
-                        },
-                    )
-                    .await
+                    check_node(&mut conn, &address, form).await
                 })?;
                 Backend::Node(conn)
             };
@@ -1409,7 +1317,12 @@ const MAX_SLOT_RANGES: usize = 16_384;
 /// taking 6379 silently). `shown`: the URL without its credentials, for
 /// the message.
 fn cluster_nodes(seeds: &str, shown: &str, tls: bool) -> Result<Vec<String>, StoreError> {
-    let (scheme, cluster_scheme) = Form { cluster: true, tls }.schemes();
+    let (scheme, cluster_scheme) = Form {
+        cluster: true,
+        tls,
+        ca_file: false,
+    }
+    .schemes();
     let seeds: Vec<&str> = seeds.split(',').filter(|s| !s.is_empty()).collect();
     let refuse = |what: String| {
         StoreError::new(
@@ -1492,6 +1405,7 @@ async fn cluster_connect_error(
     let form = Form {
         cluster: true,
         tls: nodes.iter().any(|n| n.starts_with("rediss://")),
+        ca_file: certificates.is_some_and(|c| c.root_cert.is_some()),
     };
     let probes = nodes.iter().map(|node| async move {
         let client = client_for(node, certificates).map_err(|e| invalid_url(shown, e))?;
@@ -1550,6 +1464,8 @@ struct Form {
     cluster: bool,
     /// Over TLS.
     tls: bool,
+    /// With a `tls_ca_file` of its own.
+    ca_file: bool,
 }
 
 impl Form {
@@ -1681,7 +1597,11 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
                  use one below the server's `databases` setting (16 by default), such as /0"
             ),
         )
-    } else if let Some(why) = tls_error(&text, address, form) {
+    } else if let Some(why) = form
+        .tls
+        .then(|| crate::tls::handshake_error(&text, address, form.ca_file, form.cluster))
+        .flatten()
+    {
         StoreError::new(StoreErrorKind::InvalidInput, why)
     } else {
         let refused = e.is_connection_refusal();
@@ -1730,45 +1650,6 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
     }
 }
 
-/// What to change when connecting failed in TLS: the server's certificate
-/// not trusted, or not for the URL's host; a client certificate asked for
-/// and not given, or refused. `None` for any other failure. `text`: the
-/// client's error.
-fn tls_error(text: &str, address: &str, form: Form) -> Option<String> {
-    if !form.tls {
-        return None;
-    }
-    let trust = "give the PEM file of the CA that signed it as tls_ca_file (in the \
-                 [redis] table of `ratewarden serve`'s configuration), or name a bundle \
-                 holding it in the environment variable SSL_CERT_FILE";
-    let why = if text.contains("invalid peer certificate: NotValidForName") {
-        format!(
-            "the TLS certificate of Redis at {address} is not for that host ({text}): connect by \
-             a name or address the certificate holds"
-        )
-    } else if text.contains("invalid peer certificate") {
-        format!("the TLS certificate of Redis at {address} is not trusted ({text}): {trust}")
-    } else if text.contains("CertificateRequired") {
-        format!(
-            "Redis at {address} asks for a client certificate (tls-auth-clients): give its PEM \
-             file as tls_cert_file and its key as tls_key_file (in `ratewarden serve`, under \
-             [redis])"
-        )
-    } else if text.contains("received fatal alert: BadCertificate")
-        || text.contains("received fatal alert: UnknownCA")
-        || text.contains("received fatal alert: DecryptError")
-    {
-        format!(
-            "Redis at {address} refused the client certificate ({text}): give one signed by a \
-             CA that its tls-ca-cert-file trusts, as tls_cert_file and tls_key_file"
-        )
-    } else {
-        return None;
-    };
-    Some(why)
-}
-
-/// `shown`: the URL without its credentials.
 /// A one-node client for `url`, with `certificates` when it takes TLS
 /// files of its own.
 fn client_for(url: &str, certificates: Option<&TlsCertificates>) -> RedisResult<redis::Client> {
@@ -1778,6 +1659,7 @@ fn client_for(url: &str, certificates: Option<&TlsCertificates>) -> RedisResult<
     }
 }
 
+/// `shown`: the URL without its credentials.
 fn invalid_url(shown: &str, e: RedisError) -> StoreError {
     StoreError::new(
         StoreErrorKind::InvalidInput,

@@ -55,6 +55,12 @@ impl TestCerts {
     /// Makes the CA and the two certificates.
     #[allow(clippy::new_without_default)]
     pub fn new() -> TestCerts {
+        Self::with_server(&["127.0.0.1", "localhost"], false)
+    }
+
+    /// As [`TestCerts::new`], with a server certificate for `names` only,
+    /// and with `expired` one whose dates ended long ago.
+    pub fn with_server(names: &[&str], expired: bool) -> TestCerts {
         use rcgen::{
             BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
             KeyUsagePurpose,
@@ -76,7 +82,7 @@ impl TestCerts {
             // cluster's bus, a replica's) show it.
             (
                 "server",
-                vec!["127.0.0.1".to_owned(), "localhost".to_owned()],
+                names.iter().map(|n| n.to_string()).collect(),
                 vec![
                     ExtendedKeyUsagePurpose::ServerAuth,
                     ExtendedKeyUsagePurpose::ClientAuth,
@@ -91,6 +97,10 @@ impl TestCerts {
             let key = KeyPair::generate().expect("a key");
             let mut params = CertificateParams::new(names).expect("parameters");
             params.extended_key_usages = usages;
+            if expired && stem == "server" {
+                params.not_before = rcgen::date_time_ymd(2000, 1, 1);
+                params.not_after = rcgen::date_time_ymd(2001, 1, 1);
+            }
             params.distinguished_name.push(DnType::CommonName, stem);
             let cert = params.signed_by(&key, &ca, &ca_key).expect("a certificate");
             write(&format!("{stem}.crt"), cert.pem());

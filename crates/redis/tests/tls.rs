@@ -73,13 +73,39 @@ fn a_server_certificate_the_client_does_not_trust_is_refused_saying_so() {
     let url = server.tls_url().unwrap();
     let other = TestCerts::new();
     // Another CA, and the system's roots: neither signed the server's.
-    for ca in [Some(other.ca_file()), None] {
-        let e = connect(&url, options("untrusted", ca.clone())).unwrap_err();
-        assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{ca:?}: {e}");
-        assert!(e.detail().contains("certificate"), "{e}");
-        assert!(e.detail().contains("tls_ca_file"), "{e}");
-        assert!(e.detail().contains("SSL_CERT_FILE"), "{e}");
-    }
+    let e = connect(&url, options("untrusted", Some(other.ca_file()))).unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(
+        e.detail()
+            .contains("is not signed by the CA in tls_ca_file"),
+        "{e}"
+    );
+    let e = connect(&url, options("untrusted", None)).unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(e.detail().contains("is not trusted"), "{e}");
+    assert!(e.detail().contains("tls_ca_file"), "{e}");
+    assert!(e.detail().contains("SSL_CERT_FILE"), "{e}");
+
+    // A certificate for another host, and one out of its dates, each
+    // said as such (the CA is trusted either way).
+    let elsewhere = TestCerts::with_server(&["redis.example.com"], false);
+    let server = RedisServer::start_tls(&elsewhere, false);
+    let e = connect(
+        &server.tls_url().unwrap(),
+        options("name", Some(elsewhere.ca_file())),
+    )
+    .unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(e.detail().contains("is not for that host"), "{e}");
+    let expired = TestCerts::with_server(&["127.0.0.1"], true);
+    let server = RedisServer::start_tls(&expired, false);
+    let e = connect(
+        &server.tls_url().unwrap(),
+        options("dates", Some(expired.ca_file())),
+    )
+    .unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(e.detail().contains("out of its dates"), "{e}");
 }
 
 #[test]
@@ -111,7 +137,7 @@ fn a_client_certificate_is_shown_when_redis_asks_for_one() {
         ..options("client-cert", Some(certs.ca_file()))
     };
     let e = connect(&url, foreign).unwrap_err();
-    assert!(e.detail().contains("certificate"), "{e}");
+    assert!(e.detail().contains("refused the client certificate"), "{e}");
 }
 
 #[test]
@@ -145,6 +171,7 @@ fn tls_files_that_cannot_be_used_are_refused_before_connecting() {
         || Some(certs.client_key_file()),
     );
     let missing = Some(certs.ca_file().with_file_name("missing.crt"));
+    let stranger = TestCerts::new();
     // (URL, options, words the refusal holds)
     let cases = [
         // TLS files for a plain URL would be ignored, the link left plain.
@@ -185,6 +212,12 @@ fn tls_files_that_cannot_be_used_are_refused_before_connecting() {
             tls_url.clone(),
             files(ca(), cert(), cert()),
             ["tls_key_file", "private key"],
+        ),
+        // Another certificate's key.
+        (
+            tls_url.clone(),
+            files(ca(), cert(), Some(stranger.client_key_file())),
+            ["is not the private key of the certificate", "client.crt"],
         ),
     ];
     for (url, options, words) in cases {
@@ -231,7 +264,10 @@ fn a_cluster_over_tls_decides_on_every_master() {
     let other = TestCerts::new();
     let e = connect(&url, options("tls-cluster", Some(other.ca_file()))).unwrap_err();
     assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
-    assert!(e.detail().contains("not trusted"), "{e}");
+    assert!(
+        e.detail().contains("not signed by the CA in tls_ca_file"),
+        "{e}"
+    );
     // The plain cluster URL on the TLS ports says which form to use.
     let plain = url.replacen("rediss-cluster://", "redis-cluster://", 1);
     let e = connect(&plain, options("tls-cluster", None)).unwrap_err();

@@ -454,7 +454,17 @@ fn missing_field(message: &str) -> Option<&str> {
 /// `domains[0].descriptors[1].key`.
 fn missing_field_path(text: &str, offset: usize, name: &str) -> String {
     let offset = offset.min(text.len());
+    let line_start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
     let line_end = text[offset..].find('\n').map_or(text.len(), |i| offset + i);
+    // An inline table (`descriptors = [{ ... }]`) lacks it, not the table
+    // whose header is above: the setting holding it is named, without an
+    // index the parser does not give.
+    if !text[line_start..].trim_start().starts_with('[') {
+        let holder = field_at(text, offset);
+        if !holder.is_empty() {
+            return format!("{holder}[...].{name}");
+        }
+    }
     match table_at(&text[..line_end]) {
         Some(t) if !t.is_empty() => format!("{t}.{name}"),
         _ => name.to_owned(),
@@ -1457,6 +1467,14 @@ shadow = true
         .unwrap_err();
         assert_eq!(e.field, "domains[1].domain", "{e}");
         assert!(e.message.contains("add domain = \"NAME\""), "{e}");
+        // In an inline table, the setting that holds it is named.
+        let e = Config::parse(
+            "[[domains]]\ndomain = \"a\"\ndescriptors = [{ value = \"x\", limit = 1, \
+             window_ms = 10 }]\n",
+            "t.toml",
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "domains[0].descriptors[...].key", "{e}");
     }
 
     #[test]

@@ -168,8 +168,8 @@ impl Service {
                 let changed = self.settings.changed(&config.server).join(", ");
                 config.server = self.settings.clone();
                 tracing::warn!(
-                    "the [server] settings changed ({changed}); they take effect at the next \
-                     start, not on reload"
+                    "the [server] or [redis] settings changed ({changed}); they take effect at \
+                     the next start, not on reload"
                 );
             }
             let current = self.rules.load_full();
