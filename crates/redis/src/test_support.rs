@@ -214,6 +214,13 @@ impl RedisServer {
                 return server;
             }
         }
+        if tls {
+            panic!(
+                "redis-server could not start with TLS on a free port in 5 tries: is it built \
+                 with TLS? (Debian's and Ubuntu's are; `redis-server --tls-port 1` says \
+                 whether this one is)"
+            );
+        }
         panic!("redis-server could not start on a free port in 5 tries");
     }
 
