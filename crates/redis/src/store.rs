@@ -377,7 +377,11 @@ impl RedisStore {
         let tls = crate::tls::is_tls_url(url);
         let cluster_url = crate::is_cluster_url(url);
         let certificates = crate::tls::certificates(&options, url)?;
-        let ca_file = options.tls_ca_file.is_some();
+        let form = Form {
+            cluster: cluster_url,
+            tls,
+            ca_file: options.tls_ca_file.is_some(),
+        };
         if tls {
             // rustls takes its crypto from the process's provider: ring,
             // unless the application installed another first (then that
@@ -410,11 +414,7 @@ impl RedisStore {
                         StoreErrorKind::InvalidInput,
                         format!(
                             "{shown:?} names no node; write {}://HOST:PORT[,HOST:PORT...]",
-                            if tls {
-                                "rediss-cluster"
-                            } else {
-                                "redis-cluster"
-                            }
+                            form.schemes().1
                         ),
                     ));
                 }
@@ -441,6 +441,7 @@ impl RedisStore {
                             e,
                             &nodes,
                             certificates,
+                            form,
                             shown,
                             node_connect_timeout,
                         )
@@ -500,11 +501,6 @@ impl RedisStore {
                 if let Some(what) = crate::url::query_error(url, shown) {
                     return Err(StoreError::new(StoreErrorKind::InvalidInput, what));
                 }
-                let form = Form {
-                    cluster: false,
-                    tls,
-                    ca_file,
-                };
                 let client = client_for(url, certificates).map_err(|e| invalid_url(shown, e))?;
                 // One attempt per (re)connection, no backoff: redis-rs
                 // 0.32 waits at least a second (backon's minimum delay,
@@ -551,11 +547,17 @@ impl RedisStore {
         // runs out, here or in the connection's own timeout, whichever
         // comes first, and either says so.
         let plain_hint = if !tls {
-            ""
-        } else if cluster_url {
-            "; if these ports take plain connections, not TLS, use redis-cluster://"
+            String::new()
         } else {
-            "; if this port takes plain connections, not TLS, use redis://"
+            let ports = if cluster_url {
+                "these ports take"
+            } else {
+                "this port takes"
+            };
+            format!(
+                "; if {ports} plain connections, not TLS, use {}://",
+                form.other_scheme()
+            )
         };
         tokio::time::timeout(connect_timeout, connecting)
             .await
@@ -1317,12 +1319,7 @@ const MAX_SLOT_RANGES: usize = 16_384;
 /// taking 6379 silently). `shown`: the URL without its credentials, for
 /// the message.
 fn cluster_nodes(seeds: &str, shown: &str, tls: bool) -> Result<Vec<String>, StoreError> {
-    let (scheme, cluster_scheme) = Form {
-        cluster: true,
-        tls,
-        ca_file: false,
-    }
-    .schemes();
+    let (scheme, cluster_scheme) = schemes(tls);
     let seeds: Vec<&str> = seeds.split(',').filter(|s| !s.is_empty()).collect();
     let refuse = |what: String| {
         StoreError::new(
@@ -1393,20 +1390,16 @@ fn cluster_nodes(seeds: &str, shown: &str, tls: bool) -> Result<Vec<String>, Sto
 /// timeout (something answered, so it is not a Redis to start).
 ///
 /// `nodes`: the seeds' `redis://` (or `rediss://`) URLs, with the TLS
-/// `certificates` they are connected with; `shown`: the cluster URL
-/// without its credentials.
+/// `certificates` they are connected with; `form`: the cluster URL's;
+/// `shown`: the cluster URL without its credentials.
 async fn cluster_connect_error(
     e: RedisError,
     nodes: &[String],
     certificates: Option<&TlsCertificates>,
+    form: Form,
     shown: &str,
     node_timeout: Duration,
 ) -> StoreError {
-    let form = Form {
-        cluster: true,
-        tls: nodes.iter().any(|n| n.starts_with("rediss://")),
-        ca_file: certificates.is_some_and(|c| c.root_cert.is_some()),
-    };
     let probes = nodes.iter().map(|node| async move {
         let client = client_for(node, certificates).map_err(|e| invalid_url(shown, e))?;
         let address = address_of(&client.get_connection_info().addr);
@@ -1469,13 +1462,29 @@ struct Form {
 }
 
 impl Form {
-    /// The scheme of a node's own URL and of a cluster's.
+    /// The scheme of a node's own URL and of a cluster's, in this form.
     fn schemes(self) -> (&'static str, &'static str) {
-        if self.tls {
-            ("rediss", "rediss-cluster")
+        schemes(self.tls)
+    }
+
+    /// The scheme of this form's URL with TLS the other way round: what to
+    /// write when TLS and plain ports were mixed up.
+    fn other_scheme(self) -> &'static str {
+        let (node, cluster) = schemes(!self.tls);
+        if self.cluster {
+            cluster
         } else {
-            ("redis", "redis-cluster")
+            node
         }
+    }
+}
+
+/// The scheme of a node's own URL and of a cluster's, over TLS or not.
+fn schemes(tls: bool) -> (&'static str, &'static str) {
+    if tls {
+        ("rediss", "rediss-cluster")
+    } else {
+        ("redis", "redis-cluster")
     }
 }
 
@@ -1624,16 +1633,7 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
         // A TLS handshake sent to a plain port gets no answer (Redis
         // waits for the rest of what it takes for a command), and a plain
         // command sent to a TLS port has the connection closed.
-        let (node_scheme, cluster_scheme) = Form {
-            tls: !form.tls,
-            ..form
-        }
-        .schemes();
-        let other = if form.cluster {
-            cluster_scheme
-        } else {
-            node_scheme
-        };
+        let other = form.other_scheme();
         let hint = match (form.tls, e.kind()) {
             (true, StoreErrorKind::Timeout) => {
                 format!("; if this port takes plain connections, not TLS, use {other}://")

@@ -224,9 +224,9 @@ pub(crate) fn handshake_error(
             "{certificate} is not for that host ({text}): connect by a name or address the \
              certificate holds{announced}"
         )
-    } else if text.contains("xpired")
-        || text.contains("NotValidYet")
-        || text.contains("not valid yet")
+    } else if ["Expired", "expired", "NotValidYet", "not valid yet"]
+        .iter()
+        .any(|w| text.contains(w))
     {
         format!(
             "{certificate} is out of its dates ({text}): renew it on Redis's side, or check \
