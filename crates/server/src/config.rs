@@ -354,9 +354,15 @@ impl Config {
                     None => field_at(text, span.start),
                 })
                 .unwrap_or_default();
-            let mut message = match missing {
-                Some(name) => missing_field_advice(name),
-                None => plain_message(e.message().trim()),
+            // A table header the parser calls a duplicate key names no
+            // field: say which header it repeats or contradicts, and where.
+            let header = (e.message().trim() == "duplicate key")
+                .then(|| e.span().and_then(|s| duplicate_header(text, s.start)))
+                .flatten();
+            let (field, mut message) = match (header, missing) {
+                (Some((table, advice)), _) => (table, advice),
+                (None, Some(name)) => (field, missing_field_advice(name)),
+                (None, None) => (field, plain_message(e.message().trim())),
             };
             if looks_like_yaml(text) {
                 message.push_str(
@@ -440,6 +446,66 @@ fn plain_message(message: &str) -> String {
             .to_owned();
     }
     message
+}
+
+/// The table and the advice for a header at `offset` that the parser
+/// refuses as a duplicate key, when an earlier header explains it: the
+/// same `[table]` opened twice, a table opened both as `[name]` and as
+/// `[[name]]`, or a `[[name.sub]]` element written before any `[[name]]`
+/// (which makes `name` a table, not a list). `None` when it is none of
+/// these, for the parser's own message.
+fn duplicate_header(text: &str, offset: usize) -> Option<(String, String)> {
+    let offset = offset.min(text.len());
+    let line_start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let (name, list) = header(text[line_start..].lines().next()?)?;
+    // The 1-based line of the first earlier header that `found` accepts.
+    let earlier = |found: &dyn Fn(&str, bool) -> bool| {
+        text[..line_start]
+            .lines()
+            .enumerate()
+            .find_map(|(i, line)| header(line).filter(|&(n, l)| found(n, l)).map(|_| i + 1))
+    };
+    let nested = format!("{name}.");
+    let advice = if let Some(at) = earlier(&|n, l| n == name && !l) {
+        if list {
+            format!(
+                "[[{name}]] is a list of tables, but line {at} opens it as one table, \
+                 [{name}]; write [[{name}]] there too"
+            )
+        } else {
+            format!(
+                "[{name}] is written twice (also at line {at}); merge the two into one \
+                 [{name}] table"
+            )
+        }
+    } else if let Some(at) = earlier(&|n, l| n == name && l) {
+        format!(
+            "line {at} makes {name} a list of tables, [[{name}]]; write [[{name}]] here \
+             too, for one more element"
+        )
+    } else if let Some(at) = list
+        .then(|| earlier(&|n, _| n.starts_with(&nested)))
+        .flatten()
+    {
+        let child = header(text.lines().nth(at - 1)?)?.0;
+        format!(
+            "line {at}, [[{child}]], comes before any [[{name}]], which makes {name} one \
+             table rather than a list; move it below the [[{name}]] it belongs to"
+        )
+    } else {
+        return None;
+    };
+    Some((name.to_owned(), advice))
+}
+
+/// The table a header line opens, and whether it is an element of a list
+/// of tables (`[[name]]`) rather than a table (`[name]`).
+fn header(line: &str) -> Option<(&str, bool)> {
+    let line = line.trim();
+    if let Some(rest) = line.strip_prefix("[[") {
+        return Some((rest.split_once("]]")?.0.trim(), true));
+    }
+    Some((line.strip_prefix('[')?.split_once(']')?.0.trim(), false))
 }
 
 /// The field a table lacks, from the parser's "missing field `NAME`".
@@ -1241,9 +1307,46 @@ shadow = true
 
         let e = parse_err("[keys]\nlimit = 5\nwindow_ms = 0\n");
         assert_eq!((e.line, e.field.as_str()), (Some(3), "keys.window_ms"));
-        let e = parse_err("[keys]\nlimit = 5\nwindow_ms = 10\n[keys]\nlimit = 6\n");
-        assert_eq!(e.line, Some(4), "{e}");
-        assert!(e.message.contains("written twice"), "{e}");
+        // A header repeated or contradicted names its table and the line
+        // that explains it.
+        for (text, line, advice) in [
+            (
+                "[keys]\nlimit = 5\nwindow_ms = 10\n[keys]\nlimit = 6\n",
+                4,
+                "[keys] is written twice (also at line 1); merge the two into one [keys] table",
+            ),
+            (
+                "[[domains.descriptors]]\nkey = \"k\"\nlimit = 1\n[[domains]]\ndomain = \"d\"\n",
+                4,
+                "line 1, [[domains.descriptors]], comes before any [[domains]], which makes \
+                 domains one table rather than a list; move it below the [[domains]] it belongs to",
+            ),
+            (
+                "[domains]\ndomain = \"d\"\n[[domains]]\ndomain = \"e\"\n",
+                3,
+                "[[domains]] is a list of tables, but line 1 opens it as one table, [domains]; \
+                 write [[domains]] there too",
+            ),
+            (
+                "[[domains]]\ndomain = \"d\"\n[domains]\ndomain = \"e\"\n",
+                3,
+                "line 1 makes domains a list of tables, [[domains]]; write [[domains]] here too, \
+                 for one more element",
+            ),
+        ] {
+            let e = parse_err(text);
+            assert_eq!(e.line, Some(line), "{e}");
+            let table = if text.contains("keys") {
+                "keys"
+            } else {
+                "domains"
+            };
+            assert_eq!(
+                (e.field.as_str(), e.message.as_str()),
+                (table, advice),
+                "{text}"
+            );
+        }
         let e = parse_err("[keys]\nlimit = 5\nlimit = 6\nwindow_ms = 10\n");
         assert_eq!((e.line, e.field.as_str()), (Some(3), "keys.limit"), "{e}");
         assert!(e.message.contains("written twice"), "{e}");
