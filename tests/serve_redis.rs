@@ -485,6 +485,50 @@ async fn descriptors_on_redis_cluster_admit_exactly_the_limit() {
     assert_eq!(body["remaining"], 69, "{body}");
 }
 
+/// Every rule's store shares one connection to Redis: fifty rules hold
+/// two connections between them, the rules' and the readiness probe's,
+/// and still keep their counts apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_share_one_connection_to_redis() {
+    let redis = RedisServer::start();
+    let mut config =
+        String::from("[server]\nstore_timeout_ms = 5000\n\n[[domains]]\ndomain = \"d\"\n");
+    for i in 0..50 {
+        config.push_str(&format!(
+            "\n[[domains.descriptors]]\nkey = \"k{i}\"\nlimit = {}\nwindow_ms = 3600000\n",
+            2 + i % 2
+        ));
+    }
+    let serve = Serve::start(&redis.url(), &config);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let descriptors: Vec<Value> = (0..50)
+        .map(|i| json!({"entries": [{"key": format!("k{i}"), "value": "v"}]}))
+        .collect();
+    let body = json!({"domain": "d", "descriptors": descriptors});
+    // The rules with a limit of 2 refuse the third request; one refusal
+    // refuses it all, and takes nothing from the others.
+    for want in [200, 200, 429] {
+        let r = client.post(serve.url()).json(&body).send().await.unwrap();
+        let status = r.status().as_u16();
+        let reply: Value = r.json().await.unwrap();
+        assert_eq!(status, want, "{reply}");
+        assert!(reply.get("failure_policy").is_none(), "{reply}");
+    }
+    let odd = json!({"domain": "d", "descriptors": [{"entries": [{"key": "k1", "value": "v"}]}]});
+    let r = client.post(serve.url()).json(&odd).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200, "k1's limit is 3");
+    assert_eq!(readyz(&client, &serve).await, (200, "ready\n".to_owned()));
+    let list = redis.cli(&["CLIENT", "LIST", "TYPE", "normal"]);
+    let connections = list
+        .lines()
+        .filter(|line| line.starts_with("id=") && !line.contains("cmd=client|list"))
+        .count();
+    assert_eq!(connections, 2, "{list}");
+}
+
 /// Runs `ratewarden serve --store STORE` expecting it to stop at start;
 /// returns its exit status and standard error. Bounded: a server that
 /// starts anyway is killed after 20 s and the test fails.

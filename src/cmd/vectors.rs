@@ -59,46 +59,46 @@ impl CaseRunner for MemoryRunner {
 }
 
 /// Runs cases on Redis, each under a fresh prefix, with the vectors' own
-/// times passed to the scripts.
+/// times passed to the scripts, every case's store on one connection.
 struct RedisRunner {
-    url: String,
+    /// Connected with [`redis_options`]; each case's store is made from
+    /// it with the case's configuration and prefix.
+    shared: ratewarden_redis::RedisStore,
     runtime: tokio::runtime::Runtime,
     /// Unique per run: the process id and the start time.
     run_id: String,
     cases_run: u64,
 }
 
+/// The options of every case's store.
+fn redis_options() -> ratewarden_redis::RedisOptions {
+    ratewarden_redis::RedisOptions {
+        // Generous: conformance is checked here, not latency, and a busy
+        // machine must not fail a case.
+        timeout_ms: 10_000,
+        connect_timeout_ms: 10_000,
+        // The vectors' times are not Redis's, so a TTL computed from them
+        // means nothing on Redis's clock. Every key lives exactly as long
+        // as the grace after its last write, at most 1 ms more (max_ttl_ms
+        // caps what the vectors' times give; 1 is its least): an hour in
+        // all, as documented. No key of a case expires while the case runs
+        // (its steps take milliseconds of real time, each write sets at
+        // least the grace again), so the cap changes no decision, and a run
+        // leaves nothing on a shared Redis for longer than an hour.
+        ttl_grace_ms: 3_600_000 - 1,
+        max_ttl_ms: 1,
+        // Over TLS, the system's roots or the bundle SSL_CERT_FILE names:
+        // the command has no flags for certificate files.
+        ..ratewarden_redis::RedisOptions::default()
+    }
+}
+
 impl CaseRunner for RedisRunner {
     fn run(&mut self, case: &Case) -> CaseOutcome {
         self.cases_run += 1;
-        let options = ratewarden_redis::RedisOptions {
-            prefix: format!("ratewarden-vectors:{}:{}", self.run_id, self.cases_run),
-            // Generous: conformance is checked here, not latency, and a
-            // run connects once a case, so one slow connect on a busy
-            // machine would fail a case.
-            timeout_ms: 10_000,
-            connect_timeout_ms: 10_000,
-            // The vectors' times are not Redis's, so a TTL computed from
-            // them means nothing on Redis's clock. Every key lives exactly
-            // as long as the grace after its last write, at most 1 ms more
-            // (max_ttl_ms caps what the vectors' times give; 1 is its
-            // least): an hour in all, as documented. No key of a case
-            // expires while the case runs (its steps take milliseconds of
-            // real time, each write sets at least the grace again), so the
-            // cap changes no decision, and a run leaves nothing on a shared
-            // Redis for longer than an hour.
-            ttl_grace_ms: 3_600_000 - 1,
-            max_ttl_ms: 1,
-            // Over TLS, the system's roots or the bundle SSL_CERT_FILE
-            // names: the command has no flags for certificate files.
-            ..ratewarden_redis::RedisOptions::default()
-        };
+        let prefix = format!("ratewarden-vectors:{}:{}", self.run_id, self.cases_run);
         let rt = &self.runtime;
-        match rt.block_on(ratewarden_redis::RedisStore::connect(
-            &self.url,
-            case.config,
-            options,
-        )) {
+        match rt.block_on(self.shared.with_config(case.config, prefix)) {
             Ok(store) => vectors::run_case(case, |key, now_ms, cost| {
                 rt.block_on(store.decide(key, Some(now_ms), cost))
             }),
@@ -127,32 +127,33 @@ pub fn run(args: Args) -> ExitCode {
                 .map_or(0, |d| d.as_nanos());
             let run_id = format!("{}-{started}", std::process::id());
             // An unreachable store is a store that cannot be used (exit 2),
-            // not a failure of every case.
-            let probe = ratewarden_redis::RedisOptions {
-                timeout_ms: 10_000,
-                connect_timeout_ms: 10_000,
-                ..Default::default()
-            };
-            if let Err(e) = runtime.block_on(ratewarden_redis::RedisStore::connect(
+            // not a failure of every case. The connection made here is the
+            // one every case uses.
+            let connected = runtime.block_on(ratewarden_redis::RedisStore::connect(
                 &url,
                 ratewarden_core::REFERENCE,
-                probe,
-            )) {
-                let url = ratewarden_redis::redact_url(&url);
-                if e.is_connection_dropped() {
-                    // The detail names the address already; say what to
-                    // change rather than the error's kind again.
-                    eprintln!(
-                        "{url}: {}; start redis-server there or change --store to where it runs",
-                        e.detail()
-                    );
-                } else {
-                    eprintln!("{url}: {e}");
+                redis_options(),
+            ));
+            let shared = match connected {
+                Ok(store) => store,
+                Err(e) => {
+                    let url = ratewarden_redis::redact_url(&url);
+                    if e.is_connection_dropped() {
+                        // The detail names the address already; say what to
+                        // change rather than the error's kind again.
+                        eprintln!(
+                            "{url}: {}; start redis-server there or change --store to where \
+                             it runs",
+                            e.detail()
+                        );
+                    } else {
+                        eprintln!("{url}: {e}");
+                    }
+                    return ExitCode::from(2);
                 }
-                return ExitCode::from(2);
-            }
+            };
             Box::new(RedisRunner {
-                url,
+                shared,
                 runtime,
                 run_id,
                 cases_run: 0,

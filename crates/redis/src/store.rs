@@ -141,6 +141,18 @@ pub fn escape_key_part(part: &str) -> String {
     out
 }
 
+/// How long one try of a node's check or call may take, for a store call
+/// timeout of `response_timeout`.
+///
+/// redis-rs re-sends a request whose cluster node connection timed out,
+/// unless the caller has stopped waiting: its response timeout is longer
+/// than the store's, so the store's always ends a call first and a
+/// timed-out call is never sent again (it may have been applied). Also the
+/// longest one try of a connect check can take.
+fn node_response_timeout(response_timeout: Duration) -> Duration {
+    response_timeout + (response_timeout / 2).max(Duration::from_millis(50))
+}
+
 /// One call's handle on the connection: cheap to clone.
 #[derive(Clone)]
 enum Conn {
@@ -148,7 +160,9 @@ enum Conn {
     Cluster(ClusterConnection),
 }
 
-/// The store's connection.
+/// The store's connection, shared by the stores made from it with
+/// [`RedisStore::with_config`].
+#[derive(Clone)]
 enum Backend {
     Node(ConnectionManager),
     Cluster(Arc<Cluster>),
@@ -396,13 +410,7 @@ impl RedisStore {
         let connect_timeout = Duration::from_millis(connect_timeout_ms);
         let response_timeout = Duration::from_millis(options.timeout_ms);
         let deadline = tokio::time::Instant::now() + connect_timeout;
-        // redis-rs re-sends a request whose cluster node connection timed
-        // out, unless the caller has stopped waiting: its response timeout
-        // is longer than the store's, so the store's always ends a call
-        // first and a timed-out call is never sent again (it may have been
-        // applied). Also the longest one try of a check below can take.
-        let node_response_timeout =
-            response_timeout + (response_timeout / 2).max(Duration::from_millis(50));
+        let node_response_timeout = node_response_timeout(response_timeout);
         let connecting = async move {
             let cluster_seeds = url
                 .strip_prefix("redis-cluster://")
@@ -567,6 +575,79 @@ impl RedisStore {
                     format!("no connection to {shown} within {connect_timeout_ms} ms{plain_hint}"),
                 )
             })?
+    }
+
+    /// A store on this store's connection, deciding by `config`, every key
+    /// name starting with `prefix`: what [`RedisStore::connect`] with the
+    /// same URL and options would give, but for those two, without a
+    /// connection of its own.
+    ///
+    /// Many limiters on one Redis (one per rule of a service, say) then
+    /// share one connection, multiplexed, instead of holding one each, and
+    /// reconnect together; their calls, and on a cluster its
+    /// [replacement connection](RedisStore::ping), are the same as with
+    /// connections of their own. Keys stay apart as with separate stores:
+    /// the prefix and the configuration are part of every key name.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), ratewarden_core::StoreError> {
+    /// use ratewarden_core::{PolicyConfig, PolicyKind, REFERENCE};
+    /// use ratewarden_redis::{RedisOptions, RedisStore};
+    /// let logins = RedisStore::connect("redis://127.0.0.1:6379", REFERENCE, RedisOptions::default()).await?;
+    /// let uploads = logins
+    ///     .with_config(PolicyConfig::new(PolicyKind::TokenBucket, 10, 60_000), "uploads")
+    ///     .await?;
+    /// assert!(uploads.key_name(7).starts_with("uploads:"));
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Errors: an invalid configuration ([`StoreErrorKind::InvalidInput`]);
+    /// the policy's script not loaded (on every master of a cluster)
+    /// within `connect_timeout_ms`, as when connecting: Redis out of reach
+    /// ([`StoreErrorKind::ConnectionDropped`]), refusing it
+    /// ([`StoreErrorKind::Backend`]), or not answering
+    /// ([`StoreErrorKind::Timeout`]).
+    pub async fn with_config(
+        &self,
+        config: PolicyConfig,
+        prefix: impl Into<String>,
+    ) -> Result<RedisStore, StoreError> {
+        config
+            .build()
+            .map_err(|e| StoreError::new(StoreErrorKind::InvalidInput, e.to_string()))?;
+        let options = RedisOptions {
+            prefix: prefix.into(),
+            ..self.inner.options.clone()
+        };
+        let connect_timeout_ms = options.connect_timeout_ms;
+        let per_try = node_response_timeout(Duration::from_millis(options.timeout_ms));
+        let store = Self::with_connection(
+            self.inner.backend.clone(),
+            self.inner.url.clone(),
+            config,
+            options,
+        );
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(connect_timeout_ms);
+        let loading = async {
+            retry_timeouts!(deadline, per_try, {
+                store.load_script(&mut store.conn()).await
+            })
+        };
+        let shown = store.url();
+        match tokio::time::timeout_at(deadline, loading).await {
+            Ok(Ok(())) => Ok(store),
+            Ok(Err(e)) => Err(StoreError::new(
+                e.kind(),
+                format!("Redis at {shown} cannot load the policy's script: {e}"),
+            )),
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                format!(
+                    "Redis at {shown} did not load the policy's script within \
+                     {connect_timeout_ms} ms"
+                ),
+            )),
+        }
     }
 
     fn with_connection(

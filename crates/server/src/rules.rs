@@ -347,7 +347,8 @@ impl RuleSet {
 
 /// The most distinct override configurations (base rule, limit, window) one
 /// [`RuleSet`] holds limiters for at once. Clients choose overrides, and
-/// each configuration is a limiter of its own (on Redis, a connection), so
+/// each configuration is a limiter of its own (on Redis, a script load and
+/// a store on the shared connection; in memory, a table), so
 /// their number is bounded. A new override past the bound takes the place
 /// of the least recently used one that has gone unused for
 /// [`OVERRIDE_MIN_IDLE_MS`], holds no count and serves no request, which
@@ -375,8 +376,9 @@ pub enum OverrideMatch {
 }
 
 /// How long an override must have gone unused before a new one may take
-/// its place: on Redis each override is a connection, and without this
-/// more than [`MAX_OVERRIDES`] overrides in turn would open one a request.
+/// its place: on Redis each override made is a script load, and without
+/// this more than [`MAX_OVERRIDES`] overrides in turn would load one a
+/// request.
 pub const OVERRIDE_MIN_IDLE_MS: u64 = 10_000;
 
 /// The limiters of the overrides a [`RuleSet`] has seen, by override

@@ -78,20 +78,26 @@ impl StoreFactory for MemoryFactory {
     }
 }
 
-/// Redis (one node, or a cluster): one connection and one Lua script per
-/// rule. Decisions read Redis `TIME`, so every server process on one Redis
-/// shares one clock. Its description and `Debug` show the URL without its
-/// credentials. Clones share the connection [`StoreFactory::probe`] uses.
+/// Redis (one node, or a cluster): one Lua script and one key space per
+/// rule, every rule's store on one shared connection. Decisions read Redis
+/// `TIME`, so every server process on one Redis shares one clock. Its
+/// description and `Debug` show the URL without its credentials. Clones
+/// share the rules' connection and the one [`StoreFactory::probe`] uses.
 #[derive(Clone)]
 pub struct RedisFactory {
     url: String,
     timeout_ms: u64,
     key_prefix: String,
     tls: crate::RedisTlsFiles,
+    /// The connection every rule's store shares (multiplexed), made by the
+    /// first rule built, and by each later one until it is made: a rule
+    /// (or a gRPC override) then costs a script load, not a connection,
+    /// and thousands of rules need no thousands of connections.
+    rules: Arc<tokio::sync::OnceCell<ratewarden_redis::RedisStore>>,
     /// The connection [`StoreFactory::probe`] pings on, its own so that a
     /// probe never waits behind decisions: made at the first probe, and at
     /// each later one until it is made. The fields above are private so
-    /// that it always belongs to `url`.
+    /// that both connections always belong to `url`.
     probe: Arc<tokio::sync::OnceCell<ratewarden_redis::RedisStore>>,
 }
 
@@ -114,6 +120,7 @@ impl RedisFactory {
             timeout_ms,
             key_prefix,
             tls,
+            rules: Arc::default(),
             probe: Arc::default(),
         }
     }
@@ -189,17 +196,28 @@ impl StoreFactory for RedisFactory {
         config: &'a PolicyConfig,
     ) -> BoxFuture<'a, anyhow::Result<BuiltLimiter>> {
         Box::pin(async move {
-            let options = ratewarden_redis::RedisOptions {
-                // Each rule gets its own key space: its identity, hashed to
-                // keep key names short, is part of every key name.
-                prefix: format!(
-                    "{}:{:016x}",
-                    self.key_prefix,
-                    ratewarden_core::xxh3_64(rule_id)
-                ),
-                ..self.options()
-            };
-            let store = ratewarden_redis::RedisStore::connect(&self.url, *config, options)
+            let shared = self
+                .rules
+                .get_or_try_init(|| {
+                    // Its own configuration and prefix are never used: it
+                    // only holds the connection the rules' stores share.
+                    ratewarden_redis::RedisStore::connect(
+                        &self.url,
+                        ratewarden_core::REFERENCE,
+                        self.options(),
+                    )
+                })
+                .await
+                .map_err(unreachable_hint)?;
+            // Each rule gets its own key space: its identity, hashed to
+            // keep key names short, is part of every key name.
+            let prefix = format!(
+                "{}:{:016x}",
+                self.key_prefix,
+                ratewarden_core::xxh3_64(rule_id)
+            );
+            let store = shared
+                .with_config(*config, prefix)
                 .await
                 .map_err(unreachable_hint)?;
             Ok(BuiltLimiter {

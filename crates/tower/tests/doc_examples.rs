@@ -301,9 +301,15 @@ let decisions = store.decide_many(&[(1, 1), (2, 1), (1, 3)], None).await?;
 // on a cluster, every slot's master asked): for readiness checks.
 store.ping().await?;
 
+// Another limit on the same connection (one per limit would mean a
+// connection each), its keys under a prefix of its own:
+let uploads = store
+    .with_config(PolicyConfig::new(PolicyKind::TokenBucket, 10, 60_000), "uploads")
+    .await?;
+
 // Behind the core's Limiter trait, with a failure policy:
 let limiter = RedisLimiter::new(store, RedisTime::Server, FailurePolicy::Local, Default::default())?;
 let decision = limiter.check(42, 1).await?;
-    drop((decision, decisions));
+    drop((decision, decisions, uploads));
     Ok(())
 }
