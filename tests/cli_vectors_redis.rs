@@ -21,6 +21,9 @@ fn vectors_with(store: &str, env: &[(&str, &Path)]) -> Output {
             store,
             root.join("vectors").to_str().unwrap(),
         ])
+        // The machine's own bundle settings would stand beside the test's.
+        .env_remove("SSL_CERT_FILE")
+        .env_remove("SSL_CERT_DIR")
         .envs(env.iter().copied())
         .output()
         .unwrap()
@@ -131,7 +134,18 @@ fn the_documented_url_forms_are_taken_tls_with_ssl_cert_file() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("not trusted"), "{stderr}");
-    assert!(stderr.contains("SSL_CERT_FILE"), "{stderr}");
+    // The variable is named as set, not advised as if it were not.
+    let set = format!("no CA certificate in SSL_CERT_FILE={:?}", other.ca_file());
+    assert!(stderr.contains(&set), "{stderr}");
+    // A bundle of no PEM certificate (empty here; DER is the same) could
+    // trust no server: refused, naming it.
+    let empty = certs.ca_file().with_file_name("empty.pem");
+    std::fs::write(&empty, "").unwrap();
+    let out = vectors_with(&url, &[("SSL_CERT_FILE", &empty)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let named = format!("SSL_CERT_FILE={:?} holds no PEM certificate", empty);
+    assert!(stderr.contains(&named), "{stderr}");
     // A bundle that cannot be read fails every TLS connection: said so,
     // naming the variable, not as a dropped connection.
     let missing = certs.ca_file().with_file_name("missing.pem");

@@ -85,8 +85,10 @@ pub struct RedisOptions {
     pub max_ttl_ms: u64,
     /// TLS only (`rediss://`, `rediss-cluster://`): a PEM file of the
     /// certificate authorities trusted to sign the server's certificate,
-    /// in place of the system's. `None` trusts the system's roots, or the
-    /// PEM bundle that the environment variable `SSL_CERT_FILE` names.
+    /// in place of the system's (which are still loaded, and must load).
+    /// `None` trusts the system's roots, or the PEM bundle and folder that
+    /// the environment variables `SSL_CERT_FILE` and `SSL_CERT_DIR` name.
+    /// A relative path is taken from the working directory.
     pub tls_ca_file: Option<PathBuf>,
     /// TLS only: a PEM file of this client's certificate chain, for a Redis
     /// that asks clients for one (`tls-auth-clients yes`, Redis's default
@@ -782,9 +784,24 @@ impl RedisStore {
         match e.kind() {
             StoreErrorKind::Timeout => self.timed_out(),
             // Named, since the connection's own words ("Reconnecting
-            // failed: Connection refused") do not say which Redis.
+            // failed: Connection refused") do not say which Redis; a
+            // reconnection refused in TLS (certificates replaced on either
+            // side) is said as when connecting, with what to change.
             StoreErrorKind::ConnectionDropped | StoreErrorKind::Backend => {
-                StoreError::new(e.kind(), format!("Redis at {}: {}", self.url(), e.detail()))
+                let url = self.url();
+                let tls = crate::tls::is_tls_url(url)
+                    .then(|| {
+                        let ca_file = self.inner.options.tls_ca_file.is_some();
+                        crate::tls::handshake_error(
+                            e.detail(),
+                            url,
+                            ca_file,
+                            crate::is_cluster_url(url),
+                        )
+                    })
+                    .flatten();
+                let detail = tls.unwrap_or_else(|| format!("Redis at {url}: {}", e.detail()));
+                StoreError::new(e.kind(), detail)
             }
             _ => e,
         }

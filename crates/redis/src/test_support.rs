@@ -42,6 +42,20 @@ fn raw_command(port: u16, command: &str) -> Option<String> {
     Some(String::from_utf8_lossy(&buf[..n]).into_owned())
 }
 
+/// A certificate made wrong on purpose, for a test of what a client says
+/// about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CertFlaw {
+    /// The server certificate holds no subjectAltName, only the CN
+    /// `127.0.0.1`.
+    ServerWithoutNames,
+    /// The client certificate's dates ended long ago.
+    ClientExpired,
+    /// The client certificate's extended key usage is server
+    /// authentication only.
+    ClientForServersOnly,
+}
+
 /// Certificates for TLS tests, as PEM files in a temporary directory
 /// (removed when dropped): a CA of its own, a server certificate for
 /// `127.0.0.1` and `localhost`, and a client certificate, both signed by
@@ -61,6 +75,15 @@ impl TestCerts {
     /// As [`TestCerts::new`], with a server certificate for `names` only,
     /// and with `expired` one whose dates ended long ago.
     pub fn with_server(names: &[&str], expired: bool) -> TestCerts {
+        Self::make(names, expired, None)
+    }
+
+    /// As [`TestCerts::new`], with one certificate made with `flaw`.
+    pub fn with_flaw(flaw: CertFlaw) -> TestCerts {
+        Self::make(&["127.0.0.1", "localhost"], false, Some(flaw))
+    }
+
+    fn make(names: &[&str], expired: bool, flaw: Option<CertFlaw>) -> TestCerts {
         use rcgen::{
             BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
             KeyUsagePurpose,
@@ -95,13 +118,32 @@ impl TestCerts {
             ),
         ] {
             let key = KeyPair::generate().expect("a key");
+            let server = stem == "server";
+            let names = match flaw {
+                Some(CertFlaw::ServerWithoutNames) if server => Vec::new(),
+                _ => names,
+            };
             let mut params = CertificateParams::new(names).expect("parameters");
-            params.extended_key_usages = usages;
-            if expired && stem == "server" {
+            params.extended_key_usages = match flaw {
+                Some(CertFlaw::ClientForServersOnly) if !server => {
+                    vec![ExtendedKeyUsagePurpose::ServerAuth]
+                }
+                _ => usages,
+            };
+            if (expired && server) || (flaw == Some(CertFlaw::ClientExpired) && !server) {
                 params.not_before = rcgen::date_time_ymd(2000, 1, 1);
                 params.not_after = rcgen::date_time_ymd(2001, 1, 1);
             }
-            params.distinguished_name.push(DnType::CommonName, stem);
+            // Without names, the server's address stands in its CN alone,
+            // as in certificates made for TLS before subjectAltName.
+            let common_name = if server && flaw == Some(CertFlaw::ServerWithoutNames) {
+                "127.0.0.1"
+            } else {
+                stem
+            };
+            params
+                .distinguished_name
+                .push(DnType::CommonName, common_name);
             let cert = params.signed_by(&key, &ca, &ca_key).expect("a certificate");
             write(&format!("{stem}.crt"), cert.pem());
             write(&format!("{stem}.key"), key.serialize_pem());

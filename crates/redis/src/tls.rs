@@ -59,7 +59,7 @@ pub(crate) fn certificates(
              {instead}, or leave {name} out"
         )));
     }
-    system_roots()?;
+    system_roots(options.tls_ca_file.is_none())?;
     let root_cert = match &options.tls_ca_file {
         Some(path) => {
             let (pem, found) = certificate_file("tls_ca_file", path)?;
@@ -104,16 +104,43 @@ pub(crate) fn certificates(
     }))
 }
 
+/// The environment variables that replace the platform's roots with
+/// files, and their values, when set.
+fn root_variables() -> Vec<(&'static str, String)> {
+    ["SSL_CERT_FILE", "SSL_CERT_DIR"]
+        .into_iter()
+        .filter_map(|name| Some((name, std::env::var(name).ok()?)))
+        .filter(|(_, value)| !value.is_empty())
+        .collect()
+}
+
 /// The system's roots, as the client loads them for each TLS connection:
 /// from the platform, or from the files the environment variables
 /// `SSL_CERT_FILE` and `SSL_CERT_DIR` name. A failure there fails every
 /// TLS connection, whatever `tls_ca_file` says, so it is said here, naming
 /// the variables, rather than as a dropped connection or an untrusted
-/// server.
-fn system_roots() -> Result<(), StoreError> {
+/// server. When they are the roots Redis's certificate is checked against
+/// (`only_roots`: no `tls_ca_file`), variables naming files that hold no
+/// certificate (a DER file, an empty one, an empty folder) are refused too,
+/// since no server could then be trusted.
+fn system_roots(only_roots: bool) -> Result<(), StoreError> {
     let loaded = rustls_native_certs::load_native_certs();
+    let variables = root_variables();
     let cause = match loaded.errors.first() {
         Some(e) => Some(e.to_string()),
+        None if only_roots && loaded.certs.is_empty() && !variables.is_empty() => {
+            let named: Vec<String> = variables
+                .iter()
+                .map(|(name, value)| format!("{name}={value:?}"))
+                .collect();
+            return Err(invalid(format!(
+                "{} holds no PEM certificate (-----BEGIN CERTIFICATE-----), so no Redis \
+                 certificate could be trusted: name a PEM bundle there (a DER file converts \
+                 with openssl x509 -inform DER -in FILE -out FILE.pem), or unset it to use \
+                 the system's certificates",
+                named.join(" with ")
+            )));
+        }
         None => {
             let mut roots = RootCertStore::empty();
             loaded
@@ -134,14 +161,51 @@ fn system_roots() -> Result<(), StoreError> {
     }
 }
 
+/// How many PEM certificates the file at `path` holds; `None` when it
+/// cannot be read.
+fn pem_certificates(path: &Path) -> Option<usize> {
+    let pem = std::fs::read(path).ok()?;
+    Some(
+        CertificateDer::pem_slice_iter(&pem)
+            .filter(Result::is_ok)
+            .count(),
+    )
+}
+
 /// Reads `path`, naming the option `name` when it cannot be read.
 fn read(name: &str, path: &Path) -> Result<Vec<u8>, StoreError> {
     std::fs::read(path).map_err(|e| {
+        let tilde = if path.starts_with("~") {
+            " (a leading ~ is not read as the home folder: write the whole path)"
+        } else {
+            ""
+        };
         invalid(format!(
-            "{name} {:?} cannot be read: {e}; name a readable PEM file",
+            "{name} {:?} cannot be read: {e}; name a readable PEM file{tilde}",
             path.display()
         ))
     })
+}
+
+/// What a file that holds no readable PEM certificate holds instead, in
+/// words that say what to change; empty when it is nothing recognisable.
+fn instead_of_certificate(name: &str, path: &Path, bytes: &[u8]) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    if text.contains("PRIVATE KEY-----") {
+        format!(
+            ": it holds a private key (are tls_cert_file and tls_key_file swapped? {name} \
+             takes the certificate)"
+        )
+    } else if bytes.first() == Some(&0x30) {
+        // DER starts with a SEQUENCE's tag.
+        format!(
+            ": it looks like DER, not PEM (convert it: openssl x509 -inform DER -in {0:?} \
+             -out {0:?}.pem)",
+            path.display()
+        )
+    } else {
+        String::new()
+    }
 }
 
 /// The PEM text of a file of certificates, and the certificates in it.
@@ -153,9 +217,10 @@ fn certificate_file(
     match CertificateDer::pem_slice_iter(&pem).collect::<Result<Vec<_>, _>>() {
         Ok(found) if !found.is_empty() => Ok((pem, found)),
         _ => Err(invalid(format!(
-            "{name} {:?} holds no readable PEM certificate (-----BEGIN CERTIFICATE-----); \
+            "{name} {:?} holds no readable PEM certificate (-----BEGIN CERTIFICATE-----){}; \
              name the certificate's file",
-            path.display()
+            path.display(),
+            instead_of_certificate(name, path, &pem),
         ))),
     }
 }
@@ -169,7 +234,7 @@ fn client_pair(cert: &Path, key: &Path) -> Result<ClientTlsConfig, StoreError> {
         invalid(if encrypted {
             format!(
                 "tls_key_file {:?} is encrypted, which is not supported: write it without a \
-                 passphrase (openssl pkcs8 -in KEY -out PLAIN_KEY) and keep that file private",
+                 passphrase (openssl pkey -in KEY -out PLAIN_KEY) and keep that file private",
                 key.display()
             )
         } else {
@@ -189,17 +254,35 @@ fn client_pair(cert: &Path, key: &Path) -> Result<ClientTlsConfig, StoreError> {
         .with_root_certificates(RootCertStore::empty())
         .with_client_auth_cert(chain, private)
         .map_err(|e| {
-            invalid(format!(
-                "tls_key_file {:?} is not the private key of the certificate in tls_cert_file \
-                 {:?} ({e}); give the key made with that certificate",
-                key.display(),
-                cert.display()
-            ))
+            let (key, cert) = (key.display(), cert.display());
+            invalid(match e {
+                rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch) => {
+                    format!(
+                        "tls_key_file {key:?} is not the private key of the certificate in \
+                         tls_cert_file {cert:?} ({e}); give the key made with that certificate \
+                         (a chain in tls_cert_file lists the client's own certificate first)"
+                    )
+                }
+                e if e.to_string().contains("UnsupportedCertVersion") => format!(
+                    "tls_cert_file {cert:?} holds an X.509 version 1 certificate ({e}), which \
+                     TLS here does not take: issue it as version 3 (openssl x509 -req makes \
+                     version 3 when given -extfile with extendedKeyUsage = clientAuth)"
+                ),
+                e => format!(
+                    "tls_cert_file {cert:?} and tls_key_file {key:?} cannot be used as a client \
+                     certificate ({e}); give a PEM certificate and the key made with it"
+                ),
+            })
         })?;
     Ok(ClientTlsConfig {
         client_cert,
         client_key,
     })
+}
+
+/// Where a program gives the store's TLS files: `what` names them.
+fn given_as(what: &str) -> String {
+    format!("as {what} (under [redis] in `ratewarden serve`'s configuration, or in RedisOptions)")
 }
 
 /// What to change when connecting to the node at `address` failed in TLS,
@@ -212,17 +295,61 @@ pub(crate) fn handshake_error(
     ca_file: bool,
     cluster: bool,
 ) -> Option<String> {
-    let certificate = format!("the TLS certificate of Redis at {address}");
-    let why = if text.contains("NotValidForName") || text.contains("not valid for name") {
-        let announced = if cluster {
-            " (on a cluster, each node's certificate must hold the address it announces in \
-             CLUSTER SLOTS: its IP, unless cluster-preferred-endpoint-type is hostname)"
-        } else {
-            ""
+    // An alert from Redis: it refused this client's certificate (or its
+    // lack of one), whatever it thought of the rest.
+    if let Some((_, alert)) = text.split_once("received fatal alert: ") {
+        let alert = alert.split(|c: char| !c.is_ascii_alphanumeric()).next()?;
+        let why = match alert {
+            "CertificateRequired" => {
+                return Some(format!(
+                    "Redis at {address} asks for a client certificate (tls-auth-clients): give \
+                     its PEM file and its key {}; `ratewarden vectors` shows none, so run it \
+                     against a Redis with tls-auth-clients no or optional",
+                    given_as("tls_cert_file and tls_key_file")
+                ))
+            }
+            "CertificateExpired" => {
+                "it is out of its dates: renew it, or check this machine's clock".to_owned()
+            }
+            "UnsupportedCertificate" => "its key usages do not allow a client certificate: \
+                 issue it with extendedKeyUsage = clientAuth"
+                .to_owned(),
+            "CertificateRevoked" => "it is revoked: issue a new one".to_owned(),
+            "BadCertificate" | "UnknownCA" | "DecryptError" | "CertificateUnknown" => format!(
+                "give one signed by a CA that its tls-ca-cert-file trusts (followed, in the \
+                 same file, by any intermediate CA's certificate) {}",
+                given_as("tls_cert_file and tls_key_file")
+            ),
+            _ => return None,
         };
+        return Some(format!(
+            "Redis at {address} refused the client certificate ({text}): {why}"
+        ));
+    }
+    let certificate = format!("the TLS certificate of Redis at {address}");
+    let address_hint = if cluster {
+        " (on a cluster, each node's certificate must hold the address it announces in \
+         CLUSTER SLOTS: its IP, unless cluster-preferred-endpoint-type is hostname)"
+    } else {
+        ""
+    };
+    let why = if text.contains("UnsupportedCertVersion") {
+        format!(
+            "{certificate} is an X.509 version 1 certificate ({text}), which TLS here does not \
+             take: issue it as version 3, with a subjectAltName for the address in the URL \
+             (openssl x509 -req makes version 3 when given -extfile with subjectAltName = \
+             IP:ADDRESS or DNS:NAME){address_hint}"
+        )
+    } else if text.contains("not valid for any names") {
+        format!(
+            "{certificate} holds no subjectAltName ({text}); the name in its CN is not read: \
+             issue it with a subjectAltName for the address in the URL (IP:ADDRESS or \
+             DNS:NAME){address_hint}"
+        )
+    } else if text.contains("NotValidForName") || text.contains("not valid for name") {
         format!(
             "{certificate} is not for that host ({text}): connect by a name or address the \
-             certificate holds{announced}"
+             certificate holds{address_hint}"
         )
     } else if ["Expired", "expired", "NotValidYet", "not valid yet"]
         .iter()
@@ -233,37 +360,110 @@ pub(crate) fn handshake_error(
              this machine's clock"
         )
     } else if text.contains("UnknownIssuer") || text.contains("BadSignature") {
+        let variables = root_variables();
         if ca_file {
             format!(
                 "{certificate} is not signed by the CA in tls_ca_file ({text}): give the CA \
                  that signed it"
             )
+        } else if let Some((name, value)) = variables.first() {
+            // A bundle of no PEM certificate beside a folder that has some
+            // passes the start-up check, and explains the refusal.
+            let empty = *name == "SSL_CERT_FILE" && pem_certificates(Path::new(value)) == Some(0);
+            let held = if empty {
+                format!(
+                    "{name}={value:?} holds no PEM certificate (a DER file converts with \
+                     openssl x509 -inform DER -in FILE -out FILE.pem); name a PEM bundle \
+                     holding the CA that signed it there"
+                )
+            } else {
+                format!(
+                    "no CA certificate in {name}={value:?} signed it; add the CA that did there"
+                )
+            };
+            format!(
+                "{certificate} is not trusted ({text}): {held}, or give its PEM file {}",
+                given_as("tls_ca_file")
+            )
         } else {
             format!(
                 "{certificate} is not trusted ({text}): give the PEM file of the CA that \
-                 signed it as tls_ca_file (in the [redis] table of `ratewarden serve`'s \
-                 configuration), or name a bundle holding it in the environment variable \
-                 SSL_CERT_FILE"
+                 signed it {}, or name a bundle holding it in the environment variable \
+                 SSL_CERT_FILE",
+                given_as("tls_ca_file")
             )
         }
     } else if text.contains("invalid peer certificate") {
         format!("{certificate} was refused ({text})")
-    } else if text.contains("CertificateRequired") {
-        format!(
-            "Redis at {address} asks for a client certificate (tls-auth-clients): give its PEM \
-             file as tls_cert_file and its key as tls_key_file (in `ratewarden serve`, under \
-             [redis])"
-        )
-    } else if text.contains("received fatal alert: BadCertificate")
-        || text.contains("received fatal alert: UnknownCA")
-        || text.contains("received fatal alert: DecryptError")
-    {
-        format!(
-            "Redis at {address} refused the client certificate ({text}): give one signed by a \
-             CA that its tls-ca-cert-file trusts, as tls_cert_file and tls_key_file"
-        )
     } else {
         return None;
     };
     Some(why)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::handshake_error;
+
+    #[test]
+    fn handshake_failures_say_whose_certificate_and_what_to_change() {
+        let at = "127.0.0.1:6380";
+        // (the client's error, words the message holds)
+        let cases: [(&str, &[&str]); 8] = [
+            (
+                "invalid peer certificate: Other(OtherError(UnsupportedCertVersion))",
+                &["Redis at 127.0.0.1:6380", "version 1", "version 3"],
+            ),
+            (
+                "invalid peer certificate: certificate not valid for name \"127.0.0.1\"; \
+                 certificate is not valid for any names (according to its subjectAltName \
+                 extension)",
+                &["holds no subjectAltName", "CN is not read", "IP:ADDRESS"],
+            ),
+            (
+                "invalid peer certificate: Expired",
+                &["TLS certificate of Redis", "renew it on Redis's side"],
+            ),
+            // Redis refusing ours, never said to be Redis's own.
+            (
+                "received fatal alert: CertificateExpired",
+                &["refused the client certificate", "out of its dates"],
+            ),
+            (
+                "received fatal alert: UnsupportedCertificate",
+                &["refused the client certificate", "clientAuth"],
+            ),
+            (
+                "received fatal alert: UnknownCA",
+                &["refused the client certificate", "intermediate"],
+            ),
+            (
+                "received fatal alert: CertificateRequired",
+                &[
+                    "asks for a client certificate",
+                    "RedisOptions",
+                    "ratewarden vectors",
+                ],
+            ),
+            (
+                "invalid peer certificate: UnknownIssuer",
+                &["not signed by the CA in tls_ca_file"],
+            ),
+        ];
+        for (text, words) in cases {
+            let message = handshake_error(text, at, true, false).expect(text);
+            for word in words {
+                assert!(message.contains(word), "`{word}` not in: {message}");
+            }
+            assert!(!message.contains("renew it on Redis's side") || !text.contains("alert"));
+        }
+        assert_eq!(
+            handshake_error("Connection refused", at, false, false),
+            None
+        );
+        assert_eq!(
+            handshake_error("received fatal alert: NoRenegotiation", at, false, false),
+            None
+        );
+    }
 }

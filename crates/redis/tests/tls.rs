@@ -8,8 +8,10 @@ mod common;
 use std::path::PathBuf;
 
 use ratewarden_core::{Limiter, StoreError, StoreErrorKind, REFERENCE};
-use ratewarden_redis::test_support::{RedisCluster, RedisServer, TestCerts};
+use ratewarden_redis::test_support::{CertFlaw, RedisCluster, RedisServer, TestCerts};
 use ratewarden_redis::{RedisOptions, RedisStore};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::CertificateDer;
 
 /// Options trusting `ca` (if any), with a long connect time: connecting
 /// is checked here, not its speed.
@@ -86,8 +88,9 @@ fn a_server_certificate_the_client_does_not_trust_is_refused_saying_so() {
     assert!(e.detail().contains("tls_ca_file"), "{e}");
     assert!(e.detail().contains("SSL_CERT_FILE"), "{e}");
 
-    // A certificate for another host, and one out of its dates, each
-    // said as such (the CA is trusted either way).
+    // A certificate for another host, one out of its dates, and one whose
+    // address is in its CN alone, each said as such (the CA is trusted
+    // each time).
     for (refused, says) in [
         (
             TestCerts::with_server(&["redis.example.com"], false),
@@ -96,6 +99,10 @@ fn a_server_certificate_the_client_does_not_trust_is_refused_saying_so() {
         (
             TestCerts::with_server(&["127.0.0.1"], true),
             "out of its dates",
+        ),
+        (
+            TestCerts::with_flaw(CertFlaw::ServerWithoutNames),
+            "holds no subjectAltName",
         ),
     ] {
         let server = RedisServer::start_tls(&refused, false);
@@ -139,6 +146,94 @@ fn a_client_certificate_is_shown_when_redis_asks_for_one() {
     };
     let e = connect(&url, foreign).unwrap_err();
     assert!(e.detail().contains("refused the client certificate"), "{e}");
+    // Certificates Redis refuses for what they are: each refusal is said
+    // to be of the client's certificate, never of Redis's own.
+    for (flaw, says) in [
+        (CertFlaw::ClientExpired, "out of its dates"),
+        (
+            CertFlaw::ClientForServersOnly,
+            "extendedKeyUsage = clientAuth",
+        ),
+    ] {
+        let flawed = TestCerts::with_flaw(flaw);
+        let server = RedisServer::start_tls(&flawed, true);
+        let options = RedisOptions {
+            tls_cert_file: Some(flawed.client_cert_file()),
+            tls_key_file: Some(flawed.client_key_file()),
+            ..options("client-cert", Some(flawed.ca_file()))
+        };
+        let e = connect(&server.tls_url().unwrap(), options).unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+        assert!(e.detail().contains("refused the client certificate"), "{e}");
+        assert!(e.detail().contains(says), "{flaw:?}: {e}");
+        assert!(!e.detail().contains("Redis's side"), "{e}");
+    }
+}
+
+/// Redis restarted with a certificate of another CA: the store's calls
+/// fail (the failure policy's to answer), each saying why as connecting
+/// would, and succeed again once the certificate is trusted.
+#[test]
+fn a_certificate_replaced_on_redis_s_side_is_named_in_the_call_s_error() {
+    let certs = TestCerts::new();
+    let mut server = RedisServer::start_tls(&certs, false);
+    let url = server.tls_url().unwrap();
+    let rt = common::runtime();
+    let store = rt
+        .block_on(RedisStore::connect(
+            &url,
+            REFERENCE,
+            options("rotated", Some(certs.ca_file())),
+        ))
+        .expect("connect over TLS");
+    rt.block_on(store.check(1, 1)).expect("a decision");
+    // Redis reads its certificate files at start: they are replaced, and
+    // it restarts.
+    let files = [certs.server_cert_file(), certs.server_key_file()];
+    let original: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(f).unwrap()).collect();
+    let stranger = TestCerts::new();
+    for (file, from) in files
+        .iter()
+        .zip([stranger.server_cert_file(), stranger.server_key_file()])
+    {
+        std::fs::copy(from, file).unwrap();
+    }
+    server.restart();
+    let e = rt.block_on(async {
+        // The first call may find the old connection closed, and the
+        // store's one retry reconnects: at most a few calls.
+        let mut last = None;
+        for _ in 0..5 {
+            match store.check(1, 1).await {
+                Err(e) if e.detail().contains("TLS certificate") => return e,
+                other => last = Some(other),
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        panic!("no call said why: {last:?}")
+    });
+    assert_eq!(e.kind(), StoreErrorKind::ConnectionDropped, "{e}");
+    assert!(
+        e.detail().contains("not signed by the CA in tls_ca_file"),
+        "{e}"
+    );
+    for (file, bytes) in files.iter().zip(&original) {
+        std::fs::write(file, bytes).unwrap();
+    }
+    server.restart();
+    let decided = rt.block_on(async {
+        for _ in 0..50 {
+            if let Ok(d) = store.check(1, 1).await {
+                return Some(d);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        None
+    });
+    assert!(
+        decided.is_some(),
+        "no decision once the certificate is trusted again"
+    );
 }
 
 #[test]
@@ -173,6 +268,11 @@ fn tls_files_that_cannot_be_used_are_refused_before_connecting() {
     );
     let missing = Some(certs.ca_file().with_file_name("missing.crt"));
     let stranger = TestCerts::new();
+    // The CA's certificate in DER, as openssl x509 -outform DER writes it.
+    let der = certs.ca_file().with_file_name("ca.der");
+    let ca_der = CertificateDer::from_pem_file(certs.ca_file()).unwrap();
+    std::fs::write(&der, &ca_der).unwrap();
+    let v1 = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/x509-v1");
     // (URL, options, words the refusal holds)
     let cases = [
         // TLS files for a plain URL would be ignored, the link left plain.
@@ -203,11 +303,22 @@ fn tls_files_that_cannot_be_used_are_refused_before_connecting() {
             files(key(), None, None),
             ["tls_ca_file", "no readable PEM certificate"],
         ),
+        // A home folder written as ~, and a certificate in DER.
+        (
+            tls_url.clone(),
+            files(Some(PathBuf::from("~/ca.crt")), None, None),
+            ["tls_ca_file", "~ is not read as the home folder"],
+        ),
+        (
+            tls_url.clone(),
+            files(Some(der.clone()), None, None),
+            ["tls_ca_file", "looks like DER"],
+        ),
         // A key where the certificate goes, and a certificate for the key.
         (
             tls_url.clone(),
             files(ca(), key(), cert()),
-            ["tls_cert_file", "client.key"],
+            ["client.key", "are tls_cert_file and tls_key_file swapped"],
         ),
         (
             tls_url.clone(),
@@ -219,6 +330,16 @@ fn tls_files_that_cannot_be_used_are_refused_before_connecting() {
             tls_url.clone(),
             files(ca(), cert(), Some(stranger.client_key_file())),
             ["is not the private key of the certificate", "client.crt"],
+        ),
+        // An X.509 version 1 certificate with its own key: not a mismatch.
+        (
+            tls_url.clone(),
+            files(
+                ca(),
+                Some(v1.join("client.crt")),
+                Some(v1.join("client.key")),
+            ),
+            ["client.crt", "X.509 version 1"],
         ),
     ];
     for (url, options, words) in cases {
