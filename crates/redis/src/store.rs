@@ -958,13 +958,20 @@ impl RedisStore {
                 (range, answer)
             }
         });
-        for (range, answer) in futures_util::future::join_all(checks).await {
-            let more = ranges_of[range.id.as_str()] - 1;
-            let master = match more {
-                0 => format!("the master of slots {range}"),
-                1 => format!("the master of slots {range} and 1 more range"),
-                n => format!("the master of slots {range} and {n} more ranges"),
-            };
+        let answers = futures_util::future::join_all(checks).await;
+        let checked = answers.len();
+        let master = |range: &SlotRange| match ranges_of[range.id.as_str()] - 1 {
+            0 => format!("the master of slots {range}"),
+            1 => format!("the master of slots {range} and 1 more range"),
+            n => format!("the master of slots {range} and {n} more ranges"),
+        };
+        // Every master that did not answer in time is named: while the
+        // client reconnects to a node that failed, it can hold up the
+        // checks of the others too, and naming only the first would then
+        // name a healthy master.
+        let mut silent = Vec::new();
+        for (range, answer) in answers {
+            let master = master(range);
             let failed =
                 |detail: String| Err(StoreError::new(StoreErrorKind::ConnectionDropped, detail));
             match answer {
@@ -987,9 +994,7 @@ impl RedisStore {
                          taken it back yet, or is down)"
                     ))
                 }
-                Ok(Err(MasterCheck::Redis(e))) if e.is_timeout() => {
-                    return Err(timed_out(&format!("{master} did not answer")))
-                }
+                Ok(Err(MasterCheck::Redis(e))) if e.is_timeout() => silent.push(master),
                 Ok(Err(MasterCheck::Redis(e))) => {
                     let e = map_error(e);
                     return Err(StoreError::new(
@@ -997,10 +1002,18 @@ impl RedisStore {
                         format!("{master}: {}", e.detail()),
                     ));
                 }
-                Err(_) => return Err(timed_out(&format!("{master} did not answer"))),
+                Err(_) => silent.push(master),
             }
         }
-        Ok(())
+        match silent.as_slice() {
+            [] => Ok(()),
+            [one] => Err(timed_out(&format!("{one} did not answer"))),
+            all if all.len() == checked => Err(timed_out(&format!(
+                "none of the {checked} masters ({}) answered",
+                all.join("; ")
+            ))),
+            some => Err(timed_out(&format!("{} did not answer", some.join("; ")))),
+        }
     }
 
     /// Whether a call that failed with `e` goes once more, on a new

@@ -347,23 +347,16 @@ fn ping_fails_while_any_master_is_frozen() {
         err.detail().contains("the master of slots") && err.detail().contains(&format!(":{port})"))
     };
     for _ in 0..4 {
-        // Every ping fails in time; the first to miss the shared deadline
-        // is named, which on a busy machine can be a slow healthy master
-        // now and then, never every time.
-        let mut others = Vec::new();
-        while others.len() < 3 {
-            let started = Instant::now();
-            let err = rt.block_on(store.ping()).unwrap_err();
-            assert!(started.elapsed() < Duration::from_millis(TIMEOUT_MS) + MARGIN);
-            assert!(err.is_transient(), "{err}");
-            if names_frozen(&err) {
-                break;
-            }
-            others.push(err.to_string());
-        }
+        // Every ping fails in time, naming every master that missed the
+        // deadline: the frozen one always, a slow healthy one beside it
+        // now and then on a busy machine.
+        let started = Instant::now();
+        let err = rt.block_on(store.ping()).unwrap_err();
+        assert!(started.elapsed() < Duration::from_millis(TIMEOUT_MS) + MARGIN);
+        assert!(err.is_transient(), "{err}");
         assert!(
-            others.len() < 3,
-            "three pings in a row named another than the frozen master: {others:?}"
+            names_frozen(&err) || err.detail().contains("no master answered CLUSTER SLOTS"),
+            "{err}"
         );
         std::thread::sleep(Duration::from_millis(1_100));
     }
