@@ -418,6 +418,15 @@ impl RedisServer {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// How many connections clients hold to the server (`CLIENT LIST TYPE
+    /// normal`), leaving out the `redis-cli` that asks.
+    pub fn clients(&self) -> usize {
+        self.cli(&["CLIENT", "LIST", "TYPE", "normal"])
+            .lines()
+            .filter(|line| line.starts_with("id=") && !line.contains("cmd=client|list"))
+            .count()
+    }
+
     /// Every key with its `PTTL` (SCAN, then PTTL of each): -1 for no TTL,
     /// -2 for a key gone since the scan.
     fn key_ttls(&self) -> Vec<(String, i64)> {

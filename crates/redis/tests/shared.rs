@@ -7,15 +7,6 @@ use ratewarden_core::{PolicyConfig, PolicyKind, StoreErrorKind, REFERENCE};
 use ratewarden_redis::test_support::{RedisCluster, RedisServer};
 use ratewarden_redis::RedisStore;
 
-/// The connections a node holds from clients, leaving out the `redis-cli`
-/// that asks.
-fn clients(node: &RedisServer) -> usize {
-    node.cli(&["CLIENT", "LIST", "TYPE", "normal"])
-        .lines()
-        .filter(|line| line.starts_with("id=") && !line.contains("cmd=client|list"))
-        .count()
-}
-
 /// Twenty stores of several policies, made from `first`: each decides on
 /// its own counts, keyed by its prefix and its configuration.
 async fn twenty_stores(first: &RedisStore) -> Vec<RedisStore> {
@@ -70,7 +61,7 @@ fn stores_made_with_config_share_one_connection_on_a_node() {
         let first = common::store(&server.url(), REFERENCE, "shared").await;
         let stores = twenty_stores(&first).await;
         each_admits_its_own_limit(&stores, &[1, 2, 3]).await;
-        assert_eq!(clients(&server), 1, "{}", server.cli(&["CLIENT", "LIST"]));
+        assert_eq!(server.clients(), 1, "{}", server.cli(&["CLIENT", "LIST"]));
 
         // A configuration that is no configuration is refused as such.
         let e = first
@@ -108,7 +99,7 @@ fn stores_made_with_config_reconnect_together() {
             .await
             .expect("Redis is back");
         each_admits_its_own_limit(&[late], &[4]).await;
-        assert_eq!(clients(&server), 1, "{}", server.cli(&["CLIENT", "LIST"]));
+        assert_eq!(server.clients(), 1, "{}", server.cli(&["CLIENT", "LIST"]));
     });
 }
 
@@ -123,7 +114,7 @@ fn stores_made_with_config_share_one_connection_to_each_cluster_node() {
         let keys: Vec<u64> = (0..12).collect();
         each_admits_its_own_limit(&stores, &keys).await;
         for node in cluster.nodes() {
-            assert_eq!(clients(node), 1, "{}", node.cli(&["CLIENT", "LIST"]));
+            assert_eq!(node.clients(), 1, "{}", node.cli(&["CLIENT", "LIST"]));
         }
     });
 }
