@@ -8,6 +8,9 @@ if s then
   start, current = struct.unpack('>dd', s)
   -- NaN fails every comparison, so it is caught too.
   if not (start >= 0 and start < TWO53 and start % 1 == 0) then lib().bad('window start', start) end
+  -- Windows are aligned to multiples of W: another start was not written
+  -- here, and rolling from it would drop its count.
+  if fmod(start, W) ~= 0 then lib().corrupt('field window start is not a multiple of window_ms (' .. string.format('%.0f', start) .. ')') end
   if not (current >= 0 and current < TWO53 and current % 1 == 0) then lib().bad('current count', current) end
 else
   start = NOW - fmod(NOW, W)
