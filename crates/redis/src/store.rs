@@ -50,6 +50,10 @@ macro_rules! retry_timeouts {
 /// their own.
 const STATE_FORMAT: &str = "v2";
 
+/// The most times one call loads its script again after `NOSCRIPT`
+/// before failing: a cache flushed that often is not served.
+const MAX_SCRIPT_LOADS: u32 = 5;
+
 /// The most requests one [`RedisStore::decide_many`] call takes: a bound on
 /// the memory a batch holds and on how long it keeps Redis busy.
 pub const MAX_BATCH: usize = 10_000;
@@ -153,6 +157,35 @@ pub fn escape_key_part(part: &str) -> String {
 /// longest one try of a connect check can take.
 fn node_response_timeout(response_timeout: Duration) -> Duration {
     response_timeout + (response_timeout / 2).max(Duration::from_millis(50))
+}
+
+/// The script of `policy` and its text, made once per process: a store
+/// per rule, of thousands of rules, holds no copy of its own.
+fn policy_script(policy: PolicyKind) -> (&'static Script, &'static str) {
+    static SCRIPTS: std::sync::OnceLock<[(Script, String); 5]> = std::sync::OnceLock::new();
+    let scripts = SCRIPTS.get_or_init(|| {
+        [
+            FIXED_WINDOW,
+            SLIDING_WINDOW_COUNTER,
+            SLIDING_LOG,
+            TOKEN_BUCKET,
+            GCRA,
+        ]
+        .map(|body| {
+            let source = format!("{PRELUDE}{body}");
+            (Script::new(&source), source)
+        })
+    });
+    // In the order of the bodies above; a policy added is a compile error
+    // here until it has its script.
+    let (script, source) = &scripts[match policy {
+        PolicyKind::FixedWindow => 0,
+        PolicyKind::SlidingWindowCounter => 1,
+        PolicyKind::SlidingLog => 2,
+        PolicyKind::TokenBucket => 3,
+        PolicyKind::Gcra => 4,
+    }];
+    (script, source)
 }
 
 /// One call's handle on the connection: cheap to clone.
@@ -306,7 +339,9 @@ pub struct RedisStore {
 struct Inner {
     backend: Backend,
     config: PolicyConfig,
-    script: Script,
+    script: &'static Script,
+    /// The script's text, for a node the script was not loaded on.
+    script_source: &'static str,
     /// The escaped prefix and the configuration, joined by `:`, ending in `:`.
     key_prefix: String,
     /// ARGV 1..3: limit, window_ms, burst.
@@ -347,14 +382,19 @@ impl RedisStore {
     ///
     /// Connecting checks that the store can be used, so that a store that
     /// cannot is refused here rather than at every decision: a single node
-    /// must answer `PING` and must not be a cluster node, and the policy's
-    /// script is loaded (on every master of a cluster).
+    /// must answer `PING` and must not be a cluster node, the policy's
+    /// script is loaded (on every master of a cluster), and one decision
+    /// is made on a key of the store's own, which is then deleted (see
+    /// [`RedisStore::ping`]).
     ///
     /// Errors: an invalid configuration or URL, a Redis that wants a
     /// password the URL lacks, refuses the URL's credentials, is a cluster
-    /// node behind `redis://` or a single node behind `redis-cluster://`
-    /// ([`StoreErrorKind::InvalidInput`], naming the node and saying what
-    /// to change); no connection, or a node that cannot be
+    /// node behind `redis://` or a single node behind `redis-cluster://`,
+    /// is a read-only replica, or refuses the URL's user a command or key
+    /// the scripts need ([`StoreErrorKind::InvalidInput`], naming the node
+    /// and saying what to change); a Redis out of memory or short of the
+    /// replicas it needs to take writes ([`StoreErrorKind::Backend`]); no
+    /// connection, or a node that cannot be
     /// used, within `connect_timeout_ms` (a check that only timed out is
     /// tried again while that time lasts) ([`StoreErrorKind::ConnectionDropped`],
     /// [`StoreErrorKind::Backend`] or [`StoreErrorKind::Timeout`]).
@@ -483,7 +523,8 @@ impl RedisStore {
                                 e.kind(),
                                 format!(
                                     "Redis Cluster at {shown} cannot be used: CLUSTER INFO: \
-                                     {e}{hint}"
+                                     {}{hint}",
+                                    e.detail()
                                 ),
                             )
                         })
@@ -548,8 +589,14 @@ impl RedisStore {
             .map_err(|e| {
                 StoreError::new(
                     e.kind(),
-                    format!("Redis at {shown} cannot load the policy's script: {e}"),
+                    format!(
+                        "Redis at {shown} cannot load the policy's script: {}",
+                        e.detail()
+                    ),
                 )
+            })?;
+            retry_timeouts!(deadline, node_response_timeout, {
+                store.check_writes(&mut store.conn()).await
             })?;
             Ok(store)
         };
@@ -630,18 +677,27 @@ impl RedisStore {
             options,
         );
         let deadline = tokio::time::Instant::now() + Duration::from_millis(connect_timeout_ms);
+        let shown = store.url();
         let loading = async {
             retry_timeouts!(deadline, per_try, {
                 store.load_script(&mut store.conn()).await
             })
+            .map_err(|e| {
+                StoreError::new(
+                    e.kind(),
+                    format!(
+                        "Redis at {shown} cannot load the policy's script: {}",
+                        e.detail()
+                    ),
+                )
+            })?;
+            retry_timeouts!(deadline, per_try, {
+                store.check_writes(&mut store.conn()).await
+            })
         };
-        let shown = store.url();
         match tokio::time::timeout_at(deadline, loading).await {
             Ok(Ok(())) => Ok(store),
-            Ok(Err(e)) => Err(StoreError::new(
-                e.kind(),
-                format!("Redis at {shown} cannot load the policy's script: {e}"),
-            )),
+            Ok(Err(e)) => Err(e),
             Err(_) => Err(StoreError::new(
                 StoreErrorKind::Timeout,
                 format!(
@@ -658,14 +714,7 @@ impl RedisStore {
         config: PolicyConfig,
         options: RedisOptions,
     ) -> Self {
-        let body = match config.policy {
-            PolicyKind::FixedWindow => FIXED_WINDOW,
-            PolicyKind::SlidingWindowCounter => SLIDING_WINDOW_COUNTER,
-            PolicyKind::SlidingLog => SLIDING_LOG,
-            PolicyKind::TokenBucket => TOKEN_BUCKET,
-            PolicyKind::Gcra => GCRA,
-        };
-        let script = Script::new(&format!("{PRELUDE}{body}"));
+        let (script, script_source) = policy_script(config.policy);
         let burst = config.effective_burst();
         // The configuration is part of every key name: two limiters with
         // different policies or numbers under one prefix never read each
@@ -692,6 +741,7 @@ impl RedisStore {
                 backend,
                 config,
                 script,
+                script_source,
                 key_prefix,
                 config_args,
                 options,
@@ -751,11 +801,29 @@ impl RedisStore {
     }
 
     fn eval_cmd(&self, key: u64, now_ms: Option<u64>, cost: u64) -> Cmd {
-        let o = &self.inner.options;
+        self.eval_named(&self.key_name(key), now_ms, cost)
+    }
+
+    /// The script call for the Redis key `name`.
+    fn eval_named(&self, name: &str, now_ms: Option<u64>, cost: u64) -> Cmd {
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(self.inner.script.get_hash())
-            .arg(1)
-            .arg(self.key_name(key))
+        cmd.arg(self.inner.script.get_hash());
+        self.script_args_for(cmd, name, now_ms, cost)
+    }
+
+    /// The same call as `EVAL` with the script's text, which any node
+    /// runs, and caches, whether or not the script was loaded there.
+    fn eval_source(&self, name: &str, now_ms: Option<u64>, cost: u64) -> Cmd {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(self.inner.script_source);
+        self.script_args_for(cmd, name, now_ms, cost)
+    }
+
+    /// `cmd` with the script's key and arguments after it.
+    fn script_args_for(&self, mut cmd: Cmd, name: &str, now_ms: Option<u64>, cost: u64) -> Cmd {
+        let o = &self.inner.options;
+        cmd.arg(1)
+            .arg(name)
             .arg(&self.inner.config_args[..])
             .arg(cost)
             .arg(now_ms.map_or(String::new(), |n| n.to_string()))
@@ -800,7 +868,15 @@ impl RedisStore {
                         )
                     })
                     .flatten();
-                let detail = tls.unwrap_or_else(|| format!("Redis at {url}: {}", e.detail()));
+                let detail = tls.unwrap_or_else(|| {
+                    // A replica after a failover, an ACL changed, a full
+                    // Redis: what was checked at connect no longer holds.
+                    let advice = refusal_advice(e.detail())
+                        .map(|(_, advice)| format!("; {advice}"))
+                        .or_else(|| cluster_hint(e.detail()).map(|hint| format!("; {hint}")))
+                        .unwrap_or_default();
+                    format!("Redis at {url}: {}{advice}", e.detail())
+                });
                 StoreError::new(e.kind(), detail)
             }
             _ => e,
@@ -859,10 +935,16 @@ impl RedisStore {
         }
     }
 
-    /// Asks Redis whether it answers, deciding nothing and touching no
-    /// key, within [`RedisOptions::timeout_ms`]. For readiness checks.
+    /// Asks Redis whether it can decide, within
+    /// [`RedisOptions::timeout_ms`], touching no limiter's key. For
+    /// readiness checks.
     ///
-    /// One node: `PING`. A cluster: `CLUSTER SLOTS` (of every master, the
+    /// One node: `PING`, then one decision of cost 1 on a key of the
+    /// store's own, named apart from every limiter key (its prefix and
+    /// configuration, then `probe`), which is then deleted: a read-only
+    /// replica, an ACL user without a command or key the scripts need, or a
+    /// Redis out of memory answers `PING` and refuses every decision. A
+    /// cluster: `CLUSTER SLOTS` (of every master, the
     /// first answer taken), then, to the master of each slot range, routed
     /// by slot as a decision for that range is, `CLUSTER MYID` and
     /// `CLUSTER INFO`: the node that answers must be the master the slot
@@ -870,15 +952,19 @@ impl RedisStore {
     /// reach a slot's master) and must report `cluster_state:ok` (a master
     /// just restarted answers at once, but refuses its keys until the
     /// cluster takes it back). Every slot must have a master. So a cluster
-    /// is ready only when every slot's master can decide, and a master this
-    /// client cannot reach fails it, even while the others answer. When
-    /// another node answers in a master's place, a new connection is
-    /// started in the background, as for a timeout: the client's slot map
+    /// is ready only when every slot's master answers, and a master this
+    /// client cannot reach fails it, even while the others answer (write
+    /// refusals are not looked for on a cluster: connecting checks them on
+    /// one master). When
+    /// another node answers in a master's place, or a connection is found
+    /// broken, a new connection is started in the background, as for a
+    /// timeout: the client's slot map
     /// may be out of date (a failover it has not seen, which nothing else
     /// would tell it without decisions on those keys).
     ///
     /// Errors: as [`RedisStore::decide`]'s, except that a timeout says
-    /// only what did not answer (a `PING` changes nothing), on a cluster
+    /// only what did not answer (a `PING` changes nothing, the decision only
+    /// the store's own key), on a cluster
     /// naming the master's slots and address. On a cluster, a timeout also
     /// starts a new connection for later calls, as a decision's does.
     pub async fn ping(&self) -> Result<(), StoreError> {
@@ -892,12 +978,23 @@ impl RedisStore {
             Conn::Cluster(cluster) => cluster,
             mut conn => {
                 let cmd = redis::cmd("PING");
-                return match tokio::time::timeout_at(deadline, self.try_call(&mut conn, &cmd)).await
-                {
-                    Ok(Ok(_)) => Ok(()),
-                    Ok(Err(e)) if e.is_timeout() => Err(timed_out("Redis did not answer PING")),
-                    Ok(Err(e)) => Err(map_error(e)),
-                    Err(_) => Err(timed_out("Redis did not answer PING")),
+                match tokio::time::timeout_at(deadline, self.try_call(&mut conn, &cmd)).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) if e.is_timeout() => {
+                        return Err(timed_out("Redis did not answer PING"))
+                    }
+                    Ok(Err(e)) => return Err(map_error(e)),
+                    Err(_) => return Err(timed_out("Redis did not answer PING")),
+                }
+                // A Redis that answers can still refuse every decision.
+                let checked = tokio::time::timeout_at(deadline, self.check_writes(&mut conn));
+                return match checked.await {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) if e.kind() != StoreErrorKind::Timeout => Err(e),
+                    _ => Err(timed_out(&format!(
+                        "Redis answered PING, but not a decision on {}",
+                        self.probe_key()
+                    ))),
                 };
             }
         };
@@ -919,7 +1016,18 @@ impl RedisStore {
                 Ok(Err(e)) if e.is_timeout() => {
                     return Err(timed_out("no master answered CLUSTER SLOTS"))
                 }
-                Ok(Err(e)) => return Err(map_error(e)),
+                Ok(Err(e)) => {
+                    // A connection broken (every node restarted, say) is
+                    // mended by a new one, as after a timeout: probes make
+                    // no decision that would show the client otherwise.
+                    let e = map_error(e);
+                    if e.kind() == StoreErrorKind::ConnectionDropped {
+                        if let Backend::Cluster(cluster) = &self.inner.backend {
+                            cluster.timed_out();
+                        }
+                    }
+                    return Err(e);
+                }
                 Err(_) => return Err(timed_out("no master answered CLUSTER SLOTS")),
             }
         };
@@ -997,6 +1105,11 @@ impl RedisStore {
                 Ok(Err(MasterCheck::Redis(e))) if e.is_timeout() => silent.push(master),
                 Ok(Err(MasterCheck::Redis(e))) => {
                     let e = map_error(e);
+                    if e.kind() == StoreErrorKind::ConnectionDropped {
+                        if let Backend::Cluster(cluster) = &self.inner.backend {
+                            cluster.timed_out();
+                        }
+                    }
                     return Err(StoreError::new(
                         e.kind(),
                         format!("{master}: {}", e.detail()),
@@ -1098,6 +1211,76 @@ impl RedisStore {
         }
     }
 
+    /// The Redis key the store's own checks decide on and then delete:
+    /// under its prefix and configuration, as its keys are (so an ACL key
+    /// pattern that lets it decide lets the checks too), and named apart
+    /// from every one of them, which end in a number.
+    fn probe_key(&self) -> String {
+        format!("{}probe", self.inner.key_prefix)
+    }
+
+    /// Whether decisions can be made, not only commands answered: one
+    /// decision of cost 1 on [`RedisStore::probe_key`] by Redis's clock,
+    /// then `DEL` of that key. A read-only replica, an ACL user without a
+    /// command or key the scripts need, a Redis out of memory or short of
+    /// replicas answer `PING` and `SCRIPT LOAD`, and refuse this.
+    async fn check_writes(&self, conn: &mut Conn) -> Result<(), StoreError> {
+        let name = self.probe_key();
+        let checked = async {
+            self.eval(conn, &name, None, 1).await?;
+            redis::cmd("DEL")
+                .arg(&name)
+                .query_async::<()>(conn)
+                .await
+                .map_err(map_error)
+        }
+        .await;
+        checked.map_err(|e| match refusal_advice(e.detail()) {
+            Some((kind, advice)) => StoreError::new(
+                kind,
+                format!(
+                    "Redis at {} cannot decide: {advice} (the check on the key {name}: {})",
+                    self.url(),
+                    e.detail()
+                ),
+            ),
+            None => e,
+        })
+    }
+
+    /// The script's call on the Redis key `name`, the script loaded again
+    /// whenever the server answers `NOSCRIPT` (its cache flushed, or the
+    /// node restarted): a `NOSCRIPT` ran nothing, so the call is repeated,
+    /// up to [`MAX_SCRIPT_LOADS`] times, for a cache flushed again between
+    /// the load and the call. On a cluster, a second `NOSCRIPT` after
+    /// loading it on every master comes from a node that serves no slot
+    /// yet (one just added, taking its first keys, which the client
+    /// reaches by `ASK`): the call then goes with the script's text, which
+    /// that node runs and keeps.
+    async fn eval(
+        &self,
+        conn: &mut Conn,
+        name: &str,
+        now_ms: Option<u64>,
+        cost: u64,
+    ) -> Result<Value, StoreError> {
+        let by_sha = self.eval_named(name, now_ms, cost);
+        let mut loads = 0;
+        loop {
+            match self.try_call(conn, &by_sha).await {
+                Err(e) if e.kind() == ErrorKind::NoScriptError && loads < MAX_SCRIPT_LOADS => {
+                    if loads > 0 && matches!(conn, Conn::Cluster(_)) {
+                        let by_source = self.eval_source(name, now_ms, cost);
+                        return self.try_call(conn, &by_source).await.map_err(map_error);
+                    }
+                    loads += 1;
+                    self.load_script(conn).await?;
+                }
+                other => return other.map_err(map_error),
+            }
+        }
+    }
+
     /// Loads the policy's script into the server's script cache, for a
     /// call that met NOSCRIPT (a flushed cache or a restarted node).
     async fn load_script(&self, conn: &mut Conn) -> Result<(), StoreError> {
@@ -1117,18 +1300,19 @@ impl RedisStore {
         now_ms: Option<u64>,
         cost: u64,
     ) -> Result<Decision, StoreError> {
-        let cmd = self.eval_cmd(key, now_ms, cost);
-        let mut conn = self.conn();
-        let value = match self.try_call(&mut conn, &cmd).await {
-            Err(e) if e.kind() == ErrorKind::NoScriptError => {
-                // The script cache was flushed (or a node restarted): load
-                // it again and repeat; the failed EVALSHA ran nothing.
-                self.load_script(&mut conn).await?;
-                self.try_call(&mut conn, &cmd).await
-            }
-            other => other,
-        }
-        .map_err(map_error)?;
+        let name = self.key_name(key);
+        let value = self
+            .eval(&mut self.conn(), &name, now_ms, cost)
+            .await
+            .map_err(|e| {
+                // The scripts name the key of a value they refuse; Redis's
+                // own WRONGTYPE does not, and deleting it needs its name.
+                if e.kind() == StoreErrorKind::CorruptState && !e.detail().contains(&name) {
+                    StoreError::new(e.kind(), format!("under key {name}: {}", e.detail()))
+                } else {
+                    e
+                }
+            })?;
         parse_reply(value)
     }
 
@@ -1709,7 +1893,18 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
                  correct them in {with_password} (or {with_user})"
             ),
         )
-    } else if text.contains("DB index is out of range") {
+    } else if text.contains("SELECT is not allowed in cluster mode") {
+        StoreError::new(
+            StoreErrorKind::InvalidInput,
+            format!(
+                "Redis at {address} is a cluster node, which has only database 0 ({e}): use \
+                 {}://HOST:PORT[,HOST:PORT...] without a /DB",
+                form.schemes().1
+            ),
+        )
+    } else if text.contains("DB index is out of range")
+        || (text.contains("refused to switch database") && text.contains("out of range"))
+    {
         StoreError::new(
             StoreErrorKind::InvalidInput,
             format!(
@@ -1791,6 +1986,65 @@ fn invalid_url(shown: &str, e: RedisError) -> StoreError {
 /// cluster is down or not serving the slot (`CLUSTERDOWN`, `TRYAGAIN`,
 /// `MASTERDOWN`), the client has no connection for it, or its redirection
 /// (`MOVED`) could not be followed within the client's retries.
+/// What Redis refusing every decision for what it is (not for a passing
+/// fault) means, and what to change, from the error's `text`: the kind of
+/// error, [`StoreErrorKind::InvalidInput`] for a URL or user that must
+/// change, [`StoreErrorKind::Backend`] for a state of Redis's; `None` for
+/// any other error.
+fn refusal_advice(text: &str) -> Option<(StoreErrorKind, String)> {
+    let advice = if text.contains("ReadOnly") || text.contains("READONLY") {
+        (
+            StoreErrorKind::InvalidInput,
+            "it is a read-only replica, and every decision writes: point the URL at its \
+             master"
+                .to_owned(),
+        )
+    } else if text.contains("NOPERM") || text.contains("can't run this command") {
+        (
+            StoreErrorKind::InvalidInput,
+            "the URL's user lacks a command or a key the store needs: grant it (ACL SETUSER) \
+             the commands +evalsha +script|load +ping +info, and +time +get +set +del, which \
+             the scripts run, and the keys under the store's escaped prefix (docs/redis.md, \
+             \"Key layout\")"
+                .to_owned(),
+        )
+    } else if text.contains("OOM") && text.contains("maxmemory") {
+        (
+            StoreErrorKind::Backend,
+            "it is out of memory (maxmemory) and takes no writes: raise maxmemory, or make \
+             room"
+                .to_owned(),
+        )
+    } else if text.contains("NOREPLICAS") {
+        (
+            StoreErrorKind::Backend,
+            "it takes no writes until enough replicas answer (min-replicas-to-write)".to_owned(),
+        )
+    } else {
+        return None;
+    };
+    Some(advice)
+}
+
+/// What a cluster client's error means in the cluster's terms, from its
+/// `text`: `None` when it needs no words beyond its own.
+fn cluster_hint(text: &str) -> Option<&'static str> {
+    if text.contains("ClusterConnectionNotFound") {
+        Some(
+            "no node of the cluster accepts a connection: its nodes are down, or have moved \
+             from every address the client knows (if the cluster now runs elsewhere, start \
+             again with seeds there)",
+        )
+    } else if text.contains("Moved:") {
+        Some(
+            "the node the cluster names for that slot cannot be reached (a failover may be \
+             under way)",
+        )
+    } else {
+        None
+    }
+}
+
 pub(crate) fn map_error(e: RedisError) -> StoreError {
     let text = e.to_string();
     let kind = if text.contains("RATEWARDEN_CORRUPT")

@@ -689,6 +689,49 @@ impl RedisCluster {
         &self.nodes
     }
 
+    /// Starts one more node (plain, no TLS), a master that serves no slot,
+    /// joins it to the cluster with `CLUSTER MEET`, and waits (at most
+    /// 30 s) until every node knows every other and reports
+    /// `cluster_state:ok`; its index in
+    /// [`RedisCluster::nodes`].
+    pub fn add_empty_master(&mut self) -> usize {
+        let node = loop {
+            let node = RedisServer::start_fresh_tls(true, &[], false);
+            if self.nodes.iter().all(|n| n.port != node.port) {
+                break node;
+            }
+        };
+        let port = node.port.to_string();
+        assert_eq!(
+            self.nodes[0]
+                .cli(&["CLUSTER", "MEET", "127.0.0.1", &port])
+                .trim(),
+            "OK"
+        );
+        self.nodes.push(node);
+        let known = self.nodes.len();
+        let deadline = Instant::now() + CLUSTER_START_TIMEOUT;
+        for node in &self.nodes {
+            loop {
+                let nodes = node.cli(&["CLUSTER", "NODES"]);
+                let joined = nodes.lines().count() == known
+                    && nodes
+                        .lines()
+                        .all(|l| l.contains("connected") && !l.contains("handshake"))
+                    && node.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok");
+                if joined {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "the new node did not join the cluster: {nodes}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        known - 1
+    }
+
     /// The longest TTL of any key on any node, in ms, as
     /// [`RedisServer::longest_ttl_ms`] gives it.
     pub fn longest_ttl_ms(&self) -> Option<i64> {

@@ -46,12 +46,15 @@ fn a_redis_that_wants_a_password_is_refused_at_connect_saying_so() {
     let e = connect(&format!("redis://127.0.0.1:{port}/1")).expect_err("no password given");
     assert!(e.to_string().contains("requires a password"), "{e}");
     // A database the server does not have says what to use.
-    let e = connect(&format!("redis://:s3cret@127.0.0.1:{port}/999")).expect_err("no such db");
-    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
-    assert!(
-        e.to_string().contains("below the server's `databases`"),
-        "{e}"
-    );
+    for db in ["999", "99999999999"] {
+        let url = format!("redis://:s3cret@127.0.0.1:{port}/{db}");
+        let e = connect(&url).expect_err("no such db");
+        assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+        assert!(
+            e.to_string().contains("below the server's `databases`"),
+            "{e}"
+        );
+    }
 
     // The right password: decisions are made.
     let rt = common::runtime();
@@ -65,6 +68,66 @@ fn a_redis_that_wants_a_password_is_refused_at_connect_saying_so() {
     assert!(decision.allowed);
 }
 
+/// A Redis that answers `PING` and loads scripts but refuses every
+/// decision is refused at connect, saying what to change; one that starts
+/// refusing later is not ready, and says why.
+#[test]
+fn a_redis_that_refuses_every_decision_is_refused_at_connect_saying_why() {
+    let master = RedisServer::start();
+    let port = master.port().to_string();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+    let e = connect(&replica.url()).expect_err("a read-only replica");
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(e.detail().contains("read-only replica"), "{e}");
+    assert!(e.detail().contains("point the URL at its master"), "{e}");
+
+    // ACL users: one without EVALSHA, one whose keys are elsewhere.
+    let users: [(&str, &[&str]); 2] = [
+        ("noeval", &["~*", "+@all", "-evalsha"]),
+        ("elsewhere", &["~other:*", "+@all"]),
+    ];
+    for (user, rules) in users {
+        let mut args = vec!["ACL", "SETUSER", user, "on", ">pw"];
+        args.extend(rules);
+        assert_eq!(master.cli(&args).trim(), "OK");
+        let url = format!("redis://{user}:pw@127.0.0.1:{port}");
+        let e = connect(&url).expect_err(user);
+        assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+        assert!(e.detail().contains("lacks a command or a key"), "{e}");
+        assert!(e.detail().contains("+evalsha"), "{e}");
+    }
+
+    // Full (maxmemory below what it holds, and no eviction): refused at
+    // connect; and a store connected before goes unready, then ready.
+    let rt = common::runtime();
+    rt.block_on(async {
+        let store = RedisStore::connect(&master.url(), REFERENCE, options("full"))
+            .await
+            .expect("connect");
+        store.ping().await.expect("ready");
+        assert_eq!(
+            master.cli(&["CONFIG", "SET", "maxmemory", "1"]).trim(),
+            "OK"
+        );
+        let e = store.ping().await.expect_err("out of memory");
+        assert_eq!(e.kind(), StoreErrorKind::Backend, "{e}");
+        assert!(e.detail().contains("out of memory"), "{e}");
+        let e = RedisStore::connect(&master.url(), REFERENCE, options("full"))
+            .await
+            .expect_err("out of memory");
+        assert!(e.detail().contains("out of memory"), "{e}");
+        let e = store.decide(1, None, 1).await.expect_err("out of memory");
+        assert!(e.detail().contains("raise maxmemory"), "{e}");
+        assert_eq!(
+            master.cli(&["CONFIG", "SET", "maxmemory", "0"]).trim(),
+            "OK"
+        );
+        store.ping().await.expect("ready again");
+    });
+    // The checks leave nothing behind.
+    assert_eq!(master.cli(&["DBSIZE"]).trim(), "0");
+}
+
 #[test]
 fn a_cluster_node_named_by_redis_url_is_refused_at_connect() {
     let cluster = RedisCluster::start();
@@ -76,6 +139,11 @@ fn a_cluster_node_named_by_redis_url_is_refused_at_connect() {
             .contains("is a cluster node: use redis-cluster://"),
         "{e}"
     );
+    // With a /DB, whose SELECT the node refuses first: the same advice.
+    let e = connect(&format!("{}/3", node.url())).expect_err("a /DB on a cluster node");
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(e.to_string().contains("is a cluster node"), "{e}");
+    assert!(e.to_string().contains("redis-cluster://"), "{e}");
     // Its own form works.
     connect(&cluster.url()).expect("redis-cluster:// connects");
 }

@@ -476,7 +476,9 @@ fn corrupt_state_is_a_typed_error_never_an_admit() {
             let nan = f64::NAN;
             let two53 = 9_007_199_254_740_992.0;
             let values: &[&[f64]] = match policy {
+                // (A window start off the window's multiples, too.)
                 PolicyKind::FixedWindow => &[
+                    &[1.0, 0.0],
                     &[0.0, nan],
                     &[-1.0, 0.0],
                     &[0.0, 1.5],
@@ -484,6 +486,7 @@ fn corrupt_state_is_a_typed_error_never_an_admit() {
                     &[0.0, 0.0, 0.0],
                 ],
                 PolicyKind::SlidingWindowCounter => &[
+                    &[1500.0, 0.0, 0.0],
                     &[0.0, 1.5, 0.0],
                     &[0.0, 0.0, f64::INFINITY],
                     &[nan, 0.0, 0.0],
@@ -540,9 +543,11 @@ fn corrupt_state_is_a_typed_error_never_an_admit() {
                     StoreErrorKind::CorruptState,
                     "{policy} {setup:?}: {err}"
                 );
-                // It says what to do, and names no field by a letter.
+                // It says what to do, and to which key, and names no field
+                // by a letter.
                 let text = err.to_string();
                 assert!(text.contains("delete the key"), "{text}");
+                assert!(text.contains(&name), "{text}");
                 assert!(
                     !text.contains("field w ") && !text.contains("field a "),
                     "{text}"

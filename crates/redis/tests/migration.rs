@@ -8,6 +8,41 @@ use ratewarden_core::{PolicyConfig, PolicyKind};
 use ratewarden_redis::test_support::RedisCluster;
 use ratewarden_redis::RedisStore;
 
+/// The first half of a slot migration, as `redis-cli --cluster reshard`
+/// does it, for the slot of `name`, from the node that holds it to the
+/// node `to` (or the next one): the key moves, the slot still belongs to
+/// the source, which now answers `ASK` for it.
+fn move_key_half_way(cluster: &RedisCluster, name: &str, to: Option<usize>) {
+    let nodes = cluster.nodes();
+    let source = nodes
+        .iter()
+        .position(|n| n.cli(&["EXISTS", name]).trim() == "1")
+        .expect("one node holds the key");
+    let target = to.unwrap_or((source + 1) % 3);
+    let (src, dst) = (&nodes[source], &nodes[target]);
+    let slot = src.cli(&["CLUSTER", "KEYSLOT", name]).trim().to_owned();
+    let src_id = src.cli(&["CLUSTER", "MYID"]).trim().to_owned();
+    let dst_id = dst.cli(&["CLUSTER", "MYID"]).trim().to_owned();
+    assert_eq!(
+        dst.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id])
+            .trim(),
+        "OK"
+    );
+    assert_eq!(
+        src.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &dst_id])
+            .trim(),
+        "OK"
+    );
+    let port = dst.port().to_string();
+    assert_eq!(
+        src.cli(&["MIGRATE", "127.0.0.1", &port, name, "0", "5000"])
+            .trim(),
+        "OK"
+    );
+    assert_eq!(src.cli(&["CLUSTER", "COUNTKEYSINSLOT", &slot]).trim(), "0");
+    assert_eq!(dst.cli(&["CLUSTER", "COUNTKEYSINSLOT", &slot]).trim(), "1");
+}
+
 #[test]
 fn decisions_on_a_key_whose_slot_is_migrating_all_succeed() {
     let cluster = RedisCluster::start();
@@ -21,38 +56,7 @@ fn decisions_on_a_key_whose_slot_is_migrating_all_succeed() {
             .unwrap()
     });
     rt.block_on(async { store.decide(7, now_ms, 1).await.unwrap() });
-    let name = store.key_name(7);
-    let nodes = cluster.nodes();
-    let source = nodes
-        .iter()
-        .position(|n| n.cli(&["EXISTS", &name]).trim() == "1")
-        .expect("one node holds the key");
-    let target = (source + 1) % nodes.len();
-    let (src, dst) = (&nodes[source], &nodes[target]);
-    let slot = src.cli(&["CLUSTER", "KEYSLOT", &name]).trim().to_owned();
-    let src_id = src.cli(&["CLUSTER", "MYID"]).trim().to_owned();
-    let dst_id = dst.cli(&["CLUSTER", "MYID"]).trim().to_owned();
-    // The first half of a slot migration, as redis-cli --cluster reshard
-    // does it: the key moves, the slot still belongs to the source, which
-    // now answers ASK for it.
-    assert_eq!(
-        dst.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id])
-            .trim(),
-        "OK"
-    );
-    assert_eq!(
-        src.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &dst_id])
-            .trim(),
-        "OK"
-    );
-    let port = dst.port().to_string();
-    assert_eq!(
-        src.cli(&["MIGRATE", "127.0.0.1", &port, &name, "0", "5000"])
-            .trim(),
-        "OK"
-    );
-    assert_eq!(src.cli(&["CLUSTER", "COUNTKEYSINSLOT", &slot]).trim(), "0");
-    assert_eq!(dst.cli(&["CLUSTER", "COUNTKEYSINSLOT", &slot]).trim(), "1");
+    move_key_half_way(&cluster, &store.key_name(7), None);
 
     // Concurrent decisions share the cluster connection's node
     // connections, where another request's command can fall between a
@@ -87,4 +91,33 @@ fn decisions_on_a_key_whose_slot_is_migrating_all_succeed() {
     // Exactly once each: the first decision and every one since.
     let peek = rt.block_on(async { store.decide(7, now_ms, 0).await.unwrap() });
     assert_eq!(peek.remaining, 100_000_000 - 1 - (TASKS * EACH) as u64);
+}
+
+/// A node just added, which serves no slot, takes its first key: loading
+/// the script on every master did not reach it, so the first call `ASK`ed
+/// there meets `NOSCRIPT`, and the store loads the script there and
+/// decides, exactly once.
+#[test]
+fn a_key_moving_to_a_node_that_serves_no_slot_yet_is_decided() {
+    let mut cluster = RedisCluster::start();
+    let rt = common::runtime();
+    let config = PolicyConfig::new(PolicyKind::SlidingWindowCounter, 1_000, 86_400_000);
+    let now_ms = Some(1_000);
+    let store = rt.block_on(async {
+        RedisStore::connect(&cluster.url(), config, common::exact_options("new-node"))
+            .await
+            .unwrap()
+    });
+    rt.block_on(async { store.decide(7, now_ms, 1).await.unwrap() });
+    let new = cluster.add_empty_master();
+    move_key_half_way(&cluster, &store.key_name(7), Some(new));
+    rt.block_on(async {
+        for n in 2..=5 {
+            let d = store
+                .decide(7, now_ms, 1)
+                .await
+                .expect("decided on the new node");
+            assert_eq!(d.remaining, 1_000 - n);
+        }
+    });
 }

@@ -125,9 +125,13 @@ impl RedisFactory {
         }
     }
 
-    /// The options every connection of this factory is made with.
+    /// The options every connection of this factory is made with. Its
+    /// prefix names only the key the store's own checks use (see
+    /// `RedisStore::ping`): under `key_prefix` and its `:`, as every rule's
+    /// keys are, so that an ACL key pattern for the rules covers it.
     fn options(&self) -> ratewarden_redis::RedisOptions {
         ratewarden_redis::RedisOptions {
+            prefix: format!("{}:probe", self.key_prefix),
             timeout_ms: self.timeout_ms,
             tls_ca_file: self.tls.tls_ca_file.clone(),
             tls_cert_file: self.tls.tls_cert_file.clone(),
@@ -199,8 +203,8 @@ impl StoreFactory for RedisFactory {
             let shared = self
                 .rules
                 .get_or_try_init(|| {
-                    // Its own configuration and prefix are never used: it
-                    // only holds the connection the rules' stores share.
+                    // It decides nothing but its connect check: it holds
+                    // the connection the rules' stores share.
                     ratewarden_redis::RedisStore::connect(
                         &self.url,
                         ratewarden_core::REFERENCE,

@@ -297,8 +297,9 @@ let decision = store.decide(42, None, 1).await?;
 // later requests in the batch, which are then not sent).
 let decisions = store.decide_many(&[(1, 1), (2, 1), (1, 3)], None).await?;
 
-// Whether Redis can decide now, within timeout_ms, deciding nothing (PING;
-// on a cluster, every slot's master asked): for readiness checks.
+// Whether Redis can decide now, within timeout_ms, deciding on no
+// limiter's key (PING and a decision on a key of its own; on a cluster,
+// every slot's master asked): for readiness checks.
 store.ping().await?;
 
 // Another limit on the same connection (one per limit would mean a
