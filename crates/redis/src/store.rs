@@ -650,10 +650,15 @@ impl RedisStore {
     /// # Ok(()) }
     /// ```
     ///
+    /// Loading the script and the decision on a key of the store's own
+    /// are made as when connecting, and refuse what connecting refuses.
+    ///
     /// Errors: an invalid configuration ([`StoreErrorKind::InvalidInput`]);
-    /// the policy's script not loaded (on every master of a cluster)
-    /// within `connect_timeout_ms`, as when connecting: Redis out of reach
-    /// ([`StoreErrorKind::ConnectionDropped`]), refusing it
+    /// within `connect_timeout_ms`, the policy's script not loaded (on
+    /// every master of a cluster), or the check's decision refused, as when
+    /// connecting: Redis out of reach ([`StoreErrorKind::ConnectionDropped`]),
+    /// a read-only replica or an ACL user without what the scripts need
+    /// ([`StoreErrorKind::InvalidInput`]), Redis refusing otherwise
     /// ([`StoreErrorKind::Backend`]), or not answering
     /// ([`StoreErrorKind::Timeout`]).
     pub async fn with_config(
