@@ -512,15 +512,23 @@ impl RedisStore {
                             // Over TLS, seeds that connected but a slot map
                             // whose nodes could not be: their certificates
                             // lack the addresses the nodes announce.
-                            let hint = if tls && e.detail().contains("ClusterConnectionNotFound") {
-                                "; over TLS, each node's certificate must hold the address it \
-                                 announces in CLUSTER SLOTS (its IP, unless \
-                                 cluster-preferred-endpoint-type is hostname)"
+                            // The seeds answered, so it is no Redis to
+                            // start (Backend, not ConnectionDropped, for
+                            // which callers say to start one).
+                            let certificates =
+                                tls && e.detail().contains("ClusterConnectionNotFound");
+                            let (kind, hint) = if certificates {
+                                (
+                                    StoreErrorKind::Backend,
+                                    "; over TLS, each node's certificate must hold the address \
+                                     it announces in CLUSTER SLOTS (its IP, unless \
+                                     cluster-preferred-endpoint-type is hostname)",
+                                )
                             } else {
-                                ""
+                                (e.kind(), "")
                             };
                             StoreError::new(
-                                e.kind(),
+                                kind,
                                 format!(
                                     "Redis Cluster at {shown} cannot be used: CLUSTER INFO: \
                                      {}{hint}",

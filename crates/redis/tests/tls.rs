@@ -395,3 +395,21 @@ fn a_cluster_over_tls_decides_on_every_master() {
     let e = connect(&plain, options("tls-cluster", None)).unwrap_err();
     assert!(e.detail().contains("rediss-cluster://"), "{e}");
 }
+
+/// Nodes whose certificates hold a name, reached by that name as seeds,
+/// but announcing their IP in `CLUSTER SLOTS`: the seeds connect and the
+/// slot map's nodes cannot. Said as such, and not as a Redis to start.
+#[test]
+fn a_cluster_whose_certificates_lack_the_announced_addresses_says_so() {
+    let certs = TestCerts::with_server(&["localhost"], false);
+    let cluster = RedisCluster::start_tls(&certs);
+    let port = cluster.nodes()[0].tls_port().unwrap();
+    let url = format!("rediss-cluster://localhost:{port}");
+    let e = connect(&url, options("announced", Some(certs.ca_file()))).unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Backend, "{e}");
+    assert!(
+        e.detail()
+            .contains("each node's certificate must hold the address it announces"),
+        "{e}"
+    );
+}
