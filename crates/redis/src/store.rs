@@ -589,23 +589,7 @@ impl RedisStore {
                 Backend::Node(conn)
             };
             let store = Self::with_connection(backend, crate::redact_url(url), config, options);
-            // Loading the script proves that scripts can run (on every
-            // master of a cluster) and saves the first call a NOSCRIPT.
-            retry_timeouts!(deadline, node_response_timeout, {
-                store.load_script(&mut store.conn()).await
-            })
-            .map_err(|e| {
-                StoreError::new(
-                    e.kind(),
-                    format!(
-                        "Redis at {shown} cannot load the policy's script: {}",
-                        e.detail()
-                    ),
-                )
-            })?;
-            retry_timeouts!(deadline, node_response_timeout, {
-                store.check_writes(&mut store.conn()).await
-            })?;
+            store.prepare(deadline, node_response_timeout).await?;
             Ok(store)
         };
         // A TLS handshake sent to a plain port gets no answer: the time
@@ -691,24 +675,7 @@ impl RedisStore {
         );
         let deadline = tokio::time::Instant::now() + Duration::from_millis(connect_timeout_ms);
         let shown = store.url();
-        let loading = async {
-            retry_timeouts!(deadline, per_try, {
-                store.load_script(&mut store.conn()).await
-            })
-            .map_err(|e| {
-                StoreError::new(
-                    e.kind(),
-                    format!(
-                        "Redis at {shown} cannot load the policy's script: {}",
-                        e.detail()
-                    ),
-                )
-            })?;
-            retry_timeouts!(deadline, per_try, {
-                store.check_writes(&mut store.conn()).await
-            })
-        };
-        match tokio::time::timeout_at(deadline, loading).await {
+        match tokio::time::timeout_at(deadline, store.prepare(deadline, per_try)).await {
             Ok(Ok(())) => Ok(store),
             Ok(Err(e)) => Err(e),
             Err(_) => Err(StoreError::new(
@@ -719,6 +686,34 @@ impl RedisStore {
                 ),
             )),
         }
+    }
+
+    /// Makes a new store ready to decide, by `deadline`, each try of a
+    /// check that only timed out made again while `per_try` fits: loads
+    /// the policy's script, which proves that scripts can run (on every
+    /// master of a cluster) and saves the first call a NOSCRIPT, then
+    /// makes the decision check (see [`RedisStore::check_writes`]).
+    async fn prepare(
+        &self,
+        deadline: tokio::time::Instant,
+        per_try: Duration,
+    ) -> Result<(), StoreError> {
+        retry_timeouts!(deadline, per_try, {
+            self.load_script(&mut self.conn()).await
+        })
+        .map_err(|e| {
+            StoreError::new(
+                e.kind(),
+                format!(
+                    "Redis at {} cannot load the policy's script: {}",
+                    self.url(),
+                    e.detail()
+                ),
+            )
+        })?;
+        retry_timeouts!(deadline, per_try, {
+            self.check_writes(&mut self.conn()).await
+        })
     }
 
     fn with_connection(
