@@ -2023,6 +2023,16 @@ fn refusal_advice(text: &str) -> Option<(StoreErrorKind, String)> {
              room"
                 .to_owned(),
         )
+    } else if text.contains("AuthenticationFailed")
+        || text.contains("WRONGPASS")
+        || text.contains("NOAUTH")
+    {
+        (
+            StoreErrorKind::InvalidInput,
+            "it refuses the URL's user or password (changed since the store connected?): \
+             correct them in the URL"
+                .to_owned(),
+        )
     } else if text.contains("NOREPLICAS") {
         (
             StoreErrorKind::Backend,

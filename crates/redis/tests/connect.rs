@@ -59,13 +59,25 @@ fn a_redis_that_wants_a_password_is_refused_at_connect_saying_so() {
     // The right password: decisions are made.
     let rt = common::runtime();
     let url = format!("redis://:s3cret@127.0.0.1:{port}");
-    let decision = rt.block_on(async {
+    rt.block_on(async {
         let store = RedisStore::connect(&url, REFERENCE, options("auth"))
             .await
             .expect("right password");
-        store.decide(1, None, 1).await.expect("decided")
+        let decision = store.decide(1, None, 1).await.expect("decided");
+        assert!(decision.allowed);
+        // The password changed while connected, and the connection closed:
+        // reconnecting is refused, and each call says why.
+        server.cli(&["-a", "s3cret", "CONFIG", "SET", "requirepass", "changed"]);
+        server.cli(&["-a", "changed", "CLIENT", "KILL", "TYPE", "normal"]);
+        let e = store
+            .decide(1, None, 1)
+            .await
+            .expect_err("the old password");
+        assert!(
+            e.detail().contains("refuses the URL's user or password"),
+            "{e}"
+        );
     });
-    assert!(decision.allowed);
 }
 
 /// A Redis that answers `PING` and loads scripts but refuses every
