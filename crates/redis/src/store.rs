@@ -21,8 +21,9 @@ const SLIDING_LOG: &str = include_str!("lua/sliding_log.lua");
 const TOKEN_BUCKET: &str = include_str!("lua/token_bucket.lua");
 const GCRA: &str = include_str!("lua/gcra.lua");
 
-/// Evaluates `$check`, a connect-time command that changes nothing
-/// (awaited inside, giving a `Result<_, StoreError>`), again while it
+/// Evaluates `$check`, a connect-time command that changes nothing but a
+/// key of the store's own checks (awaited inside, giving a
+/// `Result<_, StoreError>`), again while it
 /// times out and one more try, taking up to `$per_try`, still ends before
 /// `$deadline`: connecting is bounded by `connect_timeout_ms`, not by the
 /// call timeout, so a Redis that is slow for a moment (a loaded machine)
@@ -49,6 +50,11 @@ macro_rules! retry_timeouts {
 /// version's keys (it would take them for corrupt state): they expire on
 /// their own.
 const STATE_FORMAT: &str = "v2";
+
+/// The longest TTL of the key a connect or readiness check decides on
+/// (see `RedisStore::check_writes`), in ms: it is deleted at once, and
+/// lives this long only when the check is cut short.
+const PROBE_TTL_MS: u64 = 10_000;
 
 /// The most times one call loads its script again after `NOSCRIPT`
 /// before failing: a cache flushed that often is not served.
@@ -681,8 +687,9 @@ impl RedisStore {
             Err(_) => Err(StoreError::new(
                 StoreErrorKind::Timeout,
                 format!(
-                    "Redis at {shown} did not load the policy's script within \
-                     {connect_timeout_ms} ms"
+                    "Redis at {shown} did not load the policy's script and decide on {} \
+                     within {connect_timeout_ms} ms",
+                    store.probe_key()
                 ),
             )),
         }
@@ -814,29 +821,38 @@ impl RedisStore {
 
     /// The script call for the Redis key `name`.
     fn eval_named(&self, name: &str, now_ms: Option<u64>, cost: u64) -> Cmd {
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(self.inner.script.get_hash());
-        self.script_args_for(cmd, name, now_ms, cost)
-    }
-
-    /// The same call as `EVAL` with the script's text, which any node
-    /// runs, and caches, whether or not the script was loaded there.
-    fn eval_source(&self, name: &str, now_ms: Option<u64>, cost: u64) -> Cmd {
-        let mut cmd = redis::cmd("EVAL");
-        cmd.arg(self.inner.script_source);
-        self.script_args_for(cmd, name, now_ms, cost)
-    }
-
-    /// `cmd` with the script's key and arguments after it.
-    fn script_args_for(&self, mut cmd: Cmd, name: &str, now_ms: Option<u64>, cost: u64) -> Cmd {
         let o = &self.inner.options;
+        self.script_call(false, name, now_ms, cost, (o.ttl_grace_ms, o.max_ttl_ms))
+    }
+
+    /// The script's call on the Redis key `name`, with `ttl`'s grace and
+    /// longest TTL: by `EVALSHA`, or `by_source`, as `EVAL` with the
+    /// script's text, which any node runs, and caches, whether or not the
+    /// script was loaded there.
+    fn script_call(
+        &self,
+        by_source: bool,
+        name: &str,
+        now_ms: Option<u64>,
+        cost: u64,
+        ttl: (u64, u64),
+    ) -> Cmd {
+        let mut cmd = if by_source {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(self.inner.script_source);
+            cmd
+        } else {
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg(self.inner.script.get_hash());
+            cmd
+        };
         cmd.arg(1)
             .arg(name)
             .arg(&self.inner.config_args[..])
             .arg(cost)
             .arg(now_ms.map_or(String::new(), |n| n.to_string()))
-            .arg(o.ttl_grace_ms)
-            .arg(o.max_ttl_ms);
+            .arg(ttl.0)
+            .arg(ttl.1);
         cmd
     }
 
@@ -1228,14 +1244,25 @@ impl RedisStore {
     }
 
     /// Whether decisions can be made, not only commands answered: one
-    /// decision of cost 1 on [`RedisStore::probe_key`] by Redis's clock,
-    /// then `DEL` of that key. A read-only replica, an ACL user without a
-    /// command or key the scripts need, a Redis out of memory or short of
-    /// replicas answer `PING` and `SCRIPT LOAD`, and refuse this.
+    /// decision of cost 1 on [`RedisStore::probe_key`], then `DEL` of that
+    /// key. A read-only replica, an ACL user without a command or key the
+    /// scripts need, a Redis out of memory or short of replicas answer
+    /// `PING` and `SCRIPT LOAD`, and refuse this (the `DEL` writes even
+    /// when the decision does not).
+    ///
+    /// The decision is by this machine's clock, as a caller's time: a
+    /// store whose decisions all pass `now_ms` needs no `TIME` (which
+    /// decisions by Redis's clock do need, and this does not check). It
+    /// sets a TTL of at most [`PROBE_TTL_MS`], so a key left by a check
+    /// cut short before its `DEL` goes soon, whatever the configuration.
     async fn check_writes(&self, conn: &mut Conn) -> Result<(), StoreError> {
         let name = self.probe_key();
+        let now_ms = ratewarden_core::Clock::now_ms(&ratewarden_core::SystemClock);
         let checked = async {
-            self.eval(conn, &name, None, 1).await?;
+            self.eval(conn, |by_source| {
+                self.script_call(by_source, &name, Some(now_ms), 1, (0, PROBE_TTL_MS))
+            })
+            .await?;
             redis::cmd("DEL")
                 .arg(&name)
                 .query_async::<()>(conn)
@@ -1243,16 +1270,19 @@ impl RedisStore {
                 .map_err(map_error)
         }
         .await;
-        checked.map_err(|e| match refusal_advice(e.detail()) {
-            Some((kind, advice)) => StoreError::new(
+        checked.map_err(|e| {
+            let (kind, advice) = match refusal_advice(e.detail()) {
+                Some((kind, advice)) => (kind, format!("{advice} ")),
+                None => (e.kind(), String::new()),
+            };
+            StoreError::new(
                 kind,
                 format!(
-                    "Redis at {} cannot decide: {advice} (the check on the key {name}: {})",
+                    "Redis at {} cannot decide: {advice}(the check on the key {name}: {})",
                     self.url(),
                     e.detail()
                 ),
-            ),
-            None => e,
+            )
         })
     }
 
@@ -1265,21 +1295,16 @@ impl RedisStore {
     /// yet (one just added, taking its first keys, which the client
     /// reaches by `ASK`): the call then goes with the script's text, which
     /// that node runs and keeps.
-    async fn eval(
-        &self,
-        conn: &mut Conn,
-        name: &str,
-        now_ms: Option<u64>,
-        cost: u64,
-    ) -> Result<Value, StoreError> {
-        let by_sha = self.eval_named(name, now_ms, cost);
+    ///
+    /// `call` makes the call, by `EVALSHA`, or with `true` by `EVAL`.
+    async fn eval(&self, conn: &mut Conn, call: impl Fn(bool) -> Cmd) -> Result<Value, StoreError> {
+        let by_sha = call(false);
         let mut loads = 0;
         loop {
             match self.try_call(conn, &by_sha).await {
                 Err(e) if e.kind() == ErrorKind::NoScriptError && loads < MAX_SCRIPT_LOADS => {
                     if loads > 0 && matches!(conn, Conn::Cluster(_)) {
-                        let by_source = self.eval_source(name, now_ms, cost);
-                        return self.try_call(conn, &by_source).await.map_err(map_error);
+                        return self.try_call(conn, &call(true)).await.map_err(map_error);
                     }
                     loads += 1;
                     self.load_script(conn).await?;
@@ -1309,8 +1334,12 @@ impl RedisStore {
         cost: u64,
     ) -> Result<Decision, StoreError> {
         let name = self.key_name(key);
+        let o = &self.inner.options;
+        let ttl = (o.ttl_grace_ms, o.max_ttl_ms);
         let value = self
-            .eval(&mut self.conn(), &name, now_ms, cost)
+            .eval(&mut self.conn(), |by_source| {
+                self.script_call(by_source, &name, now_ms, cost, ttl)
+            })
             .await
             .map_err(|e| {
                 // The scripts name the key of a value they refuse; Redis's
@@ -1985,15 +2014,6 @@ fn invalid_url(shown: &str, e: RedisError) -> StoreError {
     )
 }
 
-/// Classifies a client error so that a limiter can choose its failure
-/// policy without parsing messages.
-///
-/// On a cluster, the errors that say the key's node cannot be reached (a
-/// master that died or hangs, a failover under way) count as a dropped
-/// connection, as the same node's failure on a single node would: the
-/// cluster is down or not serving the slot (`CLUSTERDOWN`, `TRYAGAIN`,
-/// `MASTERDOWN`), the client has no connection for it, or its redirection
-/// (`MOVED`) could not be followed within the client's retries.
 /// What Redis refusing every decision for what it is (not for a passing
 /// fault) means, and what to change, from the error's `text`: the kind of
 /// error, [`StoreErrorKind::InvalidInput`] for a URL or user that must
@@ -2011,9 +2031,9 @@ fn refusal_advice(text: &str) -> Option<(StoreErrorKind, String)> {
         (
             StoreErrorKind::InvalidInput,
             "the URL's user lacks a command or a key the store needs: grant it (ACL SETUSER) \
-             the commands +evalsha +script|load +ping +info, and +time +get +set +del, which \
-             the scripts run, and the keys under the store's escaped prefix (docs/redis.md, \
-             \"Key layout\")"
+             the commands +evalsha +eval +script|load +ping +info (and +cluster +asking on a \
+             cluster), +time +get +set +del, which the scripts run, and the keys under the \
+             store's escaped prefix (docs/redis.md, \"Use\")"
                 .to_owned(),
         )
     } else if text.contains("OOM") && text.contains("maxmemory") {
@@ -2031,6 +2051,13 @@ fn refusal_advice(text: &str) -> Option<(StoreErrorKind, String)> {
             StoreErrorKind::InvalidInput,
             "it refuses the URL's user or password (changed since the store connected?): \
              correct them in the URL"
+                .to_owned(),
+        )
+    } else if text.contains("MISCONF") {
+        (
+            StoreErrorKind::Backend,
+            "it takes no writes since it failed to save to disk (stop-writes-on-bgsave-error): \
+             mend its disk or its save settings"
                 .to_owned(),
         )
     } else if text.contains("NOREPLICAS") {
@@ -2053,6 +2080,11 @@ fn cluster_hint(text: &str) -> Option<&'static str> {
              from every address the client knows (if the cluster now runs elsewhere, start \
              again with seeds there)",
         )
+    } else if text.contains("Requested connection not found") {
+        Some(
+            "the client could not use the node the cluster sent it to (while a slot moves, an \
+             ACL user needs +asking there)",
+        )
     } else if text.contains("Moved:") {
         Some(
             "the node the cluster names for that slot cannot be reached (a failover may be \
@@ -2063,6 +2095,15 @@ fn cluster_hint(text: &str) -> Option<&'static str> {
     }
 }
 
+/// Classifies a client error so that a limiter can choose its failure
+/// policy without parsing messages.
+///
+/// On a cluster, the errors that say the key's node cannot be reached (a
+/// master that died or hangs, a failover under way) count as a dropped
+/// connection, as the same node's failure on a single node would: the
+/// cluster is down or not serving the slot (`CLUSTERDOWN`, `TRYAGAIN`,
+/// `MASTERDOWN`), the client has no connection for it, or its redirection
+/// (`MOVED`) could not be followed within the client's retries.
 pub(crate) fn map_error(e: RedisError) -> StoreError {
     let text = e.to_string();
     let kind = if text.contains("RATEWARDEN_CORRUPT")

@@ -108,6 +108,31 @@ fn a_redis_that_refuses_every_decision_is_refused_at_connect_saying_why() {
         assert!(e.detail().contains("lacks a command or a key"), "{e}");
         assert!(e.detail().contains("+evalsha"), "{e}");
     }
+    // A user without TIME connects, and decides by its own clock: only
+    // decisions by Redis's clock need TIME, and they say so.
+    assert_eq!(
+        master
+            .cli(&["ACL", "SETUSER", "notime", "on", ">pw", "~*", "+@all", "-time"])
+            .trim(),
+        "OK"
+    );
+    let url = format!("redis://notime:pw@127.0.0.1:{port}");
+    common::runtime().block_on(async {
+        let store = RedisStore::connect(&url, REFERENCE, options("notime"))
+            .await
+            .expect("no TIME needed to connect");
+        store
+            .decide(1, Some(1_000), 1)
+            .await
+            .expect("by its own clock");
+        let e = store
+            .decide(1, None, 1)
+            .await
+            .expect_err("by Redis's clock");
+        assert!(e.detail().contains("+time"), "{e}");
+        // Its decision's key, so that what the checks leave can be seen.
+        master.cli(&["DEL", &store.key_name(1)]);
+    });
 
     // Full (maxmemory below what it holds, and no eviction): refused at
     // connect; and a store connected before goes unready, then ready.

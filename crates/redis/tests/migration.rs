@@ -93,23 +93,61 @@ fn decisions_on_a_key_whose_slot_is_migrating_all_succeed() {
     assert_eq!(peek.remaining, 100_000_000 - 1 - (TASKS * EACH) as u64);
 }
 
+/// The ACL docs/redis.md gives a user of a cluster, for keys under
+/// `prefix`.
+fn documented_acl(prefix: &str) -> Vec<String> {
+    let mut rule: Vec<String> = [
+        "ACL",
+        "SETUSER",
+        "limiter",
+        "on",
+        ">pw",
+        "resetkeys",
+        "-@all",
+    ]
+    .map(str::to_owned)
+    .into();
+    rule.push(format!("~{prefix}:*"));
+    rule.extend(
+        [
+            "+evalsha",
+            "+eval",
+            "+script|load",
+            "+ping",
+            "+info",
+            "+cluster",
+            "+asking",
+            "+get",
+            "+set",
+            "+del",
+            "+time",
+        ]
+        .map(str::to_owned),
+    );
+    rule
+}
+
 /// A node just added, which serves no slot, takes its first key: loading
 /// the script on every master did not reach it, so the first call `ASK`ed
-/// there meets `NOSCRIPT`, and the store loads the script there and
-/// decides, exactly once.
+/// there meets `NOSCRIPT`, and the store sends the call with the script's
+/// text, which is decided, exactly once. With the ACL the docs give.
 #[test]
 fn a_key_moving_to_a_node_that_serves_no_slot_yet_is_decided() {
     let mut cluster = RedisCluster::start();
+    let options = common::exact_options("new-node");
+    let acl = documented_acl(&options.prefix);
+    let acl: Vec<&str> = acl.iter().map(String::as_str).collect();
+    for node in cluster.nodes() {
+        assert_eq!(node.cli(&acl).trim(), "OK");
+    }
+    let url = cluster.url().replacen("://", "://limiter:pw@", 1);
     let rt = common::runtime();
     let config = PolicyConfig::new(PolicyKind::SlidingWindowCounter, 1_000, 86_400_000);
     let now_ms = Some(1_000);
-    let store = rt.block_on(async {
-        RedisStore::connect(&cluster.url(), config, common::exact_options("new-node"))
-            .await
-            .unwrap()
-    });
+    let store = rt.block_on(async { RedisStore::connect(&url, config, options).await.unwrap() });
     rt.block_on(async { store.decide(7, now_ms, 1).await.unwrap() });
     let new = cluster.add_empty_master();
+    assert_eq!(cluster.nodes()[new].cli(&acl).trim(), "OK");
     move_key_half_way(&cluster, &store.key_name(7), Some(new));
     rt.block_on(async {
         for n in 2..=5 {

@@ -458,15 +458,21 @@ fn duplicate_header(text: &str, offset: usize) -> Option<(String, String)> {
     let offset = offset.min(text.len());
     let line_start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
     let (name, list) = header(text[line_start..].lines().next()?)?;
-    // The 1-based line of the first earlier header that `found` accepts.
-    let earlier = |found: &dyn Fn(&str, bool) -> bool| {
-        text[..line_start]
+    // The 1-based line of the earlier header that `found` accepts nearest
+    // to this one, or with `first`, the first.
+    let earlier = |found: &dyn Fn(&str, bool) -> bool, first: bool| {
+        let mut lines = text[..line_start]
             .lines()
             .enumerate()
-            .find_map(|(i, line)| header(line).filter(|&(n, l)| found(n, l)).map(|_| i + 1))
+            .filter_map(|(i, line)| header(line).filter(|&(n, l)| found(n, l)).map(|_| i + 1));
+        if first {
+            lines.next()
+        } else {
+            lines.last()
+        }
     };
     let nested = format!("{name}.");
-    let advice = if let Some(at) = earlier(&|n, l| n == name && !l) {
+    let advice = if let Some(at) = earlier(&|n, l| n == name && !l, false) {
         if list {
             format!(
                 "[[{name}]] is a list of tables, but line {at} opens it as one table, \
@@ -478,18 +484,21 @@ fn duplicate_header(text: &str, offset: usize) -> Option<(String, String)> {
                  [{name}] table"
             )
         }
-    } else if let Some(at) = earlier(&|n, l| n == name && l) {
+    } else if let Some(at) = earlier(&|n, l| n == name && l, false) {
         format!(
             "line {at} makes {name} a list of tables, [[{name}]]; write [[{name}]] here \
              too, for one more element"
         )
     } else if let Some(at) = list
-        .then(|| earlier(&|n, _| n.starts_with(&nested)))
+        .then(|| earlier(&|n, _| n.starts_with(&nested), true))
         .flatten()
     {
-        let child = header(text.lines().nth(at - 1)?)?.0;
+        let child = match header(text.lines().nth(at - 1)?)? {
+            (child, true) => format!("[[{child}]]"),
+            (child, false) => format!("[{child}]"),
+        };
         format!(
-            "line {at}, [[{child}]], comes before any [[{name}]], which makes {name} one \
+            "line {at}, {child}, comes before any [[{name}]], which makes {name} one \
              table rather than a list; move it below the [[{name}]] it belongs to"
         )
     } else {
@@ -1327,6 +1336,13 @@ shadow = true
                 "[[domains]] is a list of tables, but line 1 opens it as one table, [domains]; \
                  write [[domains]] there too",
             ),
+            // The nearest earlier header is named, in the element it repeats.
+            (
+                "[[domains]]\n[domains.x]\n[[domains]]\n[domains.x]\n[domains.x]\n",
+                5,
+                "[domains.x] is written twice (also at line 4); merge the two into one \
+                 [domains.x] table",
+            ),
             (
                 "[[domains]]\ndomain = \"d\"\n[domains]\ndomain = \"e\"\n",
                 3,
@@ -1338,6 +1354,8 @@ shadow = true
             assert_eq!(e.line, Some(line), "{e}");
             let table = if text.contains("keys") {
                 "keys"
+            } else if text.contains("[domains.x]") {
+                "domains.x"
             } else {
                 "domains"
             };
