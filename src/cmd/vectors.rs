@@ -128,11 +128,16 @@ pub fn run(args: Args) -> ExitCode {
             let run_id = format!("{}-{started}", std::process::id());
             // An unreachable store is a store that cannot be used (exit 2),
             // not a failure of every case. The connection made here is the
-            // one every case uses.
+            // one every case uses; its connect check's key is under the
+            // run's prefix too.
+            let options = ratewarden_redis::RedisOptions {
+                prefix: format!("ratewarden-vectors:{run_id}"),
+                ..redis_options()
+            };
             let connected = runtime.block_on(ratewarden_redis::RedisStore::connect(
                 &url,
                 ratewarden_core::REFERENCE,
-                redis_options(),
+                options,
             ));
             let shared = match connected {
                 Ok(store) => store,
