@@ -816,13 +816,20 @@ impl RedisStore {
     }
 
     fn eval_cmd(&self, key: u64, now_ms: Option<u64>, cost: u64) -> Cmd {
-        self.eval_named(&self.key_name(key), now_ms, cost)
+        self.eval_named(false, &self.key_name(key), now_ms, cost)
     }
 
-    /// The script call for the Redis key `name`.
-    fn eval_named(&self, name: &str, now_ms: Option<u64>, cost: u64) -> Cmd {
+    /// The script call for the Redis key `name`, with the store's TTL
+    /// options (see [`RedisStore::script_call`]).
+    fn eval_named(&self, by_source: bool, name: &str, now_ms: Option<u64>, cost: u64) -> Cmd {
         let o = &self.inner.options;
-        self.script_call(false, name, now_ms, cost, (o.ttl_grace_ms, o.max_ttl_ms))
+        self.script_call(
+            by_source,
+            name,
+            now_ms,
+            cost,
+            (o.ttl_grace_ms, o.max_ttl_ms),
+        )
     }
 
     /// The script's call on the Redis key `name`, with `ttl`'s grace and
@@ -907,13 +914,19 @@ impl RedisStore {
         }
     }
 
+    /// On a cluster, starts a new connection in the background for later
+    /// calls, at most one a second (see [`Cluster`]); on one node, nothing.
+    fn renew_cluster_connection(&self) {
+        if let Backend::Cluster(cluster) = &self.inner.backend {
+            cluster.timed_out();
+        }
+    }
+
     /// The error for a call that took its whole timeout. On a cluster, a
     /// timeout also starts a new connection (see [`Cluster`]), for later
     /// calls.
     fn timed_out(&self) -> StoreError {
-        if let Backend::Cluster(cluster) = &self.inner.backend {
-            cluster.timed_out();
-        }
+        self.renew_cluster_connection();
         StoreError::new(
             StoreErrorKind::Timeout,
             format!(
@@ -1046,9 +1059,7 @@ impl RedisStore {
                     // no decision that would show the client otherwise.
                     let e = map_error(e);
                     if e.kind() == StoreErrorKind::ConnectionDropped {
-                        if let Backend::Cluster(cluster) = &self.inner.backend {
-                            cluster.timed_out();
-                        }
+                        self.renew_cluster_connection();
                     }
                     return Err(e);
                 }
@@ -1112,9 +1123,7 @@ impl RedisStore {
                     // A slot map out of date (a failover the client has not
                     // seen) is mended only by a new connection: nothing
                     // else tells redis-rs, since its fallback node answered.
-                    if let Backend::Cluster(cluster) = &self.inner.backend {
-                        cluster.timed_out();
-                    }
+                    self.renew_cluster_connection();
                     return failed(format!(
                         "{master}: node {id} answered in its place (the client cannot reach \
                          it, or its slot map is out of date)"
@@ -1130,9 +1139,7 @@ impl RedisStore {
                 Ok(Err(MasterCheck::Redis(e))) => {
                     let e = map_error(e);
                     if e.kind() == StoreErrorKind::ConnectionDropped {
-                        if let Backend::Cluster(cluster) = &self.inner.backend {
-                            cluster.timed_out();
-                        }
+                        self.renew_cluster_connection();
                     }
                     return Err(StoreError::new(
                         e.kind(),
@@ -1334,11 +1341,9 @@ impl RedisStore {
         cost: u64,
     ) -> Result<Decision, StoreError> {
         let name = self.key_name(key);
-        let o = &self.inner.options;
-        let ttl = (o.ttl_grace_ms, o.max_ttl_ms);
         let value = self
             .eval(&mut self.conn(), |by_source| {
-                self.script_call(by_source, &name, now_ms, cost, ttl)
+                self.eval_named(by_source, &name, now_ms, cost)
             })
             .await
             .map_err(|e| {
