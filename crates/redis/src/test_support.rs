@@ -42,6 +42,20 @@ fn raw_command(port: u16, command: &str) -> Option<String> {
     Some(String::from_utf8_lossy(&buf[..n]).into_owned())
 }
 
+/// Asks `ok` every 50 ms until it holds or `deadline` passes; whether it
+/// held.
+fn poll_until(deadline: Instant, mut ok: impl FnMut() -> bool) -> bool {
+    loop {
+        if ok() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// A certificate made wrong on purpose, for a test of what a client says
 /// about it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -568,22 +582,18 @@ impl RedisCluster {
             String::from_utf8_lossy(&out.stdout)
         );
         let deadline = Instant::now() + CLUSTER_START_TIMEOUT;
-        loop {
-            let ok = ports.iter().all(|&p| {
+        let ok = poll_until(deadline, || {
+            ports.iter().all(|&p| {
                 raw_command(p, "CLUSTER INFO").is_some_and(|r| r.contains("cluster_state:ok"))
                     && raw_command(p, "INFO replication").is_some_and(|r| {
                         r.contains("role:master") || r.contains("master_link_status:up")
                     })
-            });
-            if ok {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "cluster did not reach cluster_state:ok in {CLUSTER_START_TIMEOUT:?}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            })
+        });
+        assert!(
+            ok,
+            "cluster did not reach cluster_state:ok in {CLUSTER_START_TIMEOUT:?}"
+        );
         if replicas > 0 {
             // A write on each master (FLUSHALL of an empty node) gives its
             // replica a replication offset, without which Redis leaves the
@@ -593,20 +603,16 @@ impl RedisCluster {
                     raw_command(node.port, "FLUSHALL");
                 }
             }
-            loop {
-                let listed = ports.iter().all(|&p| {
+            let listed = poll_until(deadline, || {
+                ports.iter().all(|&p| {
                     raw_command(p, "CLUSTER SLOTS")
                         .is_some_and(|r| ports.iter().all(|q| r.contains(&format!(":{q}\r\n"))))
-                });
-                if listed {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "CLUSTER SLOTS did not list every replica in {CLUSTER_START_TIMEOUT:?}"
-                );
-                std::thread::sleep(Duration::from_millis(50));
-            }
+                })
+            });
+            assert!(
+                listed,
+                "CLUSTER SLOTS did not list every replica in {CLUSTER_START_TIMEOUT:?}"
+            );
         }
         RedisCluster { nodes }
     }
@@ -653,14 +659,7 @@ impl RedisCluster {
     /// Waits until the node at `index` is a master, at most `within`;
     /// whether it became one.
     pub fn wait_until_master(&self, index: usize, within: Duration) -> bool {
-        let deadline = Instant::now() + within;
-        while Instant::now() < deadline {
-            if self.is_master(index) {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        false
+        poll_until(Instant::now() + within, || self.is_master(index))
     }
 
     /// `rediss-cluster://127.0.0.1:T1,127.0.0.1:T2,127.0.0.1:T3`, the TLS
@@ -712,22 +711,19 @@ impl RedisCluster {
         let known = self.nodes.len();
         let deadline = Instant::now() + CLUSTER_START_TIMEOUT;
         for node in &self.nodes {
-            loop {
+            let joined = poll_until(deadline, || {
                 let nodes = node.cli(&["CLUSTER", "NODES"]);
-                let joined = nodes.lines().count() == known
+                nodes.lines().count() == known
                     && nodes
                         .lines()
                         .all(|l| l.contains("connected") && !l.contains("handshake"))
-                    && node.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok");
-                if joined {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "the new node did not join the cluster: {nodes}"
-                );
-                std::thread::sleep(Duration::from_millis(50));
-            }
+                    && node.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok")
+            });
+            assert!(
+                joined,
+                "the new node did not join the cluster: {}",
+                node.cli(&["CLUSTER", "NODES"])
+            );
         }
         known - 1
     }
