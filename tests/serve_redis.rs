@@ -590,6 +590,21 @@ fn a_redis_that_wants_a_password_stops_serve_at_start_saying_so() {
     assert!(stderr.contains("requires a password"), "{stderr}");
 }
 
+/// serve decides by Redis's clock: a user refused `TIME` would fail every
+/// decision, so it stops at start saying what to grant.
+#[test]
+fn a_user_refused_time_stops_serve_at_start_saying_so() {
+    let redis = RedisServer::start();
+    let granted = redis.cli(&["ACL", "SETUSER", "rw", "on", ">pw", "~*", "+@all", "-time"]);
+    assert_eq!(granted.trim(), "OK");
+    let url = format!("redis://rw:pw@127.0.0.1:{}", redis.port());
+    let (status, stderr) = serve_refused(&url);
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("the command TIME"), "{stderr}");
+    assert!(stderr.contains("grant it +time"), "{stderr}");
+    assert!(!stderr.contains(":pw@"), "{stderr}");
+}
+
 #[test]
 fn the_password_is_never_logged() {
     use std::io::BufRead;

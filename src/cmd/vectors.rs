@@ -87,6 +87,8 @@ fn redis_options() -> ratewarden_redis::RedisOptions {
         // leaves nothing on a shared Redis for longer than an hour.
         ttl_grace_ms: 3_600_000 - 1,
         max_ttl_ms: 1,
+        // Every case passes its own time, so the user needs no TIME.
+        checks_by_redis_time: false,
         // Over TLS, the system's roots or the bundle SSL_CERT_FILE names:
         // the command has no flags for certificate files.
         ..ratewarden_redis::RedisOptions::default()

@@ -18,7 +18,10 @@ pub enum RedisTime {
     /// shares one clock, whatever their own clocks say.
     Server,
     /// The caller's clock, passed as `now_ms`: deterministic, but clients
-    /// whose clocks disagree disagree about windows.
+    /// whose clocks disagree disagree about windows. An ACL user refused
+    /// `TIME` can decide so, on a store connected with
+    /// [`RedisOptions::checks_by_redis_time`](crate::RedisOptions::checks_by_redis_time)
+    /// `false`.
     Caller(Arc<dyn Clock>),
 }
 

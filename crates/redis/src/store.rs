@@ -106,12 +106,20 @@ pub struct RedisOptions {
     pub tls_cert_file: Option<PathBuf>,
     /// TLS only: the PEM file of `tls_cert_file`'s private key.
     pub tls_key_file: Option<PathBuf>,
+    /// The clock of the decision the store's own checks make (connecting,
+    /// [`RedisStore::with_config`] and [`RedisStore::ping`]): `true` (the
+    /// default) Redis `TIME`, as every decision without a `now_ms` reads
+    /// it, so that an ACL user refused `TIME` is refused at connect rather
+    /// than at every decision; `false` this machine's clock, for a store
+    /// whose callers pass `now_ms` to every decision and whose user need
+    /// not be granted `TIME`.
+    pub checks_by_redis_time: bool,
 }
 
 impl Default for RedisOptions {
     /// Prefix `ratewarden`, a 50 ms timeout, 1 s to connect, no grace,
-    /// TTLs of at most 2^40 ms (about 35 years), and over TLS the system's
-    /// roots and no client certificate.
+    /// TTLs of at most 2^40 ms (about 35 years), over TLS the system's
+    /// roots and no client certificate, and checks by Redis `TIME`.
     fn default() -> Self {
         RedisOptions {
             prefix: "ratewarden".to_owned(),
@@ -122,6 +130,7 @@ impl Default for RedisOptions {
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,
+            checks_by_redis_time: true,
         }
     }
 }
@@ -1257,26 +1266,46 @@ impl RedisStore {
     /// `PING` and `SCRIPT LOAD`, and refuse this (the `DEL` writes even
     /// when the decision does not).
     ///
-    /// The decision is by this machine's clock, as a caller's time: a
-    /// store whose decisions all pass `now_ms` needs no `TIME` (which
-    /// decisions by Redis's clock do need, and this does not check). It
-    /// sets a TTL of at most [`PROBE_TTL_MS`], so a key left by a check
-    /// cut short before its `DEL` goes soon, whatever the configuration.
+    /// The decision is by Redis `TIME`, which decisions without a `now_ms`
+    /// need, or with [`RedisOptions::checks_by_redis_time`] `false` by this
+    /// machine's clock, as a caller's time (a store whose decisions all
+    /// pass `now_ms` needs no `TIME`). A check by `TIME` refused by the ACL
+    /// is made again by this machine's clock: if that one passes, `TIME`
+    /// alone is missing, and the error says so. The check sets a TTL of at
+    /// most [`PROBE_TTL_MS`], so a key left by a check cut short before its
+    /// `DEL` goes soon, whatever the configuration.
     async fn check_writes(&self, conn: &mut Conn) -> Result<(), StoreError> {
         let name = self.probe_key();
-        let now_ms = ratewarden_core::Clock::now_ms(&ratewarden_core::SystemClock);
-        let checked = async {
-            self.eval(conn, |by_source| {
-                self.script_call(by_source, &name, Some(now_ms), 1, (0, PROBE_TTL_MS))
-            })
-            .await?;
-            redis::cmd("DEL")
-                .arg(&name)
-                .query_async::<()>(conn)
-                .await
-                .map_err(map_error)
+        let machine_now_ms = || ratewarden_core::Clock::now_ms(&ratewarden_core::SystemClock);
+        let by_redis_time = self.inner.options.checks_by_redis_time;
+        let now_ms = (!by_redis_time).then(machine_now_ms);
+        let checked = self.decide_and_delete(conn, &name, now_ms).await;
+        if let Err(e) = &checked {
+            let refused = matches!(
+                refusal_advice(e.detail()),
+                Some((_, advice)) if advice == NOPERM_ADVICE
+            );
+            if by_redis_time
+                && refused
+                && (self
+                    .decide_and_delete(conn, &name, Some(machine_now_ms()))
+                    .await)
+                    .is_ok()
+            {
+                return Err(StoreError::new(
+                    StoreErrorKind::InvalidInput,
+                    format!(
+                        "Redis at {} refuses the URL's user the command TIME, which decisions \
+                         by Redis's clock (no now_ms: serve's, RedisTime::Server) read: grant \
+                         it +time (ACL SETUSER); a caller that passes now_ms to every decision \
+                         can instead connect with RedisOptions::checks_by_redis_time false \
+                         (the check on the key {name}: {})",
+                        self.url(),
+                        e.detail()
+                    ),
+                ));
+            }
         }
-        .await;
         checked.map_err(|e| {
             let (kind, advice) = match refusal_advice(e.detail()) {
                 Some((kind, advice)) => (kind, format!("{advice} ")),
@@ -1291,6 +1320,25 @@ impl RedisStore {
                 ),
             )
         })
+    }
+
+    /// One decision of cost 1 on the check's key `name`, at `now_ms` (`None`:
+    /// Redis `TIME`), then `DEL` of the key.
+    async fn decide_and_delete(
+        &self,
+        conn: &mut Conn,
+        name: &str,
+        now_ms: Option<u64>,
+    ) -> Result<(), StoreError> {
+        self.eval(conn, |by_source| {
+            self.script_call(by_source, name, now_ms, 1, (0, PROBE_TTL_MS))
+        })
+        .await?;
+        redis::cmd("DEL")
+            .arg(name)
+            .query_async::<()>(conn)
+            .await
+            .map_err(map_error)
     }
 
     /// The script's call on the Redis key `name`, the script loaded again
@@ -2019,6 +2067,12 @@ fn invalid_url(shown: &str, e: RedisError) -> StoreError {
     )
 }
 
+/// What to change when Redis refuses the URL's user a command or a key.
+const NOPERM_ADVICE: &str = "the URL's user lacks a command or a key the store needs: grant it \
+     (ACL SETUSER) the commands +evalsha +eval +script|load +ping +info (and +cluster +asking \
+     on a cluster), +time +get +set +del, which the scripts run, and the keys under the \
+     store's escaped prefix (docs/redis.md, \"Use\")";
+
 /// What Redis refusing every decision for what it is (not for a passing
 /// fault) means, and what to change, from the error's `text`: the kind of
 /// error, [`StoreErrorKind::InvalidInput`] for a URL or user that must
@@ -2033,14 +2087,7 @@ fn refusal_advice(text: &str) -> Option<(StoreErrorKind, String)> {
                 .to_owned(),
         )
     } else if text.contains("NOPERM") || text.contains("can't run this command") {
-        (
-            StoreErrorKind::InvalidInput,
-            "the URL's user lacks a command or a key the store needs: grant it (ACL SETUSER) \
-             the commands +evalsha +eval +script|load +ping +info (and +cluster +asking on a \
-             cluster), +time +get +set +del, which the scripts run, and the keys under the \
-             store's escaped prefix (docs/redis.md, \"Use\")"
-                .to_owned(),
-        )
+        (StoreErrorKind::InvalidInput, NOPERM_ADVICE.to_owned())
     } else if text.contains("OOM") && text.contains("maxmemory") {
         (
             StoreErrorKind::Backend,

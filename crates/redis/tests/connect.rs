@@ -108,8 +108,8 @@ fn a_redis_that_refuses_every_decision_is_refused_at_connect_saying_why() {
         assert!(e.detail().contains("lacks a command or a key"), "{e}");
         assert!(e.detail().contains("+evalsha"), "{e}");
     }
-    // A user without TIME connects, and decides by its own clock: only
-    // decisions by Redis's clock need TIME, and they say so.
+    // A user without TIME is refused by default, named as such: decisions
+    // by Redis's clock (the default, and serve's) need it.
     assert_eq!(
         master
             .cli(&["ACL", "SETUSER", "notime", "on", ">pw", "~*", "+@all", "-time"])
@@ -117,10 +117,22 @@ fn a_redis_that_refuses_every_decision_is_refused_at_connect_saying_why() {
         "OK"
     );
     let url = format!("redis://notime:pw@127.0.0.1:{port}");
+    let e = connect(&url).expect_err("decisions by Redis's clock need TIME");
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(e.detail().contains("the command TIME"), "{e}");
+    assert!(e.detail().contains("grant it +time"), "{e}");
+    assert!(e.detail().contains("checks_by_redis_time false"), "{e}");
+    // With checks by this machine's clock, it connects and decides by its
+    // own clock; decisions by Redis's clock say what they need.
     common::runtime().block_on(async {
-        let store = RedisStore::connect(&url, REFERENCE, options("notime"))
+        let by_caller = RedisOptions {
+            checks_by_redis_time: false,
+            ..options("notime")
+        };
+        let store = RedisStore::connect(&url, REFERENCE, by_caller)
             .await
             .expect("no TIME needed to connect");
+        store.ping().await.expect("ready by this machine's clock");
         store
             .decide(1, Some(1_000), 1)
             .await
@@ -132,6 +144,26 @@ fn a_redis_that_refuses_every_decision_is_refused_at_connect_saying_why() {
         assert!(e.detail().contains("+time"), "{e}");
         // Its decision's key, so that what the checks leave can be seen.
         master.cli(&["DEL", &store.key_name(1)]);
+
+        // TIME taken away from a store's user once it is connected: not
+        // ready, saying so.
+        let store = RedisStore::connect(&master.url(), REFERENCE, options("losestime"))
+            .await
+            .expect("connect");
+        let e = store.decide(1, None, 1).await;
+        assert!(e.is_ok(), "{e:?}");
+        master.cli(&["DEL", &store.key_name(1)]);
+        assert_eq!(
+            master.cli(&["ACL", "SETUSER", "default", "-time"]).trim(),
+            "OK"
+        );
+        let e = store.ping().await.expect_err("no TIME");
+        assert!(e.detail().contains("the command TIME"), "{e}");
+        assert_eq!(
+            master.cli(&["ACL", "SETUSER", "default", "+time"]).trim(),
+            "OK"
+        );
+        store.ping().await.expect("ready again");
     });
 
     // Full (maxmemory below what it holds, and no eviction): refused at
