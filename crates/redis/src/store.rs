@@ -728,7 +728,7 @@ impl RedisStore {
             )
         })?;
         retry_timeouts!(deadline, per_try, {
-            self.check_writes(&mut self.conn()).await
+            self.check_writes(&mut self.conn(), &self.probe_key()).await
         })
     }
 
@@ -991,22 +991,22 @@ impl RedisStore {
     /// replica, an ACL user without a command or key the scripts need, or a
     /// Redis out of memory answers `PING` and refuses every decision. A
     /// cluster: `CLUSTER SLOTS` (of every master, the
-    /// first answer taken), then, to the master of each slot range, routed
-    /// by slot as a decision for that range is, `CLUSTER MYID` and
-    /// `CLUSTER INFO`: the node that answers must be the master the slot
-    /// map names (the client answers from another node when it cannot
-    /// reach a slot's master) and must report `cluster_state:ok` (a master
-    /// just restarted answers at once, but refuses its keys until the
-    /// cluster takes it back). Every slot must have a master. So a cluster
-    /// is ready only when every slot's master answers, and a master this
-    /// client cannot reach fails it, even while the others answer (write
-    /// refusals are not looked for on a cluster: connecting checks them on
-    /// one master). When
-    /// another node answers in a master's place, or a connection is found
-    /// broken, a new connection is started in the background, as for a
-    /// timeout: the client's slot map
-    /// may be out of date (a failover it has not seen, which nothing else
-    /// would tell it without decisions on those keys).
+    /// first answer taken), then, to each master, routed by slot as a
+    /// decision for its first slot range is, `CLUSTER MYID` and `CLUSTER
+    /// INFO`, then the decision check on a key of the store's own in that
+    /// range (the key above with a hash tag): the node that answers must be
+    /// the master the slot map names (the client answers from another node
+    /// when it cannot reach a slot's master), must report
+    /// `cluster_state:ok` (a master just restarted answers at once, but
+    /// refuses its keys until the cluster takes it back) and must decide,
+    /// as a node must (a master out of memory answers the rest). Every slot
+    /// must have a master. So a cluster is ready only when every slot's
+    /// master answers and decides, and a master this client cannot reach
+    /// fails it, even while the others answer. When another node answers in
+    /// a master's place, or a connection is found broken, a new connection
+    /// is started in the background, as for a timeout: the client's slot
+    /// map may be out of date (a failover it has not seen, which nothing
+    /// else would tell it without decisions on those keys).
     ///
     /// Errors: as [`RedisStore::decide`]'s, except that a timeout says
     /// only what did not answer (a `PING` changes nothing, the decision only
@@ -1033,7 +1033,9 @@ impl RedisStore {
                     Err(_) => return Err(timed_out("Redis did not answer PING")),
                 }
                 // A Redis that answers can still refuse every decision.
-                let checked = tokio::time::timeout_at(deadline, self.check_writes(&mut conn));
+                let name = self.probe_key();
+                let checked =
+                    tokio::time::timeout_at(deadline, self.check_writes(&mut conn, &name));
                 return match checked.await {
                     Ok(Ok(())) => Ok(()),
                     Ok(Err(e)) if e.kind() != StoreErrorKind::Timeout => Err(e),
@@ -1081,7 +1083,7 @@ impl RedisStore {
             .iter()
             .map(|r| u32::from(r.last.saturating_sub(r.first)) + 1)
             .sum();
-        if assigned < 16_384 {
+        if assigned < u32::from(SLOTS) {
             return Err(StoreError::new(
                 StoreErrorKind::ConnectionDropped,
                 format!(
@@ -1105,9 +1107,16 @@ impl RedisStore {
         let checks = masters.into_iter().map(|range| {
             let mut conn = cluster.clone();
             async move {
-                let answer =
-                    tokio::time::timeout_at(deadline, check_master(&mut conn, range)).await;
-                (range, answer)
+                let checked = async {
+                    check_master(&mut conn, range).await?;
+                    // A master that answers can still refuse every
+                    // decision (out of memory, say), as a node can.
+                    let name = self.probe_key_in(range);
+                    self.check_writes(&mut Conn::Cluster(conn), &name)
+                        .await
+                        .map_err(MasterCheck::Refused)
+                };
+                (range, tokio::time::timeout_at(deadline, checked).await)
             }
         });
         let answers = futures_util::future::join_all(checks).await;
@@ -1142,6 +1151,15 @@ impl RedisStore {
                     return failed(format!(
                         "{master}: it does not report cluster_state:ok (the cluster has not \
                          taken it back yet, or is down)"
+                    ))
+                }
+                Ok(Err(MasterCheck::Refused(e))) if e.kind() == StoreErrorKind::Timeout => {
+                    silent.push(master)
+                }
+                Ok(Err(MasterCheck::Refused(e))) => {
+                    return Err(StoreError::new(
+                        e.kind(),
+                        format!("{master}: {}", e.detail()),
                     ))
                 }
                 Ok(Err(MasterCheck::Redis(e))) if e.is_timeout() => silent.push(master),
@@ -1259,6 +1277,22 @@ impl RedisStore {
         format!("{}probe", self.inner.key_prefix)
     }
 
+    /// [`RedisStore::probe_key`] with a hash tag that puts it in one of
+    /// `range`'s slots, for the check of that range's master: the first
+    /// tag, counting up, whose slot falls there (a few tries for a range
+    /// of thousands of slots; at most about 2^16 CRC16s of a few bytes for
+    /// a range of one slot).
+    fn probe_key_in(&self, range: &SlotRange) -> String {
+        let tag = (0u32..)
+            .find(|n| {
+                let slot =
+                    crc16::State::<crc16::XMODEM>::calculate(n.to_string().as_bytes()) % SLOTS;
+                (range.first..=range.last).contains(&slot)
+            })
+            .expect("every slot has a tag among the u32s");
+        format!("{}:{{{tag}}}", self.probe_key())
+    }
+
     /// Whether decisions can be made, not only commands answered: one
     /// decision of cost 1 on [`RedisStore::probe_key`], then `DEL` of that
     /// key. A read-only replica, an ACL user without a command or key the
@@ -1274,12 +1308,11 @@ impl RedisStore {
     /// alone is missing, and the error says so. The check sets a TTL of at
     /// most [`PROBE_TTL_MS`], so a key left by a check cut short before its
     /// `DEL` goes soon, whatever the configuration.
-    async fn check_writes(&self, conn: &mut Conn) -> Result<(), StoreError> {
-        let name = self.probe_key();
+    async fn check_writes(&self, conn: &mut Conn, name: &str) -> Result<(), StoreError> {
         let machine_now_ms = || ratewarden_core::Clock::now_ms(&ratewarden_core::SystemClock);
         let by_redis_time = self.inner.options.checks_by_redis_time;
         let now_ms = (!by_redis_time).then(machine_now_ms);
-        let checked = self.decide_and_delete(conn, &name, now_ms).await;
+        let checked = self.decide_and_delete(conn, name, now_ms).await;
         if let Err(e) = &checked {
             let refused = matches!(
                 refusal_advice(e.detail()),
@@ -1288,7 +1321,7 @@ impl RedisStore {
             if by_redis_time
                 && refused
                 && (self
-                    .decide_and_delete(conn, &name, Some(machine_now_ms()))
+                    .decide_and_delete(conn, name, Some(machine_now_ms()))
                     .await)
                     .is_ok()
             {
@@ -1601,7 +1634,7 @@ fn slot_ranges(reply: &Value) -> Result<Vec<SlotRange>, StoreError> {
         return Err(malformed());
     };
     let slot = |v: Option<&Value>| match v {
-        Some(Value::Int(n)) => u16::try_from(*n).ok().filter(|&n| n < 16_384),
+        Some(Value::Int(n)) => u16::try_from(*n).ok().filter(|&n| n < SLOTS),
         _ => None,
     };
     let mut ranges = Vec::with_capacity(entries.len().min(MAX_SLOT_RANGES));
@@ -1652,6 +1685,8 @@ enum MasterCheck {
     Another(String),
     /// It answered, without `cluster_state:ok`.
     NotOk,
+    /// It refused, or failed, the decision on the check's key.
+    Refused(StoreError),
 }
 
 /// Whether the master of `range` can decide: `CLUSTER MYID` and `CLUSTER
@@ -1691,8 +1726,11 @@ fn cluster_state(info: &str) -> Option<&str> {
         .find_map(|l| l.trim().strip_prefix("cluster_state:"))
 }
 
+/// How many hash slots a Redis Cluster has.
+const SLOTS: u16 = 16_384;
+
 /// The most slot ranges [`RedisStore::ping`] reads.
-const MAX_SLOT_RANGES: usize = 16_384;
+const MAX_SLOT_RANGES: usize = SLOTS as usize;
 
 /// The `redis://` URL of each seed of a `redis-cluster://` URL (its part
 /// after the scheme). Credentials written once, on the first seed, hold for

@@ -431,6 +431,37 @@ fn ping_is_ready_again_after_a_failover_without_decisions() {
     }
 }
 
+/// A master that answers but refuses every decision (out of memory) makes
+/// the cluster unready, named, as one node would be; the checks' keys are
+/// deleted.
+#[test]
+fn ping_is_not_ready_while_a_master_refuses_every_decision() {
+    let cluster = RedisCluster::start();
+    let rt = common::runtime();
+    let store = ready_store(&cluster, &rt, "full-master");
+    let full = &cluster.nodes()[1];
+    assert_eq!(full.cli(&["CONFIG", "SET", "maxmemory", "1"]).trim(), "OK");
+    let err = rt.block_on(store.ping()).unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Backend, "{err}");
+    assert!(err.detail().contains("out of memory"), "{err}");
+    assert!(
+        err.detail()
+            .contains(&format!("(127.0.0.1:{})", full.port())),
+        "{err}"
+    );
+    assert_eq!(full.cli(&["CONFIG", "SET", "maxmemory", "0"]).trim(), "OK");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while let Err(e) = rt.block_on(store.ping()) {
+        assert!(
+            e.kind() == StoreErrorKind::Timeout && Instant::now() < deadline,
+            "ready again once it takes writes: {e}"
+        );
+    }
+    for node in cluster.nodes() {
+        assert_eq!(node.cli(&["DBSIZE"]).trim(), "0", "{}", node.port());
+    }
+}
+
 /// A cluster that does not require full coverage stays `cluster_state:ok`
 /// with a slot no master serves: `ping` is not ready, since that slot's
 /// keys cannot be decided.

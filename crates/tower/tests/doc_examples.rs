@@ -299,7 +299,7 @@ let decisions = store.decide_many(&[(1, 1), (2, 1), (1, 3)], None).await?;
 
 // Whether Redis can decide now, within timeout_ms, deciding on no
 // limiter's key (PING and a decision on a key of its own; on a cluster,
-// every slot's master asked): for readiness checks.
+// every slot's master asked, and a decision in each): for readiness checks.
 store.ping().await?;
 
 // Another limit on the same connection (one per limit would mean a
