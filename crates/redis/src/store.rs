@@ -56,8 +56,11 @@ const STATE_FORMAT: &str = "v2";
 /// lives this long only when the check is cut short.
 const PROBE_TTL_MS: u64 = 10_000;
 
-/// The most times one call loads its script again after `NOSCRIPT`
-/// before failing: a cache flushed that often is not served.
+/// The most times a [`RedisStore::decide_many`] batch loads its script
+/// again after `NOSCRIPT` before its requests that still meet it fail: a
+/// cache flushed that often is not served. (One call goes by `EVAL` with
+/// the script's text after a second `NOSCRIPT`; a batch's thousands of
+/// calls would each carry the text.)
 const MAX_SCRIPT_LOADS: u32 = 5;
 
 /// The most requests one [`RedisStore::decide_many`] call takes: a bound on
@@ -1375,30 +1378,27 @@ impl RedisStore {
     }
 
     /// The script's call on the Redis key `name`, the script loaded again
-    /// whenever the server answers `NOSCRIPT` (its cache flushed, or the
-    /// node restarted): a `NOSCRIPT` ran nothing, so the call is repeated,
-    /// up to [`MAX_SCRIPT_LOADS`] times, for a cache flushed again between
-    /// the load and the call. On a cluster, a second `NOSCRIPT` after
-    /// loading it on every master comes from a node that serves no slot
-    /// yet (one just added, taking its first keys, which the client
-    /// reaches by `ASK`): the call then goes with the script's text, which
-    /// that node runs and keeps.
+    /// when the server answers `NOSCRIPT` (its cache flushed, or the node
+    /// restarted): a `NOSCRIPT` ran nothing, so the call is repeated. A
+    /// second `NOSCRIPT` comes from a cache flushed again between the load
+    /// and the call, or on a cluster from a node that serves no slot yet
+    /// (one just added, taking its first keys, which the client reaches by
+    /// `ASK`, and which loading on every master missed): the call then goes
+    /// with the script's text, by `EVAL`, which runs whatever the cache
+    /// holds (and keeps the script there).
     ///
     /// `call` makes the call, by `EVALSHA`, or with `true` by `EVAL`.
     async fn eval(&self, conn: &mut Conn, call: impl Fn(bool) -> Cmd) -> Result<Value, StoreError> {
-        let by_sha = call(false);
-        let mut loads = 0;
-        loop {
-            match self.try_call(conn, &by_sha).await {
-                Err(e) if e.kind() == ErrorKind::NoScriptError && loads < MAX_SCRIPT_LOADS => {
-                    if loads > 0 && matches!(conn, Conn::Cluster(_)) {
-                        return self.try_call(conn, &call(true)).await.map_err(map_error);
-                    }
-                    loads += 1;
-                    self.load_script(conn).await?;
-                }
-                other => return other.map_err(map_error),
+        match self.try_call(conn, &call(false)).await {
+            Err(e) if e.kind() == ErrorKind::NoScriptError => {}
+            other => return other.map_err(map_error),
+        }
+        self.load_script(conn).await?;
+        match self.try_call(conn, &call(false)).await {
+            Err(e) if e.kind() == ErrorKind::NoScriptError => {
+                self.try_call(conn, &call(true)).await.map_err(map_error)
             }
+            other => other.map_err(map_error),
         }
     }
 
@@ -1533,9 +1533,10 @@ impl RedisStore {
             let mut conn = self.conn();
             let mut results: Vec<Option<Result<Decision, StoreError>>> = vec![None; requests.len()];
             let mut todo: Vec<usize> = (0..requests.len()).collect();
-            // Twice at most: once, and once more for the requests that met
-            // NOSCRIPT after the script is loaded again.
-            for attempt in 0..2 {
+            // Once, and again for the requests that met NOSCRIPT after the
+            // script is loaded again, up to MAX_SCRIPT_LOADS times (a cache
+            // flushed again between the load and the batch).
+            for attempt in 0..=MAX_SCRIPT_LOADS {
                 if todo.is_empty() {
                     break;
                 }
@@ -1564,7 +1565,10 @@ impl RedisStore {
                 let mut again = Vec::new();
                 for (&i, value) in todo.iter().zip(values) {
                     match value.extract_error() {
-                        Err(e) if e.kind() == ErrorKind::NoScriptError && attempt == 0 => {
+                        Err(e)
+                            if e.kind() == ErrorKind::NoScriptError
+                                && attempt < MAX_SCRIPT_LOADS =>
+                        {
                             again.push(i)
                         }
                         Err(e) => results[i] = Some(Err(self.call_error(map_error(e)))),

@@ -444,6 +444,48 @@ fn script_flush_is_survived_by_single_calls_and_batches() {
     assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
 }
 
+/// A script cache flushed about every millisecond, for 2 s, while single
+/// calls are made: each one meeting `NOSCRIPT` after its reload goes by
+/// `EVAL`, so none fails; and each call is applied once (the counts add up).
+#[test]
+fn single_calls_are_decided_under_a_storm_of_script_flushes() {
+    let rt = common::runtime();
+    let server = RedisServer::start();
+    let url = server.url();
+    rt.block_on(async {
+        let config = PolicyConfig::new(PolicyKind::FixedWindow, 1_000_000, 1000);
+        let store = common::store(&url, config, "storm").await;
+        let client = redis::Client::open(url.as_str()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let stop = Instant::now() + Duration::from_secs(2);
+        let flusher = tokio::spawn(async move {
+            let mut flushes = 0u32;
+            while Instant::now() < stop {
+                let () = redis::cmd("SCRIPT")
+                    .arg("FLUSH")
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                flushes += 1;
+                tokio::time::sleep(Duration::from_micros(300)).await;
+            }
+            flushes
+        });
+        let mut calls = 0;
+        while Instant::now() < stop {
+            let decision = store.decide(1, Some(5_000), 1).await;
+            calls += 1;
+            let decision = decision.unwrap_or_else(|e| panic!("call {calls}: {e}"));
+            assert_eq!(decision.remaining, 1_000_000 - calls, "call {calls}");
+        }
+        let flushes = flusher.await.unwrap();
+        assert!(
+            flushes > 100 && calls > 100,
+            "{flushes} flushes, {calls} calls"
+        );
+    });
+}
+
 /// How a test puts bad state under a key.
 #[derive(Debug)]
 enum Setup {
