@@ -354,11 +354,18 @@ impl Config {
                     None => field_at(text, span.start),
                 })
                 .unwrap_or_default();
-            // A table header the parser calls a duplicate key names no
-            // field: say which header it repeats or contradicts, and where.
-            let header = (e.message().trim() == "duplicate key")
-                .then(|| e.span().and_then(|s| duplicate_header(text, s.start)))
-                .flatten();
+            // A header of the wrong shape (a single table written as a
+            // list, a setting written as a table) gets messages in the
+            // parser's own types; and one the parser calls a duplicate key
+            // names no field: say which header it repeats or contradicts.
+            let header = e
+                .span()
+                .and_then(|s| misshapen_header(text, s.start))
+                .or_else(|| {
+                    (e.message().trim() == "duplicate key")
+                        .then(|| e.span().and_then(|s| duplicate_header(text, s.start)))
+                        .flatten()
+                });
             let (field, mut message) = match (header, missing) {
                 (Some((table, advice)), _) => (table, advice),
                 (None, Some(name)) => (field, missing_field_advice(name)),
@@ -407,7 +414,18 @@ fn plain_message(message: &str) -> String {
              {MAX_DEPTH} levels (flatten them), and no setting takes a nested list or table"
         );
     }
-    let message = message.replace("expected i64", "expected a whole number");
+    let mut message = message.replace("expected i64", "expected a whole number");
+    // The parser's names for the file's tables.
+    for raw in [
+        "RawConfig",
+        "RawServer",
+        "RawRedis",
+        "RawRule",
+        "RawDomain",
+        "RawDescriptor",
+    ] {
+        message = message.replace(&format!("expected struct {raw}"), "expected a table");
+    }
     if message.contains("invalid type: map, expected a sequence") {
         return format!(
             "{message}; domains and descriptors are lists of tables: write [[domains]] and \
@@ -446,6 +464,80 @@ fn plain_message(message: &str) -> String {
             .to_owned();
     }
     message
+}
+
+/// The tables that are one table each, never a list.
+const SINGLE_TABLES: [&str; 4] = ["server", "redis", "keys", "fallback"];
+
+/// Every setting's name, in any table: a header naming one as a table
+/// (`[keys.limit]`) is a setting written as a table.
+const SETTINGS: [&str; 22] = [
+    "key_hash",
+    "failure_policy",
+    "store_timeout_ms",
+    "max_keys",
+    "housekeeping_interval_ms",
+    "housekeeping_max_scanned",
+    "max_connections",
+    "key_prefix",
+    "tls_ca_file",
+    "tls_cert_file",
+    "tls_key_file",
+    "name",
+    "policy",
+    "limit",
+    "window_ms",
+    "unit",
+    "burst",
+    "shadow",
+    "unlimited",
+    "domain",
+    "key",
+    "value",
+];
+
+/// The table and the advice for a header at `offset` of a shape its table
+/// does not take, whatever the parser's message (it speaks of maps,
+/// strings and sequences): a single table written as a list, `[[keys]]`
+/// (or as `[keys]` after a `[[keys]]`), or a setting written as a table,
+/// `[keys.limit]` or `[[domains.descriptors.limit]]`. `None` for any other
+/// line.
+fn misshapen_header(text: &str, offset: usize) -> Option<(String, String)> {
+    let offset = offset.min(text.len());
+    let line_start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let (name, list) = header(text[line_start..].lines().next()?)?;
+    if SINGLE_TABLES.contains(&name) {
+        let listed = || {
+            text[..line_start]
+                .lines()
+                .position(|line| header(line) == Some((name, true)))
+        };
+        let advice = if list {
+            format!("[{name}] is one table, not a list: write [{name}], with single brackets, once")
+        } else {
+            let at = listed()? + 1;
+            format!(
+                "line {at} writes [[{name}]], but [{name}] is one table, not a list: write \
+                 [{name}] there, with single brackets, once"
+            )
+        };
+        return Some((name.to_owned(), advice));
+    }
+    let (table, setting) = name.rsplit_once('.')?;
+    let setting = setting.trim();
+    if !SETTINGS.contains(&setting) {
+        return None;
+    }
+    let table = table.trim();
+    let under = if SINGLE_TABLES.contains(&table) {
+        format!("[{table}]")
+    } else {
+        format!("the [[{table}]] it belongs to")
+    };
+    Some((
+        name.to_owned(),
+        format!("{setting} is a setting, not a table: write {setting} = VALUE under {under}"),
+    ))
 }
 
 /// The table and the advice for a header at `offset` that the parser
@@ -1365,6 +1457,61 @@ shadow = true
                 "{text}"
             );
         }
+        // A header of a shape its table does not take says so, whatever the
+        // parser's own words (maps, strings, sequences, duplicate keys).
+        for (text, line, field, advice) in [
+            (
+                "[[keys]]\nlimit = 5\nwindow_ms = 10\n",
+                1,
+                "keys",
+                "[keys] is one table, not a list: write [keys], with single brackets, once",
+            ),
+            (
+                "[[server]]\nmax_keys = 10\n",
+                1,
+                "server",
+                "[server] is one table, not a list: write [server], with single brackets, once",
+            ),
+            (
+                "[keys]\nlimit = 5\nwindow_ms = 10\n\n[[keys]]\nlimit = 6\n",
+                5,
+                "keys",
+                "[keys] is one table, not a list: write [keys], with single brackets, once",
+            ),
+            (
+                "[[fallback]]\nlimit = 5\n[fallback]\nlimit = 6\n",
+                3,
+                "fallback",
+                "line 1 writes [[fallback]], but [fallback] is one table, not a list: write \
+                 [fallback] there, with single brackets, once",
+            ),
+            (
+                "[keys]\nwindow_ms = 10\n[keys.limit]\nx = 1\n",
+                3,
+                "keys.limit",
+                "limit is a setting, not a table: write limit = VALUE under [keys]",
+            ),
+            (
+                "[[domains]]\ndomain = \"d\"\n[[domains.descriptors]]\nkey = \"k\"\n\
+                 [[domains.descriptors.limit]]\nx = 1\n",
+                5,
+                "domains.descriptors.limit",
+                "limit is a setting, not a table: write limit = VALUE under the \
+                 [[domains.descriptors]] it belongs to",
+            ),
+        ] {
+            let e = parse_err(text);
+            assert_eq!(
+                (e.line, e.field.as_str(), e.message.as_str()),
+                (Some(line), field, advice),
+                "{text}"
+            );
+        }
+        // A value where a table belongs is named in the file's terms.
+        let e = parse_err("keys = \"a\"\n");
+        assert_eq!(e.field, "keys", "{e}");
+        assert!(e.message.ends_with("expected a table"), "{e}");
+
         let e = parse_err("[keys]\nlimit = 5\nlimit = 6\nwindow_ms = 10\n");
         assert_eq!((e.line, e.field.as_str()), (Some(3), "keys.limit"), "{e}");
         assert!(e.message.contains("written twice"), "{e}");
