@@ -752,6 +752,27 @@ fn store_url_mistakes_are_refused_before_anything_runs() {
     let (status, stderr) = serve_refused("redis:/127.0.0.1:1");
     assert_eq!(status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("\"redis:/127.0.0.1:1\""), "{stderr}");
+    // The scheme left out: shown, with the URL to write.
+    let (status, stderr) = serve_refused("127.0.0.1:1");
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("\"127.0.0.1:1\" has no scheme; write redis://127.0.0.1:1"),
+        "{stderr}"
+    );
+    // A database that is no number: refused here, not by a rule's
+    // connection, and not shown (it may be a password in the wrong place).
+    let (status, stderr) = serve_refused("redis://127.0.0.1:1/s3cret");
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(
+            "\"redis://127.0.0.1:1/***\": what follows HOST:PORT/ must be a database number"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("s3cret") && !stderr.contains("rule"),
+        "{stderr}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -210,6 +210,11 @@ fn redact_socket(scheme: &str, rest: &str) -> String {
 /// mistyped (`redis:/127.0.0.1:6379`), so that the typo shows; else only
 /// a store's scheme before its first `:`, or nothing.
 fn redact_not_a_url(url: &str) -> String {
+    // A Redis address whose scheme was left out: hosts, ports and a
+    // database number, no secret.
+    if is_bare_address(url) {
+        return url.to_owned();
+    }
     let word = url.len() <= 24
         && url.starts_with(|c: char| c.is_ascii_lowercase())
         && url
@@ -337,11 +342,16 @@ pub(crate) const FORMS: &str = "redis://[[USER]:PASSWORD@]HOST:PORT[/DB], \
 /// URL's fragment is refused too: `#insecure` would ask redis-rs to skip
 /// the certificate checks, which this store never does. `shown`: the URL
 /// without its credentials. A URL that does not parse is left to
-/// redis-rs's message.
+/// redis-rs's message. So is the path, but for a database that is no
+/// number (`redis://HOST:PORT/x`), which redis-rs refuses only when
+/// connecting, as an "invalid client config".
 pub(crate) fn query_error(url: &str, shown: &str) -> Option<String> {
     let parsed = ::url::Url::parse(url).ok()?;
     let scheme = parsed.scheme();
     let unix = scheme == "redis+unix";
+    if let Some(e) = (!unix).then(|| db_error(url)).flatten() {
+        return Some(e);
+    }
     if scheme == "rediss" && parsed.fragment().is_some() {
         return Some(format!(
             "{shown:?}: a rediss:// URL takes no #fragment: the server's certificate is always \
@@ -374,6 +384,29 @@ pub(crate) fn query_error(url: &str, shown: &str) -> Option<String> {
     };
     Some(format!(
         "{shown:?}: its query has {named} that is not read, so it would be ignored; {instead}"
+    ))
+}
+
+/// What is wrong with a one-node URL's `/DB`, if it is no number. The
+/// part after the `/` is not shown, nor is the URL when anything after
+/// that `/` could be the rest of a password that holds a `/` (an `@`
+/// there): a password typed where the database goes must not be echoed.
+fn db_error(url: &str) -> Option<String> {
+    let (scheme, rest) = url.split_once("://")?;
+    let main = rest.split(['?', '#']).next().unwrap_or(rest);
+    let (authority, db) = main.split_once('/')?;
+    // An `@` after the `/`: the `/` may be inside credentials.
+    let in_credentials = rest
+        .split_once('/')
+        .is_some_and(|(_, after)| after.contains('@'));
+    if db.is_empty() || db.bytes().all(|b| b.is_ascii_digit()) || in_credentials {
+        return None;
+    }
+    let shown = redact_url(&format!("{scheme}://{authority}"));
+    Some(format!(
+        "\"{shown}/***\": what follows HOST:PORT/ must be a database number (0 to 15 on a \
+         default Redis), or nothing for database 0; write {scheme}://HOST:PORT/DB (the part \
+         after the / is not shown, in case it is a password)"
     ))
 }
 
@@ -430,11 +463,38 @@ pub fn is_redis_like_url(url: &str) -> bool {
     ["redis", "valkey", "unix://"]
         .iter()
         .any(|p| url.starts_with(p))
+        || is_bare_address(url)
+}
+
+/// Whether `s` is a Redis address with its scheme left out:
+/// `HOST:PORT[/DB]`, or a cluster's `HOST:PORT,HOST:PORT...`.
+fn is_bare_address(s: &str) -> bool {
+    !s.contains("://") && host_ports_then_db(s, true)
 }
 
 /// What is wrong with a store URL whose scheme is not taken, saying what
 /// to write instead.
+///
+/// ```
+/// use ratewarden_redis::url_form_error;
+/// assert!(url_form_error("127.0.0.1:6379").contains("write redis://127.0.0.1:6379"));
+/// assert!(url_form_error("a:7000,b:7001").contains("write redis-cluster://a:7000,b:7001"));
+/// ```
 pub fn url_form_error(url: &str) -> String {
+    if is_bare_address(url) {
+        let (seeds, db) = url.split_once('/').unwrap_or((url, ""));
+        let instead = if seeds.contains(',') {
+            format!("write redis-cluster://{url} for a Redis Cluster (rediss-cluster:// over TLS)")
+        } else if db.is_empty() {
+            format!(
+                "write redis://{url} for one Redis (rediss:// over TLS), or \
+                 redis-cluster://{url} for a Redis Cluster"
+            )
+        } else {
+            format!("write redis://{url} (rediss:// over TLS)")
+        };
+        return format!("{url:?} has no scheme; {instead}");
+    }
     let shown = redact_url(url);
     format!("{shown:?} is not a Redis address; write {FORMS}")
 }
@@ -467,9 +527,16 @@ mod tests {
             ",h:1,",
         ];
         let hidden = |url: &str| {
-            let shown = redact_url(url);
-            for part in ["qqq", "zzz", "xxx"] {
-                assert!(!shown.contains(part), "{url} shown as {shown}");
+            // The messages about a URL's form show it too.
+            let messages = [
+                redact_url(url),
+                super::url_error(url).unwrap_or_default(),
+                super::url_form_error(url),
+            ];
+            for shown in messages {
+                for part in ["qqq", "zzz", "xxx"] {
+                    assert!(!shown.contains(part), "{url} shown as {shown}");
+                }
             }
         };
         let mut tried = 0;
@@ -519,6 +586,10 @@ mod tests {
                     format!("redis:/:{password}\u{ff20}h:1"),
                     format!("redis:h:1/{password}"),
                     format!("x/{password}"),
+                    // Typed where the database goes, or with no scheme.
+                    format!("redis://h:1/{password}"),
+                    format!("rediss://u:pw@h:1/{password}"),
+                    format!("h:1/{password}"),
                 ] {
                     tried += 1;
                     hidden(&url);
