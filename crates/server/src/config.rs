@@ -458,6 +458,31 @@ fn plain_message(message: &str) -> String {
             return format!("{message}; {hint}");
         }
     }
+    // A known setting in the wrong table: say which table takes it.
+    if let Some(field) = message
+        .strip_prefix("unknown field `")
+        .and_then(|rest| rest.split_once('`'))
+        .map(|(field, _)| field)
+    {
+        let home = match field {
+            "key_hash"
+            | "failure_policy"
+            | "store_timeout_ms"
+            | "max_keys"
+            | "housekeeping_interval_ms"
+            | "housekeeping_max_scanned"
+            | "max_connections"
+            | "key_prefix" => Some("[server]"),
+            "tls_ca_file" | "tls_cert_file" | "tls_key_file" => Some("[redis]"),
+            "name" | "policy" | "limit" | "window_ms" | "unit" | "burst" | "shadow" => {
+                Some("[keys], [fallback] or a descriptor")
+            }
+            _ => None,
+        };
+        if let Some(home) = home {
+            return format!("{message}; {field} is a setting of {home}");
+        }
+    }
     if message == "duplicate key" {
         return "written twice (a setting, or a [table] header); keep one, or for a list \
                 of tables write [[double brackets]]"
@@ -1261,9 +1286,10 @@ impl Validator<'_> {
     }
 }
 
-/// The length of a named unit, as envoyproxy/ratelimit names them.
+/// The length of a named unit, as envoyproxy/ratelimit names them, in any
+/// case (its files write `SECOND`; it reads units case-insensitively).
 fn unit_ms(unit: &str) -> Result<u64, String> {
-    match unit {
+    match unit.to_ascii_lowercase().as_str() {
         "second" => Ok(1000),
         "minute" => Ok(60_000),
         "hour" => Ok(3_600_000),
@@ -1272,8 +1298,8 @@ fn unit_ms(unit: &str) -> Result<u64, String> {
         // Fixed lengths, as envoyproxy/ratelimit's UnitToDivider has them.
         "month" => Ok(30 * 86_400_000),
         "year" => Ok(365 * 86_400_000),
-        other => Err(format!(
-            "unknown unit {other:?}; use second, minute, hour, day, week, month (30 days) or year \
+        _ => Err(format!(
+            "unknown unit {unit:?}; use second, minute, hour, day, week, month (30 days) or year \
              (365 days), or window_ms for any length"
         )),
     }
@@ -1340,6 +1366,16 @@ mod tests {
         let c = Config::reference();
         assert_eq!(c.keys.unwrap().policy, REFERENCE);
         assert_eq!(c.fallback.unwrap().policy, REFERENCE);
+    }
+
+    #[test]
+    fn units_are_read_in_any_case() {
+        for unit in ["minute", "MINUTE", "Minute"] {
+            let c = Config::parse(&format!("[keys]\nlimit = 1\nunit = {unit:?}\n"), "t").unwrap();
+            assert_eq!(c.keys.unwrap().policy.window_ms, 60_000, "{unit}");
+        }
+        let e = parse_err("[keys]\nlimit = 1\nunit = \"MINUTES\"\n");
+        assert!(e.message.starts_with("unknown unit \"MINUTES\""), "{e}");
     }
 
     #[test]
@@ -1507,6 +1543,20 @@ shadow = true
                 "{text}"
             );
         }
+        // A setting in the wrong table is sent to its own.
+        let e = parse_err("[keys]\nlimit = 5\nwindow_ms = 10\nfailure_policy = \"open\"\n");
+        assert_eq!((e.line, e.field.as_str()), (Some(4), "keys.failure_policy"));
+        assert!(
+            e.message
+                .ends_with("; failure_policy is a setting of [server]"),
+            "{e}"
+        );
+        let e = parse_err("[server]\nlimit = 5\n");
+        assert!(
+            e.message
+                .ends_with("; limit is a setting of [keys], [fallback] or a descriptor"),
+            "{e}"
+        );
         // A value where a table belongs is named in the file's terms.
         let e = parse_err("keys = \"a\"\n");
         assert_eq!(e.field, "keys", "{e}");
