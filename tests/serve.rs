@@ -1490,6 +1490,108 @@ async fn idle_grpc_peers_and_health_watches_do_not_hold_up_shutdown() {
     drop((silent, preface_only, watch, health));
 }
 
+/// A gRPC peer is bounded in streams per connection (the server's HTTP/2
+/// settings say how many), and in the bytes of unfinished messages it can
+/// make the server hold: a stream past that is refused with
+/// `RESOURCE_EXHAUSTED`, and what the refused and cancelled streams held is
+/// given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_peer_cannot_make_the_server_hold_unbounded_streams_or_bytes() {
+    let server = Server::start(&[]);
+    let tcp = tokio::net::TcpStream::connect(server.grpc).await.unwrap();
+    let (client, mut connection) = h2::client::handshake(tcp).await.unwrap();
+    // Driven here, so that the stream bound the server's settings announce
+    // can be read as it arrives.
+    let announced = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = std::sync::Arc::clone(&announced);
+    let driver = tokio::spawn(std::future::poll_fn(move |cx| {
+        let polled = std::future::Future::poll(std::pin::Pin::new(&mut connection), cx);
+        seen.store(
+            connection.max_concurrent_send_streams(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        polled.map(|_| ())
+    }));
+    let mut client = client.ready().await.unwrap();
+    let request = || {
+        http::Request::builder()
+            .method("POST")
+            .uri(format!(
+                "http://{}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+                server.grpc
+            ))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .unwrap()
+    };
+    // Streams announcing a 4 MiB message and sending 3 MiB of it, never
+    // the rest: the connection's bound (two whole messages) holds two, and
+    // a stream whose data passes it is answered at once.
+    let part = bytes::Bytes::from(vec![0u8; 3 << 20]);
+    let (answered, mut answers) = tokio::sync::mpsc::channel(3);
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let (response, mut stream) = client.send_request(request(), false).unwrap();
+        let mut message = vec![0u8];
+        message.extend_from_slice(&(4u32 << 20).to_be_bytes());
+        stream.send_data(message.into(), false).unwrap();
+        stream.send_data(part.clone(), false).unwrap();
+        let answered = answered.clone();
+        held.push((
+            tokio::spawn(async move {
+                let _ = answered.send(response.await).await;
+            }),
+            stream,
+        ));
+        client = client.ready().await.unwrap();
+    }
+    let answer = tokio::time::timeout(Duration::from_secs(8), answers.recv())
+        .await
+        .expect("a stream is answered at once, not at the 10 s deadline")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        announced.load(std::sync::atomic::Ordering::Relaxed),
+        ratewarden_server::GRPC_MAX_STREAMS_PER_CONNECTION as usize,
+        "the stream bound the server's settings announce"
+    );
+    let status = answer
+        .headers()
+        .get("grpc-status")
+        .map(|v| v.to_str().unwrap().to_owned());
+    assert_eq!(status.as_deref(), Some("8"), "{answer:?}");
+    // Any other answered (frames interleave, so a second stream can pass
+    // the bound before the first refused one gives its bytes back) is
+    // refused the same way.
+    while let Ok(Some(more)) =
+        tokio::time::timeout(Duration::from_millis(500), answers.recv()).await
+    {
+        let more = more.unwrap();
+        assert_eq!(more.headers()["grpc-status"], "8", "{more:?}");
+    }
+    // Percent-encoded, as gRPC sends it.
+    let message = answer.headers()["grpc-message"]
+        .to_str()
+        .unwrap()
+        .replace("%20", " ");
+    assert!(
+        message.contains("this connection would hold more than"),
+        "{message}"
+    );
+    // The two held streams cancelled: a new connection decides as usual.
+    for (waiting, stream) in held {
+        waiting.abort();
+        drop(stream);
+    }
+    drop(client);
+    driver.abort();
+    let mut grpc = server.grpc().await;
+    let r = should(&mut grpc, "any", vec![descriptor(&[("k", "v")])], 1).await;
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    server.stop();
+}
+
 fn with_override(entries: &[(&str, &str)], limit: u32, unit: Unit) -> RateLimitDescriptor {
     let mut d = descriptor(entries);
     d.limit = Some(RateLimitOverride {

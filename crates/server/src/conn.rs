@@ -18,9 +18,10 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
-use tonic::transport::server::{Connected, TcpConnectInfo};
+use tonic::transport::server::Connected;
 
 use crate::metrics::{Api, Metrics};
+use crate::request_bytes::{self, Budget, ConnectionBudget};
 
 /// How long a gRPC peer has to send the HTTP/2 connection preface. Until
 /// then the connection has no HTTP/2 state, so keepalive pings cannot
@@ -166,6 +167,9 @@ pub struct GrpcConn {
     inner: TcpStream,
     preface_deadline: Option<Pin<Box<Sleep>>>,
     received: usize,
+    /// What its requests' unfinished messages may hold (see
+    /// [`crate::request_bytes`]).
+    budget: Budget,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -176,6 +180,7 @@ impl GrpcConn {
             inner,
             preface_deadline: Some(Box::pin(tokio::time::sleep(GRPC_PREFACE_TIMEOUT))),
             received: 0,
+            budget: Budget::new(request_bytes::MAX_BYTES_PER_CONNECTION, "this connection"),
             _permit: permit,
         }
     }
@@ -249,9 +254,12 @@ impl AsyncWrite for GrpcConn {
 }
 
 impl Connected for GrpcConn {
-    type ConnectInfo = TcpConnectInfo;
+    type ConnectInfo = ConnectionBudget;
 
-    fn connect_info(&self) -> TcpConnectInfo {
-        self.inner.connect_info()
+    fn connect_info(&self) -> ConnectionBudget {
+        ConnectionBudget {
+            tcp: self.inner.connect_info(),
+            budget: self.budget.clone(),
+        }
     }
 }

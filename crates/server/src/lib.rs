@@ -14,6 +14,7 @@ pub mod conn;
 pub mod grpc;
 pub mod http;
 pub mod metrics;
+pub mod request_bytes;
 pub mod rules;
 pub mod service;
 pub mod store;
@@ -300,6 +301,18 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
             .http2_keepalive_interval(Some(GRPC_KEEPALIVE_INTERVAL))
             .http2_keepalive_timeout(Some(GRPC_KEEPALIVE_TIMEOUT))
             .concurrency_limit_per_connection(1024)
+            // Streams are bounded per connection, as grpc-go and Envoy
+            // bound them: a stream whose answer waits on a client that
+            // opens no flow-control window lives until the connection
+            // closes, and without a bound one connection could open
+            // hundreds of thousands. Envoy opens another connection when
+            // it needs more.
+            .max_concurrent_streams(GRPC_MAX_STREAMS_PER_CONNECTION)
+            // And the bytes of unfinished messages, per connection and in
+            // all (see request_bytes).
+            .layer(request_bytes::CountRequestBytes::new(
+                request_bytes::Budget::new(request_bytes::MAX_BYTES, "the server"),
+            ))
             .add_service(rls)
             .add_service(health_service)
             .serve_with_incoming_shutdown(
@@ -354,6 +367,9 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
         keeper_task,
     })
 }
+
+/// The most streams (calls) one gRPC connection may have open at once.
+pub const GRPC_MAX_STREAMS_PER_CONNECTION: u32 = 256;
 
 /// Open files the process needs beside its connections: listeners, Redis
 /// connections, the configuration file when it is read, a margin.
