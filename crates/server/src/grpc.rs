@@ -231,9 +231,22 @@ fn unit_ms(unit: i32) -> Option<u64> {
     }
 }
 
+/// The longest `google.protobuf.Duration`, in seconds (10,000 years): a
+/// longer one is invalid, and a client that checks it (Envoy converting
+/// it to milliseconds, say) would fail the whole answer.
+const MAX_DURATION_SECONDS: u64 = 315_576_000_000;
+
+/// `ms` as a protobuf duration, at most [`MAX_DURATION_SECONDS`] (a wait
+/// that long is forever in any client's terms).
 fn duration(ms: u64) -> prost_types::Duration {
+    if ms / 1000 >= MAX_DURATION_SECONDS {
+        return prost_types::Duration {
+            seconds: MAX_DURATION_SECONDS as i64,
+            nanos: 0,
+        };
+    }
     prost_types::Duration {
-        seconds: i64::try_from(ms / 1000).unwrap_or(i64::MAX),
+        seconds: (ms / 1000) as i64,
         nanos: ((ms % 1000) * 1_000_000) as i32,
     }
 }
@@ -262,5 +275,13 @@ mod tests {
                 nanos: 500_000_000
             }
         );
+        // At most the longest valid protobuf duration.
+        let longest = prost_types::Duration {
+            seconds: 315_576_000_000,
+            nanos: 0,
+        };
+        assert_eq!(duration(315_576_000_000_000), longest);
+        assert_eq!(duration(u64::MAX), longest);
+        assert_eq!(duration(315_575_999_999_999).seconds, 315_575_999_999);
     }
 }
