@@ -396,13 +396,24 @@ impl Config {
 fn plain_message(message: &str) -> String {
     // An integer past i64 reaches serde as an i128, which the message
     // would name instead of saying that the number is too large.
+    // One just past it (2^63) reaches serde as a u64, refused as a value.
     if let Some(number) = message
         .strip_prefix("invalid type: integer `")
         .and_then(|rest| rest.split_once("` as i128"))
+        .or_else(|| {
+            message
+                .strip_prefix("invalid value: integer `")
+                .and_then(|rest| rest.split_once("`, expected i64"))
+        })
         .map(|(number, _)| number)
     {
+        let what = if number.starts_with('-') {
+            "is negative"
+        } else {
+            "is too large"
+        };
         return format!(
-            "{number} is too large; use a whole number from 0 to {MAX_SAFE} (some settings \
+            "{number} {what}; use a whole number from 0 to {MAX_SAFE} (some settings \
              allow less)"
         );
     }
@@ -1942,6 +1953,19 @@ mod field_names {
             "{e}"
         );
         assert!(!e.message.contains("i128"), "{e}");
+        // 2^63, just past i64, and a number below i64's range.
+        for (number, what) in [
+            ("9223372036854775808", "is too large"),
+            ("-9223372036854775809", "is negative"),
+        ] {
+            let text = format!("[keys]\nlimit = 5\nwindow_ms = {number}\n");
+            let e = Config::parse(&text, "t.toml").unwrap_err();
+            assert!(
+                e.message
+                    .starts_with(&format!("{number} {what}; use a whole number")),
+                "{e}"
+            );
+        }
     }
 
     #[test]

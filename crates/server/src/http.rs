@@ -414,7 +414,19 @@ fn parse_cost(cost: Option<serde_json::Value>) -> Result<u64, String> {
     };
     match n.as_u64() {
         Some(c) if c <= MAX_SAFE => Ok(c),
-        _ => Err(format!("cost is {n}: it must be a whole number from 0 to {MAX_SAFE} (2^53 - 1), written without a fraction or exponent")),
+        _ => {
+            // Numbers are kept as written: a long one is shown cut short,
+            // not echoed back whole.
+            let written = n.to_string();
+            let shown = match written.char_indices().nth(24) {
+                Some((cut, _)) => format!("{}... ({} characters)", &written[..cut], written.len()),
+                None => written,
+            };
+            Err(format!(
+                "cost is {shown}: it must be a whole number from 0 to {MAX_SAFE} (2^53 - 1), \
+                 written without a fraction or exponent"
+            ))
+        }
     }
 }
 
@@ -747,6 +759,18 @@ mod tests {
                 "{bad}: {e}"
             );
         }
+        // A long number is cut short in the message, not echoed whole.
+        let e = parse_cost(n(&"1".repeat(60_000))).unwrap_err();
+        assert!(
+            e.starts_with(&format!(
+                "cost is {}... (60000 characters): ",
+                "1".repeat(24)
+            )),
+            "{e}"
+        );
+        assert!(e.len() < 200, "{e}");
+        let e = parse_cost(n("18446744073709551616")).unwrap_err();
+        assert!(e.starts_with("cost is 18446744073709551616: "), "{e}");
         for (bad, what) in [
             (r#""1""#, "a string"),
             ("true", "true"),
