@@ -35,9 +35,10 @@ const HOUSEKEEPING_MAX_SCANNED: usize = 65_536;
     about = "An axum server serving GET /, limiting every request to 100 per second per client IP"
 )]
 struct Args {
-    /// The address to listen on, e.g. 127.0.0.1:3000.
+    /// The address to listen on, HOST:PORT, e.g. 127.0.0.1:3000 (a name
+    /// such as localhost is resolved).
     #[arg(long, default_value = "127.0.0.1:3000")]
-    addr: SocketAddr,
+    addr: String,
 }
 
 /// The application: `GET /`, with every request to the router (a `404` or
@@ -90,9 +91,12 @@ async fn main() -> anyhow::Result<()> {
         }
     });
 
-    let listener = TcpListener::bind(args.addr)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.addr))?;
+    let listener = TcpListener::bind(&args.addr).await.map_err(|e| {
+        anyhow::anyhow!(
+            "cannot listen on --addr {} ({e}): write HOST:PORT, e.g. 127.0.0.1:3000",
+            args.addr
+        )
+    })?;
     println!(
         "listening on http://{}/ ({REFERENCE} per client IP)",
         listener.local_addr()?

@@ -49,8 +49,10 @@ impl Drop for Server {
 
 #[tokio::test]
 async fn the_example_binary_serves_the_rate_limited_route() {
+    // A name, as a newcomer writes it: resolved, and the address bound
+    // printed (127.0.0.1 or ::1, both loopback).
     let mut child = Command::new(example_binary())
-        .args(["--addr", "127.0.0.1:0"])
+        .args(["--addr", "localhost:0"])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
