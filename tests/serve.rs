@@ -789,6 +789,22 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
     let (ok, stderr) = run(&["--store", "mongodb://x"]);
     assert!(!ok);
     assert!(stderr.contains("unknown store"), "{stderr}");
+    assert!(!stderr.contains("environment variable"), "{stderr}");
+    // A store from the environment is said to come from there.
+    let out = Command::new(BIN)
+        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .env("RATEWARDEN_STORE", "mongodb://x")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(
+            "invalid value for '--store <STORE>' (from the environment variable \
+             RATEWARDEN_STORE): unknown store"
+        ),
+        "{stderr}"
+    );
     let out = Command::new(BIN)
         .args([
             "serve",

@@ -48,8 +48,17 @@ impl clap::builder::TypedValueParser for StoreUrlParser {
         value: &std::ffi::OsStr,
     ) -> Result<StoreUrl, clap::Error> {
         let name = arg.map_or_else(|| "--store".to_owned(), ToString::to_string);
+        // clap takes the argument's environment variable without saying
+        // so: name it, or the user looks for a --store that was not given.
+        let from = match arg.and_then(clap::Arg::get_env) {
+            Some(var) if std::env::var_os(var).as_deref() == Some(value) => {
+                format!(" (from the environment variable {})", var.to_string_lossy())
+            }
+            _ => String::new(),
+        };
         let refused = |kind, why: String| {
-            clap::Error::raw(kind, format!("invalid value for '{name}': {why}\n")).with_cmd(cmd)
+            clap::Error::raw(kind, format!("invalid value for '{name}'{from}: {why}\n"))
+                .with_cmd(cmd)
         };
         let Some(text) = value.to_str() else {
             return Err(refused(
