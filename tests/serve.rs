@@ -1507,10 +1507,10 @@ async fn idle_grpc_peers_and_health_watches_do_not_hold_up_shutdown() {
 }
 
 /// A gRPC peer is bounded in streams per connection (the server's HTTP/2
-/// settings say how many), and in the bytes of unfinished messages it can
-/// make the server hold: a stream past that is refused with
-/// `RESOURCE_EXHAUSTED`, and what the refused and cancelled streams held is
-/// given back.
+/// settings say how many), in the bytes its calls can make the server hold
+/// (a stream past that is refused with `RESOURCE_EXHAUSTED`), and in how
+/// long a message may take to arrive (`DEADLINE_EXCEEDED` after 2 s); what
+/// the failed streams held is given back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grpc_peer_cannot_make_the_server_hold_unbounded_streams_or_bytes() {
     let server = Server::start(&[]);
@@ -1577,25 +1577,47 @@ async fn a_grpc_peer_cannot_make_the_server_hold_unbounded_streams_or_bytes() {
         .get("grpc-status")
         .map(|v| v.to_str().unwrap().to_owned());
     assert_eq!(status.as_deref(), Some("8"), "{answer:?}");
-    // Any other answered (frames interleave, so a second stream can pass
-    // the bound before the first refused one gives its bytes back) is
-    // refused the same way.
-    while let Ok(Some(more)) =
-        tokio::time::timeout(Duration::from_millis(500), answers.recv()).await
-    {
-        let more = more.unwrap();
-        assert_eq!(more.headers()["grpc-status"], "8", "{more:?}");
-    }
     // Percent-encoded, as gRPC sends it.
     let message = answer.headers()["grpc-message"]
         .to_str()
         .unwrap()
         .replace("%20", " ");
     assert!(
-        message.contains("this connection would hold more than"),
+        message.contains("this connection's calls would hold more than"),
         "{message}"
     );
-    // The two held streams cancelled: a new connection decides as usual.
+    // The others: refused the same way (frames interleave, so a second
+    // stream can pass the bound before the first refused one gives its
+    // bytes back), or failed once their message is not whole by its
+    // deadline, which gives their bytes back too.
+    for _ in 1..3 {
+        let more = tokio::time::timeout(Duration::from_secs(8), answers.recv())
+            .await
+            .expect("every stream is answered by the message deadline")
+            .unwrap()
+            .unwrap();
+        let code = more.headers()["grpc-status"].to_str().unwrap().to_owned();
+        assert!(code == "8" || code == "4", "{more:?}");
+    }
+    // A message that stops short is failed at its deadline, not held to
+    // the call's 10 s.
+    let started = Instant::now();
+    let (response, mut stream) = client.send_request(request(), false).unwrap();
+    let mut message = vec![0u8];
+    message.extend_from_slice(&100u32.to_be_bytes());
+    message.extend_from_slice(&[0u8; 10]);
+    stream.send_data(message.into(), false).unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(8), response)
+        .await
+        .expect("answered at the message deadline")
+        .unwrap();
+    assert_eq!(answer.headers()["grpc-status"], "4", "{answer:?}");
+    assert!(
+        started.elapsed() >= ratewarden_server::request_bytes::MESSAGE_DEADLINE,
+        "{:?}",
+        started.elapsed()
+    );
+    drop(stream);
     for (waiting, stream) in held {
         waiting.abort();
         drop(stream);

@@ -180,7 +180,7 @@ impl GrpcConn {
             inner,
             preface_deadline: Some(Box::pin(tokio::time::sleep(GRPC_PREFACE_TIMEOUT))),
             received: 0,
-            budget: Budget::new(request_bytes::MAX_BYTES_PER_CONNECTION, "this connection"),
+            budget: Budget::new(request_bytes::MAX_BYTES_PER_CONNECTION),
             _permit: permit,
         }
     }

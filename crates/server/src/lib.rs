@@ -308,11 +308,9 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
             // hundreds of thousands. Envoy opens another connection when
             // it needs more.
             .max_concurrent_streams(GRPC_MAX_STREAMS_PER_CONNECTION)
-            // And the bytes of unfinished messages, per connection and in
-            // all (see request_bytes).
-            .layer(request_bytes::CountRequestBytes::new(
-                request_bytes::Budget::new(request_bytes::MAX_BYTES, "the server"),
-            ))
+            // And the bytes a connection's calls hold, and the time a
+            // message may take to arrive (see request_bytes).
+            .layer(request_bytes::BoundRequestBodies)
             .add_service(rls)
             .add_service(health_service)
             .serve_with_incoming_shutdown(

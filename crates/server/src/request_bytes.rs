@@ -1,50 +1,62 @@
-//! A bound on the bytes of gRPC request messages held at once, per
-//! connection and in all.
+//! Bounds on what a gRPC request's message can make the server hold: its
+//! bytes, per connection, and the time it may take to arrive.
 //!
 //! A message is read whole before it is decoded, up to
 //! [`MAX_MESSAGE_BYTES`](crate::grpc::MAX_MESSAGE_BYTES) (4 MiB), and a
-//! client that sends part of one and then waits has the server hold that
-//! part until the call's 10 s deadline. Without a bound, one connection's
-//! streams could hold gigabytes at once, and the process be killed for its
-//! memory. Every data frame of a request is counted against its
-//! connection's budget and the process's, and released when the request's
-//! body is dropped (once its message is decoded, or the call ends); a frame
-//! that would pass either budget fails its call with `RESOURCE_EXHAUSTED`.
+//! client that sent part of one and then waited had the server hold that
+//! part until the call's 10 s deadline, on as many streams as it liked: one
+//! connection could make the server hold gigabytes. Now:
+//!
+//! - every data frame a call receives is counted against its connection's
+//!   budget, [`MAX_BYTES_PER_CONNECTION`], and given back when the call's
+//!   request body is dropped (when the call ends); a frame past the budget
+//!   fails its call with `RESOURCE_EXHAUSTED`;
+//! - a request body not ended within [`MESSAGE_DEADLINE`] of the call's
+//!   start fails its call with `DEADLINE_EXCEEDED`, which gives its bytes
+//!   back: holding memory costs a client the bandwidth to send it again
+//!   every [`MESSAGE_DEADLINE`].
+//!
+//! There is no budget shared by all connections on purpose: any client
+//! could fill it with a few connections and have every other call refused,
+//! Envoy's among them (which Envoy answers, by default, by letting its
+//! traffic through). What all connections hold together is bounded by
+//! `max_connections` times the budget, and in practice by what clients can
+//! send within [`MESSAGE_DEADLINE`].
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 
-/// The most bytes of unfinished request messages one gRPC connection may
-/// hold: two messages of the largest size, so a client can always send
-/// one while another is read, and Envoy's calls (a few KiB each) never
-/// come near it.
+/// The most bytes the calls of one gRPC connection may hold: two messages
+/// of the largest size, so a client can always send one while another is
+/// read, and Envoy's calls (a few KiB each) never come near it.
 pub const MAX_BYTES_PER_CONNECTION: usize = 2 * crate::grpc::MAX_MESSAGE_BYTES + 64 * 1024;
 
-/// The most bytes of unfinished request messages all gRPC connections
-/// together may hold.
-pub const MAX_BYTES: usize = 128 * 1024 * 1024;
+/// How long a call's request message may take to arrive whole, from the
+/// call's start. Envoy sends a call's message at once, and waits for the
+/// answer 20 ms by default: a message still arriving after this is of use
+/// to no one.
+pub const MESSAGE_DEADLINE: Duration = Duration::from_secs(2);
 
-/// Bytes held against a bound.
+/// Bytes held against a bound: one connection's.
 #[derive(Debug, Clone)]
 pub struct Budget {
     held: Arc<AtomicUsize>,
     max: usize,
-    /// What the bound is of, for the message of a call refused by it.
-    of: &'static str,
 }
 
 impl Budget {
-    /// A budget of `max` bytes, named `of` in refusals ("this connection").
-    pub fn new(max: usize, of: &'static str) -> Self {
+    /// A budget of `max` bytes.
+    pub fn new(max: usize) -> Self {
         Budget {
             held: Arc::default(),
             max,
-            of,
         }
     }
 
@@ -68,9 +80,8 @@ impl Budget {
 
     fn refusal(&self) -> tonic::Status {
         tonic::Status::resource_exhausted(format!(
-            "{} would hold more than its bound of {} KiB of unfinished request messages: \
-             finish or cancel calls before sending more",
-            self.of,
+            "this connection's calls would hold more than its bound of {} KiB of request \
+             messages: finish or cancel calls before sending more",
             self.max / 1024
         ))
     }
@@ -82,44 +93,31 @@ impl Budget {
 pub struct ConnectionBudget {
     /// The peer's address, as tonic reports it for TCP.
     pub tcp: tonic::transport::server::TcpConnectInfo,
-    /// The connection's own budget.
+    /// The connection's budget.
     pub budget: Budget,
 }
 
 /// The layer that counts every gRPC request's body against its
 /// connection's budget (from [`ConnectionBudget`] in the request's
-/// extensions) and the process's.
-#[derive(Debug, Clone)]
-pub struct CountRequestBytes {
-    all: Budget,
-}
+/// extensions) and gives it [`MESSAGE_DEADLINE`] to end.
+#[derive(Debug, Clone, Default)]
+pub struct BoundRequestBodies;
 
-impl CountRequestBytes {
-    /// Counts against `all` for the process.
-    pub fn new(all: Budget) -> Self {
-        CountRequestBytes { all }
+impl<S> tower::Layer<S> for BoundRequestBodies {
+    type Service = Bounding<S>;
+
+    fn layer(&self, inner: S) -> Bounding<S> {
+        Bounding { inner }
     }
 }
 
-impl<S> tower::Layer<S> for CountRequestBytes {
-    type Service = Counting<S>;
-
-    fn layer(&self, inner: S) -> Counting<S> {
-        Counting {
-            inner,
-            all: self.all.clone(),
-        }
-    }
-}
-
-/// The service of [`CountRequestBytes`].
+/// The service of [`BoundRequestBodies`].
 #[derive(Debug, Clone)]
-pub struct Counting<S> {
+pub struct Bounding<S> {
     inner: S,
-    all: Budget,
 }
 
-impl<S> tower::Service<http::Request<tonic::body::Body>> for Counting<S>
+impl<S> tower::Service<http::Request<tonic::body::Body>> for Bounding<S>
 where
     S: tower::Service<http::Request<tonic::body::Body>>,
 {
@@ -131,51 +129,48 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
-        let connection = request
-            .extensions()
-            .get::<ConnectionBudget>()
-            .map(|c| c.budget.clone());
-        let all = self.all.clone();
-        let request = request.map(|body| {
-            tonic::body::Body::new(Counted {
-                inner: body,
-                held: 0,
-                budgets: [connection, Some(all)],
-            })
+    fn call(&mut self, mut request: http::Request<tonic::body::Body>) -> Self::Future {
+        let connection = request.extensions().get::<ConnectionBudget>().cloned();
+        let budget = connection.map(|c| {
+            // Where tonic's `Request::remote_addr` looks for the peer.
+            request.extensions_mut().insert(c.tcp);
+            c.budget
         });
+        let request = request
+            .map(|body| tonic::body::Body::new(Bounded::new(body, budget, MESSAGE_DEADLINE)));
         self.inner.call(request)
     }
 }
 
-/// A request body whose data frames are held against budgets until it is
-/// dropped.
-struct Counted {
+/// A request body whose data frames are held against a budget until it is
+/// dropped, and which fails when it has not ended by its deadline.
+struct Bounded {
     inner: tonic::body::Body,
     held: usize,
-    /// The connection's (when known) and the process's.
-    budgets: [Option<Budget>; 2],
+    budget: Option<Budget>,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    /// Failed (past its budget or deadline): nothing more is read.
+    failed: bool,
 }
 
-impl Counted {
-    /// Takes `n` more bytes from every budget, or from none.
-    fn take(&mut self, n: usize) -> Result<(), tonic::Status> {
-        let mut taken: Vec<&Budget> = Vec::with_capacity(2);
-        for budget in self.budgets.iter().flatten() {
-            if !budget.take(n) {
-                for done in taken {
-                    done.give_back(n);
-                }
-                return Err(budget.refusal());
-            }
-            taken.push(budget);
+impl Bounded {
+    fn new(inner: tonic::body::Body, budget: Option<Budget>, within: Duration) -> Self {
+        Bounded {
+            inner,
+            held: 0,
+            budget,
+            deadline: Box::pin(tokio::time::sleep(within)),
+            failed: false,
         }
-        self.held += n;
-        Ok(())
+    }
+
+    fn fail(&mut self, status: tonic::Status) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        self.failed = true;
+        Poll::Ready(Some(Err(status)))
     }
 }
 
-impl Body for Counted {
+impl Body for Bounded {
     type Data = Bytes;
     type Error = tonic::Status;
 
@@ -184,17 +179,39 @@ impl Body for Counted {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
         let this = &mut *self;
+        if this.failed {
+            return Poll::Ready(None);
+        }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 let n = frame.data_ref().map_or(0, Bytes::len);
-                Poll::Ready(Some(this.take(n).map(|()| frame)))
+                match &this.budget {
+                    Some(budget) if !budget.take(n) => {
+                        let refusal = budget.refusal();
+                        this.fail(refusal)
+                    }
+                    _ => {
+                        if this.budget.is_some() {
+                            this.held += n;
+                        }
+                        Poll::Ready(Some(Ok(frame)))
+                    }
+                }
             }
+            Poll::Pending => match this.deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => this.fail(tonic::Status::deadline_exceeded(format!(
+                    "the request message did not arrive whole within {} s of the call's \
+                     start",
+                    MESSAGE_DEADLINE.as_secs()
+                ))),
+                Poll::Pending => Poll::Pending,
+            },
             other => other,
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.failed || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -202,9 +219,9 @@ impl Body for Counted {
     }
 }
 
-impl Drop for Counted {
+impl Drop for Bounded {
     fn drop(&mut self) {
-        for budget in self.budgets.iter().flatten() {
+        if let Some(budget) = &self.budget {
             budget.give_back(self.held);
         }
     }
@@ -213,40 +230,69 @@ impl Drop for Counted {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body_util::BodyExt;
 
     #[test]
     fn a_budget_takes_up_to_its_bound_and_gets_bytes_back() {
-        let budget = Budget::new(10, "this connection");
+        let budget = Budget::new(10);
         assert!(budget.take(6));
         assert!(!budget.take(5), "6 + 5 is past 10");
         assert!(budget.take(4));
         assert_eq!(budget.held(), 10);
         budget.give_back(10);
         assert_eq!(budget.held(), 0);
-        let refusal = budget.refusal();
-        assert_eq!(refusal.code(), tonic::Code::ResourceExhausted);
+        assert_eq!(budget.refusal().code(), tonic::Code::ResourceExhausted);
+    }
+
+    fn full(bytes: &'static [u8]) -> tonic::body::Body {
+        tonic::body::Body::new(http_body_util::Full::new(Bytes::from_static(bytes)))
     }
 
     #[tokio::test]
-    async fn a_body_past_either_budget_fails_and_gives_back_what_it_held() {
-        use http_body_util::BodyExt;
-        let connection = Budget::new(8, "this connection");
-        let all = Budget::new(12, "the server");
-        let body = |bytes: &'static [u8]| Counted {
-            inner: tonic::body::Body::new(http_body_util::Full::new(Bytes::from_static(bytes))),
-            held: 0,
-            budgets: [Some(connection.clone()), Some(all.clone())],
-        };
+    async fn a_body_past_its_budget_fails_and_gives_back_what_it_held() {
+        let budget = Budget::new(8);
+        let body = |bytes| Bounded::new(full(bytes), Some(budget.clone()), MESSAGE_DEADLINE);
         let mut first = body(b"12345");
         let frame = first.frame().await.unwrap().unwrap();
         assert_eq!(frame.data_ref().unwrap().len(), 5);
-        assert_eq!((connection.held(), all.held()), (5, 5));
-        // 5 + 5 passes the connection's 8: refused, and nothing more held.
-        let e = body(b"abcde").frame().await.unwrap().unwrap_err();
+        assert_eq!(budget.held(), 5);
+        // 5 + 5 passes 8: refused, nothing more held, and the body ends.
+        let mut second = body(b"abcde");
+        let e = second.frame().await.unwrap().unwrap_err();
         assert_eq!(e.code(), tonic::Code::ResourceExhausted);
-        assert!(e.message().starts_with("this connection would hold"), "{e}");
-        assert_eq!((connection.held(), all.held()), (5, 5));
+        assert!(
+            e.message()
+                .starts_with("this connection's calls would hold"),
+            "{e}"
+        );
+        assert!(second.frame().await.is_none());
+        assert_eq!(budget.held(), 5);
         drop(first);
-        assert_eq!((connection.held(), all.held()), (0, 0));
+        assert_eq!(budget.held(), 0);
+    }
+
+    /// A body whose rest never comes.
+    struct Stalled;
+
+    impl Body for Stalled {
+        type Data = Bytes;
+        type Error = tonic::Status;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+            Poll::Pending
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_not_ended_by_its_deadline_fails() {
+        let started = tokio::time::Instant::now();
+        let mut body = Bounded::new(tonic::body::Body::new(Stalled), None, MESSAGE_DEADLINE);
+        let e = body.frame().await.unwrap().unwrap_err();
+        assert_eq!(e.code(), tonic::Code::DeadlineExceeded);
+        assert_eq!(started.elapsed(), MESSAGE_DEADLINE);
+        assert!(body.is_end_stream());
     }
 }
