@@ -773,6 +773,10 @@ fn store_url_mistakes_are_refused_before_anything_runs() {
         !stderr.contains("s3cret") && !stderr.contains("rule"),
         "{stderr}"
     );
+    // Digits past any database number, likewise.
+    let (status, stderr) = serve_refused("redis://127.0.0.1:1/99999999999999999999");
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("must be a database number"), "{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,14 +14,18 @@
 /// typed as another character or forgotten; a `,`, `/`, `?` or `#` in
 /// credentials; seeds that carry credentials after seeds that do not). A
 /// string that is no URL is shown whole only when it is a short lower-case
-/// word (`memroy`), or a store's scheme and HOST:PORT[/DB] with its `//`
-/// mistyped (`redis:/127.0.0.1:6379`), so that a typo shows; otherwise
-/// only a store's scheme before its `:`, or nothing.
+/// word (`memroy`), a store's scheme and HOST:PORT[/DB] with its `//`
+/// mistyped (`redis:/127.0.0.1:6379`), or a Redis address with its scheme
+/// left out (`127.0.0.1:6379`, `localhost:6379/2`, `a:7000,b:7001`: hosts
+/// of lower-case letters, digits, `.` and `-`, or IP addresses, each with
+/// a port from 1 to 65535), so that a typo shows; otherwise only a store's
+/// scheme before its `:`, or nothing.
 ///
 /// What cannot be told apart, and so is shown: a password typed where the
 /// host or the socket path goes (`redis://s3cret`, or a short lower-case
 /// word given as the whole URL); an all-digit password with no host after
-/// it (`redis://user:12345` reads as HOST:PORT); and, in a URL with no
+/// it (`redis://user:12345` reads as HOST:PORT, and so does `user:12345`
+/// given as the whole URL); and, in a URL with no
 /// host after its password, what follows an `@` inside that password
 /// (it reads as USER:PASSWORD@HOST).
 ///
@@ -399,7 +403,9 @@ fn db_error(url: &str) -> Option<String> {
     let in_credentials = rest
         .split_once('/')
         .is_some_and(|(_, after)| after.contains('@'));
-    if db.is_empty() || db.bytes().all(|b| b.is_ascii_digit()) || in_credentials {
+    // Digits past i64 (redis-rs's type for it) would fail at connect.
+    let number = db.bytes().all(|b| b.is_ascii_digit()) && db.parse::<i64>().is_ok();
+    if db.is_empty() || number || in_credentials {
         return None;
     }
     let shown = redact_url(&format!("{scheme}://{authority}"));
@@ -467,9 +473,30 @@ pub fn is_redis_like_url(url: &str) -> bool {
 }
 
 /// Whether `s` is a Redis address with its scheme left out:
-/// `HOST:PORT[/DB]`, or a cluster's `HOST:PORT,HOST:PORT...`.
+/// `HOST:PORT[/DB]`, or a cluster's `HOST:PORT,HOST:PORT...`. Narrower
+/// than a URL's hosts, since such a string is shown whole: each host an IP
+/// address or a name of lower-case letters, digits, `.` and `-` (no
+/// `USER:PASSWORD` of mixed case or `_`), each port 1 to 65535 written
+/// without a leading zero.
 fn is_bare_address(s: &str) -> bool {
-    !s.contains("://") && host_ports_then_db(s, true)
+    let (nodes, db) = s.split_once('/').unwrap_or((s, "0"));
+    let plain_port =
+        |port: &str| !port.starts_with('0') && port.parse::<u16>().is_ok_and(|p| p > 0);
+    let plain_host = |host: &str| {
+        host.strip_prefix('[')
+            .is_some_and(|h| h.ends_with(']') && is_host(host))
+            || (!host.is_empty()
+                && host
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-.".contains(&b)))
+    };
+    !s.contains("://")
+        && !db.is_empty()
+        && db.bytes().all(|b| b.is_ascii_digit())
+        && nodes.split(',').all(|node| {
+            node.rsplit_once(':')
+                .is_some_and(|(host, port)| plain_host(host) && plain_port(port))
+        })
 }
 
 /// What is wrong with a store URL whose scheme is not taken, saying what
@@ -597,6 +624,35 @@ mod tests {
             }
         }
         assert!(tried > 6000);
+    }
+
+    /// A Redis address with its scheme left out is shown, with the URL to
+    /// write; a USER:PASSWORD given as the whole store is not.
+    #[test]
+    fn bare_addresses_are_shown_and_credentials_are_not() {
+        for shown in [
+            "127.0.0.1:6379",
+            "localhost:6379/2",
+            "redis-1.internal:7000,redis-2.internal:7001",
+            "[::1]:6379",
+        ] {
+            assert_eq!(redact_url(shown), shown);
+            assert!(
+                super::url_form_error(shown).contains(&format!("://{shown}")),
+                "{shown}"
+            );
+        }
+        for hidden in [
+            "default:123456",
+            "S3cr3t_Pa55.word:2024",
+            "Admin:6379",
+            "user:06379",
+            "pw:0",
+            "host:65536",
+        ] {
+            assert_eq!(redact_url(hidden), "***", "{hidden}");
+            assert!(!super::url_form_error(hidden).contains(hidden), "{hidden}");
+        }
     }
 
     /// Well-formed URLs stay readable: only their credentials go.
