@@ -1280,20 +1280,11 @@ impl RedisStore {
         format!("{}probe", self.inner.key_prefix)
     }
 
-    /// [`RedisStore::probe_key`] with a hash tag that puts it in one of
-    /// `range`'s slots, for the check of that range's master: the first
-    /// tag, counting up, whose slot falls there (a few tries for a range
-    /// of thousands of slots; at most about 2^16 CRC16s of a few bytes for
-    /// a range of one slot).
+    /// [`RedisStore::probe_key`] with a hash tag that puts it in `range`'s
+    /// first slot, for the check of that range's master (see
+    /// [`slot_tag`]).
     fn probe_key_in(&self, range: &SlotRange) -> String {
-        let tag = (0u32..)
-            .find(|n| {
-                let slot =
-                    crc16::State::<crc16::XMODEM>::calculate(n.to_string().as_bytes()) % SLOTS;
-                (range.first..=range.last).contains(&slot)
-            })
-            .expect("every slot has a tag among the u32s");
-        format!("{}:{{{tag}}}", self.probe_key())
+        format!("{}:{{{}}}", self.probe_key(), slot_tag(range.first))
     }
 
     /// Whether decisions can be made, not only commands answered: one
@@ -1732,6 +1723,32 @@ fn cluster_state(info: &str) -> Option<&str> {
 
 /// How many hash slots a Redis Cluster has.
 const SLOTS: u16 = 16_384;
+
+/// The least number whose decimal text hashes to `slot`, as a hash tag
+/// (Redis Cluster's CRC16-XMODEM of the tag, modulo [`SLOTS`]). The table
+/// of every slot's tag is made once per process, on first use: about
+/// 110,000 CRC16s of a few bytes, a few milliseconds, where searching for
+/// one slot's tag on each readiness check took up to as many.
+fn slot_tag(slot: u16) -> u32 {
+    static TAGS: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
+    let tags = TAGS.get_or_init(|| {
+        let mut tags = vec![u32::MAX; usize::from(SLOTS)];
+        let mut left = tags.len();
+        for n in 0u32.. {
+            let slot = crc16::State::<crc16::XMODEM>::calculate(n.to_string().as_bytes()) % SLOTS;
+            let tag = &mut tags[usize::from(slot)];
+            if *tag == u32::MAX {
+                *tag = n;
+                left -= 1;
+                if left == 0 {
+                    break;
+                }
+            }
+        }
+        tags
+    });
+    tags[usize::from(slot % SLOTS)]
+}
 
 /// The most slot ranges [`RedisStore::ping`] reads.
 const MAX_SLOT_RANGES: usize = SLOTS as usize;
@@ -2354,6 +2371,22 @@ mod tests {
             (wrong.unwrap_err().kind(), tries),
             (StoreErrorKind::InvalidInput, 1)
         );
+    }
+
+    #[test]
+    fn each_slot_has_a_tag_that_hashes_to_it() {
+        // CRC16-XMODEM's check value, which Redis Cluster's key hash is.
+        assert_eq!(
+            crc16::State::<crc16::XMODEM>::calculate(b"123456789"),
+            0x31C3
+        );
+        for slot in 0..SLOTS {
+            let tag = slot_tag(slot).to_string();
+            assert_eq!(
+                crc16::State::<crc16::XMODEM>::calculate(tag.as_bytes()) % SLOTS,
+                slot
+            );
+        }
     }
 
     #[test]
