@@ -475,21 +475,7 @@ fn plain_message(message: &str) -> String {
         .and_then(|rest| rest.split_once('`'))
         .map(|(field, _)| field)
     {
-        let home = match field {
-            "key_hash"
-            | "failure_policy"
-            | "store_timeout_ms"
-            | "max_keys"
-            | "housekeeping_interval_ms"
-            | "housekeeping_max_scanned"
-            | "max_connections"
-            | "key_prefix" => Some("[server]"),
-            "tls_ca_file" | "tls_cert_file" | "tls_key_file" => Some("[redis]"),
-            "name" | "policy" | "limit" | "window_ms" | "unit" | "burst" | "shadow" => {
-                Some("[keys], [fallback] or a descriptor")
-            }
-            _ => None,
-        };
+        let home = setting_home(field);
         if let Some(home) = home {
             return format!("{message}; {field} is a setting of {home}");
         }
@@ -505,32 +491,45 @@ fn plain_message(message: &str) -> String {
 /// The tables that are one table each, never a list.
 const SINGLE_TABLES: [&str; 4] = ["server", "redis", "keys", "fallback"];
 
-/// Every setting's name, in any table: a header naming one as a table
-/// (`[keys.limit]`) is a setting written as a table.
-const SETTINGS: [&str; 22] = [
-    "key_hash",
-    "failure_policy",
-    "store_timeout_ms",
-    "max_keys",
-    "housekeeping_interval_ms",
-    "housekeeping_max_scanned",
-    "max_connections",
-    "key_prefix",
-    "tls_ca_file",
-    "tls_cert_file",
-    "tls_key_file",
-    "name",
-    "policy",
-    "limit",
-    "window_ms",
-    "unit",
-    "burst",
-    "shadow",
-    "unlimited",
-    "domain",
-    "key",
-    "value",
-];
+/// Where a setting is written, for the messages of one written elsewhere;
+/// `None` for a name that is no setting.
+fn setting_home(setting: &str) -> Option<&'static str> {
+    Some(match setting {
+        "key_hash"
+        | "failure_policy"
+        | "store_timeout_ms"
+        | "max_keys"
+        | "housekeeping_interval_ms"
+        | "housekeeping_max_scanned"
+        | "max_connections"
+        | "key_prefix" => "[server]",
+        "tls_ca_file" | "tls_cert_file" | "tls_key_file" => "[redis]",
+        "name" | "policy" | "limit" | "window_ms" | "unit" | "burst" | "shadow" => {
+            "[keys], [fallback] or a descriptor"
+        }
+        "key" | "value" | "unlimited" => "a descriptor",
+        "domain" => "[[domains]]",
+        _ => return None,
+    })
+}
+
+/// Whether the table a header names (`keys`, `domains.descriptors`)
+/// takes `setting`.
+fn takes(table: &str, setting: &str) -> bool {
+    let descriptor = table
+        .strip_prefix("domains.descriptors")
+        .is_some_and(|rest| rest.split(".descriptors").all(str::is_empty));
+    match setting_home(setting) {
+        Some("[server]") => table == "server",
+        Some("[redis]") => table == "redis",
+        Some("[keys], [fallback] or a descriptor") => {
+            table == "keys" || table == "fallback" || descriptor
+        }
+        Some("a descriptor") => descriptor,
+        Some("[[domains]]") => table == "domains",
+        _ => false,
+    }
+}
 
 /// The table and the advice for a header at `offset` of a shape its table
 /// does not take, whatever the parser's message (it speaks of maps,
@@ -561,19 +560,19 @@ fn misshapen_header(text: &str, offset: usize) -> Option<(String, String)> {
     }
     let (table, setting) = name.rsplit_once('.')?;
     let setting = setting.trim();
-    if !SETTINGS.contains(&setting) {
-        return None;
-    }
+    let home = setting_home(setting)?;
     let table = table.trim();
-    let under = if SINGLE_TABLES.contains(&table) {
-        format!("[{table}]")
+    let advice = if !takes(table, setting) {
+        format!("{setting} is a setting of {home}, not a table: write {setting} = VALUE there")
+    } else if SINGLE_TABLES.contains(&table) {
+        format!("{setting} is a setting, not a table: write {setting} = VALUE under [{table}]")
     } else {
-        format!("the [[{table}]] it belongs to")
+        format!(
+            "{setting} is a setting, not a table: write {setting} = VALUE under the \
+             [[{table}]] it belongs to"
+        )
     };
-    Some((
-        name.to_owned(),
-        format!("{setting} is a setting, not a table: write {setting} = VALUE under {under}"),
-    ))
+    Some((name.to_owned(), advice))
 }
 
 /// The table and the advice for a header at `offset` that the parser
@@ -1545,6 +1544,28 @@ shadow = true
                 "domains.descriptors.limit",
                 "limit is a setting, not a table: write limit = VALUE under the \
                  [[domains.descriptors]] it belongs to",
+            ),
+            // A setting under a table that does not take it: its own named.
+            (
+                "[server.name]\nx = 1\n",
+                1,
+                "server.name",
+                "name is a setting of [keys], [fallback] or a descriptor, not a table: write \
+                 name = VALUE there",
+            ),
+            (
+                "[keys.key_prefix]\nx = 1\n",
+                1,
+                "keys.key_prefix",
+                "key_prefix is a setting of [server], not a table: write key_prefix = VALUE \
+                 there",
+            ),
+            (
+                "[[domains]]\ndomain = \"d\"\n[domains.limit]\nx = 1\n",
+                3,
+                "domains.limit",
+                "limit is a setting of [keys], [fallback] or a descriptor, not a table: write \
+                 limit = VALUE there",
             ),
         ] {
             let e = parse_err(text);
