@@ -1432,7 +1432,11 @@ impl RedisStore {
 
     /// Decides many `(key, cost)` requests in one round trip: their
     /// `EVALSHA` calls are pipelined. Each request is still decided
-    /// atomically on its own, in order per key.
+    /// atomically on its own, in order per key, with one exception on one
+    /// node: when the script cache is flushed and the script loaded again
+    /// by another client while the pipeline runs, a request that met
+    /// `NOSCRIPT` is sent again after later requests of its key were
+    /// decided (each is still decided once, and counted).
     ///
     /// The outer error is for the whole batch: too large, or a request
     /// with a cost or time out of range (then nothing was sent); on one
