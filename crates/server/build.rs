@@ -8,6 +8,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
+        // prost's codec with a small first answer buffer (see grpc::Codec).
+        .codec_path("crate::grpc::Codec")
         .compile_fds(files)?;
     println!("cargo:rerun-if-changed=proto");
     Ok(())

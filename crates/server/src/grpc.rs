@@ -33,6 +33,47 @@ pub const SERVICE_NAME: &str = <RateLimitServiceServer<Rls> as tonic::server::Na
 /// answers by letting the request through unlimited.
 pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
+/// The first size of the buffer an answer is encoded into, in bytes; it
+/// grows for a longer answer (up to 64 descriptors' statuses, a few KiB).
+/// tonic's default is 8 KiB, which an answer keeps until it is sent: an
+/// answer waiting on a client that opens no flow-control window holds it
+/// until the connection closes, one per stream.
+pub const ANSWER_BUFFER_BYTES: usize = 512;
+
+/// prost's codec, encoding answers into a buffer of
+/// [`ANSWER_BUFFER_BYTES`] at first (tonic's default decoding buffer). The
+/// generated service and client use it (`codec_path` in `build.rs`).
+#[derive(Debug, Clone)]
+pub struct Codec<T, U>(std::marker::PhantomData<(T, U)>);
+
+impl<T, U> Default for Codec<T, U> {
+    fn default() -> Self {
+        Codec(std::marker::PhantomData)
+    }
+}
+
+impl<T, U> tonic::codec::Codec for Codec<T, U>
+where
+    T: prost::Message + Send + 'static,
+    U: prost::Message + Default + Send + 'static,
+{
+    type Encode = T;
+    type Decode = U;
+    type Encoder = tonic_prost::ProstEncoder<T>;
+    type Decoder = tonic_prost::ProstDecoder<U>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        // tonic's default yield threshold, 32 KiB: only the first size
+        // changes.
+        let settings = tonic::codec::BufferSettings::new(ANSWER_BUFFER_BYTES, 32 * 1024);
+        tonic_prost::ProstCodec::<T, U>::raw_encoder(settings)
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        tonic_prost::ProstCodec::<T, U>::raw_decoder(tonic::codec::BufferSettings::default())
+    }
+}
+
 /// The service, sharing `service`; every call is counted in `calls`.
 pub fn server(service: Arc<Service>, calls: Arc<Calls>) -> RateLimitServiceServer<Rls> {
     RateLimitServiceServer::new(Rls { service, calls }).max_decoding_message_size(MAX_MESSAGE_BYTES)

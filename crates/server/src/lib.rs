@@ -367,7 +367,7 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
 }
 
 /// The most streams (calls) one gRPC connection may have open at once.
-pub const GRPC_MAX_STREAMS_PER_CONNECTION: u32 = 256;
+pub const GRPC_MAX_STREAMS_PER_CONNECTION: u32 = 100;
 
 /// Open files the process needs beside its connections: listeners, Redis
 /// connections, the configuration file when it is read, a margin.
