@@ -2147,8 +2147,14 @@ async fn a_full_store_says_how_long_its_keys_count() {
     assert_eq!(status, 200);
     let (status, _, body) = post(&client, &server.url(), json!({"key": "b"})).await;
     assert_eq!(
-        (status, &body["failure_policy"]),
-        (429, &json!(true)),
+        (status, &body["failure_policy"], &body["failure"]),
+        (429, &json!(true), &json!("capacity_exhausted")),
+        "{body}"
+    );
+    // A decision by the store has neither field.
+    let (_, _, body) = post(&client, &server.url(), json!({"key": "a"})).await;
+    assert!(
+        body.get("failure_policy").is_none() && body.get("failure").is_none(),
         "{body}"
     );
     let line = log.next_containing("store failed");

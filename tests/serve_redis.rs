@@ -133,6 +133,13 @@ async fn redis_killed_under_load_gets_the_failure_policy_then_recovers() {
         for _ in 0..20 {
             let (status, body) = check(&client, &serve.url(), "k").await;
             assert_eq!(body["failure_policy"], true, "{policy}: {body}");
+            assert!(
+                matches!(
+                    body["failure"].as_str(),
+                    Some("connection_dropped" | "timeout")
+                ),
+                "{policy}: {body}"
+            );
             assert_eq!(body["allowed"], allowed_while_down, "{policy}: {body}");
             assert_eq!(
                 status,
@@ -827,6 +834,7 @@ async fn a_corrupt_key_is_refused_even_under_open() {
         let (status, body) = check(&client, &serve.url(), "victim").await;
         assert_eq!(status, 429, "{body}");
         assert_eq!(body["failure_policy"], true, "{body}");
+        assert_eq!(body["failure"], "corrupt_state", "{body}");
     }
     let text = common::metrics(&client, serve.server.http).await;
     assert!(

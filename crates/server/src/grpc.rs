@@ -229,7 +229,7 @@ fn status(o: &DescriptorOutcome, now_ms: u64) -> DescriptorStatus {
         limit_remaining: u32::try_from(o.decision.remaining).unwrap_or(u32::MAX),
         duration_until_reset: if refused {
             o.decision.retry_after_ms.map(duration)
-        } else if policy.policy == PolicyKind::FixedWindow && !o.by_failure_policy {
+        } else if policy.policy == PolicyKind::FixedWindow && !o.by_failure_policy() {
             // A fixed window's count starts again at the window's end, as
             // envoyproxy/ratelimit's do (its windows are aligned the same
             // way), and Envoy shows it as `X-RateLimit-Reset`. The other

@@ -13,7 +13,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use ratewarden_core::MAX_SAFE;
+use ratewarden_core::{StoreErrorKind, MAX_SAFE};
 // The middleware's header rules, so that both say a wait alike.
 use ratewarden_tower::headers::{advertised_remaining, header_wait_secs, quota, window_secs};
 use serde::{Deserialize, Serialize};
@@ -320,6 +320,11 @@ struct DecisionJson {
     would_allow: Option<bool>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     failure_policy: bool,
+    /// With `failure_policy`, the store's failure: `timeout`,
+    /// `connection_dropped`, `capacity_exhausted` (a full in-memory store),
+    /// `corrupt_state` or `backend`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failure: Option<&'static str>,
 }
 
 #[derive(Serialize)]
@@ -367,7 +372,8 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
             rule: Some(rule.spec.name.clone()),
             shadow: rule.spec.shadow,
             would_allow: rule.spec.shadow.then_some(o.decision.allowed),
-            failure_policy: o.by_failure_policy,
+            failure_policy: o.by_failure_policy(),
+            failure: o.failure.map(StoreErrorKind::name),
         },
         None => DecisionJson {
             allowed: true,
@@ -381,6 +387,7 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
             shadow: false,
             would_allow: None,
             failure_policy: false,
+            failure: None,
         },
     }
 }

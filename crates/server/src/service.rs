@@ -48,11 +48,19 @@ pub struct DescriptorOutcome {
     /// Whether the descriptor lets the request through: the decision,
     /// except that shadow rules and unmatched descriptors always do.
     pub allowed: bool,
-    /// Whether the store failed and the failure policy decided.
-    pub by_failure_policy: bool,
+    /// When the store failed and the failure policy decided, the kind of
+    /// the failure (`capacity_exhausted` for a full in-memory store).
+    pub failure: Option<StoreErrorKind>,
     /// Whether the descriptor reached an `unlimited = true` node: matched,
     /// and never limited (`rule` is then `None`).
     pub unlimited: bool,
+}
+
+impl DescriptorOutcome {
+    /// Whether the store failed and the failure policy decided.
+    pub fn by_failure_policy(&self) -> bool {
+        self.failure.is_some()
+    }
 }
 
 /// A request that cannot be decided, with what to change.
@@ -321,7 +329,7 @@ impl Service {
             }
             return Ok(descriptors
                 .iter()
-                .map(|_| self.finish(None, (Decision::admitted(0), false), false))
+                .map(|_| self.finish(None, (Decision::admitted(0), None), false))
                 .collect());
         }
         // Descriptors of one request that reach the same count (one rule,
@@ -378,7 +386,7 @@ impl Service {
             .filter(|&g| !groups[g].0.rule.spec.shadow)
             .collect();
 
-        let mut decided: Vec<Option<(Decision, bool)>> = vec![None; groups.len()];
+        let mut decided: Vec<Option<(Decision, Option<StoreErrorKind>)>> = vec![None; groups.len()];
         // Whether a group's decision is its own (taken, or refused for its
         // cost) rather than a cost-0 check left standing because another
         // descriptor refused the request: only its own is counted in the
@@ -393,7 +401,7 @@ impl Service {
             // refusal (0 if the store fails it).
             if *cost > MAX_SAFE {
                 let remaining = self.call(m, 0).await.map_or(0, |d| d.remaining);
-                decided[g] = Some((Decision::refused(None, remaining), false));
+                decided[g] = Some((Decision::refused(None, remaining), None));
                 own[g] = true;
             }
         }
@@ -426,7 +434,7 @@ impl Service {
             {
                 for &g in &enforcing {
                     if decided[g].is_none() {
-                        decided[g] = peeks[g].map(|d| (d, false));
+                        decided[g] = peeks[g].map(|d| (d, None));
                     }
                 }
             }
@@ -464,7 +472,7 @@ impl Service {
                 }
                 None => DescriptorOutcome {
                     unlimited: g.is_none() && rules.is_unlimited(domain, &d.entries),
-                    ..self.finish(None, (Decision::admitted(0), false), false)
+                    ..self.finish(None, (Decision::admitted(0), None), false)
                 },
             })
             .collect())
@@ -475,7 +483,7 @@ impl Service {
     fn finish(
         &self,
         rule: Option<Arc<Rule>>,
-        (decision, failed): (Decision, bool),
+        (decision, failure): (Decision, Option<StoreErrorKind>),
         record: bool,
     ) -> DescriptorOutcome {
         let allowed = match &rule {
@@ -496,7 +504,7 @@ impl Service {
             rule,
             decision,
             allowed,
-            by_failure_policy: failed,
+            failure,
             unlimited: false,
         }
     }
@@ -517,8 +525,9 @@ impl Service {
     }
 
     /// Decides a descriptor for real; a failing store's request goes to the
-    /// failure policy. The flag says whether the failure policy decided.
-    async fn take(&self, m: &Matched, cost: u64) -> (Decision, bool) {
+    /// failure policy. The kind is the failure's, when the failure policy
+    /// decided.
+    async fn take(&self, m: &Matched, cost: u64) -> (Decision, Option<StoreErrorKind>) {
         match self.call(m, cost).await {
             Ok(d) => {
                 // A load first: the rest only after a logged failure.
@@ -537,7 +546,7 @@ impl Service {
                          failures logged above"
                     );
                 }
-                (d, false)
+                (d, None)
             }
             Err(e) => {
                 m.rule.metrics.store_error(e.kind());
@@ -545,7 +554,7 @@ impl Service {
                     .store(self.clock.now_ms(), Ordering::Relaxed);
                 if let Some(refused) = m.rule.spec.policy.refused_whatever_the_state(cost) {
                     self.log_store_error(&m.rule, &e, self.settings.failure_policy);
-                    return (refused, false);
+                    return (refused, None);
                 }
                 // A corrupt key is refused under `open` too (and logged, and
                 // counted).
@@ -570,7 +579,7 @@ impl Service {
                 };
                 self.metrics.failure_decision(policy, decision.allowed);
                 self.log_store_error(&m.rule, &e, policy);
-                (decision, true)
+                (decision, Some(e.kind()))
             }
         }
     }
@@ -1024,7 +1033,7 @@ shadow = true
                     .check_descriptors("api", &[over(&[("a", "x")], 1)])
                     .await
                     .unwrap()[0];
-                assert!(o.by_failure_policy, "{policy}");
+                assert!(o.by_failure_policy(), "{policy}");
                 assert_eq!(o.allowed, expected, "{policy}");
                 assert_eq!(o.rule.as_ref().unwrap().spec.name, "api.a.override");
             }
@@ -1040,7 +1049,7 @@ shadow = true
                 .check_descriptors("api", &[over(&[("a", "x")], 1)])
                 .await
                 .unwrap()[0];
-            assert!(!o.by_failure_policy && o.allowed, "{policy}");
+            assert!(!o.by_failure_policy() && o.allowed, "{policy}");
             assert_eq!(factory.made.load(Ordering::Relaxed), 1);
         }
     }
@@ -1057,7 +1066,7 @@ shadow = true
             let mut failed = 0;
             for i in 0..200 {
                 let o = s.check_key(&format!("k{i}"), 1).await.unwrap();
-                if o.by_failure_policy {
+                if o.by_failure_policy() {
                     failed += 1;
                     assert_eq!(o.decision.allowed, allowed, "{policy}");
                     assert_eq!(o.allowed, allowed, "{policy}");
@@ -1073,7 +1082,7 @@ shadow = true
             let o = s.check_key("k-costly", 6).await.unwrap();
             assert!(!o.allowed && !o.decision.allowed, "{policy}");
             assert_eq!(o.decision.retry_after_ms, None, "{policy}");
-            assert!(!o.by_failure_policy, "{policy}");
+            assert!(!o.by_failure_policy(), "{policy}");
             failed += 1;
             let text = s.metrics.render(&[]);
             assert!(text.contains(&format!(
