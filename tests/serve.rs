@@ -2098,13 +2098,65 @@ fn serve_raises_its_open_file_limit_or_says_why_not() {
         hard < wanted,
         "{log}"
     );
-    // A hard limit too low is said at start, with what to change.
+    // A hard limit too low is said at start, with what to change and how
+    // many connections each interface then holds (128 files less a half
+    // kept for the rest, over two interfaces); for the default
+    // max_connections, not chosen, as information rather than a warning.
     let (soft, hard, log) = start("-n");
     assert_eq!((soft, hard), (128, 128));
     assert!(
-        log.contains("the open-file limit is 128") && log.contains("lower server.max_connections"),
+        log.contains("the open-file limit is 128")
+            && log.contains("each interface holds at most 32 connections")
+            && log.contains("lower server.max_connections"),
         "{log}"
     );
+    let line = log
+        .lines()
+        .find(|l| l.contains("the open-file limit is 128"))
+        .unwrap();
+    assert!(line.contains("INFO"), "{line}");
+}
+
+/// With a hard open-file limit too low for max_connections, each
+/// interface holds what fits, and closes the next connection at once
+/// rather than leaving it waiting for a file.
+#[cfg(target_os = "linux")]
+#[test]
+fn connections_past_what_the_open_file_limit_fits_are_closed_at_once() {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -n 128 && exec \"$0\" serve --http 127.0.0.1:0 --grpc 127.0.0.1:0")
+        .arg(BIN)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let line = common::first_line(&mut child).unwrap();
+    let http: std::net::SocketAddr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("{line}"))
+        .parse()
+        .unwrap();
+    // 32 fit (see serve_raises_its_open_file_limit_or_says_why_not).
+    let held: Vec<std::net::TcpStream> = (0..32)
+        .map(|_| std::net::TcpStream::connect(http).unwrap())
+        .collect();
+    let mut over = std::net::TcpStream::connect(http).unwrap();
+    over.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 16];
+    let read = over.read(&mut buf);
+    assert!(
+        matches!(read, Ok(0))
+            || matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+        "the 33rd connection was not closed at once: {read:?}"
+    );
+    drop(held);
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// Rules that admit nothing are named in a warning at start, and again at

@@ -263,8 +263,7 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     let grpc_addr = grpc_listener.local_addr()?;
     let (shutdown, stop) = watch::channel(false);
 
-    let max_connections = service.settings().max_connections;
-    raise_open_file_limit(max_connections);
+    let max_connections = raise_open_file_limit(service.settings().max_connections);
     let metrics = Arc::clone(&service.metrics);
     let http_acceptor = conn::Acceptor::new(
         http_listener,
@@ -376,29 +375,48 @@ const FILES_BESIDE_CONNECTIONS: u64 = 256;
 /// Raises the soft open-file limit towards the hard one, so that
 /// `max_connections` on each of the two interfaces can be open at once
 /// (processes start with a soft limit of 1,024 on most systems, below the
-/// default of 10,000 connections per interface), and says so at start
-/// when even the hard limit is too low: past it, new connections wait
-/// unserved however few requests are in flight.
-fn raise_open_file_limit(max_connections: usize) {
+/// default of 10,000 connections per interface), and returns how many
+/// connections each interface may hold: `max_connections`, or fewer when
+/// even the hard limit is too low, which is said at start. Past the open
+/// files, a new connection would wait unserved however few requests are in
+/// flight; below `max_connections` it is closed at once and counted, as
+/// one over `max_connections` is.
+fn raise_open_file_limit(max_connections: usize) -> usize {
     let wanted = (max_connections as u64)
         .saturating_mul(2)
         .saturating_add(FILES_BESIDE_CONNECTIONS);
     match rlimit::increase_nofile_limit(wanted) {
-        Ok(limit) if limit >= wanted => {}
-        Ok(limit) => tracing::warn!(
-            "the open-file limit is {limit} (the hard limit), below the {wanted} that \
-             server.max_connections = {max_connections} needs (twice it, for HTTP and gRPC, and \
-             {FILES_BESIDE_CONNECTIONS} more): past about {} connections in all, new ones wait \
-             unserved; raise the hard limit (`ulimit -Hn`, systemd's LimitNOFILE) or lower \
-             server.max_connections",
+        Ok(limit) if limit >= wanted => max_connections,
+        Ok(limit) => {
             // The margin is for a process with many rules on Redis; a
             // limit below it still serves about half its files.
-            limit.saturating_sub(FILES_BESIDE_CONNECTIONS.min(limit / 2))
-        ),
-        Err(e) => tracing::warn!(
-            "cannot raise the open-file limit for server.max_connections = {max_connections}: \
-             {e}"
-        ),
+            let connections = limit.saturating_sub(FILES_BESIDE_CONNECTIONS.min(limit / 2));
+            let each = usize::try_from(connections / 2)
+                .unwrap_or(usize::MAX)
+                .clamp(1, max_connections);
+            let said = format!(
+                "the open-file limit is {limit} (the hard limit), below the {wanted} that \
+                 server.max_connections = {max_connections} needs (twice it, for HTTP and gRPC, \
+                 and {FILES_BESIDE_CONNECTIONS} more): each interface holds at most {each} \
+                 connections, closing further ones as over max_connections; raise the hard \
+                 limit (`ulimit -Hn`, systemd's LimitNOFILE) or lower server.max_connections"
+            );
+            // The default, not chosen, is fitted without a warning: a
+            // container's limit (often 20,000 or so) need not alarm.
+            if max_connections == ServerSettings::default().max_connections {
+                tracing::info!("{said}");
+            } else {
+                tracing::warn!("{said}");
+            }
+            each
+        }
+        Err(e) => {
+            tracing::warn!(
+                "cannot raise the open-file limit for server.max_connections = \
+                 {max_connections}: {e}"
+            );
+            max_connections
+        }
     }
 }
 
