@@ -14,18 +14,19 @@
 /// typed as another character or forgotten; a `,`, `/`, `?` or `#` in
 /// credentials; seeds that carry credentials after seeds that do not). A
 /// string that is no URL is shown whole only when it is a short lower-case
-/// word (`memroy`), a store's scheme and HOST:PORT[/DB] with its `//`
-/// mistyped (`redis:/127.0.0.1:6379`), or a Redis address with its scheme
-/// left out (`127.0.0.1:6379`, `localhost:6379/2`, `a:7000,b:7001`: hosts
-/// of lower-case letters, digits, `.` and `-`, or IP addresses, each with
-/// a port from 1 to 65535), so that a typo shows; otherwise only a store's
-/// scheme before its `:`, or nothing.
+/// word (`memroy`), a Redis address with its scheme left out
+/// (`127.0.0.1:6379`, `localhost:6379/2`, `a:7000,b:7001`: hosts of
+/// lower-case letters, digits, `.` and `-`, or IP addresses, each with a
+/// port from 1 to 65535), or a store's scheme and one such address with
+/// its `//` mistyped (`redis:/127.0.0.1:6379`), so that a typo shows;
+/// otherwise only a store's scheme before its `:`, or nothing.
 ///
 /// What cannot be told apart, and so is shown: a password typed where the
 /// host or the socket path goes (`redis://s3cret`, or a short lower-case
 /// word given as the whole URL); an all-digit password with no host after
 /// it (`redis://user:12345` reads as HOST:PORT, and so does `user:12345`
-/// given as the whole URL); and, in a URL with no
+/// given as the whole URL; digits past 65535 or with a leading zero are no
+/// port, and are hidden); and, in a URL with no
 /// host after its password, what follows an `@` inside that password
 /// (it reads as USER:PASSWORD@HOST).
 ///
@@ -238,7 +239,10 @@ fn redact_not_a_url(url: &str) -> String {
     let Some(rest) = rest.strip_prefix('/') else {
         return format!("{scheme}:***");
     };
-    if host_ports_then_db(rest.trim_start_matches('/'), false) {
+    // Held to a bare address's narrower hosts: what follows may be
+    // USER:PASSWORD.
+    let rest = rest.trim_start_matches('/');
+    if !rest.contains(',') && is_bare_address(rest) {
         return url.to_owned();
     }
     format!("{scheme}:***")
@@ -293,11 +297,19 @@ fn redact_query(query: &str) -> String {
     pairs.join("&")
 }
 
-/// Whether `s` is `HOST:PORT` with a numeric port, and nothing else.
+/// Whether `s` is `HOST:PORT` with a port from 1 to 65535, written
+/// without a leading zero, and nothing else: digits that are no port
+/// (`user:123456`) may be a password.
 fn is_host_port(s: &str) -> bool {
-    s.rsplit_once(':').is_some_and(|(host, port)| {
-        is_host(host) && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
-    })
+    s.rsplit_once(':')
+        .is_some_and(|(host, port)| is_host(host) && is_port(port))
+}
+
+/// A port from 1 to 65535, written without a leading zero.
+fn is_port(port: &str) -> bool {
+    !port.starts_with('0')
+        && port.bytes().all(|b| b.is_ascii_digit())
+        && port.parse::<u16>().is_ok_and(|p| p > 0)
 }
 
 /// A name or IPv4 address, or an IPv6 address in brackets.
@@ -480,8 +492,6 @@ pub fn is_redis_like_url(url: &str) -> bool {
 /// without a leading zero.
 fn is_bare_address(s: &str) -> bool {
     let (nodes, db) = s.split_once('/').unwrap_or((s, "0"));
-    let plain_port =
-        |port: &str| !port.starts_with('0') && port.parse::<u16>().is_ok_and(|p| p > 0);
     let plain_host = |host: &str| {
         host.strip_prefix('[')
             .is_some_and(|h| h.ends_with(']') && is_host(host))
@@ -493,9 +503,10 @@ fn is_bare_address(s: &str) -> bool {
     !s.contains("://")
         && !db.is_empty()
         && db.bytes().all(|b| b.is_ascii_digit())
+        && db.parse::<i64>().is_ok()
         && nodes.split(',').all(|node| {
             node.rsplit_once(':')
-                .is_some_and(|(host, port)| plain_host(host) && plain_port(port))
+                .is_some_and(|(host, port)| plain_host(host) && is_port(port))
         })
 }
 
@@ -642,6 +653,19 @@ mod tests {
                 "{shown}"
             );
         }
+        // With a mistyped `//`, or as a URL's host, digits that are no
+        // port are hidden too.
+        for (url, shown) in [
+            ("redis:/default:123456", "redis:***"),
+            ("redis:/S3cr3t_Pa55.word:2024", "redis:***"),
+            ("valkey:/Secret_1:70000", "valkey:***"),
+            ("redis://default:123456", "redis://***"),
+            ("redis://user:06379", "redis://***"),
+            ("redis:/127.0.0.1:6379/2", "redis:/127.0.0.1:6379/2"),
+        ] {
+            assert_eq!(redact_url(url), shown, "{url}");
+        }
+        assert!(!super::url_form_error("pw:1/99999999999999999999").contains("pw"));
         for hidden in [
             "default:123456",
             "S3cr3t_Pa55.word:2024",
