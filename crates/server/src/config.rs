@@ -561,7 +561,13 @@ fn misshapen_header(text: &str, offset: usize) -> Option<(String, String)> {
     let (table, setting) = name.rsplit_once('.')?;
     let setting = setting.trim();
     let home = setting_home(setting)?;
-    let table = table.trim();
+    // TOML allows space around a dotted key's dots.
+    let table = table
+        .split('.')
+        .map(str::trim)
+        .collect::<Vec<_>>()
+        .join(".");
+    let table = table.as_str();
     let advice = if !takes(table, setting) {
         format!("{setting} is a setting of {home}, not a table: write {setting} = VALUE there")
     } else if SINGLE_TABLES.contains(&table) {
@@ -1552,6 +1558,14 @@ shadow = true
                 "server.name",
                 "name is a setting of [keys], [fallback] or a descriptor, not a table: write \
                  name = VALUE there",
+            ),
+            (
+                "[[domains]]\ndomain = \"d\"\n[[domains.descriptors]]\nkey = \"k\"\n\
+                 [[ domains . descriptors . limit ]]\nx = 1\n",
+                5,
+                "domains . descriptors . limit",
+                "limit is a setting, not a table: write limit = VALUE under the \
+                 [[domains.descriptors]] it belongs to",
             ),
             (
                 "[keys.key_prefix]\nx = 1\n",

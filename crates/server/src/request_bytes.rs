@@ -9,8 +9,9 @@
 //!
 //! - every data frame a call receives is counted against its connection's
 //!   budget, [`MAX_BYTES_PER_CONNECTION`], and given back when the call's
-//!   request body is dropped (when the call ends); a frame past the budget
-//!   fails its call with `RESOURCE_EXHAUSTED`;
+//!   request body is dropped (once the request has ended and its message
+//!   is decoded, before the call is decided; or when the call fails); a
+//!   frame past the budget fails its call with `RESOURCE_EXHAUSTED`;
 //! - a request body not ended within [`MESSAGE_DEADLINE`] of the call's
 //!   start fails its call with `DEADLINE_EXCEEDED`, which gives its bytes
 //!   back: holding memory costs a client the bandwidth to send it again
