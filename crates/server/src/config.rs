@@ -475,8 +475,7 @@ fn plain_message(message: &str) -> String {
         .and_then(|rest| rest.split_once('`'))
         .map(|(field, _)| field)
     {
-        let home = setting_home(field);
-        if let Some(home) = home {
+        if let Some(home) = Home::of(field) {
             return format!("{message}; {field} is a setting of {home}");
         }
     }
@@ -491,43 +490,62 @@ fn plain_message(message: &str) -> String {
 /// The tables that are one table each, never a list.
 const SINGLE_TABLES: [&str; 4] = ["server", "redis", "keys", "fallback"];
 
-/// Where a setting is written, for the messages of one written elsewhere;
-/// `None` for a name that is no setting.
-fn setting_home(setting: &str) -> Option<&'static str> {
-    Some(match setting {
-        "key_hash"
-        | "failure_policy"
-        | "store_timeout_ms"
-        | "max_keys"
-        | "housekeeping_interval_ms"
-        | "housekeeping_max_scanned"
-        | "max_connections"
-        | "key_prefix" => "[server]",
-        "tls_ca_file" | "tls_cert_file" | "tls_key_file" => "[redis]",
-        "name" | "policy" | "limit" | "window_ms" | "unit" | "burst" | "shadow" => {
-            "[keys], [fallback] or a descriptor"
-        }
-        "key" | "value" | "unlimited" => "a descriptor",
-        "domain" => "[[domains]]",
-        _ => return None,
-    })
+/// Where a setting is written, for the messages of one written elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Home {
+    Server,
+    Redis,
+    /// A rule's: `[keys]`, `[fallback]` or a descriptor.
+    Rule,
+    Descriptor,
+    Domain,
 }
 
-/// Whether the table a header names (`keys`, `domains.descriptors`)
-/// takes `setting`.
-fn takes(table: &str, setting: &str) -> bool {
-    let descriptor = table
-        .strip_prefix("domains.descriptors")
-        .is_some_and(|rest| rest.split(".descriptors").all(str::is_empty));
-    match setting_home(setting) {
-        Some("[server]") => table == "server",
-        Some("[redis]") => table == "redis",
-        Some("[keys], [fallback] or a descriptor") => {
-            table == "keys" || table == "fallback" || descriptor
+impl Home {
+    /// The home of `setting`; `None` for a name that is no setting.
+    fn of(setting: &str) -> Option<Home> {
+        Some(match setting {
+            "key_hash"
+            | "failure_policy"
+            | "store_timeout_ms"
+            | "max_keys"
+            | "housekeeping_interval_ms"
+            | "housekeeping_max_scanned"
+            | "max_connections"
+            | "key_prefix" => Home::Server,
+            "tls_ca_file" | "tls_cert_file" | "tls_key_file" => Home::Redis,
+            "name" | "policy" | "limit" | "window_ms" | "unit" | "burst" | "shadow" => Home::Rule,
+            "key" | "value" | "unlimited" => Home::Descriptor,
+            "domain" => Home::Domain,
+            _ => return None,
+        })
+    }
+
+    /// Whether the table a header names (`keys`, `domains.descriptors`)
+    /// is this home.
+    fn is(self, table: &str) -> bool {
+        let descriptor = table
+            .strip_prefix("domains.descriptors")
+            .is_some_and(|rest| rest.split(".descriptors").all(str::is_empty));
+        match self {
+            Home::Server => table == "server",
+            Home::Redis => table == "redis",
+            Home::Rule => table == "keys" || table == "fallback" || descriptor,
+            Home::Descriptor => descriptor,
+            Home::Domain => table == "domains",
         }
-        Some("a descriptor") => descriptor,
-        Some("[[domains]]") => table == "domains",
-        _ => false,
+    }
+}
+
+impl fmt::Display for Home {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Home::Server => "[server]",
+            Home::Redis => "[redis]",
+            Home::Rule => "[keys], [fallback] or a descriptor",
+            Home::Descriptor => "a descriptor",
+            Home::Domain => "[[domains]]",
+        })
     }
 }
 
@@ -560,7 +578,7 @@ fn misshapen_header(text: &str, offset: usize) -> Option<(String, String)> {
     }
     let (table, setting) = name.rsplit_once('.')?;
     let setting = setting.trim();
-    let home = setting_home(setting)?;
+    let home = Home::of(setting)?;
     // TOML allows space around a dotted key's dots.
     let table = table
         .split('.')
@@ -568,7 +586,7 @@ fn misshapen_header(text: &str, offset: usize) -> Option<(String, String)> {
         .collect::<Vec<_>>()
         .join(".");
     let table = table.as_str();
-    let advice = if !takes(table, setting) {
+    let advice = if !home.is(table) {
         format!("{setting} is a setting of {home}, not a table: write {setting} = VALUE there")
     } else if SINGLE_TABLES.contains(&table) {
         format!("{setting} is a setting, not a table: write {setting} = VALUE under [{table}]")
@@ -1551,14 +1569,7 @@ shadow = true
                 "limit is a setting, not a table: write limit = VALUE under the \
                  [[domains.descriptors]] it belongs to",
             ),
-            // A setting under a table that does not take it: its own named.
-            (
-                "[server.name]\nx = 1\n",
-                1,
-                "server.name",
-                "name is a setting of [keys], [fallback] or a descriptor, not a table: write \
-                 name = VALUE there",
-            ),
+            // The same, with the space TOML allows around the dots.
             (
                 "[[domains]]\ndomain = \"d\"\n[[domains.descriptors]]\nkey = \"k\"\n\
                  [[ domains . descriptors . limit ]]\nx = 1\n",
@@ -1566,6 +1577,14 @@ shadow = true
                 "domains . descriptors . limit",
                 "limit is a setting, not a table: write limit = VALUE under the \
                  [[domains.descriptors]] it belongs to",
+            ),
+            // A setting under a table that does not take it: its own named.
+            (
+                "[server.name]\nx = 1\n",
+                1,
+                "server.name",
+                "name is a setting of [keys], [fallback] or a descriptor, not a table: write \
+                 name = VALUE there",
             ),
             (
                 "[keys.key_prefix]\nx = 1\n",

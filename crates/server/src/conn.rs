@@ -167,7 +167,7 @@ pub struct GrpcConn {
     inner: TcpStream,
     preface_deadline: Option<Pin<Box<Sleep>>>,
     received: usize,
-    /// What its requests' unfinished messages may hold (see
+    /// The bytes its calls' requests may hold (see
     /// [`crate::request_bytes`]).
     budget: Budget,
     _permit: OwnedSemaphorePermit,

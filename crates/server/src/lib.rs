@@ -376,11 +376,11 @@ const FILES_BESIDE_CONNECTIONS: u64 = 256;
 /// `max_connections` on each of the two interfaces can be open at once
 /// (processes start with a soft limit of 1,024 on most systems, below the
 /// default of 10,000 connections per interface), and returns how many
-/// connections each interface may hold: `max_connections`, or fewer when
-/// even the hard limit is too low, which is said at start. Past the open
-/// files, a new connection would wait unserved however few requests are in
-/// flight; below `max_connections` it is closed at once and counted, as
-/// one over `max_connections` is.
+/// connections each interface may hold: `max_connections`, or what fits
+/// when even the hard limit is too low, which is said at start. Past the
+/// open files a new connection would wait unserved, however few requests
+/// are in flight; past what fits it is closed at once and counted, as one
+/// over `max_connections` is.
 fn raise_open_file_limit(max_connections: usize) -> usize {
     let wanted = (max_connections as u64)
         .saturating_mul(2)

@@ -150,6 +150,8 @@ struct Bounded {
     held: usize,
     budget: Option<Budget>,
     deadline: Pin<Box<tokio::time::Sleep>>,
+    /// The time from the call's start to the deadline, for its message.
+    within: Duration,
     /// Failed (past its budget or deadline): nothing more is read.
     failed: bool,
 }
@@ -161,6 +163,7 @@ impl Bounded {
             held: 0,
             budget,
             deadline: Box::pin(tokio::time::sleep(within)),
+            within,
             failed: false,
         }
     }
@@ -200,11 +203,14 @@ impl Body for Bounded {
                 }
             }
             Poll::Pending => match this.deadline.as_mut().poll(cx) {
-                Poll::Ready(()) => this.fail(tonic::Status::deadline_exceeded(format!(
-                    "the request message did not arrive whole within {} s of the call's \
-                     start",
-                    MESSAGE_DEADLINE.as_secs()
-                ))),
+                Poll::Ready(()) => {
+                    let late = tonic::Status::deadline_exceeded(format!(
+                        "the request message did not arrive whole within {} ms of the call's \
+                         start",
+                        this.within.as_millis()
+                    ));
+                    this.fail(late)
+                }
                 Poll::Pending => Poll::Pending,
             },
             other => other,
