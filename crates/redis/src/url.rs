@@ -522,7 +522,15 @@ pub fn url_form_error(url: &str) -> String {
     if is_bare_address(url) {
         let (seeds, db) = url.split_once('/').unwrap_or((url, ""));
         let instead = if seeds.contains(',') {
-            format!("write redis-cluster://{url} for a Redis Cluster (rediss-cluster:// over TLS)")
+            let db_note = if db.is_empty() {
+                ""
+            } else {
+                ", with no /DB: a cluster has only database 0"
+            };
+            format!(
+                "write redis-cluster://{seeds} for a Redis Cluster (rediss-cluster:// over \
+                 TLS){db_note}"
+            )
         } else if db.is_empty() {
             format!(
                 "write redis://{url} for one Redis (rediss:// over TLS), or \
@@ -666,6 +674,11 @@ mod tests {
             assert_eq!(redact_url(url), shown, "{url}");
         }
         assert!(!super::url_form_error("pw:1/99999999999999999999").contains("pw"));
+        let e = super::url_form_error("a:7000,b:7001/2");
+        assert!(
+            e.contains("write redis-cluster://a:7000,b:7001 for") && e.contains("no /DB"),
+            "{e}"
+        );
         for hidden in [
             "default:123456",
             "S3cr3t_Pa55.word:2024",
