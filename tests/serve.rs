@@ -2134,6 +2134,15 @@ fn connections_past_what_the_open_file_limit_fits_are_closed_at_once() {
         .spawn()
         .unwrap();
     let line = common::first_line(&mut child).unwrap();
+    // Killed however the test ends, a failed assertion included.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _child = Killed(child);
     let http: std::net::SocketAddr = line
         .split("http://")
         .nth(1)
@@ -2155,8 +2164,6 @@ fn connections_past_what_the_open_file_limit_fits_are_closed_at_once() {
         "the 33rd connection was not closed at once: {read:?}"
     );
     drop(held);
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 /// Rules that admit nothing are named in a warning at start, and again at
