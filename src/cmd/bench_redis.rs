@@ -1299,6 +1299,14 @@ fn redis_benchmark(common: &[String], extra: &[String], requests: u64) -> Result
             .parse::<f64>()
             .ok()
     });
+    // Its clock counts whole milliseconds: a run that ends within one is
+    // "inf requests per second", no figure at all.
+    if figure.is_some_and(|rate| !rate.is_finite()) {
+        return Err(format!(
+            "redis-benchmark ran its {requests} requests within its clock's 1 ms and gave no \
+             rate (inf); raise --requests"
+        ));
+    }
     figure.ok_or_else(|| {
         // Its errors (NOAUTH, a refused connection) go to either stream.
         let both = format!("{text}\n{}", String::from_utf8_lossy(&out.stderr));
