@@ -87,7 +87,9 @@ pub fn redact_url(url: &str) -> String {
     // Not readable: what follows the last `@` is shown when it is a list
     // of HOST:PORT and nothing before it could have started a query.
     if let Some((hidden, after)) = rest.rsplit_once('@') {
-        if !hidden.contains(['?', '#']) && host_ports_then_db(after, is_cluster_scheme(scheme)) {
+        if !hidden.contains(['?', '#'])
+            && host_ports_then_db(after, is_cluster_scheme(scheme), is_host)
+        {
             return format!("{scheme}://***@{after}");
         }
     }
@@ -164,15 +166,15 @@ fn redact_readable(scheme: &str, rest: &str) -> Option<String> {
 }
 
 /// Whether `s` is HOST:PORT (a comma-separated `list` of them, if asked)
-/// with at most a `/DB`, and nothing else.
-fn host_ports_then_db(s: &str, list: bool) -> bool {
+/// with at most a `/DB`, and nothing else, each host one `host` accepts.
+fn host_ports_then_db(s: &str, list: bool, host: fn(&str) -> bool) -> bool {
     let (nodes, db) = s.split_once('/').unwrap_or((s, "0"));
     !db.is_empty()
         && db.bytes().all(|b| b.is_ascii_digit())
         && if list {
-            nodes.split(',').all(is_host_port)
+            nodes.split(',').all(|node| host_port_with(node, host))
         } else {
-            is_host_port(nodes)
+            host_port_with(nodes, host)
         }
 }
 
@@ -301,8 +303,13 @@ fn redact_query(query: &str) -> String {
 /// without a leading zero, and nothing else: digits that are no port
 /// (`user:123456`) may be a password.
 fn is_host_port(s: &str) -> bool {
+    host_port_with(s, is_host)
+}
+
+/// [`is_host_port`], each host one `host` accepts.
+fn host_port_with(s: &str, host: fn(&str) -> bool) -> bool {
     s.rsplit_once(':')
-        .is_some_and(|(host, port)| is_host(host) && is_port(port))
+        .is_some_and(|(name, port)| host(name) && is_port(port))
 }
 
 /// A port from 1 to 65535, written without a leading zero.
@@ -491,23 +498,22 @@ pub fn is_redis_like_url(url: &str) -> bool {
 /// `USER:PASSWORD` of mixed case or `_`), each port 1 to 65535 written
 /// without a leading zero.
 fn is_bare_address(s: &str) -> bool {
-    let (nodes, db) = s.split_once('/').unwrap_or((s, "0"));
-    let plain_host = |host: &str| {
-        host.strip_prefix('[')
-            .is_some_and(|h| h.ends_with(']') && is_host(host))
-            || (!host.is_empty()
-                && host
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-.".contains(&b)))
-    };
-    !s.contains("://")
-        && !db.is_empty()
-        && db.bytes().all(|b| b.is_ascii_digit())
-        && db.parse::<i64>().is_ok()
-        && nodes.split(',').all(|node| {
-            node.rsplit_once(':')
-                .is_some_and(|(host, port)| plain_host(host) && is_port(port))
-        })
+    // Digits past i64 (redis-rs's type for a database) are no database.
+    let db_fits = s
+        .split_once('/')
+        .is_none_or(|(_, db)| db.parse::<i64>().is_ok());
+    !s.contains("://") && db_fits && host_ports_then_db(s, true, is_plain_host)
+}
+
+/// A host a bare address may show: an IP address, or a name of lower-case
+/// letters, digits, `.` and `-`.
+fn is_plain_host(host: &str) -> bool {
+    host.strip_prefix('[')
+        .is_some_and(|h| h.ends_with(']') && is_host(host))
+        || (!host.is_empty()
+            && host
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-.".contains(&b)))
 }
 
 /// What is wrong with a store URL whose scheme is not taken, saying what
