@@ -1308,12 +1308,8 @@ impl RedisStore {
         let now_ms = (!by_redis_time).then(machine_now_ms);
         let checked = self.decide_and_delete(conn, name, now_ms).await;
         if let Err(e) = &checked {
-            let refused = matches!(
-                refusal_advice(e.detail()),
-                Some((_, advice)) if advice == NOPERM_ADVICE
-            );
             if by_redis_time
-                && refused
+                && refused_permission(e.detail())
                 && (self
                     .decide_and_delete(conn, name, Some(machine_now_ms()))
                     .await)
@@ -2130,6 +2126,12 @@ fn invalid_url(shown: &str, e: RedisError) -> StoreError {
     )
 }
 
+/// Whether an error's `text` is the ACL refusing the URL's user a command
+/// or a key (in a script, "can't run this command").
+fn refused_permission(text: &str) -> bool {
+    text.contains("NOPERM") || text.contains("can't run this command")
+}
+
 /// What to change when Redis refuses the URL's user a command or a key.
 const NOPERM_ADVICE: &str = "the URL's user lacks a command or a key the store needs: grant it \
      (ACL SETUSER) the commands +evalsha +eval +script|load +ping +info (and +cluster +asking \
@@ -2149,7 +2151,7 @@ fn refusal_advice(text: &str) -> Option<(StoreErrorKind, String)> {
              master"
                 .to_owned(),
         )
-    } else if text.contains("NOPERM") || text.contains("can't run this command") {
+    } else if refused_permission(text) {
         (StoreErrorKind::InvalidInput, NOPERM_ADVICE.to_owned())
     } else if text.contains("OOM") && text.contains("maxmemory") {
         (
