@@ -195,9 +195,8 @@ impl Body for Bounded {
                         this.fail(refusal)
                     }
                     _ => {
-                        if this.budget.is_some() {
-                            this.held += n;
-                        }
+                        // Given back on drop, when there is a budget.
+                        this.held += n;
                         Poll::Ready(Some(Ok(frame)))
                     }
                 }
