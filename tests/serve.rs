@@ -2044,6 +2044,24 @@ async fn one_ratelimit_member_per_rule_the_one_that_binds_most() {
     server.stop();
 }
 
+/// `ratewarden serve` on free ports with an open-file limit of 128 set by
+/// `ulimit FLAG` (`-Sn` the soft limit, `-n` both), its standard output
+/// piped: `ulimit` in a shell that then becomes the server, so the limits
+/// are the server's from its first instruction.
+#[cfg(target_os = "linux")]
+fn serve_with_open_files(flag: &str, stderr: std::process::Stdio) -> std::process::Child {
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit {flag} 128 && exec \"$0\" serve --http 127.0.0.1:0 --grpc 127.0.0.1:0"
+        ))
+        .arg(BIN)
+        .stdout(std::process::Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap()
+}
+
 /// `serve` raises its soft open-file limit so that `max_connections` on
 /// both interfaces fits (a soft limit of 1,024 is common, the default is
 /// 10,000 connections each), and says at start when the hard limit is
@@ -2053,19 +2071,8 @@ async fn one_ratelimit_member_per_rule_the_one_that_binds_most() {
 fn serve_raises_its_open_file_limit_or_says_why_not() {
     use std::io::Read;
     use std::process::Stdio;
-    // `ulimit` in a shell that then becomes the server: the limits are
-    // the server's from its first instruction.
     let start = |ulimit: &str| {
-        let mut child = Command::new("sh")
-            .arg("-c")
-            .arg(format!(
-                "ulimit {ulimit} 128 && exec \"$0\" serve --http 127.0.0.1:0 --grpc 127.0.0.1:0"
-            ))
-            .arg(BIN)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = serve_with_open_files(ulimit, Stdio::piped());
         let line = common::first_line(&mut child).unwrap();
         assert!(line.contains("ratewarden serve: HTTP on"), "{line}");
         let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id())).unwrap();
@@ -2125,14 +2132,7 @@ fn serve_raises_its_open_file_limit_or_says_why_not() {
 fn connections_past_what_the_open_file_limit_fits_are_closed_at_once() {
     use std::io::Read;
     use std::process::Stdio;
-    let mut child = Command::new("sh")
-        .arg("-c")
-        .arg("ulimit -n 128 && exec \"$0\" serve --http 127.0.0.1:0 --grpc 127.0.0.1:0")
-        .arg(BIN)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = serve_with_open_files("-n", Stdio::null());
     let line = common::first_line(&mut child).unwrap();
     // Killed however the test ends, a failed assertion included.
     struct Killed(std::process::Child);
