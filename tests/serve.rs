@@ -1630,6 +1630,73 @@ async fn a_grpc_peer_cannot_make_the_server_hold_unbounded_streams_or_bytes() {
     server.stop();
 }
 
+/// A call whose message is still arriving when shutdown begins is waited
+/// for, and answered, like a call being decided: only connections with no
+/// work left are dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_waits_for_a_call_whose_message_is_still_arriving() {
+    use prost::Message;
+    let server = Server::start(&[]);
+    let tcp = tokio::net::TcpStream::connect(server.grpc).await.unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    let driver = tokio::spawn(connection);
+    let mut client = client.ready().await.unwrap();
+    let request = http::Request::builder()
+        .method("POST")
+        .uri(format!(
+            "http://{}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+            server.grpc
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let encoded = RateLimitRequest {
+        domain: "any".into(),
+        descriptors: vec![descriptor(&[("k", "v")])],
+        hits_addend: 1,
+    }
+    .encode_to_vec();
+    let mut message = vec![0u8];
+    message.extend_from_slice(&u32::try_from(encoded.len()).unwrap().to_be_bytes());
+    message.extend_from_slice(&encoded);
+    let (response, mut stream) = client.send_request(request, false).unwrap();
+    let half = message.len() / 2;
+    stream
+        .send_data(bytes::Bytes::copy_from_slice(&message[..half]), false)
+        .unwrap();
+    // Shutdown begins with half the message sent. The rest comes after the
+    // time shutdown gives connections once no call is open, and before
+    // the message's deadline.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    server.signal("TERM");
+    tokio::time::sleep(ratewarden_server::GRPC_GOAWAY_GRACE + Duration::from_millis(500)).await;
+    assert!(
+        ratewarden_server::GRPC_GOAWAY_GRACE + Duration::from_millis(700)
+            < ratewarden_server::request_bytes::MESSAGE_DEADLINE
+    );
+    stream
+        .send_data(bytes::Bytes::copy_from_slice(&message[half..]), true)
+        .unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(5), response)
+        .await
+        .expect("answered within 5 s")
+        .expect("the call is answered, not cut by the shutdown");
+    let mut body = answer.into_body();
+    let mut data = Vec::new();
+    while let Some(chunk) = body.data().await {
+        data.extend_from_slice(&chunk.unwrap());
+    }
+    let trailers = body.trailers().await.unwrap().unwrap();
+    assert_eq!(trailers["grpc-status"], "0", "{trailers:?}");
+    let answer = RateLimitResponse::decode(&data[5..]).unwrap();
+    assert_eq!(answer.overall_code, Code::Ok as i32);
+    driver.abort();
+    tokio::task::spawn_blocking(move || server.stop())
+        .await
+        .unwrap();
+}
+
 fn with_override(entries: &[(&str, &str)], limit: u32, unit: Unit) -> RateLimitDescriptor {
     let mut d = descriptor(entries);
     d.limit = Some(RateLimitOverride {

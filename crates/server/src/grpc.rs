@@ -79,7 +79,9 @@ pub fn server(service: Arc<Service>, calls: Arc<Calls>) -> RateLimitServiceServe
     RateLimitServiceServer::new(Rls { service, calls }).max_decoding_message_size(MAX_MESSAGE_BYTES)
 }
 
-/// The `ShouldRateLimit` calls being answered.
+/// The gRPC calls with work to finish: `ShouldRateLimit` calls being
+/// answered, and calls of any method whose request message is still
+/// arriving (at most [`MESSAGE_DEADLINE`](crate::request_bytes::MESSAGE_DEADLINE)).
 ///
 /// Shutdown waits for these, not for connections: an HTTP/2 connection
 /// ends only when its peer lets it (a peer that never sends its preface,
@@ -112,15 +114,16 @@ impl Calls {
         }
     }
 
-    fn enter(self: &Arc<Self>) -> CallGuard {
+    pub(crate) fn enter(self: &Arc<Self>) -> CallGuard {
         self.open.fetch_add(1, Ordering::SeqCst);
         CallGuard(Arc::clone(self))
     }
 }
 
-/// One call being answered; dropped when the answer is made (or the call
-/// is cancelled).
-struct CallGuard(Arc<Calls>);
+/// One call with work to finish; dropped when that work is done (or the
+/// call is cancelled).
+#[derive(Debug)]
+pub(crate) struct CallGuard(Arc<Calls>);
 
 impl Drop for CallGuard {
     fn drop(&mut self) {

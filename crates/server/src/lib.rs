@@ -281,6 +281,7 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
 
     let grpc_calls = Arc::new(grpc::Calls::default());
     let rls = grpc::server(Arc::clone(&service), Arc::clone(&grpc_calls));
+    let grpc_calls_bodies = Arc::clone(&grpc_calls);
     // grpc.health.v1.Health, as envoyproxy/ratelimit serves it: Envoy
     // clusters with grpc_health_check need it.
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -309,7 +310,9 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
             .max_concurrent_streams(GRPC_MAX_STREAMS_PER_CONNECTION)
             // And the bytes a connection's calls hold, and the time a
             // message may take to arrive (see request_bytes).
-            .layer(request_bytes::BoundRequestBodies)
+            .layer(request_bytes::BoundRequestBodies::new(Arc::clone(
+                &grpc_calls_bodies,
+            )))
             .add_service(rls)
             .add_service(health_service)
             .serve_with_incoming_shutdown(

@@ -17,6 +17,10 @@
 //!   back: holding memory costs a client the bandwidth to send it again
 //!   every [`MESSAGE_DEADLINE`].
 //!
+//! While a call's request body is read, it counts as a call with work to
+//! finish ([`Calls`]): shutdown waits for its message (at most
+//! [`MESSAGE_DEADLINE`]) and then for its answer, rather than cutting it.
+//!
 //! There is no budget shared by all connections on purpose: any client
 //! could fill it with a few connections and have every other call refused,
 //! Envoy's among them (which Envoy answers, by default, by letting its
@@ -33,6 +37,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
+
+use crate::grpc::{CallGuard, Calls};
 
 /// The most bytes the calls of one gRPC connection may hold: two messages
 /// of the largest size, so a client can always send one while another is
@@ -100,15 +106,28 @@ pub struct ConnectionBudget {
 
 /// The layer that counts every gRPC request's body against its
 /// connection's budget (from [`ConnectionBudget`] in the request's
-/// extensions) and gives it [`MESSAGE_DEADLINE`] to end.
-#[derive(Debug, Clone, Default)]
-pub struct BoundRequestBodies;
+/// extensions), gives it [`MESSAGE_DEADLINE`] to end, and counts it among
+/// the calls shutdown waits for until it has.
+#[derive(Debug, Clone)]
+pub struct BoundRequestBodies {
+    calls: Arc<Calls>,
+}
+
+impl BoundRequestBodies {
+    /// The layer, counting bodies being read among `calls`.
+    pub fn new(calls: Arc<Calls>) -> Self {
+        BoundRequestBodies { calls }
+    }
+}
 
 impl<S> tower::Layer<S> for BoundRequestBodies {
     type Service = Bounding<S>;
 
     fn layer(&self, inner: S) -> Bounding<S> {
-        Bounding { inner }
+        Bounding {
+            inner,
+            calls: Arc::clone(&self.calls),
+        }
     }
 }
 
@@ -116,6 +135,7 @@ impl<S> tower::Layer<S> for BoundRequestBodies {
 #[derive(Debug, Clone)]
 pub struct Bounding<S> {
     inner: S,
+    calls: Arc<Calls>,
 }
 
 impl<S> tower::Service<http::Request<tonic::body::Body>> for Bounding<S>
@@ -137,8 +157,12 @@ where
             request.extensions_mut().insert(c.tcp);
             c.budget
         });
-        let request = request
-            .map(|body| tonic::body::Body::new(Bounded::new(body, budget, MESSAGE_DEADLINE)));
+        let call = self.calls.enter();
+        let request = request.map(|body| {
+            let mut body = Bounded::new(body, budget, MESSAGE_DEADLINE);
+            body.call = Some(call);
+            tonic::body::Body::new(body)
+        });
         self.inner.call(request)
     }
 }
@@ -149,6 +173,10 @@ struct Bounded {
     inner: tonic::body::Body,
     held: usize,
     budget: Option<Budget>,
+    /// Counts the call among those shutdown waits for while its message
+    /// arrives. Let go once the body has ended, so that a call whose
+    /// handler keeps its body (a streaming method) does not hold it.
+    call: Option<CallGuard>,
     deadline: Pin<Box<tokio::time::Sleep>>,
     /// The time from the call's start to the deadline, for its message.
     within: Duration,
@@ -162,6 +190,7 @@ impl Bounded {
             inner,
             held: 0,
             budget,
+            call: None,
             deadline: Box::pin(tokio::time::sleep(within)),
             within,
             failed: false,
@@ -170,6 +199,7 @@ impl Bounded {
 
     fn fail(&mut self, status: tonic::Status) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
         self.failed = true;
+        self.call = None;
         Poll::Ready(Some(Err(status)))
     }
 }
@@ -212,6 +242,10 @@ impl Body for Bounded {
                 }
                 Poll::Pending => Poll::Pending,
             },
+            Poll::Ready(None) => {
+                this.call = None;
+                Poll::Ready(None)
+            }
             other => other,
         }
     }
