@@ -70,7 +70,10 @@ pub const MAX_BATCH: usize = 10_000;
 /// How a [`RedisStore`] names keys, bounds its calls and sets TTLs.
 ///
 /// With serde, an object of these fields; a field left out takes its
-/// [`Default`] value, and a field it does not know is refused.
+/// [`Default`] value, and a field it does not know is refused. In Rust,
+/// name the fields you set and take the rest from
+/// `..RedisOptions::default()`: fields are added as the store learns new
+/// settings, and a literal that names every field stops compiling then.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RedisOptions {
