@@ -1697,6 +1697,140 @@ async fn shutdown_waits_for_a_call_whose_message_is_still_arriving() {
         .unwrap();
 }
 
+/// One `ShouldRateLimit` call over a raw HTTP/2 client, which sends the
+/// `grpc-timeout` header as given (tonic's client writes its own): the
+/// whole message, or half of it and then nothing. Returns the answer's
+/// `grpc-status` and `grpc-message` (from its headers, or its trailers) and
+/// when it came.
+async fn raw_should(
+    addr: SocketAddr,
+    grpc_timeout: &str,
+    request: &RateLimitRequest,
+    whole: bool,
+) -> (String, String, Instant) {
+    use prost::Message;
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    let driver = tokio::spawn(connection);
+    let mut client = client.ready().await.unwrap();
+    let head = http::Request::builder()
+        .method("POST")
+        .uri(format!(
+            "http://{addr}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("grpc-timeout", grpc_timeout)
+        .body(())
+        .unwrap();
+    let encoded = request.encode_to_vec();
+    let mut message = vec![0u8];
+    message.extend_from_slice(&u32::try_from(encoded.len()).unwrap().to_be_bytes());
+    message.extend_from_slice(&encoded);
+    if !whole {
+        message.truncate(message.len() / 2);
+    }
+    let (response, mut stream) = client.send_request(head, false).unwrap();
+    stream.send_data(message.into(), whole).unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(15), response)
+        .await
+        .expect("answered within 15 s")
+        .unwrap();
+    let answered = Instant::now();
+    let (parts, mut body) = answer.into_parts();
+    let headers = match parts.headers.get("grpc-status") {
+        Some(_) => parts.headers,
+        None => {
+            while let Some(chunk) = body.data().await {
+                chunk.unwrap();
+            }
+            body.trailers().await.unwrap().unwrap()
+        }
+    };
+    // Percent-decoded, as gRPC sends its message.
+    let text = |name: &str| {
+        let raw = headers.get(name).map_or(&b""[..], |v| v.as_bytes());
+        let mut decoded = Vec::new();
+        let mut i = 0;
+        while i < raw.len() {
+            if raw[i] == b'%' && i + 2 < raw.len() {
+                let hex = std::str::from_utf8(&raw[i + 1..i + 3]).unwrap();
+                decoded.push(u8::from_str_radix(hex, 16).unwrap());
+                i += 3;
+            } else {
+                decoded.push(raw[i]);
+                i += 1;
+            }
+        }
+        String::from_utf8(decoded).unwrap()
+    };
+    let status = (text("grpc-status"), text("grpc-message"), answered);
+    drop(stream);
+    driver.abort();
+    status
+}
+
+/// A call's deadline is the client's `grpc-timeout` (or the server's 10 s
+/// bound): a call not answered by then is answered `DEADLINE_EXCEEDED`, and
+/// a call already past it is not decided, so it spends none of the budget.
+/// A `grpc-timeout` that is not one is refused, saying how to write it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_past_its_grpc_timeout_is_answered_deadline_exceeded_and_not_decided() {
+    let file = ConfigFile::new(LONG_WINDOW);
+    let server = Server::start(&["--config", file.path()]);
+    // `login`: 2 an hour.
+    let login = RateLimitRequest {
+        domain: "edge".into(),
+        descriptors: vec![descriptor(&[("path", "/login")])],
+        hits_addend: 1,
+    };
+    for expired in ["0m", "0n"] {
+        let (status, message, _) = raw_should(server.grpc, expired, &login, true).await;
+        assert_eq!(status, "4", "{expired}: {message}");
+        assert_eq!(
+            message,
+            "the call was not answered within its deadline, 0 ms (the client's grpc-timeout)"
+        );
+    }
+    let (status, message, _) = raw_should(server.grpc, "20ms", &login, true).await;
+    assert_eq!(status, "3", "{message}");
+    assert!(
+        message.contains("\"20ms\" is not a gRPC timeout: write 1 to 8 digits and a unit"),
+        "{message}"
+    );
+    // Neither spent any of the budget: two are admitted, then refused.
+    let mut grpc = server.grpc().await;
+    for expected in [Code::Ok, Code::Ok, Code::OverLimit] {
+        let r = should(&mut grpc, "edge", login.descriptors.clone(), 1).await;
+        assert_eq!(r.overall_code, expected as i32);
+    }
+    // A call whose message has not arrived by its deadline.
+    let started = Instant::now();
+    let (status, message, answered) = raw_should(server.grpc, "300m", &login, false).await;
+    assert_eq!(status, "4", "{message}");
+    assert_eq!(
+        message,
+        "the call was not answered within its deadline, 300 ms (the client's grpc-timeout)"
+    );
+    let took = answered - started;
+    assert!(
+        took >= Duration::from_millis(300)
+            && took < ratewarden_server::request_bytes::MESSAGE_DEADLINE,
+        "{took:?}"
+    );
+    // A timeout in time is answered as usual.
+    let (status, message, _) = raw_should(server.grpc, "5S", &login, true).await;
+    assert_eq!(status, "0", "{message}");
+    let client = client();
+    let metric = |series| common::metric(&client, server.http, series);
+    assert_eq!(metric("ratewarden_grpc_deadlines_exceeded_total").await, 3);
+    assert_eq!(
+        metric("ratewarden_bad_requests_total{api=\"grpc\"}").await,
+        1
+    );
+    server.stop();
+}
+
 fn with_override(entries: &[(&str, &str)], limit: u32, unit: Unit) -> RateLimitDescriptor {
     let mut d = descriptor(entries);
     d.limit = Some(RateLimitOverride {

@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod call_deadline;
 pub mod config;
 pub mod conn;
 pub mod grpc;
@@ -282,6 +283,7 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     let grpc_calls = Arc::new(grpc::Calls::default());
     let rls = grpc::server(Arc::clone(&service), Arc::clone(&grpc_calls));
     let grpc_calls_bodies = Arc::clone(&grpc_calls);
+    let deadline_metrics = Arc::clone(&service.metrics);
     // grpc.health.v1.Health, as envoyproxy/ratelimit serves it: Envoy
     // clusters with grpc_health_check need it.
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -293,9 +295,6 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     let mut grpc_stop = stop.clone();
     let grpc_task = tokio::spawn(async move {
         tonic::transport::Server::builder()
-            // Every call has an end: Envoy's own timeout is shorter, and a
-            // client that never finishes must not hold a task forever.
-            .timeout(Duration::from_secs(10))
             // A connection whose peer stops answering pings is closed, so
             // dead peers do not pile up; Envoy answers them.
             .http2_keepalive_interval(Some(GRPC_KEEPALIVE_INTERVAL))
@@ -308,6 +307,9 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
             // hundreds of thousands. Envoy opens another connection when
             // it needs more.
             .max_concurrent_streams(GRPC_MAX_STREAMS_PER_CONNECTION)
+            // Every call has an end, its client's or the server's (see
+            // call_deadline).
+            .layer(call_deadline::CallDeadlines::new(deadline_metrics))
             // And the bytes a connection's calls hold, and the time a
             // message may take to arrive (see request_bytes).
             .layer(request_bytes::BoundRequestBodies::new(Arc::clone(

@@ -131,6 +131,7 @@ pub struct Metrics {
     connections_refused: [AtomicU64; 2],
     unknown_domains: AtomicU64,
     limit_overrides_ignored: AtomicU64,
+    grpc_deadlines_exceeded: AtomicU64,
 }
 
 impl Metrics {
@@ -191,6 +192,11 @@ impl Metrics {
     /// Counts a descriptor whose `limit` override was ignored.
     pub fn limit_override_ignored(&self) {
         self.limit_overrides_ignored.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a gRPC call answered `DEADLINE_EXCEEDED` at its deadline.
+    pub fn grpc_deadline_exceeded(&self) {
+        self.grpc_deadlines_exceeded.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a request rejected as invalid.
@@ -314,6 +320,17 @@ impl Metrics {
             out,
             "ratewarden_limit_overrides_ignored_total {}",
             self.limit_overrides_ignored.load(Ordering::Relaxed)
+        );
+
+        out.push_str(
+            "# HELP ratewarden_grpc_deadlines_exceeded_total gRPC calls answered \
+             DEADLINE_EXCEEDED at their deadline (the client's grpc-timeout, or 10 s).\n",
+        );
+        out.push_str("# TYPE ratewarden_grpc_deadlines_exceeded_total counter\n");
+        let _ = writeln!(
+            out,
+            "ratewarden_grpc_deadlines_exceeded_total {}",
+            self.grpc_deadlines_exceeded.load(Ordering::Relaxed)
         );
 
         out.push_str("# HELP ratewarden_request_duration_seconds Time from a request's arrival to its answer.\n");
