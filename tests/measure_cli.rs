@@ -171,6 +171,40 @@ fn bench_json_rows_parse_with_the_named_fields() {
     }
 }
 
+/// A reader that stops reading (`| head -1`) ends neither command with a
+/// panic: they end as they would have.
+#[test]
+fn bench_output_to_a_closed_pipe_is_no_failure() {
+    for json in [false, true] {
+        let mut args = vec![
+            "bench",
+            "--keys",
+            "1000",
+            "--decisions",
+            "1000",
+            "--reps",
+            "1",
+            "--accuracy-duration-ms",
+            "1001",
+        ];
+        if json {
+            args.push("--json");
+        }
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Closed before the run writes anything: every write meets it.
+        drop(child.stdout.take());
+        let out = finish_within(child, Duration::from_secs(120), &args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{:?}: {stderr}", out.status);
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
 #[test]
 fn simulate_writes_an_svg_chart_and_the_csv_series() {
     let dir = tempfile::tempdir().unwrap();

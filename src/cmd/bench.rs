@@ -3,13 +3,14 @@
 
 use std::process::ExitCode;
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context as _, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use ratewarden_core::{
     FixedWindow, Gcra, PolicyKind, SlidingLog, SlidingWindowCounter, TokenBucket,
 };
 use serde_json::json;
 
+use super::outln;
 use crate::measure::accuracy::{compare, decisions};
 use crate::measure::memory::{measure_here, measure_in_child, Footprint};
 use crate::measure::shapes::{Shape, ShapeParams, MAX_REQUESTS};
@@ -652,15 +653,17 @@ fn print_table(
     context: &[Context],
     plan: &Plan,
     load_at_start: &str,
-) {
-    println!("machine: {}", machine(load_at_start));
-    println!(
+) -> String {
+    let mut out = String::new();
+    outln!(out, "machine: {}", machine(load_at_start));
+    outln!(out,
         "speed and memory: reference configuration (100 per 1000 ms), {} keys, {} decisions x {} repetitions \
          (median); supplied time for every contender (an atomic millisecond counter, governor through \
          FakeRelativeClock)",
         plan.keys, plan.decisions, plan.reps
     );
-    println!(
+    outln!(
+        out,
         "{:<24} {:<20} {:>8} {:>15} {:>7} {:>15} {:>13}",
         "policy",
         "workload",
@@ -671,7 +674,8 @@ fn print_table(
         "bytes_per_key"
     );
     for r in rows.iter().filter(|r| r.ns_per_decision.is_some()) {
-        println!(
+        outln!(
+            out,
             "{:<24} {:<20} {:>8} {:>15} {:>7} {:>15} {:>13}",
             r.policy,
             r.workload,
@@ -683,29 +687,40 @@ fn print_table(
         );
     }
     if plan.keys < MIN_MEMORY_KEYS {
-        println!(
+        outln!(
+            out,
             "bytes_per_key: not measured below --keys {MIN_MEMORY_KEYS} (resident memory moves \
              in 4 KiB pages, too coarse for {} keys)",
             plan.keys
         );
     }
     if plan.threads < 2 {
-        println!(
+        outln!(
+            out,
             "uniform-1m-threads ran on one thread (--threads {}): no threads target",
             plan.threads
         );
     }
-    println!();
-    println!(
+    outln!(out);
+    outln!(
+        out,
         "accuracy against sliding-log (exact), {} ms of traffic per shape, seed {}",
-        plan.accuracy_duration_ms, plan.seed
+        plan.accuracy_duration_ms,
+        plan.seed
     );
-    println!(
+    outln!(
+        out,
         "{:<24} {:<18} {:>9} {:>16} {:>17} {:>19}",
-        "policy", "shape", "requests", "false_admit_pct", "false_reject_pct", "max_in_window_ratio"
+        "policy",
+        "shape",
+        "requests",
+        "false_admit_pct",
+        "false_reject_pct",
+        "max_in_window_ratio"
     );
     for r in rows.iter().filter(|r| r.requests.is_some()) {
-        println!(
+        outln!(
+            out,
             "{:<24} {:<18} {:>9} {:>16} {:>17} {:>19}",
             r.policy,
             r.workload,
@@ -715,17 +730,20 @@ fn print_table(
             fmt_opt(r.max_in_window_ratio, 3),
         );
     }
-    println!(
+    outln!(
+        out,
         "published ({CLOUDFLARE_SOURCE}): 0.003% wrongly allowed or limited, in total. \
          {CLOUDFLARE_NOTE}"
     );
-    println!();
-    println!(
+    outln!(out);
+    outln!(
+        out,
         "targets (ratios within this run: for speed, the median over repetitions of each \
          repetition's ratio)"
     );
     for t in targets {
-        println!(
+        outln!(
+            out,
             "{:<24} {:<44} {:>7.3} {} {:<5} {}",
             t.policy,
             t.check,
@@ -736,11 +754,16 @@ fn print_table(
         );
     }
     for c in context {
-        println!(
+        outln!(
+            out,
             "{:<24} {:<44} {:>7.3} (no target: {})",
-            c.policy, c.check, c.ratio, c.why
+            c.policy,
+            c.check,
+            c.ratio,
+            c.why
         );
     }
+    out
 }
 
 fn bench(args: &Args, plan: &Plan) -> Result<()> {
@@ -782,10 +805,12 @@ fn bench(args: &Args, plan: &Plan) -> Result<()> {
     rows.extend(accuracy_rows(plan, &bar)?);
     bar.finish_and_clear();
     let targets = targets(&rows, &samples);
+    let mut out = String::new();
     if args.json {
         // What the rows were measured with, so that a saved file can be
         // read on its own.
-        println!(
+        outln!(
+            out,
             "{}",
             json!({
                 "policy": null, "workload": "run", "machine": machine(&load_at_start),
@@ -796,11 +821,12 @@ fn bench(args: &Args, plan: &Plan) -> Result<()> {
             })
         );
         for row in &rows {
-            println!("{}", serde_json::to_string(row)?);
+            outln!(out, "{}", serde_json::to_string(row)?);
         }
         // In the table's order: the published figure under the accuracy
         // rows, then the targets.
-        println!(
+        outln!(
+            out,
             "{}",
             json!({
                 "policy": "sliding-window-counter", "workload": "published",
@@ -808,7 +834,8 @@ fn bench(args: &Args, plan: &Plan) -> Result<()> {
             })
         );
         for t in &targets {
-            println!(
+            outln!(
+                out,
                 "{}",
                 json!({
                     "policy": t.policy, "workload": "target", "check": t.check,
@@ -818,7 +845,8 @@ fn bench(args: &Args, plan: &Plan) -> Result<()> {
             );
         }
         for c in context(&rows, &samples) {
-            println!(
+            outln!(
+                out,
                 "{}",
                 json!({
                     "policy": c.policy, "workload": "context", "check": c.check,
@@ -827,7 +855,7 @@ fn bench(args: &Args, plan: &Plan) -> Result<()> {
             );
         }
     } else {
-        print_table(
+        out = print_table(
             &rows,
             &targets,
             &context(&rows, &samples),
@@ -835,7 +863,7 @@ fn bench(args: &Args, plan: &Plan) -> Result<()> {
             &load_at_start,
         );
     }
-    Ok(())
+    super::print_out(&out).context("cannot write to standard output")
 }
 
 /// Why `flags`, given with the Redis store `store`, are refused, and the

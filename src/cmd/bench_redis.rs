@@ -32,6 +32,8 @@ use ratewarden_redis::{escape_key_part, redact_url, RedisOptions, RedisStore};
 use redis::{ErrorKind, RedisError};
 use serde_json::json;
 
+use super::outln;
+
 const MINIMAL_SWC: &str = include_str!("lua/minimal_swc.lua");
 
 /// The issue's bound on server CPU per call, ours over the minimal script's.
@@ -616,12 +618,12 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
         verdict,
         elapsed_s: started.elapsed().as_secs_f64(),
     };
-    if args.json {
-        print_json(args, plan, &measured);
+    let out = if args.json {
+        print_json(args, plan, &measured)
     } else {
-        print_table(args, plan, &measured);
-    }
-    Ok(())
+        print_table(args, plan, &measured)
+    };
+    super::print_out(&out).map_err(|e| format!("cannot write to standard output: {e}"))
 }
 
 /// `redis-benchmark`'s `INCR`, Redis's simplest write, for scale: over
@@ -699,9 +701,11 @@ fn show(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"))
 }
 
-fn print_table(args: &Args, plan: &Plan, m: &Measured) {
-    println!("machine: {}", super::bench::machine(&m.load_at_start));
-    println!(
+fn print_table(args: &Args, plan: &Plan, m: &Measured) -> String {
+    let mut out = String::new();
+    outln!(out, "machine: {}", super::bench::machine(&m.load_at_start));
+    outln!(
+        out,
         "Redis at {}: {} requests per measurement, pipeline {}, {} connections, {} keys, \
          {} round trips per policy; reference numbers ({} per {} ms); {} rounds; keys under {}",
         m.shown,
@@ -715,12 +719,18 @@ fn print_table(args: &Args, plan: &Plan, m: &Measured) {
         plan.rounds,
         m.key_prefix
     );
-    println!(
+    outln!(
+        out,
         "{:<26} {:>12} {:>11} {:>11} {:>17}",
-        "policy", "decisions/s", "rtt_us_p50", "rtt_us_p99", "server_usec/call"
+        "policy",
+        "decisions/s",
+        "rtt_us_p50",
+        "rtt_us_p99",
+        "server_usec/call"
     );
     for f in &m.figures {
-        println!(
+        outln!(
+            out,
             "{:<26} {:>12.0} {:>11} {:>11} {:>17}",
             f.policy.name(),
             f.decisions_per_s,
@@ -729,7 +739,8 @@ fn print_table(args: &Args, plan: &Plan, m: &Measured) {
             show(f.server_usec_per_call, 2)
         );
     }
-    println!(
+    outln!(
+        out,
         "{:<26} {:>12.0} {:>11} {:>11} {:>17}",
         "minimal-swc (this client)",
         m.minimal_rate,
@@ -737,13 +748,15 @@ fn print_table(args: &Args, plan: &Plan, m: &Measured) {
         "-",
         show(m.minimal_usec, 2)
     );
-    println!("redis-benchmark INCR: {:.0} requests/s", m.incr);
-    println!();
-    println!(
+    outln!(out, "redis-benchmark INCR: {:.0} requests/s", m.incr);
+    outln!(out);
+    outln!(
+        out,
         "Targets, per round (redis-benchmark EVALSHA for both scripts' server CPU; \
          this client's pipelined sliding-window-counter against redis-benchmark's minimal):"
     );
-    println!(
+    outln!(
+        out,
         "{:>5} {:>8} {:>13} {:>13} {:>10} {:>13} {:>13} {:>8}",
         "round",
         "first",
@@ -755,7 +768,8 @@ fn print_table(args: &Args, plan: &Plan, m: &Measured) {
         "share"
     );
     for (i, r) in m.rounds.iter().enumerate() {
-        println!(
+        outln!(
+            out,
             "{:>5} {:>8} {:>13.2} {:>13.2} {:>9.2}x {:>13.0} {:>13.0} {:>7.0}%",
             i + 1,
             if r.minimal_first { "minimal" } else { "ours" },
@@ -768,14 +782,16 @@ fn print_table(args: &Args, plan: &Plan, m: &Measured) {
         );
     }
     let verdict = &m.verdict;
-    println!(
+    outln!(
+        out,
         "server CPU per call, sliding-window-counter / minimal, median of {} rounds: {:.2}x \
          (target at most {CPU_RATIO_AT_MOST}x: {})",
         m.rounds.len(),
         verdict.cpu_ratio_median,
         met(verdict.cpu_met())
     );
-    println!(
+    outln!(
+        out,
         "pipelined sliding-window-counter through this client / redis-benchmark EVALSHA \
          minimal, median of {} rounds: {:.0}% (target at least {:.0}%: {})",
         m.rounds.len(),
@@ -783,18 +799,23 @@ fn print_table(args: &Args, plan: &Plan, m: &Measured) {
         THROUGHPUT_SHARE_AT_LEAST * 100.0,
         met(verdict.throughput_met())
     );
-    println!(
+    outln!(
+        out,
         "run took {:.0} s; load average at end {}",
-        m.elapsed_s, m.load_at_end
+        m.elapsed_s,
+        m.load_at_end
     );
+    out
 }
 
 /// The JSON lines, in the table's order; `workload` tells the kinds of
 /// row apart, as in `bench`'s JSON (docs/redis.md lists every field).
-fn print_json(args: &Args, plan: &Plan, m: &Measured) {
+fn print_json(args: &Args, plan: &Plan, m: &Measured) -> String {
+    let mut out = String::new();
     // What the rows were measured with, so that a saved file can be read
     // on its own.
-    println!(
+    outln!(
+        out,
         "{}",
         json!({
             "workload": "run", "policy": null, "store": m.shown,
@@ -809,7 +830,8 @@ fn print_json(args: &Args, plan: &Plan, m: &Measured) {
         })
     );
     for f in &m.figures {
-        println!(
+        outln!(
+            out,
             "{}",
             json!({
                 "workload": "policy", "policy": f.policy.name(),
@@ -820,14 +842,16 @@ fn print_json(args: &Args, plan: &Plan, m: &Measured) {
             })
         );
     }
-    println!(
+    outln!(
+        out,
         "{}",
         json!({
             "workload": "baseline", "policy": "minimal-swc", "client": "ratewarden",
             "decisions_per_s": m.minimal_rate, "server_usec_per_call": m.minimal_usec,
         })
     );
-    println!(
+    outln!(
+        out,
         "{}",
         json!({
             "workload": "baseline", "command": "INCR", "client": "redis-benchmark",
@@ -835,7 +859,8 @@ fn print_json(args: &Args, plan: &Plan, m: &Measured) {
         })
     );
     for (i, r) in m.rounds.iter().enumerate() {
-        println!(
+        outln!(
+            out,
             "{}",
             json!({
                 "workload": "round", "round": i + 1,
@@ -849,7 +874,8 @@ fn print_json(args: &Args, plan: &Plan, m: &Measured) {
         );
     }
     let verdict = &m.verdict;
-    println!(
+    outln!(
+        out,
         "{}",
         json!({
             "workload": "target", "target": "server_cpu_ratio",
@@ -857,7 +883,8 @@ fn print_json(args: &Args, plan: &Plan, m: &Measured) {
             "direction": "at_most", "met": verdict.cpu_met(), "rounds": m.rounds.len(),
         })
     );
-    println!(
+    outln!(
+        out,
         "{}",
         json!({
             "workload": "target", "target": "throughput_share",
@@ -865,13 +892,15 @@ fn print_json(args: &Args, plan: &Plan, m: &Measured) {
             "direction": "at_least", "met": verdict.throughput_met(), "rounds": m.rounds.len(),
         })
     );
-    println!(
+    outln!(
+        out,
         "{}",
         json!({
             "workload": "end", "elapsed_s": m.elapsed_s,
             "load_average_at_start": m.load_at_start, "load_average_at_end": m.load_at_end,
         })
     );
+    out
 }
 
 /// Where `redis-benchmark` is pointed, from the store URL.

@@ -6,7 +6,36 @@ pub mod serve;
 pub mod simulate;
 pub mod vectors;
 
+use std::io::Write;
+
 use ratewarden_server::StoreUrl;
+
+/// `println!` into a `String` (which cannot fail), for output written at
+/// once with [`print_out`].
+macro_rules! outln {
+    ($out:expr) => {
+        $out.push('\n')
+    };
+    ($out:expr, $($arg:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = writeln!($out, $($arg)*);
+    }};
+}
+pub(crate) use outln;
+
+/// Writes a command's output to standard output. A reader that stopped
+/// reading (`| head -1`) is no failure: it read what it wanted, and the
+/// command ends as it would have.
+pub fn print_out(text: &str) -> std::io::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other,
+    }
+}
 
 /// Parses a count or a duration flag. The subcommands with such flags take
 /// negative numbers as values (rather than as unknown flags, clap's default)

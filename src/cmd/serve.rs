@@ -84,11 +84,13 @@ pub fn run(args: Args) -> ExitCode {
     };
     let result = runtime.block_on(async {
         ratewarden_server::serve_until_signal(options, |running| {
-            // Tests and scripts read this line to learn the ports.
-            println!(
-                "ratewarden serve: HTTP on http://{}/v1/check, gRPC on {}",
+            // Tests and scripts read this line to learn the ports. One
+            // that stopped reading (or a closed standard output) is no
+            // reason to stop serving, as println!'s panic would.
+            let _ = super::print_out(&format!(
+                "ratewarden serve: HTTP on http://{}/v1/check, gRPC on {}\n",
                 running.http_addr, running.grpc_addr
-            );
+            ));
         })
         .await
     });
