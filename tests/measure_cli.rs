@@ -535,6 +535,29 @@ fn simulate_refuses_what_would_draw_a_misleading_chart() {
         ],
         &["give a higher --limit or a shorter --window-ms"],
     );
+    // A higher limit makes bigger bursts, not more of them.
+    let out = ratewarden(&[
+        "simulate",
+        "--policy",
+        "sliding-log",
+        "--shape",
+        "poisson-bursts",
+        "--limit",
+        "10000000",
+        "--window-ms",
+        "3600000",
+        "--duration-ms",
+        "100000",
+        "--out",
+        svg,
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("a shorter --window-ms (a burst starts about once a window")
+            && !stderr.contains("--limit"),
+        "{stderr}"
+    );
     fails_with(
         &[
             "simulate",

@@ -169,9 +169,17 @@ fn prepare(args: &Args) -> Result<Prepared<'_>> {
         } else {
             String::new()
         };
+        // What makes more requests: poisson-bursts starts about one burst a
+        // window whatever the limit, which sizes the bursts only; the
+        // other shapes send at rates in proportion to the limit's.
+        let more = if shape == Shape::PoissonBursts {
+            "a shorter --window-ms (a burst starts about once a window, whatever the limit)"
+        } else {
+            "a higher --limit or a shorter --window-ms"
+        };
         bail!(
-            "{shape} made no request in --duration-ms {} with --seed {}; give {longer}a higher \
-             --limit or a shorter --window-ms (or another --seed)",
+            "{shape} made no request in --duration-ms {} with --seed {}; give {longer}{more} \
+             (or another --seed)",
             args.duration_ms,
             args.seed
         );
