@@ -10,6 +10,9 @@
 //! `CANCELLED` instead, and decides a call whenever its decision is ready at
 //! the first poll, however late that poll comes.
 //!
+//! A `grpc-timeout` of zero is read as none (the server's bound applies):
+//! see [`Deadlined`]'s `call`.
+//!
 //! A `grpc-timeout` that is not one (1 to 8 digits and a unit) is refused
 //! with `INVALID_ARGUMENT`, as grpc-go refuses it, rather than ignored: a
 //! client that sends one has a bug worth hearing about. Such calls are
@@ -78,6 +81,11 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         let (within, from_client) = match grpc_timeout(request.headers()) {
+            // Envoy sent `0m` for a `timeout: 0s` its user meant as "no
+            // timeout" (which Envoy now reads it as): a real client never
+            // sends a deadline already passed, since it fails the call
+            // itself first.
+            Ok(Some(asked)) if asked.is_zero() => (MAX_CALL_TIME, false),
             Ok(Some(asked)) if asked < MAX_CALL_TIME => (asked, true),
             Ok(_) => (MAX_CALL_TIME, false),
             Err(refusal) => {
@@ -151,8 +159,7 @@ where
                     "the server's bound on a call"
                 };
                 let late = tonic::Status::deadline_exceeded(format!(
-                    "the call was not answered within its deadline, {} ms ({whose})",
-                    within.as_millis()
+                    "the call was not answered within its deadline, {within:?} ({whose})"
                 ));
                 metrics.grpc_deadline_exceeded();
                 Poll::Ready(Ok(late.into_http()))
