@@ -788,8 +788,18 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
     assert_eq!(stderr.matches("connection").count(), 1, "{stderr}");
     let (ok, stderr) = run(&["--store", "mongodb://x"]);
     assert!(!ok);
-    assert!(stderr.contains("unknown store"), "{stderr}");
+    assert!(stderr.contains("unknown store \"mongodb://x\""), "{stderr}");
     assert!(!stderr.contains("environment variable"), "{stderr}");
+    // Text that may be a password is said to be hidden, not quoted as
+    // "***", which reads as what was typed.
+    let (ok, stderr) = run(&["--store", "Secret pass"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("unknown store (not shown: text that does not read as a URL")
+            && !stderr.contains("Secret")
+            && !stderr.contains("***"),
+        "{stderr}"
+    );
     // A store from the environment is said to come from there.
     let out = Command::new(BIN)
         .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])

@@ -909,9 +909,10 @@ pub fn run(args: Args) -> ExitCode {
             ));
         }
         eprintln!(
-            "ratewarden bench: unknown store {:?}; use memory, redis://HOST:PORT or \
+            "ratewarden bench: unknown store {}; use memory, redis://HOST:PORT or \
              redis+unix:///PATH",
-            ratewarden_redis::redact_url(&args.store)
+            ratewarden_redis::quoted_or_hidden(&ratewarden_redis::redact_url(&args.store), "")
+                .trim_start()
         );
         return ExitCode::from(2);
     }

@@ -2122,8 +2122,9 @@ fn invalid_url(shown: &str, e: RedisError) -> StoreError {
     StoreError::new(
         StoreErrorKind::InvalidInput,
         format!(
-            "{shown:?} is not a Redis address ({e}); write {} (a user name or password \
+            "{} is not a Redis address ({e}); write {} (a user name or password \
              holding any of / ? # @ % , is written percent-encoded: / as %2F, @ as %40)",
+            crate::url::quoted_or_hidden(shown, "the address given"),
             crate::url::FORMS
         ),
     )

@@ -547,8 +547,25 @@ pub fn url_form_error(url: &str) -> String {
         };
         return format!("{url:?} has no scheme; {instead}");
     }
-    let shown = redact_url(url);
-    format!("{shown:?} is not a Redis address; write {FORMS}")
+    let shown = quoted_or_hidden(&redact_url(url), "the address given");
+    format!("{shown} is not a Redis address; write {FORMS}")
+}
+
+/// A URL redacted by [`redact_url`] as an error names it: quoted, or, when
+/// none of it could be shown, as `what` said to be hidden (a bare `"***"`
+/// reads as what the user wrote).
+///
+/// ```
+/// use ratewarden_redis::quoted_or_hidden;
+/// assert_eq!(quoted_or_hidden("redis://***@h:1", "it"), "\"redis://***@h:1\"");
+/// assert!(quoted_or_hidden("***", "the store given").starts_with("the store given (not shown"));
+/// ```
+pub fn quoted_or_hidden(redacted: &str, what: &str) -> String {
+    if redacted == "***" {
+        format!("{what} (not shown: text that does not read as a URL may hold a password)")
+    } else {
+        format!("{redacted:?}")
+    }
 }
 
 #[cfg(test)]
@@ -696,6 +713,14 @@ mod tests {
             assert_eq!(redact_url(hidden), "***", "{hidden}");
             assert!(!super::url_form_error(hidden).contains(hidden), "{hidden}");
         }
+        // Hidden whole, the text is said to be hidden rather than quoted
+        // as "***", which reads as what the user wrote.
+        let e = super::url_form_error("not a url");
+        assert!(
+            e.starts_with("the address given (not shown: text that does not read as a URL")
+                && !e.contains("***"),
+            "{e}"
+        );
     }
 
     /// Well-formed URLs stay readable: only their credentials go.

@@ -331,10 +331,11 @@ impl std::str::FromStr for StoreUrl {
             Err(ratewarden_redis::url_form_error(s))
         } else {
             Err(format!(
-                "unknown store {:?}; use memory or a Redis URL: redis://HOST:PORT[/DB], \
+                "unknown store {}; use memory or a Redis URL: redis://HOST:PORT[/DB], \
                  redis+unix:///PATH or redis-cluster://HOST:PORT[,HOST:PORT...] (over TLS: \
                  rediss://... or rediss-cluster://...)",
-                ratewarden_redis::redact_url(s)
+                ratewarden_redis::quoted_or_hidden(&ratewarden_redis::redact_url(s), "")
+                    .trim_start()
             ))
         }
     }
