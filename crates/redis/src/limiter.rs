@@ -17,8 +17,10 @@ pub enum RedisTime {
     /// Redis `TIME`, read inside the script: every client of one Redis
     /// shares one clock, whatever their own clocks say.
     Server,
-    /// The caller's clock, passed as `now_ms`: deterministic, but clients
-    /// whose clocks disagree disagree about windows. An ACL user refused
+    /// The caller's clock, passed as `now_ms`: clients whose clocks
+    /// disagree disagree about windows, and keys still expire by Redis's
+    /// clock (see [`RedisStore::decide`](crate::RedisStore::decide) for
+    /// the grace a clock that does not follow it needs). An ACL user refused
     /// `TIME` can decide so, on a store connected with
     /// [`RedisOptions::checks_by_redis_time`](crate::RedisOptions::checks_by_redis_time)
     /// `false`.

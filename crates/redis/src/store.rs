@@ -970,8 +970,13 @@ impl RedisStore {
     /// Decides a request of `cost` for `key`, atomically on Redis.
     ///
     /// `now_ms`: `None` reads Redis `TIME` inside the script (one clock for
-    /// every client); `Some` uses the caller's time (deterministic, for
-    /// tests and vectors; every client must then share a good clock).
+    /// every client); `Some` uses the caller's time (for tests and vectors;
+    /// every client must then share a good clock). Keys still expire by
+    /// Redis's clock: times that do not follow it (a test's made-up times,
+    /// a replayed trace) are decided as the policy says only with a
+    /// [`RedisOptions::ttl_grace_ms`] longer than the run, as `ratewarden
+    /// vectors` sets; without one, a key whose TTL (from the caller's
+    /// times) runs out in real time is forgotten while it still counts.
     /// The call never takes longer than `timeout_ms`.
     pub async fn decide(
         &self,

@@ -456,6 +456,12 @@ impl PeerIp {
     /// When the direct peer is in one of `proxies`, read the client from
     /// `X-Forwarded-For`: the right-most address that is not a trusted
     /// proxy.
+    ///
+    /// One header is read: this replaces an earlier
+    /// [`trust_forwarded`](PeerIp::trust_forwarded), and a later one
+    /// replaces this. Trust the header your proxies write; reading
+    /// whichever a request carries would let a client choose its key by
+    /// sending the other.
     pub fn trust_x_forwarded_for(mut self, proxies: impl IntoIterator<Item = IpNet>) -> Self {
         self.trust = Some(ProxyTrust::new(ForwardedHeader::XForwardedFor, proxies));
         self
@@ -464,6 +470,10 @@ impl PeerIp {
     /// When the direct peer is in one of `proxies`, read the client from the
     /// `for=` nodes of `Forwarded` (RFC 7239): the right-most address that is
     /// not a trusted proxy.
+    ///
+    /// One header is read: this replaces an earlier
+    /// [`trust_x_forwarded_for`](PeerIp::trust_x_forwarded_for), and a
+    /// later one replaces this.
     pub fn trust_forwarded(mut self, proxies: impl IntoIterator<Item = IpNet>) -> Self {
         self.trust = Some(ProxyTrust::new(ForwardedHeader::Forwarded, proxies));
         self
