@@ -452,6 +452,10 @@ struct ShardTable<S> {
     /// or by [`MemoryStore::forget_idle`]: a full shard is swept at most
     /// once per millisecond of `now_ms`.
     last_sweep_ms: Option<u64>,
+    /// The latest `now_ms` at which a sweep of this shard forgot a key
+    /// (0: none has). A new key's request stamped before it is decided as
+    /// at this time (see `MemoryStore::decide_other`).
+    forgot_at_ms: u64,
     /// New keys that came to this shard (stored or refused) since it was
     /// last swept. A sweep looks at every key of the shard under its lock,
     /// milliseconds for a large one, so a full shard is swept again only
@@ -537,6 +541,7 @@ impl<P: Policy> MemoryStore<P> {
                                 Entries::Wide(HashTable::new())
                             },
                             last_sweep_ms: None,
+                            forgot_at_ms: 0,
                             new_keys_since_sweep: 0,
                             last_thread: (0, 0),
                             last_refused: None,
@@ -864,8 +869,33 @@ impl<P: Policy> MemoryStore<P> {
                 ));
             }
         }
-        let mut state = policy.new_state(now_ms);
-        let decision = policy.decide(&mut state, now_ms, cost);
+        // A request stamped just before this shard last forgot a key may
+        // be that key's, in flight across the forgetting (its thread read
+        // the clock first, the sweep took the lock first): at its own time
+        // the forgotten state might have refused it. At the forgetting's
+        // time the forgotten state decides as a new key's (that is what
+        // let it be forgotten), so the request is decided there: a new
+        // key's answer is the same at any time, and only the time its
+        // state records moves, by as long as the request was in flight.
+        // A request stamped a window or more before is no request in
+        // flight but a forgetting on another clock than the decisions'
+        // (or a clock stepped back), and moving its time that far would
+        // make a new key count as from the future: it keeps its own.
+        let in_flight =
+            table.forgot_at_ms > now_ms && table.forgot_at_ms - now_ms < policy.window_ms();
+        let at_ms = if in_flight {
+            table.forgot_at_ms
+        } else {
+            now_ms
+        };
+        let mut state = policy.new_state(at_ms);
+        let decision = policy.decide(&mut state, at_ms, cost);
+        debug_assert!(
+            at_ms == now_ms || {
+                let mut own = policy.new_state(now_ms);
+                policy.decide(&mut own, now_ms, cost) == decision
+            }
+        );
         inner.put_new(shard, &mut table.entries, hash, key, state);
         Ok(decision)
     }
@@ -880,7 +910,11 @@ impl<P: Policy> MemoryStore<P> {
     }
 
     /// Forgets keys whose forgetting cannot change any later decision at or
-    /// after `now_ms`, looking at whole shards in turn until at least
+    /// after `now_ms`: pass the clock the decisions use. A key the store
+    /// no longer holds whose request is stamped less than a window before
+    /// `now_ms` (a request in flight across the forgetting) is decided as at
+    /// `now_ms`, where the forgotten state decided as a new key's, so what
+    /// it admits counts from there. Looks at whole shards in turn until at least
     /// `max_scanned` keys have been looked at (or every shard once). Each
     /// call resumes where the last one stopped, so a timer calling it with a
     /// small bound sweeps the whole store over several calls without ever
@@ -1046,10 +1080,19 @@ impl<P: Policy> Inner<P> {
         // they reach it (the next one with their time undoes it).
         table.new_keys_since_sweep = 0;
         table.last_sweep_ms = Some(now_ms);
+        let before = table.entries.len();
+        self.forget(shard, &mut table.entries, now_ms);
+        if table.entries.len() < before {
+            table.forgot_at_ms = table.forgot_at_ms.max(now_ms);
+        }
+    }
+
+    /// Forgets the keys of `entries` forgettable at `now_ms`.
+    fn forget(&self, shard: &Shard<P::State>, entries: &mut Entries<P::State>, now_ms: u64) {
         let policy = &self.policy;
         let hasher = &self.hasher;
         // Give memory back after a large sweep, keeping room to grow.
-        match &mut table.entries {
+        match entries {
             Entries::Packed(entries) => {
                 // The pinned key's state is judged like any other.
                 self.unpin(shard, entries);
@@ -1083,7 +1126,7 @@ impl<P: Policy> Store for MemoryStore<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{FixedWindow, PolicyKind, SlidingWindowCounter, MAX_SAFE};
+    use crate::{FixedWindow, PolicyKind, SlidingLog, SlidingWindowCounter, MAX_SAFE};
 
     #[test]
     fn threads_deciding_one_key_admit_exactly_the_limit() {
@@ -1395,6 +1438,69 @@ mod tests {
         assert!(store.decide(2, 2, 1).unwrap().allowed);
         // ...so at 6 the cost admitted at "2" is still counted.
         assert_eq!(store.decide(2, 6, 0).unwrap().remaining, 2);
+    }
+
+    /// A request stamped before a key was forgotten and decided after (its
+    /// thread read the clock before the sweep, and took the lock after)
+    /// is decided as at the forgetting's time: what it admits counts in
+    /// the window where the key starts again, so the windows' total stays
+    /// exact. Decided at its own time on a new key, it was one admission
+    /// more in a window already full, and the window it started counted
+    /// the in-flight requests after it again.
+    #[test]
+    fn a_request_in_flight_across_a_forgetting_counts_where_the_key_starts_again() {
+        let one_shard = MemoryOptions {
+            shards: 1,
+            ..MemoryOptions::default()
+        };
+        let fixed = MemoryStore::new(FixedWindow::new(1, 1000).unwrap(), one_shard);
+        assert!(fixed.decide(7, 500, 1).unwrap().allowed);
+        assert!(!fixed.decide(7, 999, 1).unwrap().allowed);
+        assert_eq!(fixed.forget_idle(1000, usize::MAX).forgotten, 1);
+        // In flight from 999: admitted, as a new key is, counted from 1000.
+        assert!(fixed.decide(7, 999, 1).unwrap().allowed);
+        assert!(!fixed.decide(7, 1000, 1).unwrap().allowed);
+        assert!(!fixed.decide(7, 999, 1).unwrap().allowed);
+        // A key the shard never held, stamped before the forgetting, has
+        // the answer it would have at its own time; it too is counted from
+        // the forgetting's time.
+        let fresh = fixed.decide(8, 10, 1).unwrap();
+        let mut own = fixed.policy().new_state(10);
+        assert_eq!(fresh, fixed.policy().decide(&mut own, 10, 1));
+        assert!(!fixed.decide(8, 1999, 1).unwrap().allowed);
+
+        // A sliding log never holds more than its limit within a window
+        // of the times it records.
+        let log = MemoryStore::new(SlidingLog::new(1, 1000).unwrap(), one_shard);
+        assert!(log.decide(1, 0, 1).unwrap().allowed);
+        assert_eq!(log.forget_idle(1000, usize::MAX).forgotten, 1);
+        assert!(log.decide(1, 600, 1).unwrap().allowed);
+        let refused = log.decide(1, 1500, 1).unwrap();
+        assert!(!refused.allowed);
+        assert_eq!(refused.retry_after_ms, Some(500));
+
+        // A full shard making room for a new key forgets the same way.
+        let small = MemoryStore::new(
+            FixedWindow::new(1, 1000).unwrap(),
+            MemoryOptions {
+                max_keys: 2,
+                shards: 1,
+            },
+        );
+        assert!(small.decide(7, 500, 1).unwrap().allowed);
+        assert!(small.decide(9, 500, 1).unwrap().allowed);
+        assert!(small.decide(8, 1000, 1).unwrap().allowed);
+        assert!(small.decide(7, 999, 1).unwrap().allowed);
+        assert!(!small.decide(7, 1000, 1).unwrap().allowed);
+
+        // A request a window or more before the forgetting is no request
+        // in flight (the forgetting ran on another clock): decided, and
+        // counted, at its own time.
+        let other_clock = MemoryStore::new(FixedWindow::new(1, 1000).unwrap(), one_shard);
+        assert!(other_clock.decide(1, 0, 1).unwrap().allowed);
+        assert_eq!(other_clock.forget_idle(5000, usize::MAX).forgotten, 1);
+        assert!(other_clock.decide(2, 4000, 1).unwrap().allowed);
+        assert!(other_clock.decide(2, 5000, 1).unwrap().allowed);
     }
 
     #[test]
