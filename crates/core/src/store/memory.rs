@@ -63,9 +63,11 @@
 //! millisecond of `now_ms`, and, in a shard of more than 256 keys, only
 //! once a new key or a millisecond per 256 keys held has come since the
 //! shard was last swept, so that a flood of new keys at a full store costs
-//! each request a bounded share of a sweep); if the shard is still full the
-//! request gets
-//! [`StoreErrorKind::CapacityExhausted`] and is never silently admitted.
+//! each request a bounded share of a sweep); if the shard is still full a
+//! request that would admit gets
+//! [`StoreErrorKind::CapacityExhausted`] and is never silently admitted
+//! (one that admits nothing, a peek or a cost no state admits, is answered
+//! as a new key's, and nothing is kept).
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
@@ -817,8 +819,8 @@ impl<P: Policy> MemoryStore<P> {
             }
         }
         // A new key is stored even when its first request was a peek or a
-        // refusal: that request still recorded a time, and a later request
-        // from before it must be decided at that time.
+        // refusal, while there is room: that request still recorded a time,
+        // and a later request from before it must be decided at that time.
         table.new_keys_since_sweep = table.new_keys_since_sweep.saturating_add(1);
         if table.entries.len() >= inner.max_keys_per_shard {
             let held = table.entries.len();
@@ -846,27 +848,6 @@ impl<P: Policy> MemoryStore<P> {
                         .forgotten_for_new_keys
                         .fetch_add(forgotten, Ordering::Relaxed);
                 }
-            }
-            if table.entries.len() >= inner.max_keys_per_shard {
-                return Err(StoreError::new(
-                    StoreErrorKind::CapacityExhausted,
-                    format!(
-                        "the in-memory store's shard for this key is full ({}; the \
-                         store holds at most {} over {}) and none of them had been idle long \
-                         enough to be forgotten when it was last looked through; raise max_keys \
-                         above the distinct keys seen in the time a key still counts after its \
-                         last request",
-                        match inner.max_keys_per_shard {
-                            1 => "1 key".to_owned(),
-                            n => format!("{n} keys"),
-                        },
-                        self.max_keys(),
-                        match inner.shards.len() {
-                            1 => "1 shard".to_owned(),
-                            n => format!("{n} shards"),
-                        }
-                    ),
-                ));
             }
         }
         // A request stamped just before this shard last forgot a key may
@@ -896,6 +877,35 @@ impl<P: Policy> MemoryStore<P> {
                 policy.decide(&mut own, now_ms, cost) == decision
             }
         );
+        if table.entries.len() >= inner.max_keys_per_shard {
+            // No room for the key's state. A request that admits nothing
+            // (a peek, or a cost no state admits) is still answered, as a
+            // new key's: its state would record only a time, for requests
+            // stepping back before it. One that admits needs its state to
+            // count what it admitted.
+            if cost == 0 || !decision.allowed {
+                return Ok(decision);
+            }
+            return Err(StoreError::new(
+                StoreErrorKind::CapacityExhausted,
+                format!(
+                    "the in-memory store's shard for this key is full ({}; the \
+                     store holds at most {} over {}) and none of them had been idle long \
+                     enough to be forgotten when it was last looked through; raise max_keys \
+                     above the distinct keys seen in the time a key still counts after its \
+                     last request",
+                    match inner.max_keys_per_shard {
+                        1 => "1 key".to_owned(),
+                        n => format!("{n} keys"),
+                    },
+                    self.max_keys(),
+                    match inner.shards.len() {
+                        1 => "1 shard".to_owned(),
+                        n => format!("{n} shards"),
+                    }
+                ),
+            ));
+        }
         inner.put_new(shard, &mut table.entries, hash, key, state);
         Ok(decision)
     }
@@ -1660,6 +1670,16 @@ mod tests {
         let err = store.decide(99, 1, 1).unwrap_err();
         assert!(err.is_capacity_exhausted(), "{err}");
         assert!(err.to_string().contains("max_keys"), "{err}");
+        // What admits nothing needs no room: a peek is answered as a new
+        // key's, and so is a cost no state admits, with no state kept.
+        let peek = store.decide(98, 1, 0).unwrap();
+        assert!(peek.allowed && peek.remaining == 10, "{peek:?}");
+        let never = store.decide(97, 1, 11).unwrap();
+        assert!(
+            !never.allowed && never.retry_after_ms.is_none(),
+            "{never:?}"
+        );
+        assert_eq!(store.entries_tracked(), 4);
         // Known keys are still decided.
         assert!(store.decide(0, 2, 1).unwrap().allowed);
         // Once the window has passed the full shard forgets its idle keys
