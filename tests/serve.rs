@@ -1539,18 +1539,7 @@ async fn a_grpc_peer_cannot_make_the_server_hold_unbounded_streams_or_bytes() {
         polled.map(|_| ())
     }));
     let mut client = client.ready().await.unwrap();
-    let request = || {
-        http::Request::builder()
-            .method("POST")
-            .uri(format!(
-                "http://{}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
-                server.grpc
-            ))
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .body(())
-            .unwrap()
-    };
+    let request = || raw_rls_head(server.grpc, None);
     // Streams announcing a 4 MiB message and sending 3 MiB of it, never
     // the rest: the connection's bound (two whole messages) holds two, and
     // a stream whose data passes it is answered at once.
@@ -1651,26 +1640,14 @@ async fn shutdown_waits_for_a_call_whose_message_is_still_arriving() {
     let (client, connection) = h2::client::handshake(tcp).await.unwrap();
     let driver = tokio::spawn(connection);
     let mut client = client.ready().await.unwrap();
-    let request = http::Request::builder()
-        .method("POST")
-        .uri(format!(
-            "http://{}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
-            server.grpc
-        ))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
-    let encoded = RateLimitRequest {
+    let message = grpc_message(&RateLimitRequest {
         domain: "any".into(),
         descriptors: vec![descriptor(&[("k", "v")])],
         hits_addend: 1,
-    }
-    .encode_to_vec();
-    let mut message = vec![0u8];
-    message.extend_from_slice(&u32::try_from(encoded.len()).unwrap().to_be_bytes());
-    message.extend_from_slice(&encoded);
-    let (response, mut stream) = client.send_request(request, false).unwrap();
+    });
+    let (response, mut stream) = client
+        .send_request(raw_rls_head(server.grpc, None), false)
+        .unwrap();
     let half = message.len() / 2;
     stream
         .send_data(bytes::Bytes::copy_from_slice(&message[..half]), false)
@@ -1707,6 +1684,33 @@ async fn shutdown_waits_for_a_call_whose_message_is_still_arriving() {
         .unwrap();
 }
 
+/// The head of a `ShouldRateLimit` call to `addr`, for a raw HTTP/2
+/// client, with `grpc-timeout` when given.
+fn raw_rls_head(addr: SocketAddr, grpc_timeout: Option<&str>) -> http::Request<()> {
+    let mut head = http::Request::builder()
+        .method("POST")
+        .uri(format!(
+            "http://{addr}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    if let Some(timeout) = grpc_timeout {
+        head = head.header("grpc-timeout", timeout);
+    }
+    head.body(()).unwrap()
+}
+
+/// `request` as a gRPC message on the wire: uncompressed, its length, its
+/// bytes.
+fn grpc_message(request: &RateLimitRequest) -> Vec<u8> {
+    use prost::Message;
+    let encoded = request.encode_to_vec();
+    let mut message = vec![0u8];
+    message.extend_from_slice(&u32::try_from(encoded.len()).unwrap().to_be_bytes());
+    message.extend_from_slice(&encoded);
+    message
+}
+
 /// One `ShouldRateLimit` call over a raw HTTP/2 client, which sends the
 /// `grpc-timeout` header as given (tonic's client writes its own): the
 /// whole message, or half of it and then nothing. Returns the answer's
@@ -1718,29 +1722,17 @@ async fn raw_should(
     request: &RateLimitRequest,
     whole: bool,
 ) -> (String, String, Instant) {
-    use prost::Message;
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let (client, connection) = h2::client::handshake(tcp).await.unwrap();
     let driver = tokio::spawn(connection);
     let mut client = client.ready().await.unwrap();
-    let head = http::Request::builder()
-        .method("POST")
-        .uri(format!(
-            "http://{addr}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
-        ))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .header("grpc-timeout", grpc_timeout)
-        .body(())
-        .unwrap();
-    let encoded = request.encode_to_vec();
-    let mut message = vec![0u8];
-    message.extend_from_slice(&u32::try_from(encoded.len()).unwrap().to_be_bytes());
-    message.extend_from_slice(&encoded);
+    let mut message = grpc_message(request);
     if !whole {
         message.truncate(message.len() / 2);
     }
-    let (response, mut stream) = client.send_request(head, false).unwrap();
+    let (response, mut stream) = client
+        .send_request(raw_rls_head(addr, Some(grpc_timeout)), false)
+        .unwrap();
     stream.send_data(message.into(), whole).unwrap();
     let answer = tokio::time::timeout(Duration::from_secs(15), response)
         .await
