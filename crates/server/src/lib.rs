@@ -312,9 +312,7 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
             .layer(call_deadline::CallDeadlines::new(deadline_metrics))
             // And the bytes a connection's calls hold, and the time a
             // message may take to arrive (see request_bytes).
-            .layer(request_bytes::BoundRequestBodies::new(Arc::clone(
-                &grpc_calls_bodies,
-            )))
+            .layer(request_bytes::BoundRequestBodies::new(grpc_calls_bodies))
             .add_service(rls)
             .add_service(health_service)
             .serve_with_incoming_shutdown(
