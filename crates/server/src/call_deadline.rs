@@ -10,12 +10,16 @@
 //! `CANCELLED` instead, and decides a call whenever its decision is ready at
 //! the first poll, however late that poll comes.
 //!
-//! A `grpc-timeout` of zero is read as none (the server's bound applies):
-//! see [`Deadlined`]'s `call`.
+//! A `grpc-timeout` of zero is read as none here (see [`Deadlined`]'s
+//! `call`), so that such a call is decided rather than refused. But tonic's
+//! transport, which wraps this layer, reads the header too (whatever
+//! `Server::timeout` says) and ends a call with a zero timeout as
+//! `CANCELLED` about a millisecond in, unless it is answered by then: the
+//! memory store answers at once, a Redis store usually does not.
 //!
 //! A `grpc-timeout` that is not one (1 to 8 digits and a unit) is refused
-//! with `INVALID_ARGUMENT`, as grpc-go refuses it, rather than ignored: a
-//! client that sends one has a bug worth hearing about. Such calls are
+//! with `INVALID_ARGUMENT` rather than ignored (grpc-go refuses it too,
+//! with `INTERNAL`): a client that sends one has a bug worth hearing about. Such calls are
 //! counted as bad requests, and calls past their deadline in
 //! `ratewarden_grpc_deadlines_exceeded_total`: a sign of an overloaded
 //! server or a slow store.
@@ -84,7 +88,8 @@ where
             // Envoy sent `0m` for a `timeout: 0s` its user meant as "no
             // timeout" (which Envoy now reads it as): a real client never
             // sends a deadline already passed, since it fails the call
-            // itself first.
+            // itself first. (tonic's own timer still ends the call if it is
+            // not answered within about a millisecond; see the module.)
             Ok(Some(asked)) if asked.is_zero() => (MAX_CALL_TIME, false),
             Ok(Some(asked)) if asked < MAX_CALL_TIME => (asked, true),
             Ok(_) => (MAX_CALL_TIME, false),
