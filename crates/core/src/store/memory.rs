@@ -91,6 +91,16 @@ use crate::{ConfigError, Decision, StoreError, StoreErrorKind, MAX_SAFE};
 /// `now_ms`), a shard of 65,536 once per 256 new keys or 256 ms.
 const FULL_SWEEP_KEYS_PER_NEW_KEY: usize = 256;
 
+/// The most a request's time may lie before its shard last forgot a key
+/// for the request to be taken as one in flight across the forgetting (its
+/// thread read the clock, then waited for a core or for the lock), and
+/// decided as at the forgetting's time (see `MemoryStore::decide_other`).
+/// A request from further back comes from another clock than the
+/// forgetting's, or a clock stepped back, and keeps its own time: moved
+/// that far, a new key would count as from the future. A second, whatever
+/// the window: how long a request is in flight has nothing to do with it.
+const MAX_IN_FLIGHT_MS: u64 = 1000;
+
 /// The largest power of two at most `n` (`n >= 1`).
 const fn prev_power_of_two(n: usize) -> usize {
     1 << (usize::BITS - 1 - n.leading_zeros())
@@ -858,12 +868,9 @@ impl<P: Policy> MemoryStore<P> {
         // let it be forgotten), so the request is decided there: a new
         // key's answer is the same at any time, and only the time its
         // state records moves, by as long as the request was in flight.
-        // A request stamped a window or more before is no request in
-        // flight but a forgetting on another clock than the decisions'
-        // (or a clock stepped back), and moving its time that far would
-        // make a new key count as from the future: it keeps its own.
+        // A request from further back than MAX_IN_FLIGHT_MS keeps its own.
         let in_flight =
-            table.forgot_at_ms > now_ms && table.forgot_at_ms - now_ms < policy.window_ms();
+            table.forgot_at_ms > now_ms && table.forgot_at_ms - now_ms <= MAX_IN_FLIGHT_MS;
         let at_ms = if in_flight {
             table.forgot_at_ms
         } else {
@@ -921,7 +928,7 @@ impl<P: Policy> MemoryStore<P> {
 
     /// Forgets keys whose forgetting cannot change any later decision at or
     /// after `now_ms`: pass the clock the decisions use. A key the store
-    /// no longer holds whose request is stamped less than a window before
+    /// no longer holds whose request is stamped up to a second before
     /// `now_ms` (a request in flight across the forgetting) is decided as at
     /// `now_ms`, where the forgotten state decided as a new key's, so what
     /// it admits counts from there. Looks at whole shards in turn until at least
@@ -1466,7 +1473,12 @@ mod tests {
         let fixed = MemoryStore::new(FixedWindow::new(1, 1000).unwrap(), one_shard);
         assert!(fixed.decide(7, 500, 1).unwrap().allowed);
         assert!(!fixed.decide(7, 999, 1).unwrap().allowed);
-        assert_eq!(fixed.forget_idle(1000, usize::MAX).forgotten, 1);
+        assert!(fixed.decide(9, 0, 1).unwrap().allowed);
+        assert_eq!(fixed.forget_idle(1000, usize::MAX).forgotten, 2);
+        // In flight since 0, the earliest a request to a key forgotten at
+        // 1000 can be: counted from 1000 too.
+        assert!(fixed.decide(9, 0, 1).unwrap().allowed);
+        assert!(!fixed.decide(9, 1000, 1).unwrap().allowed);
         // In flight from 999: admitted, as a new key is, counted from 1000.
         assert!(fixed.decide(7, 999, 1).unwrap().allowed);
         assert!(!fixed.decide(7, 1000, 1).unwrap().allowed);
@@ -1503,14 +1515,25 @@ mod tests {
         assert!(small.decide(7, 999, 1).unwrap().allowed);
         assert!(!small.decide(7, 1000, 1).unwrap().allowed);
 
-        // A request a window or more before the forgetting is no request
-        // in flight (the forgetting ran on another clock): decided, and
-        // counted, at its own time.
+        // A request more than MAX_IN_FLIGHT_MS before the forgetting is no
+        // request in flight (the forgetting ran on another clock): decided,
+        // and counted, at its own time.
         let other_clock = MemoryStore::new(FixedWindow::new(1, 1000).unwrap(), one_shard);
         assert!(other_clock.decide(1, 0, 1).unwrap().allowed);
         assert_eq!(other_clock.forget_idle(5000, usize::MAX).forgotten, 1);
-        assert!(other_clock.decide(2, 4000, 1).unwrap().allowed);
+        assert!(
+            other_clock
+                .decide(2, 5000 - MAX_IN_FLIGHT_MS - 1, 1)
+                .unwrap()
+                .allowed
+        );
         assert!(other_clock.decide(2, 5000, 1).unwrap().allowed);
+        // Windows of a millisecond have requests in flight too.
+        let fine = MemoryStore::new(FixedWindow::new(1, 1).unwrap(), one_shard);
+        assert!(fine.decide(1, 0, 1).unwrap().allowed);
+        assert_eq!(fine.forget_idle(5, usize::MAX).forgotten, 1);
+        assert!(fine.decide(1, 0, 1).unwrap().allowed);
+        assert!(!fine.decide(1, 5, 1).unwrap().allowed);
     }
 
     #[test]
