@@ -558,6 +558,28 @@ fn simulate_refuses_what_would_draw_a_misleading_chart() {
             && !stderr.contains("--limit"),
         "{stderr}"
     );
+    // Except where bursts are mostly empty.
+    let out = ratewarden(&[
+        "simulate",
+        "--policy",
+        "sliding-log",
+        "--shape",
+        "poisson-bursts",
+        "--limit",
+        "1",
+        "--window-ms",
+        "3600000",
+        "--duration-ms",
+        "100000",
+        "--out",
+        svg,
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("or a higher --limit (a burst holds about 0.6 times it)"),
+        "{stderr}"
+    );
     fails_with(
         &[
             "simulate",

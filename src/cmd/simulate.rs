@@ -172,10 +172,16 @@ fn prepare(args: &Args) -> Result<Prepared<'_>> {
         // What makes more requests: poisson-bursts starts about one burst a
         // window whatever the limit, which sizes the bursts only; the
         // other shapes send at rates in proportion to the limit's.
-        let more = if shape == Shape::PoissonBursts {
-            "a shorter --window-ms (a burst starts about once a window, whatever the limit)"
-        } else {
-            "a higher --limit or a shorter --window-ms"
+        let more = match shape {
+            // At a limit this small, most bursts hold no request.
+            Shape::PoissonBursts if args.limit < 5 => {
+                "a shorter --window-ms (a burst starts about once a window) or a higher \
+                 --limit (a burst holds about 0.6 times it)"
+            }
+            Shape::PoissonBursts => {
+                "a shorter --window-ms (a burst starts about once a window, whatever the limit)"
+            }
+            _ => "a higher --limit or a shorter --window-ms",
         };
         bail!(
             "{shape} made no request in --duration-ms {} with --seed {}; give {longer}{more} \
