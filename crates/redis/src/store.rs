@@ -1400,13 +1400,16 @@ impl RedisStore {
     /// Loads the policy's script into the server's script cache, for a
     /// call that met NOSCRIPT (a flushed cache or a restarted node).
     async fn load_script(&self, conn: &mut Conn) -> Result<(), StoreError> {
-        self.inner
-            .script
-            .prepare_invoke()
-            .load_async(conn)
-            .await
-            .map(drop)
-            .map_err(map_error)
+        let script = &self.inner.script;
+        let mut loaded = script.prepare_invoke().load_async(conn).await;
+        // As a call does (see try_call): the first command after Redis
+        // returns can meet the error of the reconnection that failed while
+        // it was away, and only then start a new one. A new rule's or
+        // override's store would be refused for it, with Redis up.
+        if matches!(&loaded, Err(e) if self.retry_on_new_connection(e)) {
+            loaded = script.prepare_invoke().load_async(conn).await;
+        }
+        loaded.map(drop).map_err(map_error)
     }
 
     /// One script call, without the timeout.

@@ -740,3 +740,30 @@ fn errors_redis_answers_name_the_redis() {
         assert!(e.detail().starts_with(&named), "{e}");
     }
 }
+
+/// A store made for a new configuration (serve's new rule after a reload,
+/// or a gRPC override) on a connection that lost Redis loads its script
+/// as soon as Redis is back: the connection's error from its failed
+/// reconnection while Redis was away is not taken for Redis's answer.
+#[test]
+fn a_store_made_once_redis_is_back_is_not_refused_with_the_outage_error() {
+    let rt = common::runtime();
+    let mut server = RedisServer::start();
+    let store = rt
+        .block_on(RedisStore::connect(
+            &server.url(),
+            REFERENCE,
+            options("made-after"),
+        ))
+        .unwrap();
+    let config = |limit| PolicyConfig::new(PolicyKind::FixedWindow, limit, 1000);
+    server.kill();
+    // While Redis is away: refused, and the connection's reconnection
+    // fails too.
+    let away = rt.block_on(store.with_config(config(7), "made-after-away"));
+    assert!(away.is_err());
+    server.restart();
+    let made = rt.block_on(store.with_config(config(8), "made-after-back"));
+    let made = made.unwrap_or_else(|e| panic!("Redis is back: {e}"));
+    assert!(rt.block_on(made.decide(1, None, 1)).unwrap().allowed);
+}
