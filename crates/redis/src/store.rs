@@ -570,6 +570,40 @@ impl RedisStore {
                         ),
                     ));
                 }
+                // A key moving between masters is decided on its new one
+                // after `ASKING` (see `call_asking`): a user refused it
+                // would fail those decisions while a slot migrates, with
+                // every node up, so it is asked now. With a `PING` in the
+                // same pipeline, on the same node, so that the flag it sets
+                // is spent at once.
+                retry_timeouts!(deadline, node_response_timeout, {
+                    redis::pipe()
+                        .cmd("ASKING")
+                        .cmd("PING")
+                        .query_async::<()>(&mut conn)
+                        .await
+                        .map_err(|e| {
+                            let e = map_error(e);
+                            let advice = if refused_permission(e.detail()) {
+                                "; the URL's user may not run ASKING, with which a key \
+                                 moving between masters is decided on its new one: grant it \
+                                 +asking (ACL SETUSER USER +asking, on every node)"
+                            } else {
+                                ""
+                            };
+                            StoreError::new(
+                                if advice.is_empty() {
+                                    e.kind()
+                                } else {
+                                    StoreErrorKind::InvalidInput
+                                },
+                                format!(
+                                    "Redis Cluster at {shown} cannot be used: ASKING: {}{advice}",
+                                    e.detail()
+                                ),
+                            )
+                        })
+                })?;
                 Backend::Cluster(Arc::new(Cluster {
                     client,
                     conn: RwLock::new(conn),

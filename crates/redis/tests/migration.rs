@@ -4,7 +4,7 @@
 
 mod common;
 
-use ratewarden_core::{PolicyConfig, PolicyKind};
+use ratewarden_core::{PolicyConfig, PolicyKind, REFERENCE};
 use ratewarden_redis::test_support::RedisCluster;
 use ratewarden_redis::RedisStore;
 
@@ -125,6 +125,33 @@ fn documented_acl(prefix: &str) -> Vec<String> {
         .map(str::to_owned),
     );
     rule
+}
+
+/// A cluster user refused `ASKING` would fail the decisions of every key
+/// moving between masters, with every node up: it is refused at connect,
+/// saying what to grant.
+#[test]
+fn a_cluster_user_without_asking_is_refused_at_connect() {
+    let cluster = RedisCluster::start();
+    let options = common::exact_options("no-asking");
+    let acl: Vec<String> = documented_acl(&options.prefix)
+        .into_iter()
+        .filter(|part| part != "+asking")
+        .collect();
+    let acl: Vec<&str> = acl.iter().map(String::as_str).collect();
+    for node in cluster.nodes() {
+        assert_eq!(node.cli(&acl).trim(), "OK");
+    }
+    let url = cluster.url().replacen("://", "://limiter:pw@", 1);
+    let rt = common::runtime();
+    let e = rt
+        .block_on(RedisStore::connect(&url, REFERENCE, options))
+        .unwrap_err();
+    assert!(e.is_invalid_input(), "{e}");
+    assert!(
+        e.to_string().contains("ASKING") && e.to_string().contains("grant it +asking"),
+        "{e}"
+    );
 }
 
 /// A node just added, which serves no slot, takes its first key: loading
