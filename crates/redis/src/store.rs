@@ -1372,18 +1372,36 @@ impl RedisStore {
             }
         }
         checked.map_err(|e| {
-            let (kind, advice) = match refusal_advice(e.detail()) {
-                Some((kind, advice)) => (kind, format!("{advice} ")),
-                None => (e.kind(), String::new()),
-            };
-            StoreError::new(
-                kind,
-                format!(
-                    "Redis at {} cannot decide: {advice}(the check on the key {name}: {})",
-                    self.url(),
-                    e.detail()
+            let url = self.url();
+            let detail = e.detail();
+            match refusal_advice(detail) {
+                Some((kind, advice)) => StoreError::new(
+                    kind,
+                    format!(
+                        "Redis at {url} cannot decide: {advice} (the check on the key \
+                         {name}: {detail})"
+                    ),
                 ),
-            )
+                None => {
+                    // A hung master times the check out with no word of
+                    // which node it is.
+                    let hint = if e.kind() == StoreErrorKind::Timeout
+                        && matches!(self.inner.backend, Backend::Cluster(_))
+                    {
+                        "; a master that does not answer (a hung node) does this: \
+                         redis-cli --cluster check HOST:PORT shows which"
+                    } else {
+                        ""
+                    };
+                    StoreError::new(
+                        e.kind(),
+                        format!(
+                            "Redis at {url} cannot decide: the check on the key {name} \
+                             failed: {detail}{hint}"
+                        ),
+                    )
+                }
+            }
         })
     }
 

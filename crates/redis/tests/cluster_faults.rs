@@ -584,3 +584,37 @@ fn a_hung_master_costs_a_batch_its_own_keys_only() {
         }
     });
 }
+
+/// Connecting while a master hangs fails within the connect time, saying
+/// what failed and how to find the node: the check's timeout names none.
+/// (The check decides on one key, so it meets the hung master only when
+/// the key's slot is there: prefixes are tried until one's is.)
+#[test]
+fn connecting_while_a_master_hangs_says_how_to_find_it() {
+    let cluster = RedisCluster::start();
+    cluster.nodes()[1].pause();
+    let rt = common::runtime();
+    let failed = (0..20).find_map(|i| {
+        let started = Instant::now();
+        let connected = rt.block_on(RedisStore::connect(
+            &cluster.url(),
+            REFERENCE,
+            options(&format!("hung-at-connect-{i}")),
+        ));
+        connected.err().map(|e| (e, started.elapsed()))
+    });
+    cluster.nodes()[1].resume();
+    let (e, took) = failed.expect("one of 20 prefixes has its check key on the hung master");
+    assert!(
+        took < Duration::from_millis(2_000) + MARGIN,
+        "{took:?}: {e}"
+    );
+    let message = e.to_string();
+    assert!(
+        message.contains(
+            "failed: timed out; a master that does not answer (a hung node) does \
+             this: redis-cli --cluster check HOST:PORT shows which"
+        ),
+        "{message}"
+    );
+}
