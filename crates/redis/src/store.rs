@@ -1176,6 +1176,11 @@ impl RedisStore {
         // checks of the others too, and naming only the first would then
         // name a healthy master.
         let mut silent = Vec::new();
+        // Masters that answered without cluster_state:ok: while one hangs,
+        // the cluster reports fail on every other, and the hung one is
+        // the one to name, so these are said only when no master is
+        // silent.
+        let mut not_ok = Vec::new();
         for (range, answer) in answers {
             let master = master(range);
             let failed =
@@ -1192,12 +1197,7 @@ impl RedisStore {
                          it, or its slot map is out of date)"
                     ));
                 }
-                Ok(Err(MasterCheck::NotOk)) => {
-                    return failed(format!(
-                        "{master}: it does not report cluster_state:ok (the cluster has not \
-                         taken it back yet, or is down)"
-                    ))
-                }
+                Ok(Err(MasterCheck::NotOk)) => not_ok.push(master),
                 Ok(Err(MasterCheck::Refused(e))) if e.kind() == StoreErrorKind::Timeout => {
                     silent.push(master)
                 }
@@ -1222,7 +1222,24 @@ impl RedisStore {
             }
         }
         match silent.as_slice() {
-            [] => Ok(()),
+            [] => match not_ok.as_slice() {
+                [] => Ok(()),
+                [one] => Err(StoreError::new(
+                    StoreErrorKind::ConnectionDropped,
+                    format!(
+                        "{one}: it does not report cluster_state:ok (the cluster has not \
+                         taken it back yet, or is down)"
+                    ),
+                )),
+                all => Err(StoreError::new(
+                    StoreErrorKind::ConnectionDropped,
+                    format!(
+                        "{}: none reports cluster_state:ok (the cluster is down: some slot \
+                         has no master that answers)",
+                        all.join("; ")
+                    ),
+                )),
+            },
             [one] => Err(timed_out(&format!("{one} did not answer"))),
             all if all.len() == checked => Err(timed_out(&format!(
                 "none of the {checked} masters ({}) answered",

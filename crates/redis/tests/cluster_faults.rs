@@ -618,3 +618,39 @@ fn connecting_while_a_master_hangs_says_how_to_find_it() {
         "{message}"
     );
 }
+
+/// A master and its replica hung: the other masters then report
+/// `cluster_state:fail`, and readiness names the master that does not
+/// answer, not the first healthy one that says the cluster is down.
+#[test]
+fn readiness_names_the_hung_master_not_those_reporting_the_cluster_down() {
+    let cluster = RedisCluster::start_with_replicas(1000);
+    let replica = cluster
+        .replica_of(0, 1)
+        .expect("the first master has a replica");
+    let rt = common::runtime();
+    let store = ready_store(&cluster, &rt, "hung-pair");
+    cluster.nodes()[0].pause();
+    cluster.nodes()[replica].pause();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !cluster.nodes()[1]
+        .cli(&["CLUSTER", "INFO"])
+        .contains("cluster_state:fail")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the cluster did not see the pair fail"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let e = rt.block_on(store.ping()).unwrap_err();
+    cluster.nodes()[0].resume();
+    cluster.nodes()[replica].resume();
+    let hung = format!("127.0.0.1:{})", cluster.nodes()[0].port());
+    let message = e.to_string();
+    assert!(
+        message.contains("did not answer") && message.contains(&hung),
+        "{message}"
+    );
+    assert!(!message.contains("cluster_state"), "{message}");
+}
