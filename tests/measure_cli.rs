@@ -535,47 +535,36 @@ fn simulate_refuses_what_would_draw_a_misleading_chart() {
         ],
         &["give a higher --limit or a shorter --window-ms"],
     );
-    // A higher limit makes bigger bursts, not more of them.
-    let out = ratewarden(&[
-        "simulate",
-        "--policy",
-        "sliding-log",
-        "--shape",
-        "poisson-bursts",
-        "--limit",
-        "10000000",
-        "--window-ms",
-        "3600000",
-        "--duration-ms",
-        "100000",
-        "--out",
-        svg,
-    ]);
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    // An hour's window in 100 s makes no poisson burst: the refusal for
+    // `limit`.
+    let empty_bursts = |limit: &str| {
+        let out = ratewarden(&[
+            "simulate",
+            "--policy",
+            "sliding-log",
+            "--shape",
+            "poisson-bursts",
+            "--limit",
+            limit,
+            "--window-ms",
+            "3600000",
+            "--duration-ms",
+            "100000",
+            "--out",
+            svg,
+        ]);
+        assert_eq!(out.status.code(), Some(2));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // A higher limit makes bigger bursts, not more of them...
+    let stderr = empty_bursts("10000000");
     assert!(
         stderr.contains("a shorter --window-ms (a burst starts about once a window")
             && !stderr.contains("--limit"),
         "{stderr}"
     );
-    // Except where bursts are mostly empty.
-    let out = ratewarden(&[
-        "simulate",
-        "--policy",
-        "sliding-log",
-        "--shape",
-        "poisson-bursts",
-        "--limit",
-        "1",
-        "--window-ms",
-        "3600000",
-        "--duration-ms",
-        "100000",
-        "--out",
-        svg,
-    ]);
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    // ...except where bursts are mostly empty.
+    let stderr = empty_bursts("1");
     assert!(
         stderr.contains("or a higher --limit (a burst holds about 0.6 times it)"),
         "{stderr}"
