@@ -32,10 +32,15 @@ fn options(tag: &str) -> RedisOptions {
     }
 }
 
-async fn limiter(server: &RedisServer, policy: FailurePolicy) -> RedisLimiter {
-    let store = RedisStore::connect(&server.url(), REFERENCE, options("fault"))
+/// A store on `server` with [`options`]`(tag)`.
+async fn connected(server: &RedisServer, tag: &str) -> RedisStore {
+    RedisStore::connect(&server.url(), REFERENCE, options(tag))
         .await
-        .expect("connect");
+        .expect("connect")
+}
+
+async fn limiter(server: &RedisServer, policy: FailurePolicy) -> RedisLimiter {
+    let store = connected(server, "fault").await;
     RedisLimiter::new(store, RedisTime::Server, policy, MemoryOptions::default()).unwrap()
 }
 
@@ -166,9 +171,7 @@ fn the_failure_policies_decide_as_documented() {
     // A clock that stands still: the local budget cannot refill while the
     // test counts it.
     let local = rt.block_on(async {
-        let store = RedisStore::connect(&server.url(), REFERENCE, options("fault"))
-            .await
-            .expect("connect");
+        let store = connected(&server, "fault").await;
         let clock = Arc::new(ManualClock::new(1_000_000));
         RedisLimiter::new(
             store,
@@ -330,13 +333,7 @@ fn the_store_as_a_limiter_passes_failures_on() {
     use ratewarden_core::Limiter;
     let rt = common::runtime();
     let mut server = RedisServer::start();
-    let store = rt
-        .block_on(RedisStore::connect(
-            &server.url(),
-            REFERENCE,
-            options("bare"),
-        ))
-        .expect("connect");
+    let store = rt.block_on(connected(&server, "bare"));
     rt.block_on(async {
         let d = store.check(7, 1).await.unwrap();
         assert!(d.allowed);
@@ -358,11 +355,7 @@ fn the_store_as_a_limiter_passes_failures_on() {
 fn ping_follows_redis() {
     let rt = common::runtime();
     let mut server = RedisServer::start();
-    let store = rt.block_on(async {
-        RedisStore::connect(&server.url(), REFERENCE, options("ping"))
-            .await
-            .expect("connect")
-    });
+    let store = rt.block_on(connected(&server, "ping"));
     rt.block_on(store.ping()).expect("a running Redis answers");
     assert_eq!(server.cli(&["DBSIZE"]).trim(), "0");
 
@@ -716,13 +709,7 @@ fn a_refusing_redis_fails_calls_as_connection_errors_and_the_first_call_back_suc
 fn errors_redis_answers_name_the_redis() {
     let rt = common::runtime();
     let server = RedisServer::start();
-    let store = rt
-        .block_on(RedisStore::connect(
-            &server.url(),
-            REFERENCE,
-            options("oom"),
-        ))
-        .expect("connect");
+    let store = rt.block_on(connected(&server, "oom"));
     assert_eq!(
         server.cli(&["CONFIG", "SET", "maxmemory", "1"]).trim(),
         "OK"
@@ -749,13 +736,7 @@ fn errors_redis_answers_name_the_redis() {
 fn a_store_made_once_redis_is_back_is_not_refused_with_the_outage_error() {
     let rt = common::runtime();
     let mut server = RedisServer::start();
-    let store = rt
-        .block_on(RedisStore::connect(
-            &server.url(),
-            REFERENCE,
-            options("made-after"),
-        ))
-        .unwrap();
+    let store = rt.block_on(connected(&server, "made-after"));
     let config = |limit| PolicyConfig::new(PolicyKind::FixedWindow, limit, 1000);
     server.kill();
     // While Redis is away: refused, and the connection's reconnection
