@@ -912,7 +912,6 @@ pub fn run(args: Args) -> ExitCode {
             "ratewarden bench: unknown store {}; use memory, redis://HOST:PORT or \
              redis+unix:///PATH",
             ratewarden_redis::quoted_or_hidden(&ratewarden_redis::redact_url(&args.store), "")
-                .trim_start()
         );
         return ExitCode::from(2);
     }

@@ -553,16 +553,23 @@ pub fn url_form_error(url: &str) -> String {
 
 /// A URL redacted by [`redact_url`] as an error names it: quoted, or, when
 /// none of it could be shown, as `what` said to be hidden (a bare `"***"`
-/// reads as what the user wrote).
+/// reads as what the user wrote); `what` may be empty, where the message
+/// names the value already.
 ///
 /// ```
 /// use ratewarden_redis::quoted_or_hidden;
 /// assert_eq!(quoted_or_hidden("redis://***@h:1", "it"), "\"redis://***@h:1\"");
 /// assert!(quoted_or_hidden("***", "the store given").starts_with("the store given (not shown"));
+/// assert!(quoted_or_hidden("***", "").starts_with("(not shown"));
 /// ```
 pub fn quoted_or_hidden(redacted: &str, what: &str) -> String {
     if redacted == "***" {
-        format!("{what} (not shown: text that does not read as a URL may hold a password)")
+        let hidden = "(not shown: text that does not read as a URL may hold a password)";
+        if what.is_empty() {
+            hidden.to_owned()
+        } else {
+            format!("{what} {hidden}")
+        }
     } else {
         format!("{redacted:?}")
     }

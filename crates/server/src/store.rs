@@ -335,7 +335,6 @@ impl std::str::FromStr for StoreUrl {
                  redis+unix:///PATH or redis-cluster://HOST:PORT[,HOST:PORT...] (over TLS: \
                  rediss://... or rediss-cluster://...)",
                 ratewarden_redis::quoted_or_hidden(&ratewarden_redis::redact_url(s), "")
-                    .trim_start()
             ))
         }
     }
