@@ -850,9 +850,7 @@ impl<P: Policy> MemoryStore<P> {
             // does not hold sweeps off until time catches up; what pays
             // for them still bounds how often they run.
             if paid_for && table.last_sweep_ms != Some(now_ms) {
-                let before = table.entries.len();
-                inner.sweep(shard, table, now_ms);
-                let forgotten = before - table.entries.len();
+                let forgotten = inner.sweep(shard, table, now_ms);
                 if forgotten > 0 {
                     inner
                         .forgotten_for_new_keys
@@ -949,10 +947,8 @@ impl<P: Policy> MemoryStore<P> {
             let index = inner.sweep_cursor.fetch_add(1, Ordering::Relaxed) & inner.shard_mask;
             let shard = &inner.shards[index];
             let mut table = shard.lock();
-            let before = table.entries.len();
-            inner.sweep(shard, &mut table, now_ms);
-            done.scanned += before;
-            done.forgotten += before - table.entries.len();
+            done.scanned += table.entries.len();
+            done.forgotten += inner.sweep(shard, &mut table, now_ms);
             if done.scanned >= max_scanned {
                 break;
             }
@@ -1089,7 +1085,14 @@ impl<P: Policy> Inner<P> {
         }
     }
 
-    fn sweep(&self, shard: &Shard<P::State>, table: &mut ShardTable<P::State>, now_ms: u64) {
+    /// Forgets the keys of `table` forgettable at `now_ms`, and returns how
+    /// many it forgot.
+    fn sweep(
+        &self,
+        shard: &Shard<P::State>,
+        table: &mut ShardTable<P::State>,
+        now_ms: u64,
+    ) -> usize {
         // Whatever swept, the time and new keys that pay for the next
         // sweep of a full shard count from here. The time is this sweep's,
         // not the latest seen: one call of `forget_idle` with a time far
@@ -1099,9 +1102,11 @@ impl<P: Policy> Inner<P> {
         table.last_sweep_ms = Some(now_ms);
         let before = table.entries.len();
         self.forget(shard, &mut table.entries, now_ms);
-        if table.entries.len() < before {
+        let forgotten = before - table.entries.len();
+        if forgotten > 0 {
             table.forgot_at_ms = table.forgot_at_ms.max(now_ms);
         }
+        forgotten
     }
 
     /// Forgets the keys of `entries` forgettable at `now_ms`.
