@@ -8,11 +8,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ratewarden_redis::test_support::{RedisServer, TestCerts};
+use ratewarden_server::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use ratewarden_server::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use ratewarden_server::proto::envoy::service::ratelimit::v3::RateLimitRequest;
 use serde_json::{json, Value};
 
 mod common;
 
-use common::{ConfigFile, Server};
+use common::{raw_should, ConfigFile, Server};
 
 /// A `ratewarden serve` process on `store` with the rules in `config`,
 /// killed when dropped.
@@ -490,6 +493,41 @@ async fn descriptors_on_redis_cluster_admit_exactly_the_limit() {
         .unwrap();
     let body: Value = r.json().await.unwrap();
     assert_eq!(body["remaining"], 69, "{body}");
+}
+
+/// A gRPC call whose `grpc-timeout` is zero (Envoy's `timeout: 0s`, meant
+/// as none) is answered when its decision is, however long the store
+/// takes, rather than cut short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_grpc_timeout_waits_for_a_slow_store() {
+    let redis = RedisServer::start();
+    let config = "[server]\nstore_timeout_ms = 5000\n\n[[domains]]\ndomain = \"edge\"\n\n\
+                  [[domains.descriptors]]\nkey = \"path\"\nlimit = 1\nwindow_ms = 3600000\n";
+    let serve = Serve::start(&redis.url(), config);
+    let grpc = serve.server.grpc;
+    let request = RateLimitRequest {
+        domain: "edge".into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "path".into(),
+                value: "/a".into(),
+            }],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    };
+    // The first call loads the policy's script.
+    let (status, message, _) = raw_should(grpc, "5S", &request, true).await;
+    assert_eq!(status, "0", "{message}");
+
+    redis.pause();
+    let asked = Instant::now();
+    let call = tokio::spawn(async move { raw_should(grpc, "0m", &request, true).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.resume();
+    let (status, message, answered) = call.await.unwrap();
+    assert_eq!(status, "0", "{message}");
+    assert!(answered - asked >= Duration::from_millis(300));
 }
 
 /// Every rule's store shares one connection to Redis: fifty rules hold

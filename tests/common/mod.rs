@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ratewarden_server::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use ratewarden_server::proto::envoy::service::ratelimit::v3::RateLimitRequest;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_ratewarden");
 
@@ -222,4 +223,92 @@ pub fn metric_value(text: &str, series: &str) -> u64 {
 /// The value of `series` on the server at `http` now.
 pub async fn metric(client: &reqwest::Client, http: SocketAddr, series: &str) -> u64 {
     metric_value(&metrics(client, http).await, series)
+}
+
+/// The head of a `ShouldRateLimit` call to `addr`, for a raw HTTP/2
+/// client, with `grpc-timeout` when given.
+pub fn raw_rls_head(addr: SocketAddr, grpc_timeout: Option<&str>) -> http::Request<()> {
+    let mut head = http::Request::builder()
+        .method("POST")
+        .uri(format!(
+            "http://{addr}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    if let Some(timeout) = grpc_timeout {
+        head = head.header("grpc-timeout", timeout);
+    }
+    head.body(()).unwrap()
+}
+
+/// `request` as a gRPC message on the wire: uncompressed, its length, its
+/// bytes.
+pub fn grpc_message(request: &RateLimitRequest) -> Vec<u8> {
+    use prost::Message;
+    let encoded = request.encode_to_vec();
+    let mut message = vec![0u8];
+    message.extend_from_slice(&u32::try_from(encoded.len()).unwrap().to_be_bytes());
+    message.extend_from_slice(&encoded);
+    message
+}
+
+/// One `ShouldRateLimit` call over a raw HTTP/2 client, which sends the
+/// `grpc-timeout` header as given (tonic's client writes its own): the
+/// whole message, or half of it and then nothing. Returns the answer's
+/// `grpc-status` and `grpc-message` (from its headers, or its trailers) and
+/// when it came.
+pub async fn raw_should(
+    addr: SocketAddr,
+    grpc_timeout: &str,
+    request: &RateLimitRequest,
+    whole: bool,
+) -> (String, String, Instant) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    let driver = tokio::spawn(connection);
+    let mut client = client.ready().await.unwrap();
+    let mut message = grpc_message(request);
+    if !whole {
+        message.truncate(message.len() / 2);
+    }
+    let (response, mut stream) = client
+        .send_request(raw_rls_head(addr, Some(grpc_timeout)), false)
+        .unwrap();
+    stream.send_data(message.into(), whole).unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(15), response)
+        .await
+        .expect("answered within 15 s")
+        .unwrap();
+    let answered = Instant::now();
+    let (parts, mut body) = answer.into_parts();
+    let headers = match parts.headers.get("grpc-status") {
+        Some(_) => parts.headers,
+        None => {
+            while let Some(chunk) = body.data().await {
+                chunk.unwrap();
+            }
+            body.trailers().await.unwrap().unwrap()
+        }
+    };
+    // Percent-decoded, as gRPC sends its message.
+    let text = |name: &str| {
+        let raw = headers.get(name).map_or(&b""[..], |v| v.as_bytes());
+        let mut decoded = Vec::new();
+        let mut i = 0;
+        while i < raw.len() {
+            if raw[i] == b'%' && i + 2 < raw.len() {
+                let hex = std::str::from_utf8(&raw[i + 1..i + 3]).unwrap();
+                decoded.push(u8::from_str_radix(hex, 16).unwrap());
+                i += 3;
+            } else {
+                decoded.push(raw[i]);
+                i += 1;
+            }
+        }
+        String::from_utf8(decoded).unwrap()
+    };
+    let status = (text("grpc-status"), text("grpc-message"), answered);
+    drop(stream);
+    driver.abort();
+    status
 }

@@ -10,12 +10,11 @@
 //! `CANCELLED` instead, and decides a call whenever its decision is ready at
 //! the first poll, however late that poll comes.
 //!
-//! A `grpc-timeout` of zero is read as none here (see [`Deadlined`]'s
-//! `call`), so that such a call is decided rather than refused. But tonic's
-//! transport, which wraps this layer, reads the header too (whatever
-//! `Server::timeout` says) and ends a call with a zero timeout as
-//! `CANCELLED` about a millisecond in, unless it is answered by then: the
-//! memory store answers at once, a Redis store usually does not.
+//! A `grpc-timeout` of zero is read as none (see [`Deadlined`]'s `call`),
+//! so that such a call is decided rather than refused. (tonic's transport
+//! would read the header too and end such a call about a millisecond in,
+//! which is why the server does not run on it: see
+//! [`grpc::serve`](crate::grpc::serve).)
 //!
 //! A `grpc-timeout` that is not one (1 to 8 digits and a unit) is refused
 //! with `INVALID_ARGUMENT` rather than ignored (grpc-go refuses it too,
@@ -88,8 +87,7 @@ where
             // Envoy sent `0m` for a `timeout: 0s` its user meant as "no
             // timeout" (which Envoy now reads it as): a real client never
             // sends a deadline already passed, since it fails the call
-            // itself first. (tonic's own timer still ends the call if it is
-            // not answered within about a millisecond; see the module.)
+            // itself first.
             Ok(Some(asked)) if asked.is_zero() => (MAX_CALL_TIME, false),
             Ok(Some(asked)) if asked < MAX_CALL_TIME => (asked, true),
             Ok(_) => (MAX_CALL_TIME, false),

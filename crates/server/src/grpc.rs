@@ -1,15 +1,18 @@
 //! Envoy's rate-limit service, `envoy.service.ratelimit.v3.RateLimitService`.
 
+use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::Notify;
-
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::sync::{mpsc, watch, Notify};
+use tonic::transport::server::Connected as _;
 use tonic::{Request, Response, Status};
 
 use ratewarden_core::{Clock, PolicyKind, SystemClock};
 
+use crate::conn::{Acceptor, GrpcConn};
 use crate::metrics::Api;
 use crate::proto::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use crate::proto::envoy::service::ratelimit::v3::rate_limit_response::{
@@ -77,6 +80,102 @@ where
 /// The service, sharing `service`; every call is counted in `calls`.
 pub fn server(service: Arc<Service>, calls: Arc<Calls>) -> RateLimitServiceServer<Rls> {
     RateLimitServiceServer::new(Rls { service, calls }).max_decoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// Serves `service` (tonic's routes, under the server's layers) on the
+/// connections `acceptor` admits until `stop` turns true, then stops
+/// accepting and sends every open connection a GOAWAY, so that it
+/// finishes the calls it has; returns once all have closed.
+///
+/// This is hyper's HTTP/2 server, not tonic's transport: that wraps every
+/// service in its own `grpc-timeout` timer, which ends a call whose client
+/// sent a zero timeout (Envoy's `timeout: 0s`, meant as none) about a
+/// millisecond in, where [`call_deadline`](crate::call_deadline) reads zero
+/// as no deadline. Its other layers do nothing here: the service never
+/// fails (so there is no error to turn into a status), and its limit of
+/// concurrent calls per connection would stand above
+/// [`GRPC_MAX_STREAMS_PER_CONNECTION`](crate::GRPC_MAX_STREAMS_PER_CONNECTION).
+/// The HTTP/2 settings are hyper's defaults, as tonic's are, but for those
+/// set here.
+pub async fn serve<S>(
+    mut acceptor: Acceptor,
+    service: S,
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<()>
+where
+    S: tower::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    builder
+        .timer(TokioTimer::new())
+        // A connection whose peer stops answering pings is closed, so dead
+        // peers do not pile up; Envoy answers them.
+        .keep_alive_interval(crate::GRPC_KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(crate::GRPC_KEEPALIVE_TIMEOUT)
+        // Streams are bounded per connection, as grpc-go and Envoy bound
+        // them: a stream whose answer waits on a client that opens no
+        // flow-control window lives until the connection closes, and
+        // without a bound one connection could open hundreds of
+        // thousands. Envoy opens another connection when it needs more.
+        .max_concurrent_streams(crate::GRPC_MAX_STREAMS_PER_CONNECTION);
+    // Each connection task holds a sender; when all are gone, every
+    // connection has closed.
+    let (open_tx, mut open_rx) = mpsc::channel::<()>(1);
+    loop {
+        let (stream, permit) = tokio::select! {
+            accepted = acceptor.accept() => accepted,
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        let connection = GrpcConn::new(stream, permit);
+        // The peer's address and the connection's budget of request bytes,
+        // in every request (see request_bytes).
+        let info = connection.connect_info();
+        let service = service.clone();
+        let per_call =
+            hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
+                let mut request = request.map(tonic::body::Body::new);
+                request.extensions_mut().insert(info.clone());
+                let mut service = service.clone();
+                async move {
+                    std::future::poll_fn(|cx| service.poll_ready(cx)).await?;
+                    service.call(request).await
+                }
+            });
+        let builder = builder.clone();
+        let open = open_tx.clone();
+        let mut connection_stop = stop.clone();
+        tokio::spawn(async move {
+            let _open = open;
+            let served = builder.serve_connection(TokioIo::new(connection), per_call);
+            tokio::pin!(served);
+            let stopping = tokio::select! {
+                done = served.as_mut() => {
+                    if let Err(e) = done {
+                        tracing::debug!("a gRPC connection failed: {e}");
+                    }
+                    false
+                }
+                _ = connection_stop.wait_for(|s| *s) => true,
+            };
+            if stopping {
+                served.as_mut().graceful_shutdown();
+                let _ = served.await;
+            }
+        });
+    }
+    // Closed now, so that a client connecting during shutdown is refused at
+    // once instead of waiting on a backlog nobody accepts from.
+    acceptor.close();
+    drop(open_tx);
+    let _ = open_rx.recv().await;
+    Ok(())
 }
 
 /// The gRPC calls with work to finish: `ShouldRateLimit` calls being

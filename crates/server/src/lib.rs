@@ -165,32 +165,6 @@ pub const GRPC_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 /// How long a ping may go unanswered before the connection is closed.
 pub const GRPC_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Accepts gRPC connections on a task of its own until `stop`, handing them
-/// to tonic; the listener closes as soon as `stop` turns true.
-fn grpc_accept(
-    mut acceptor: conn::Acceptor,
-    mut stop: watch::Receiver<bool>,
-) -> tokio::sync::mpsc::Receiver<std::io::Result<conn::GrpcConn>> {
-    let (tx, rx) = tokio::sync::mpsc::channel(16);
-    tokio::spawn(async move {
-        loop {
-            let (stream, permit) = tokio::select! {
-                accepted = acceptor.accept() => accepted,
-                _ = stop.wait_for(|s| *s) => break,
-            };
-            if tx
-                .send(Ok(conn::GrpcConn::new(stream, permit)))
-                .await
-                .is_err()
-            {
-                break;
-            }
-        }
-        acceptor.close();
-    });
-    rx
-}
-
 /// Returns once no gRPC call has been open for [`GRPC_GOAWAY_GRACE`].
 async fn grpc_quiet(calls: &grpc::Calls) {
     loop {
@@ -213,7 +187,7 @@ impl Running {
         let calls = self.grpc_calls;
         let mut grpc_task = self.grpc_task;
         let grpc = async {
-            // tonic's graceful shutdown waits for every connection to
+            // A graceful shutdown waits for every connection to
             // close, which its peer may never do (one that never finished
             // its handshake, or a health `Watch` stream). What must finish
             // is the calls: once none is left, the rest are dropped.
@@ -288,39 +262,21 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     // clusters with grpc_health_check need it.
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, ServingStatus::Serving).await;
-    let grpc_incoming = grpc_accept(
-        conn::Acceptor::new(grpc_listener, Api::Grpc, max_connections, metrics),
-        stop.clone(),
-    );
-    let mut grpc_stop = stop.clone();
+    let routes = tonic::service::Routes::new(rls)
+        .add_service(health_service)
+        .prepare();
+    let grpc_service = tower::ServiceBuilder::new()
+        // Every call has an end, its client's or the server's (see
+        // call_deadline).
+        .layer(call_deadline::CallDeadlines::new(deadline_metrics))
+        // And the bytes a connection's calls hold, and the time a message
+        // may take to arrive (see request_bytes).
+        .layer(request_bytes::BoundRequestBodies::new(grpc_calls_bodies))
+        .service(routes);
+    let grpc_acceptor = conn::Acceptor::new(grpc_listener, Api::Grpc, max_connections, metrics);
+    let grpc_stop = stop.clone();
     let grpc_task = tokio::spawn(async move {
-        tonic::transport::Server::builder()
-            // A connection whose peer stops answering pings is closed, so
-            // dead peers do not pile up; Envoy answers them.
-            .http2_keepalive_interval(Some(GRPC_KEEPALIVE_INTERVAL))
-            .http2_keepalive_timeout(Some(GRPC_KEEPALIVE_TIMEOUT))
-            .concurrency_limit_per_connection(1024)
-            // Streams are bounded per connection, as grpc-go and Envoy
-            // bound them: a stream whose answer waits on a client that
-            // opens no flow-control window lives until the connection
-            // closes, and without a bound one connection could open
-            // hundreds of thousands. Envoy opens another connection when
-            // it needs more.
-            .max_concurrent_streams(GRPC_MAX_STREAMS_PER_CONNECTION)
-            // Every call has an end, its client's or the server's (see
-            // call_deadline).
-            .layer(call_deadline::CallDeadlines::new(deadline_metrics))
-            // And the bytes a connection's calls hold, and the time a
-            // message may take to arrive (see request_bytes).
-            .layer(request_bytes::BoundRequestBodies::new(grpc_calls_bodies))
-            .add_service(rls)
-            .add_service(health_service)
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::ReceiverStream::new(grpc_incoming),
-                async move {
-                    let _ = grpc_stop.wait_for(|s| *s).await;
-                },
-            )
+        grpc::serve(grpc_acceptor, grpc_service, grpc_stop)
             .await
             .context("the gRPC server failed")
     });
