@@ -202,6 +202,80 @@ async fn readyz_until(client: &reqwest::Client, serve: &Serve, want: u16) -> Str
     }
 }
 
+/// Under `failure_policy = "error"` a request whose store fails is left to
+/// its caller: HTTP `503`, gRPC `UNAVAILABLE`, which Envoy answers with its
+/// own `failure_mode_deny`, as it answers envoyproxy/ratelimit's errors.
+/// Decided again once Redis is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_error_policy_leaves_a_failing_store_to_the_caller() {
+    let mut redis = RedisServer::start();
+    let config = "[server]\nfailure_policy = \"error\"\n\n\
+                  [keys]\nlimit = 10\nwindow_ms = 3600000\n\n\
+                  [[domains]]\ndomain = \"edge\"\n\n\
+                  [[domains.descriptors]]\nkey = \"path\"\nlimit = 10\nwindow_ms = 3600000\n";
+    let serve = Serve::start(&redis.url(), config);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let request = || RateLimitRequest {
+        domain: "edge".into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "path".into(),
+                value: "/a".into(),
+            }],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    };
+    let mut grpc = serve.server.grpc().await;
+    assert_eq!(check(&client, &serve.url(), "k").await.0, 200);
+    grpc.should_rate_limit(request()).await.unwrap();
+
+    redis.kill();
+    let (status, body) = check(&client, &serve.url(), "k").await;
+    assert_eq!(status, 503, "{body}");
+    let message = body["error"].as_str().unwrap();
+    assert!(
+        message.starts_with("the store failed (")
+            && message.ends_with(
+                "deciding descriptor 0 (rule \"keys\"), and failure_policy = \"error\" leaves the \
+             decision to the caller"
+            ),
+        "{body}"
+    );
+    let refusal = grpc.should_rate_limit(request()).await.unwrap_err();
+    assert_eq!(refusal.code(), tonic::Code::Unavailable, "{refusal:?}");
+    assert!(
+        refusal.message().contains("(rule \"edge.path\")"),
+        "{refusal:?}"
+    );
+    let text = common::metrics(&client, serve.server.http).await;
+    assert_eq!(
+        common::metric_value(
+            &text,
+            "ratewarden_failure_policy_decisions_total{policy=\"error\",outcome=\"unanswered\"}"
+        ),
+        2,
+        "{text}"
+    );
+
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, body) = check(&client, &serve.url(), "k").await;
+        if status == 200 {
+            // A fresh Redis, a fresh count.
+            assert_eq!(body["remaining"], 9, "{body}");
+            break;
+        }
+        assert_eq!(status, 503, "{body}");
+        assert!(Instant::now() < deadline, "no recovery within 20 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// `/readyz` follows Redis: ready while it answers, 503 naming the store
 /// (never its password) while it is down or frozen, ready again once it is
 /// back; `/healthz` and the failure policy's answers go on throughout.

@@ -65,6 +65,54 @@ impl fmt::Display for ConfigFileError {
 
 impl std::error::Error for ConfigFileError {}
 
+/// What `serve` gives a request whose store failed: `[server]
+/// failure_policy`, one of the limiters' [`FailurePolicy`] or `error`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServeFailurePolicy {
+    /// Decided by this policy: `open`, `closed` or `local`.
+    Decide(FailurePolicy),
+    /// `error`: not decided. The request fails (HTTP `503`, gRPC
+    /// `UNAVAILABLE`), so that the caller's own failure handling decides,
+    /// as Envoy's `failure_mode_deny` does for envoyproxy/ratelimit's
+    /// errors.
+    Error,
+}
+
+impl ServeFailurePolicy {
+    /// Whether rules need an in-memory twin to decide on while a
+    /// networked store is away.
+    pub fn is_local(self) -> bool {
+        self == ServeFailurePolicy::Decide(FailurePolicy::Local)
+    }
+}
+
+impl fmt::Display for ServeFailurePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ServeFailurePolicy::Decide(policy) => policy.fmt(f),
+            ServeFailurePolicy::Error => f.write_str("error"),
+        }
+    }
+}
+
+impl std::str::FromStr for ServeFailurePolicy {
+    type Err = ratewarden_core::ConfigError;
+
+    /// `open`, `closed`, `local` or `error`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "error" {
+            return Ok(ServeFailurePolicy::Error);
+        }
+        s.parse::<FailurePolicy>()
+            .map(ServeFailurePolicy::Decide)
+            .map_err(|_| ratewarden_core::ConfigError::UnknownName {
+                setting: "failure policy",
+                name: s.to_owned(),
+                choices: "open, closed, local, error",
+            })
+    }
+}
+
 /// Server-wide settings: read once at start; a reload that changes them is
 /// logged and they take effect at the next start.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,7 +121,7 @@ pub struct ServerSettings {
     /// Descriptor counts always use XXH3-64 (see [`crate::rules`]).
     pub key_hash: KeyHash,
     /// What a failing store's requests get.
-    pub failure_policy: FailurePolicy,
+    pub failure_policy: ServeFailurePolicy,
     /// The longest one store call may take before it counts as failed.
     pub store_timeout_ms: u64,
     /// The most keys each rule's in-memory store holds.
@@ -201,7 +249,7 @@ impl Default for ServerSettings {
             // no portability here, and 32 bits share budgets by chance at a
             // million users (see docs/serve.md).
             key_hash: KeyHash::Xxh3_64,
-            failure_policy: FailurePolicy::FailClosed,
+            failure_policy: ServeFailurePolicy::Decide(FailurePolicy::FailClosed),
             store_timeout_ms: 100,
             max_keys: MemoryOptions::default().max_keys,
             housekeeping_interval_ms: 1000,
@@ -1021,7 +1069,7 @@ impl Validator<'_> {
         if let Some(v) = raw.failure_policy {
             s.failure_policy = v
                 .get_ref()
-                .parse::<FailurePolicy>()
+                .parse::<ServeFailurePolicy>()
                 .map_err(|e| self.err(v.span(), "server.failure_policy", e.to_string()))?;
         }
         if let Some(v) = raw.store_timeout_ms {
@@ -1449,7 +1497,10 @@ shadow = true
         .unwrap();
         assert_eq!(c.server.key_hash, KeyHash::Mix32);
         assert_eq!(ServerSettings::default().key_hash, KeyHash::Xxh3_64);
-        assert_eq!(c.server.failure_policy, FailurePolicy::FailOpen);
+        assert_eq!(
+            c.server.failure_policy,
+            ServeFailurePolicy::Decide(FailurePolicy::FailOpen)
+        );
         assert_eq!(c.keys.unwrap().policy.window_ms, 60_000);
         let d = &c.domains[0];
         assert_eq!(d.descriptors.len(), 2);
@@ -1667,6 +1718,18 @@ shadow = true
             (e.line, e.field.as_str()),
             (Some(2), "server.failure_policy")
         );
+        assert!(
+            e.message.ends_with(
+                "unknown failure policy \"maybe\"; use one of: open, closed, local, error"
+            ),
+            "{e}"
+        );
+        let c = Config::parse(
+            "[server]\nfailure_policy = \"error\"\n[keys]\nlimit = 1\nwindow_ms = 10\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(c.server.failure_policy, ServeFailurePolicy::Error);
 
         let e = parse_err("[keys]\nlimit = 9007199254740992\nunit = \"second\"\n");
         assert_eq!(e.field, "keys.limit");
@@ -1925,7 +1988,7 @@ shadow = true
         assert!(old.changed(&old).is_empty());
         let new = ServerSettings {
             max_keys: 5,
-            failure_policy: FailurePolicy::FailOpen,
+            failure_policy: ServeFailurePolicy::Error,
             key_prefix: "staging".to_owned(),
             ..ServerSettings::default()
         };

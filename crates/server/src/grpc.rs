@@ -23,7 +23,7 @@ use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_server::{
 };
 use crate::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::rules::LimitOverride;
-use crate::service::{DescriptorOutcome, DescriptorRequest, Service};
+use crate::service::{unanswered, DescriptorOutcome, DescriptorRequest, Service};
 
 /// The rate-limit service's full name, as health checks ask for it.
 pub const SERVICE_NAME: &str = <RateLimitServiceServer<Rls> as tonic::server::NamedService>::NAME;
@@ -291,6 +291,11 @@ impl Rls {
             .check_descriptors(&request.domain, &descriptors)
             .await
             .map_err(|e| Status::invalid_argument(e.0))?;
+        // Envoy applies its own failure_mode_deny to an error, as to
+        // envoyproxy/ratelimit's.
+        if let Some(m) = unanswered(&outcomes) {
+            return Err(Status::unavailable(m));
+        }
         let overall = if outcomes.iter().all(|o| o.allowed) {
             Code::Ok
         } else {

@@ -22,7 +22,7 @@ use tokio_io_timeout::TimeoutStream;
 
 use crate::conn::Acceptor;
 use crate::metrics::Api;
-use crate::service::{BadRequest, DescriptorOutcome, DescriptorRequest, Service};
+use crate::service::{unanswered, BadRequest, DescriptorOutcome, DescriptorRequest, Service};
 
 /// The longest a client may take to send a request's headers (and the
 /// longest an idle keep-alive connection is kept), so connections that
@@ -598,6 +598,9 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
         Ok(o) => o,
         Err(BadRequest(m)) => return bad(StatusCode::BAD_REQUEST, m),
     };
+    if let Some(m) = unanswered(&outcomes) {
+        return bad(StatusCode::SERVICE_UNAVAILABLE, m);
+    }
     respond(outcomes, listed)
 }
 

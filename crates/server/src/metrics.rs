@@ -120,6 +120,8 @@ impl Histogram {
 pub struct Metrics {
     rules: Mutex<BTreeMap<String, Arc<RuleMetrics>>>,
     failure_decisions: [[AtomicU64; 2]; 3],
+    /// Under `failure_policy = "error"`.
+    failures_unanswered: AtomicU64,
     partial_consumptions: AtomicU64,
     latency_http: Histogram,
     latency_grpc: Histogram,
@@ -149,6 +151,12 @@ impl Metrics {
             FailurePolicy::Local => 2,
         };
         self.failure_decisions[p][usize::from(allowed)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a descriptor left unanswered, under `failure_policy = "error"`,
+    /// because its store failed.
+    pub fn failure_unanswered(&self) {
+        self.failures_unanswered.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a multi-descriptor request in which a descriptor refused after
@@ -262,8 +270,8 @@ impl Metrics {
         }
 
         out.push_str(
-            "# HELP ratewarden_failure_policy_decisions_total Descriptors decided by the failure policy \
-             because the store failed.\n",
+            "# HELP ratewarden_failure_policy_decisions_total Descriptors answered by the failure \
+             policy because the store failed (under `error`, left unanswered: the request fails).\n",
         );
         out.push_str("# TYPE ratewarden_failure_policy_decisions_total counter\n");
         for (i, policy) in ["open", "closed", "local"].into_iter().enumerate() {
@@ -275,6 +283,11 @@ impl Metrics {
                 );
             }
         }
+        let v = self.failures_unanswered.load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "ratewarden_failure_policy_decisions_total{{policy=\"error\",outcome=\"unanswered\"}} {v}"
+        );
 
         out.push_str(
             "# HELP ratewarden_partial_consumptions_total Multi-descriptor requests refused after \

@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use ratewarden_core::{
-    xxh3_64, BoxFuture, Clock, Decision, FailurePolicy, KeyHash, Limiter, LocalLimiter,
-    MonotonicClock, PolicyConfig, StoreError, StoreErrorKind, REFERENCE,
+    xxh3_64, BoxFuture, Clock, Decision, KeyHash, Limiter, LocalLimiter, MonotonicClock,
+    PolicyConfig, StoreError, StoreErrorKind, REFERENCE,
 };
 
 use crate::config::{Config, DescriptorSpec, RuleSpec, ServerSettings};
@@ -160,7 +160,7 @@ impl RuleSet {
         let old: HashMap<&str, &Arc<Rule>> = previous
             .map(|p| p.all.iter().map(|r| (r.id.as_str(), r)).collect())
             .unwrap_or_default();
-        let local_failover = config.server.failure_policy == FailurePolicy::Local;
+        let local_failover = config.server.failure_policy.is_local();
         let mut limiters = HashMap::new();
         for (id, spec) in rule_ids(&config) {
             let parts = match old.get(id.as_str()) {
@@ -623,7 +623,7 @@ impl RuleSet {
                     detail: format!("cannot make the limiter of the override: {e:#}"),
                 }),
                 local: None,
-                failover: (self.config.server.failure_policy == FailurePolicy::Local)
+                failover: (self.config.server.failure_policy.is_local())
                     .then(|| entry.failover(&self.config.server))
                     .flatten(),
                 metrics: Arc::clone(&entry.metrics),
@@ -644,8 +644,10 @@ impl RuleSet {
         let built = factory.build(&entry.id, &entry.spec.policy).await?;
         // As for rules: a networked store under the `local` failure policy
         // needs the in-memory twin; the memory store is its own.
-        let failover = match (&built.local, self.config.server.failure_policy) {
-            (None, FailurePolicy::Local) => entry.failover(&self.config.server),
+        let failover = match &built.local {
+            None if self.config.server.failure_policy.is_local() => {
+                entry.failover(&self.config.server)
+            }
             _ => None,
         };
         Ok(Arc::new(Rule {

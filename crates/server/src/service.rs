@@ -13,7 +13,7 @@ use ratewarden_core::{
     StoreError, StoreErrorKind, MAX_SAFE,
 };
 
-use crate::config::{ConfigSource, ServerSettings};
+use crate::config::{ConfigSource, ServeFailurePolicy, ServerSettings};
 use crate::metrics::{Metrics, Outcome};
 use crate::rules::{LimitOverride, MatchError, Matched, OverrideMatch, Rule, RuleSet};
 use crate::store::StoreFactory;
@@ -54,6 +54,11 @@ pub struct DescriptorOutcome {
     /// Whether the descriptor reached an `unlimited = true` node: matched,
     /// and never limited (`rule` is then `None`).
     pub unlimited: bool,
+    /// Whether the store failed under `failure_policy = "error"`: nothing
+    /// was decided (the decision is a refusal, so that the request's other
+    /// descriptors consume nothing), and the request fails. Never for a
+    /// shadow rule, which fails no request as it refuses none.
+    pub unanswered: bool,
 }
 
 impl DescriptorOutcome {
@@ -61,6 +66,19 @@ impl DescriptorOutcome {
     pub fn by_failure_policy(&self) -> bool {
         self.failure.is_some()
     }
+}
+
+/// The answer to a request none of whose descriptors' stores may decide:
+/// the first descriptor left unanswered under `failure_policy = "error"`,
+/// if any, as a message for the client.
+pub fn unanswered(outcomes: &[DescriptorOutcome]) -> Option<String> {
+    let (i, o) = outcomes.iter().enumerate().find(|(_, o)| o.unanswered)?;
+    let rule = o.rule.as_ref().map_or("", |r| r.spec.name.as_str());
+    let kind = o.failure.map_or("unknown", StoreErrorKind::name);
+    Some(format!(
+        "the store failed ({kind}) deciding descriptor {i} (rule {rule:?}), and \
+         failure_policy = \"error\" leaves the decision to the caller"
+    ))
 }
 
 /// A request that cannot be decided, with what to change.
@@ -486,9 +504,13 @@ impl Service {
         (decision, failure): (Decision, Option<StoreErrorKind>),
         record: bool,
     ) -> DescriptorOutcome {
+        let unanswered = failure.is_some()
+            && self.settings.failure_policy == ServeFailurePolicy::Error
+            && rule.as_ref().is_some_and(|r| !r.spec.shadow);
         let allowed = match &rule {
             Some(r) => {
-                if record {
+                // Left unanswered, it is no decision of the rule's.
+                if record && !unanswered {
                     let outcome = match (decision.allowed, r.spec.shadow) {
                         (true, _) => Outcome::Allowed,
                         (false, true) => Outcome::ShadowRefused,
@@ -506,6 +528,7 @@ impl Service {
             allowed,
             failure,
             unlimited: false,
+            unanswered,
         }
     }
 
@@ -556,10 +579,17 @@ impl Service {
                     self.log_store_error(&m.rule, &e, self.settings.failure_policy);
                     return (refused, None);
                 }
-                // A corrupt key is refused under `open` too (and logged, and
-                // counted).
-                let policy = self.settings.failure_policy.answering(e.kind());
                 let closed = || m.rule.spec.policy.refused_while_failing();
+                let policy = match self.settings.failure_policy {
+                    // A corrupt key is refused under `open` too (and logged,
+                    // and counted).
+                    ServeFailurePolicy::Decide(policy) => policy.answering(e.kind()),
+                    ServeFailurePolicy::Error => {
+                        self.metrics.failure_unanswered();
+                        self.log_store_error(&m.rule, &e, ServeFailurePolicy::Error);
+                        return (closed(), Some(e.kind()));
+                    }
+                };
                 let decision = match policy {
                     // Nothing is known of the budget: report none left, so a
                     // client that reads `remaining` slows down.
@@ -578,7 +608,7 @@ impl Service {
                     }
                 };
                 self.metrics.failure_decision(policy, decision.allowed);
-                self.log_store_error(&m.rule, &e, policy);
+                self.log_store_error(&m.rule, &e, ServeFailurePolicy::Decide(policy));
                 (decision, Some(e.kind()))
             }
         }
@@ -586,7 +616,7 @@ impl Service {
 
     /// Logs a store failure, at most one line a second: a store that is
     /// down fails every request, and the metrics count them all.
-    fn log_store_error(&self, rule: &Rule, e: &StoreError, policy: FailurePolicy) {
+    fn log_store_error(&self, rule: &Rule, e: &StoreError, policy: ServeFailurePolicy) {
         if let Some(held) = self.error_log.pass(self.clock.now_ms()) {
             // A full in-memory store refuses new keys while known ones
             // succeed: no outage whose end the log could announce.
@@ -657,6 +687,7 @@ mod tests {
     use super::*;
     use crate::config::Config;
     use crate::store::StoreUrl;
+    use ratewarden_core::{BoxFuture, Limiter};
     use std::sync::atomic::AtomicU64;
 
     async fn service(text: &str) -> Service {
@@ -924,6 +955,108 @@ shadow = true
                 "ratewarden_keys_forgotten_total{{by=\"housekeeping\"}} {}\n",
                 done.forgotten
             )),
+            "{text}"
+        );
+    }
+
+    /// A store that fails every call.
+    struct Broken(ratewarden_core::PolicyConfig);
+
+    impl Limiter for Broken {
+        fn config(&self) -> &ratewarden_core::PolicyConfig {
+            &self.0
+        }
+
+        fn check(&self, _key: u64, _cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
+            let e = StoreError::new(StoreErrorKind::Backend, "down");
+            Box::pin(std::future::ready(Err(e)))
+        }
+    }
+
+    /// The memory store for rules whose limit is not `broken`, a store that
+    /// fails for those whose limit is.
+    struct PartlyBroken {
+        memory: crate::store::MemoryFactory,
+        broken: &'static [u64],
+    }
+
+    impl StoreFactory for PartlyBroken {
+        fn describe(&self) -> String {
+            "test".into()
+        }
+
+        fn build<'a>(
+            &'a self,
+            rule_id: &'a str,
+            config: &'a ratewarden_core::PolicyConfig,
+        ) -> BoxFuture<'a, anyhow::Result<crate::store::BuiltLimiter>> {
+            Box::pin(async move {
+                if !self.broken.contains(&config.limit) {
+                    return self.memory.build(rule_id, config).await;
+                }
+                Ok(crate::store::BuiltLimiter {
+                    limiter: Arc::new(Broken(*config)),
+                    local: None,
+                })
+            })
+        }
+    }
+
+    /// Under `failure_policy = "error"` a descriptor whose store fails is
+    /// left unanswered, so the request fails, and the request's other
+    /// descriptors consume nothing; a shadow rule's failure fails no
+    /// request.
+    #[tokio::test]
+    async fn under_the_error_policy_a_failing_store_leaves_the_request_unanswered() {
+        let text = format!("[server]\nfailure_policy = \"error\"\n{TWO}");
+        let config = Config::parse(&text, "t.toml").unwrap();
+        let factory = Arc::new(PartlyBroken {
+            memory: crate::store::MemoryFactory {
+                options: ratewarden_core::MemoryOptions::default(),
+            },
+            // `b` and the shadow rule `s`.
+            broken: &[2, 1],
+        });
+        let s = Service::with_config(config, ConfigSource { path: None }, factory)
+            .await
+            .unwrap();
+
+        let out = s
+            .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
+            .await
+            .unwrap();
+        assert!(!out[0].unanswered && out[1].unanswered, "{out:?}");
+        assert_eq!(
+            unanswered(&out).unwrap(),
+            "the store failed (backend) deciding descriptor 1 (rule \"api.b\"), and \
+             failure_policy = \"error\" leaves the decision to the caller"
+        );
+        // `a` took nothing.
+        let alone = s
+            .check_descriptors("api", &[d(&[("a", "x")], 0)])
+            .await
+            .unwrap();
+        assert_eq!(alone[0].decision.remaining, 10);
+
+        // The shadow rule's failure: answered, and `a` takes its cost.
+        let out = s
+            .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("s", "z")], 1)])
+            .await
+            .unwrap();
+        assert!(unanswered(&out).is_none(), "{out:?}");
+        assert!(out.iter().all(|o| o.allowed) && out[1].by_failure_policy());
+        assert_eq!(out[0].decision.remaining, 9);
+
+        let text = s.metrics.render(&[]);
+        assert!(
+            text.contains(
+                "ratewarden_failure_policy_decisions_total{policy=\"error\",outcome=\"unanswered\"} 2\n"
+            ),
+            "{text}"
+        );
+        // Not a decision of the rule's.
+        assert!(
+            !text.contains("ratewarden_decisions_total{rule=\"api.b\",outcome=\"refused\"} 1"),
             "{text}"
         );
     }
