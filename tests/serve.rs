@@ -1517,13 +1517,16 @@ async fn idle_grpc_peers_and_health_watches_do_not_hold_up_shutdown() {
 }
 
 /// A gRPC peer is bounded in streams per connection (the server's HTTP/2
-/// settings say how many), in the bytes its calls can make the server hold
+/// settings say how many, as configured), in the bytes its calls can make the server hold
 /// (a stream past that is refused with `RESOURCE_EXHAUSTED`), and in how
 /// long a message may take to arrive (`DEADLINE_EXCEEDED` after 2 s); what
 /// the failed streams held is given back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grpc_peer_cannot_make_the_server_hold_unbounded_streams_or_bytes() {
-    let server = Server::start(&[]);
+    let file = ConfigFile::new(
+        "[server]\ngrpc_max_streams_per_connection = 5\n[keys]\nlimit = 100\nwindow_ms = 1000\n",
+    );
+    let server = Server::start(&["--config", file.path()]);
     let tcp = tokio::net::TcpStream::connect(server.grpc).await.unwrap();
     let (client, mut connection) = h2::client::handshake(tcp).await.unwrap();
     // Driven here, so that the stream bound the server's settings announce
@@ -1568,7 +1571,7 @@ async fn a_grpc_peer_cannot_make_the_server_hold_unbounded_streams_or_bytes() {
         .unwrap();
     assert_eq!(
         announced.load(std::sync::atomic::Ordering::Relaxed),
-        ratewarden_server::GRPC_MAX_STREAMS_PER_CONNECTION as usize,
+        5,
         "the stream bound the server's settings announce"
     );
     let status = answer

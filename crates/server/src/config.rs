@@ -132,6 +132,9 @@ pub struct ServerSettings {
     pub housekeeping_max_scanned: usize,
     /// The most connections each interface (HTTP, gRPC) holds open at once.
     pub max_connections: usize,
+    /// The most calls (HTTP/2 streams) one gRPC connection may have open at
+    /// once, announced in its HTTP/2 settings.
+    pub grpc_max_streams_per_connection: u32,
     /// What every Redis key name starts with, before the rule's hash: two
     /// deployments with different prefixes share one Redis without sharing
     /// a count.
@@ -201,6 +204,7 @@ impl ServerSettings {
             housekeeping_interval_ms,
             housekeeping_max_scanned,
             max_connections,
+            grpc_max_streams_per_connection,
             key_prefix,
             redis_tls,
         } = self;
@@ -221,6 +225,10 @@ impl ServerSettings {
                 *housekeeping_max_scanned != other.housekeeping_max_scanned,
             ),
             ("max_connections", *max_connections != other.max_connections),
+            (
+                "grpc_max_streams_per_connection",
+                *grpc_max_streams_per_connection != other.grpc_max_streams_per_connection,
+            ),
             ("key_prefix", *key_prefix != other.key_prefix),
             (
                 "redis.tls_ca_file",
@@ -258,6 +266,14 @@ impl Default for ServerSettings {
             // full, and far above what Envoy (a few connections per proxy)
             // or a fleet of HTTP clients needs.
             max_connections: 10_000,
+            // Far above what one Envoy worker's connection has in flight
+            // (its requests per second times the call's time, 20 ms at
+            // most by default): Envoy sends calls past the server's bound
+            // unless its cluster sets `max_concurrent_streams`, and a call
+            // refused so is an error to it. Each stream whose answer waits
+            // on a client that opens no flow-control window holds about
+            // 3 KB until its connection closes (see docs/serve.md).
+            grpc_max_streams_per_connection: 1024,
             key_prefix: ratewarden_redis::RedisOptions::default().prefix,
             redis_tls: RedisTlsFiles::default(),
         }
@@ -560,6 +576,7 @@ impl Home {
             | "housekeeping_interval_ms"
             | "housekeeping_max_scanned"
             | "max_connections"
+            | "grpc_max_streams_per_connection"
             | "key_prefix" => Home::Server,
             "tls_ca_file" | "tls_cert_file" | "tls_key_file" => Home::Redis,
             "name" | "policy" | "limit" | "window_ms" | "unit" | "burst" | "shadow" => Home::Rule,
@@ -866,6 +883,7 @@ struct RawServer {
     housekeeping_interval_ms: Option<Spanned<i64>>,
     housekeeping_max_scanned: Option<Spanned<i64>>,
     max_connections: Option<Spanned<i64>>,
+    grpc_max_streams_per_connection: Option<Spanned<i64>>,
     key_prefix: Option<Spanned<String>>,
 }
 
@@ -1090,6 +1108,10 @@ impl Validator<'_> {
         }
         if let Some(v) = raw.max_connections {
             s.max_connections = self.positive(&v, "server.max_connections", 1 << 20)? as usize;
+        }
+        if let Some(v) = raw.grpc_max_streams_per_connection {
+            s.grpc_max_streams_per_connection =
+                self.positive(&v, "server.grpc_max_streams_per_connection", 100_000)? as u32;
         }
         if let Some(v) = raw.key_prefix {
             let prefix = v.get_ref();
@@ -1977,6 +1999,32 @@ shadow = true
             );
             assert!(
                 e.message.contains("use a whole number from 1 to 10000"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn grpc_streams_per_connection_are_bounded_as_configured() {
+        let text = |n: i64| {
+            format!(
+                "[server]\ngrpc_max_streams_per_connection = {n}\n[keys]\nlimit = 1\nwindow_ms = 10\n"
+            )
+        };
+        assert_eq!(
+            ServerSettings::default().grpc_max_streams_per_connection,
+            1024
+        );
+        let c = Config::parse(&text(100_000), "t").unwrap();
+        assert_eq!(c.server.grpc_max_streams_per_connection, 100_000);
+        for n in [0, 100_001] {
+            let e = parse_err(&text(n));
+            assert_eq!(
+                (e.line, e.field.as_str()),
+                (Some(2), "server.grpc_max_streams_per_connection")
+            );
+            assert!(
+                e.message.contains("use a whole number from 1 to 100000"),
                 "{e}"
             );
         }

@@ -92,14 +92,14 @@ pub fn server(service: Arc<Service>, calls: Arc<Calls>) -> RateLimitServiceServe
 /// sent a zero timeout (Envoy's `timeout: 0s`, meant as none) about a
 /// millisecond in, where [`call_deadline`](crate::call_deadline) reads zero
 /// as no deadline. Its other layers do nothing here: the service never
-/// fails (so there is no error to turn into a status), and its limit of
-/// concurrent calls per connection would stand above
-/// [`GRPC_MAX_STREAMS_PER_CONNECTION`](crate::GRPC_MAX_STREAMS_PER_CONNECTION).
+/// fails (so there is no error to turn into a status), and the streams'
+/// bound, set here, bounds a connection's concurrent calls.
 /// The HTTP/2 settings are hyper's defaults, as tonic's are, but for those
 /// set here.
 pub async fn serve<S>(
     mut acceptor: Acceptor,
     service: S,
+    max_streams_per_connection: u32,
     mut stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()>
 where
@@ -119,12 +119,11 @@ where
         // peers do not pile up; Envoy answers them.
         .keep_alive_interval(crate::GRPC_KEEPALIVE_INTERVAL)
         .keep_alive_timeout(crate::GRPC_KEEPALIVE_TIMEOUT)
-        // Streams are bounded per connection, as grpc-go and Envoy bound
-        // them: a stream whose answer waits on a client that opens no
-        // flow-control window lives until the connection closes, and
-        // without a bound one connection could open hundreds of
-        // thousands. Envoy opens another connection when it needs more.
-        .max_concurrent_streams(crate::GRPC_MAX_STREAMS_PER_CONNECTION);
+        // Streams are bounded per connection: a stream whose answer waits
+        // on a client that opens no flow-control window lives until the
+        // connection closes, and without a bound one connection could
+        // open hundreds of thousands.
+        .max_concurrent_streams(max_streams_per_connection);
     // Each connection task holds a sender; when all are gone, every
     // connection has closed.
     let (open_tx, mut open_rx) = mpsc::channel::<()>(1);

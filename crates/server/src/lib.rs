@@ -275,8 +275,9 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
         .service(routes);
     let grpc_acceptor = conn::Acceptor::new(grpc_listener, Api::Grpc, max_connections, metrics);
     let grpc_stop = stop.clone();
+    let grpc_max_streams = service.settings().grpc_max_streams_per_connection;
     let grpc_task = tokio::spawn(async move {
-        grpc::serve(grpc_acceptor, grpc_service, grpc_stop)
+        grpc::serve(grpc_acceptor, grpc_service, grpc_max_streams, grpc_stop)
             .await
             .context("the gRPC server failed")
     });
@@ -323,9 +324,6 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
         keeper_task,
     })
 }
-
-/// The most streams (calls) one gRPC connection may have open at once.
-pub const GRPC_MAX_STREAMS_PER_CONNECTION: u32 = 100;
 
 /// Open files the process needs beside its connections: listeners, Redis
 /// connections, the configuration file when it is read, a margin.
