@@ -55,9 +55,10 @@
 //! The store holds at most [`MemoryOptions::max_keys`] keys, rounded up to
 //! a multiple of its shard count ([`MemoryStore::max_keys`]). It forgets
 //! keys only in [`MemoryStore::forget_idle`], an explicit call with a bound,
-//! and only keys whose forgetting cannot change a decision at or after the
-//! time it is given (SPEC "Memory"; docs/SPEC.md says what that means for
-//! a request stamped earlier and decided later): the library starts no
+//! and when a full shard needs room (below), and only keys whose forgetting
+//! cannot change a decision at or after the time it is given (docs/SPEC.md,
+//! "open points", says where that departs from SPEC "Memory": a request
+//! stamped earlier and decided later): the library starts no
 //! threads. When a new key arrives at a full shard,
 //! the store first forgets that shard's idle keys (at most once per
 //! millisecond of `now_ms`, and, in a shard of more than 256 keys, only
@@ -1229,8 +1230,8 @@ mod tests {
 
     /// A forgotten key must not stay readable through a thread's view: a
     /// request from before the sweep (the clock stepped back) is then
-    /// decided as a new key's, as SPEC "Memory" allows, not on the old
-    /// state (nor on the memo of a refusal of it).
+    /// decided as a new key's, as docs/SPEC.md ("open points") says, not on
+    /// the old state (nor on the memo of a refusal of it).
     #[test]
     fn forgetting_a_refused_key_forgets_it_everywhere() {
         let store = MemoryStore::new(FixedWindow::new(2, 10).unwrap(), MemoryOptions::default());
