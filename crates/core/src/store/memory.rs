@@ -117,9 +117,12 @@ pub struct MemoryOptions {
     /// The most keys the store holds at once, split evenly over the
     /// shards: each holds `max_keys / shards`, rounded up, at least 1, so
     /// the store holds up to `shards - 1` more than this when it does not
-    /// divide evenly ([`MemoryStore::max_keys`] gives the figure). A new
-    /// key whose shard is full is refused, so a store can also fill a
-    /// little before that figure in all.
+    /// divide evenly ([`MemoryStore::max_keys`] gives the figure). A
+    /// request that would admit on a new key whose shard is full gets
+    /// [`StoreErrorKind::CapacityExhausted`], so a store can also fill a
+    /// little before that figure in all. One that admits nothing (a peek,
+    /// or a cost above the limit or burst) is answered as a new key's, and
+    /// nothing is kept.
     pub max_keys: usize,
     /// Number of shards, rounded up to a power of two, at most 65,536; 0
     /// picks four per available core (at least 16), but no more than give
@@ -585,9 +588,12 @@ impl<P: Policy> MemoryStore<P> {
 
     /// Decides a request of `cost` for `key` at `now_ms`.
     ///
-    /// Errors: `now_ms` or `cost` above `2^53 - 1` (invalid input), or a new
-    /// key when its shard is full of keys that cannot be forgotten
-    /// (capacity exhausted).
+    /// Errors: `now_ms` or `cost` above `2^53 - 1` (invalid input), or a
+    /// request that would admit on a new key whose shard is full of keys
+    /// that could not be forgotten when it was last swept (capacity
+    /// exhausted). A request on a new key that admits nothing (a peek, or
+    /// a cost above the limit or burst) is answered as a new key's even
+    /// then, and nothing is kept.
     #[inline(always)]
     pub fn decide(&self, key: u64, now_ms: u64, cost: u64) -> Result<Decision, StoreError> {
         // The range check inline, its error (which formats a message) out
