@@ -94,8 +94,13 @@ pub enum StoreErrorKind {
     /// cluster, also: the node holding the key cannot be reached (it is
     /// down, or a failover is under way).
     ConnectionDropped,
-    /// The store holds its maximum number of keys and cannot track a new
-    /// one: the request was not decided (never silently admitted).
+    /// The key's part of the store (a memory store's shard) holds its
+    /// maximum number of keys and found none to forget when it last looked
+    /// through them, so it cannot track a new one that the request would
+    /// admit: the request was not decided
+    /// (never silently admitted). A request that admits nothing on a new
+    /// key (a peek, or a cost above the limit or burst) gets a new key's
+    /// answer instead, with nothing kept.
     CapacityExhausted,
     /// The state stored under the key is not valid state for the policy.
     CorruptState,

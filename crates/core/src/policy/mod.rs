@@ -36,11 +36,13 @@ pub trait Policy: Send + Sync + 'static {
     /// Decides a request of `cost` at `now_ms` and updates `state`.
     fn decide(&self, state: &mut Self::State, now_ms: u64, cost: u64) -> Decision;
 
-    /// Whether forgetting the key at `now_ms` can change no later decision
-    /// (SPEC "Memory"): a store may then drop it. Precisely: the state
+    /// Whether forgetting the key at `now_ms` can change no decision at
+    /// `now_ms` or later: a store may then drop it. Precisely: the state
     /// decides every request at `now_ms` or later exactly as a key never
-    /// seen would, so only a request stepping back before `now_ms` can
-    /// tell that the key was forgotten.
+    /// seen would, so only a request stamped before `now_ms` can tell that
+    /// the key was forgotten (where this departs from SPEC "Memory", and
+    /// what the memory store does for such a request: docs/SPEC.md, "open
+    /// points").
     fn is_forgettable(&self, state: &Self::State, now_ms: u64) -> bool;
 
     /// The configured limit (permits per window).
