@@ -8,8 +8,9 @@
 //! The shape follows envoyproxy/ratelimit's: a domain holds a tree of
 //! descriptors, each with a `key`, an optional `value` (absent or empty: any
 //! value, each value counted on its own; ending in `*`: any value with that
-//! prefix) and optionally a limit (or `unlimited = true`) and nested
-//! descriptors. See `docs/serve.md` and `examples/ratewarden.toml`.
+//! prefix; a `*` anywhere else is refused) and optionally a limit (or
+//! `unlimited = true`) and nested descriptors. See `docs/serve.md` and
+//! `examples/ratewarden.toml`.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -297,7 +298,8 @@ pub struct DescriptorSpec {
     /// The entry key this node matches.
     pub key: String,
     /// The entry value it matches; `None` matches any value, and a value
-    /// ending in `*` matches every value starting with what precedes it.
+    /// ending in `*` matches every value starting with what precedes it
+    /// (a `*` anywhere else is refused at load).
     pub value: Option<String>,
     /// The limit applied when a descriptor's entries end at this node.
     pub rule: Option<RuleSpec>,
@@ -1337,11 +1339,13 @@ impl Validator<'_> {
                 ));
             }
             // An empty value means any value, as envoyproxy/ratelimit reads it.
-            let value = node
-                .value
-                .take()
-                .map(|v| v.into_inner())
-                .filter(|v| !v.is_empty());
+            let value = node.value.take().filter(|v| !v.get_ref().is_empty());
+            if let Some(v) = &value {
+                if let Some(message) = inner_star(v.get_ref()) {
+                    return Err(self.err(v.span(), &format!("{field}.value"), message));
+                }
+            }
+            let value = value.map(Spanned::into_inner);
             if !seen.insert((key.clone(), value.clone())) {
                 let what = match &value {
                     Some(v) => format!("key {key:?} with value {v:?}"),
@@ -1388,6 +1392,31 @@ impl Validator<'_> {
         }
         Ok(out)
     }
+}
+
+/// What to write instead of a descriptor value with a `*` before its last
+/// character; `None` for any other value. Only a trailing `*` is a
+/// wildcard here. A `*` elsewhere would be matched literally, where
+/// envoyproxy/ratelimit (since envoyproxy/ratelimit#1085) reads every `*`
+/// as a glob, so a ported `"/api/*/users"` would silently limit none of
+/// the values it limited there.
+fn inner_star(value: &str) -> Option<String> {
+    let star = value.find('*')?;
+    if star + 1 == value.len() {
+        return None;
+    }
+    let prefix = &value[..star];
+    let example = if prefix.is_empty() {
+        "\"*\" matches every value".to_owned()
+    } else {
+        format!("\"{prefix}*\" matches every value starting with {prefix:?}")
+    };
+    Some(format!(
+        "{value:?} has a * before its end; only a trailing * is a wildcard here, a prefix \
+         match ({example}); envoyproxy/ratelimit's glob, a * in the middle, is not \
+         supported, and a * anywhere but at the end cannot be written, even to be matched \
+         literally"
+    ))
 }
 
 /// The length of a named unit, as envoyproxy/ratelimit names them, in any
@@ -1903,6 +1932,77 @@ shadow = true
         assert!(e.message.contains("keep unlimited or the limit"), "{e}");
         let e = parse_err("[[domains]]\ndomain = \"d\"\n[[domains.descriptors]]\nkey = \"k\"\nunlimited = true\n[[domains.descriptors]]\nkey = \"k\"\nvalue = \"\"\nlimit = 1\nunit = \"minute\"\n");
         assert!(e.message.contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn a_star_before_the_end_is_refused() {
+        let node = |value: &str| {
+            format!(
+                "[[domains]]\ndomain = \"d\"\n[[domains.descriptors]]\nkey = \"k\"\n\
+                 value = {value:?}\nlimit = 1\nunit = \"hour\"\n"
+            )
+        };
+        // A trailing `*` is a prefix match, and `*` alone matches every
+        // value: these load unchanged.
+        for value in ["*", "foo*", "/api/*"] {
+            let c = Config::parse(&node(value), "t.toml").unwrap();
+            assert_eq!(
+                c.domains[0].descriptors[0].value.as_deref(),
+                Some(value),
+                "{value}"
+            );
+        }
+        for (value, example) in [
+            ("a*b", "(\"a*\" matches every value starting with \"a\")"),
+            (
+                "/api/*/users",
+                "(\"/api/*\" matches every value starting with \"/api/\")",
+            ),
+            ("/api/*/resource/*", "(\"/api/*\" matches"),
+            ("a**", "(\"a*\" matches"),
+            ("*a", "(\"*\" matches every value)"),
+            ("**", "(\"*\" matches every value)"),
+        ] {
+            let e = parse_err(&node(value));
+            assert_eq!(
+                (e.line, e.field.as_str()),
+                (Some(5), "domains[0].descriptors[0].value"),
+                "{value}: {e}"
+            );
+            assert!(
+                e.message.starts_with(&format!(
+                    "{value:?} has a * before its end; only a trailing * is a wildcard here, \
+                     a prefix match {example}"
+                )),
+                "{value}: {e}"
+            );
+            assert!(
+                e.message
+                    .contains("envoyproxy/ratelimit's glob, a * in the middle, is not supported"),
+                "{value}: {e}"
+            );
+            assert!(e.message.contains("cannot be written"), "{value}: {e}");
+        }
+        // Nested, and in an inline table, the value is named where it is.
+        let e = parse_err(
+            "[[domains]]\ndomain = \"d\"\n[[domains.descriptors]]\nkey = \"p\"\n\
+             [[domains.descriptors.descriptors]]\nkey = \"k\"\nvalue = \"a*b\"\nunlimited = true\n",
+        );
+        assert_eq!(
+            (e.line, e.field.as_str()),
+            (Some(7), "domains[0].descriptors[0].descriptors[0].value"),
+            "{e}"
+        );
+        let e = parse_err(
+            "[[domains]]\ndomain = \"d\"\n\
+             descriptors = [{ key = \"k\", value = \"a*b\", unlimited = true }]\n",
+        );
+        assert_eq!(
+            (e.line, e.field.as_str()),
+            (Some(3), "domains[0].descriptors[0].value"),
+            "{e}"
+        );
+        assert!(e.to_string().starts_with("test.toml:3:"), "{e}");
     }
 
     #[test]
