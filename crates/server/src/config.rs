@@ -530,6 +530,30 @@ fn plain_message(message: &str) -> String {
             "detailed_metric",
             "detailed_metric is not supported: metrics are per rule name, never per value",
         ),
+        (
+            "value_to_metric",
+            "value_to_metric is not supported: metrics are per rule name, never per request \
+             value (a descriptor with its own value = \"...\" is a rule of its own, with its \
+             own metrics)",
+        ),
+        (
+            "quota_mode",
+            "quota_mode is not supported: there are no soft limits, and a request is refused \
+             when any matched rule is over its limit; shadow = true decides and counts a rule \
+             without ever refusing",
+        ),
+        (
+            "share_threshold",
+            "share_threshold is not supported: each value a wildcard matches has its own \
+             count; for one count shared by all of them, have Envoy send a constant value \
+             (a generic_key action on the routes concerned) and match it with a key-only \
+             descriptor",
+        ),
+        (
+            "metadata",
+            "metadata is not supported: answers never carry dynamic_metadata, where \
+             envoyproxy/ratelimit puts it (with RESPONSE_DYNAMIC_METADATA); remove it",
+        ),
     ] {
         if message.starts_with(&format!("unknown field `{field}`")) {
             return format!("{message}; {hint}");
@@ -1898,6 +1922,27 @@ shadow = true
             (
                 "detailed_metric = true\nlimit = 1\nunit = \"second\"\n",
                 "per rule name",
+            ),
+            (
+                "value_to_metric = true\nlimit = 1\nunit = \"second\"\n",
+                "value_to_metric is not supported: metrics are per rule name",
+            ),
+            (
+                "quota_mode = true\nlimit = 1\nunit = \"second\"\n",
+                "quota_mode is not supported: there are no soft limits",
+            ),
+            (
+                "value = \"files/*\"\nshare_threshold = true\nlimit = 1\nunit = \"second\"\n",
+                "share_threshold is not supported: each value a wildcard matches has its own \
+                 count; for one count shared by all of them, have Envoy send a constant value",
+            ),
+            (
+                "limit = 1\nunit = \"second\"\n[domains.descriptors.metadata]\nteam = \"a\"\n",
+                "metadata is not supported: answers never carry dynamic_metadata",
+            ),
+            (
+                "limit = 1\nunit = \"second\"\nmetadata = { team = \"a\" }\n",
+                "metadata is not supported",
             ),
         ] {
             let e = parse_err(&format!("{node}{extra}"));
