@@ -270,9 +270,9 @@ impl Rls {
                 cost: d.hits_addend.map_or(request_cost, |h| h),
                 limit: d.limit.and_then(|o| {
                     let window_ms = unit_ms(o.unit);
-                    // envoyproxy/ratelimit fails the whole call on a unit
-                    // it cannot convert; here that descriptor alone keeps
-                    // its configured rule, counted and logged.
+                    // envoyproxy/ratelimit panics on a unit it cannot
+                    // convert; here that descriptor alone keeps its
+                    // configured rule, counted and logged.
                     unknown_units += usize::from(window_ms.is_none());
                     Some(LimitOverride {
                         limit: u64::from(o.requests_per_unit),
