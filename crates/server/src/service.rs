@@ -68,9 +68,9 @@ impl DescriptorOutcome {
     }
 }
 
-/// The answer to a request none of whose descriptors' stores may decide:
-/// the first descriptor left unanswered under `failure_policy = "error"`,
-/// if any, as a message for the client.
+/// Why a request is left unanswered, as a message for its client: the
+/// first of its descriptors whose store failed under `failure_policy =
+/// "error"`. `None` when every descriptor was answered.
 pub fn unanswered(outcomes: &[DescriptorOutcome]) -> Option<String> {
     let (i, o) = outcomes.iter().enumerate().find(|(_, o)| o.unanswered)?;
     let rule = o.rule.as_ref().map_or("", |r| r.spec.name.as_str());
