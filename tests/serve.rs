@@ -1792,6 +1792,80 @@ key = "internal"
 unlimited = true
 "#;
 
+/// Over HTTP a descriptor may carry a limit override too, as Envoy's
+/// `RateLimitDescriptor.limit` writes it; it shares its count with the
+/// same override over gRPC. A malformed one is refused, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_descriptor_may_carry_a_limit_override() {
+    let file = ConfigFile::new(OVERRIDDEN);
+    let server = Server::start(&["--config", file.path()]);
+    let client = client();
+    let ask = |limit: Value| {
+        let (client, url) = (client.clone(), server.url());
+        let mut d = json!({"entries": [{"key": "user", "value": "cy"}]});
+        if !limit.is_null() {
+            d["limit"] = limit;
+        }
+        async move {
+            let r = client
+                .post(&url)
+                .json(&json!({"domain": "api", "descriptors": [d]}))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }
+    };
+    let hourly = json!({"requests_per_unit": 2, "unit": "HOUR"});
+    let (status, body) = ask(hourly.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        (&body["rule"], &body["limit"], &body["window_ms"]),
+        (&json!("per-user.override"), &json!(2), &json!(3_600_000)),
+        "{body}"
+    );
+    // Without it, the rule's own 3 a minute, untouched.
+    let (status, body) = ask(Value::Null).await;
+    assert_eq!((status, &body["rule"]), (200, &json!("per-user")), "{body}");
+    assert_eq!(body["remaining"], 2, "{body}");
+    // The same override over gRPC takes the last of its count.
+    let mut grpc = server.grpc().await;
+    let cy = with_override(&[("user", "cy")], 2, Unit::Hour);
+    let r = should(&mut grpc, "api", vec![cy], 1).await;
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    let (status, body) = ask(hourly).await;
+    assert_eq!(status, 429, "{body}");
+
+    for (limit, message) in [
+        (
+            json!({"requests_per_unit": 2, "unit": "fortnight"}),
+            "descriptors[0].limit: unknown unit \"fortnight\"; use second, minute",
+        ),
+        (
+            json!({"requests_per_unit": "2", "unit": "hour"}),
+            "descriptors[0].limit.requests_per_unit is a string: it must be a JSON number",
+        ),
+        (
+            json!({"requests_per_unit": 2.5, "unit": "hour"}),
+            "descriptors[0].limit.requests_per_unit is 2.5: it must be a whole number",
+        ),
+        (
+            json!({"requests_per_unit": 2}),
+            "descriptors[0].limit needs both requests_per_unit and unit, such as",
+        ),
+        (
+            json!({"requests_per_unit": 2, "unit": "hour", "window_ms": 10}),
+            "unknown field `window_ms`",
+        ),
+    ] {
+        let (status, body) = ask(limit).await;
+        assert_eq!(status, 400, "{body}");
+        let error = body["error"].as_str().unwrap();
+        assert!(error.contains(message), "{error}");
+    }
+}
+
 /// A descriptor's limit override replaces the configured limit and window,
 /// with counts of its own, as envoyproxy/ratelimit applies it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1445,7 +1445,7 @@ fn inner_star(value: &str) -> Option<String> {
 
 /// The length of a named unit, as envoyproxy/ratelimit names them, in any
 /// case (its files write `SECOND`; it reads units case-insensitively).
-fn unit_ms(unit: &str) -> Result<u64, String> {
+pub(crate) fn unit_ms(unit: &str) -> Result<u64, String> {
     match unit.to_ascii_lowercase().as_str() {
         "second" => Ok(1000),
         "minute" => Ok(60_000),

@@ -22,6 +22,7 @@ use tokio_io_timeout::TimeoutStream;
 
 use crate::conn::Acceptor;
 use crate::metrics::Api;
+use crate::rules::LimitOverride;
 use crate::service::{unanswered, BadRequest, DescriptorOutcome, DescriptorRequest, Service};
 
 /// The longest a client may take to send a request's headers (and the
@@ -263,6 +264,36 @@ struct DescriptorJson {
     /// get the message that names the descriptor by its index.
     #[serde(default)]
     entries: Vec<Object<EntryJson>>,
+    /// The descriptor's own limit, as Envoy's `RateLimitDescriptor.limit`
+    /// gives it: decided in place of the configured rule's.
+    #[serde(default)]
+    limit: Option<Object<LimitJson>>,
+}
+
+/// A descriptor's limit override: `requests_per_unit` per `unit`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LimitJson {
+    /// Any JSON value, so that [`whole_number`] says what is wrong with one
+    /// that is no number.
+    #[serde(default, deserialize_with = "present")]
+    requests_per_unit: Option<serde_json::Value>,
+    unit: Option<String>,
+}
+
+impl LimitJson {
+    /// The override, or what to change; `at` names the descriptor.
+    fn read(self, at: &str) -> Result<LimitOverride, String> {
+        let example = "such as {\"requests_per_unit\": 10, \"unit\": \"minute\"}";
+        let (Some(n), Some(unit)) = (self.requests_per_unit, self.unit) else {
+            return Err(format!(
+                "{at}.limit needs both requests_per_unit and unit, {example}"
+            ));
+        };
+        let limit = whole_number(&format!("{at}.limit.requests_per_unit"), n)?;
+        let window_ms = crate::config::unit_ms(&unit).map_err(|m| format!("{at}.limit: {m}"))?;
+        Ok(LimitOverride { limit, window_ms })
+    }
 }
 
 /// A `T` read from a JSON object only. serde's derive also reads a struct
@@ -396,25 +427,32 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
 /// refused rather than read as absent: a client that sends it most likely
 /// meant some cost, and the API says a cost is a whole number.
 fn parse_cost(cost: Option<serde_json::Value>) -> Result<u64, String> {
+    match cost {
+        None => Ok(1),
+        Some(serde_json::Value::Null) => Err(format!(
+            "cost is null: leave `cost` out for a cost of 1, or send a whole number \
+             from 0 to {MAX_SAFE} (2^53 - 1)"
+        )),
+        Some(value) => whole_number("cost", value),
+    }
+}
+
+/// `value` as a whole number from 0 to 2^53 - 1, or what is wrong with it,
+/// naming it `field`.
+fn whole_number(field: &str, value: serde_json::Value) -> Result<u64, String> {
     use serde_json::Value;
-    let n = match cost {
-        None => return Ok(1),
-        Some(Value::Null) => {
-            return Err(format!(
-                "cost is null: leave `cost` out for a cost of 1, or send a whole number \
-                 from 0 to {MAX_SAFE} (2^53 - 1)"
-            ))
-        }
-        Some(Value::Number(n)) => n,
-        Some(other) => {
+    let n = match value {
+        Value::Number(n) => n,
+        other => {
             let what = match other {
+                Value::Null => "null".to_owned(),
                 Value::Bool(b) => b.to_string(),
                 Value::String(_) => "a string".to_owned(),
                 Value::Array(_) => "an array".to_owned(),
                 _ => "an object".to_owned(),
             };
             return Err(format!(
-                "cost is {what}: it must be a JSON number, a whole number from 0 to \
+                "{field} is {what}: it must be a JSON number, a whole number from 0 to \
                  {MAX_SAFE} (2^53 - 1), written without quotes"
             ));
         }
@@ -430,7 +468,7 @@ fn parse_cost(cost: Option<serde_json::Value>) -> Result<u64, String> {
                 None => written,
             };
             Err(format!(
-                "cost is {shown}: it must be a whole number from 0 to {MAX_SAFE} (2^53 - 1), \
+                "{field} is {shown}: it must be a whole number from 0 to {MAX_SAFE} (2^53 - 1), \
                  written without a fraction or exponent"
             ))
         }
@@ -578,12 +616,20 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
         )),
         (Some(key), None, None) => service.check_key(&key, cost).await.map(|o| vec![o]),
         (None, Some(domain), Some(descriptors)) => {
-            let descriptors: Vec<DescriptorRequest> = descriptors
-                .into_iter()
-                // No override over HTTP: the JSON API has no such field.
-                .map(|Object(d)| DescriptorRequest { entries: d.entries.into_iter().map(|Object(e)| (e.key, e.value)).collect(), cost, limit: None })
-                .collect();
-            service.check_descriptors(&domain, &descriptors).await
+            let mut requests = Vec::with_capacity(descriptors.len());
+            for (i, Object(d)) in descriptors.into_iter().enumerate() {
+                let limit = match d.limit.map(|Object(l)| l.read(&format!("descriptors[{i}]"))) {
+                    Some(Err(m)) => return bad(StatusCode::BAD_REQUEST, m),
+                    Some(Ok(l)) => Some(l),
+                    None => None,
+                };
+                requests.push(DescriptorRequest {
+                    entries: d.entries.into_iter().map(|Object(e)| (e.key, e.value)).collect(),
+                    cost,
+                    limit,
+                });
+            }
+            service.check_descriptors(&domain, &requests).await
         }
         (Some(_), _, _) => Err(BadRequest(
             "key is given together with domain or descriptors; send either a key or a domain with descriptors".into(),

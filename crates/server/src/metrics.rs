@@ -325,7 +325,7 @@ impl Metrics {
         );
 
         out.push_str(
-            "# HELP ratewarden_limit_overrides_ignored_total gRPC descriptors whose limit \
+            "# HELP ratewarden_limit_overrides_ignored_total Descriptors whose limit \
              override was ignored (the configured rule applied).\n",
         );
         out.push_str("# TYPE ratewarden_limit_overrides_ignored_total counter\n");

@@ -91,7 +91,7 @@ pub struct RedisFactory {
     tls: crate::RedisTlsFiles,
     /// The connection every rule's store shares (multiplexed), made by the
     /// first rule built, and by each later one until it is made: a rule
-    /// (or a gRPC override) then costs a script load, not a connection,
+    /// (or an override) then costs a script load, not a connection,
     /// and thousands of rules need no thousands of connections.
     rules: Arc<tokio::sync::OnceCell<ratewarden_redis::RedisStore>>,
     /// The connection [`StoreFactory::probe`] pings on, its own so that a
