@@ -39,6 +39,21 @@ impl Serve {
     }
 }
 
+/// One `ShouldRateLimit` request: domain `edge`, `path` `/a`.
+fn path_a() -> RateLimitRequest {
+    RateLimitRequest {
+        domain: "edge".into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "path".into(),
+                value: "/a".into(),
+            }],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    }
+}
+
 async fn check(client: &reqwest::Client, url: &str, key: &str) -> (u16, Value) {
     let r = client
         .post(url)
@@ -218,20 +233,9 @@ async fn the_error_policy_leaves_a_failing_store_to_the_caller() {
         .timeout(Duration::from_secs(5))
         .build()
         .unwrap();
-    let request = || RateLimitRequest {
-        domain: "edge".into(),
-        descriptors: vec![RateLimitDescriptor {
-            entries: vec![Entry {
-                key: "path".into(),
-                value: "/a".into(),
-            }],
-            ..Default::default()
-        }],
-        hits_addend: 1,
-    };
     let mut grpc = serve.server.grpc().await;
     assert_eq!(check(&client, &serve.url(), "k").await.0, 200);
-    grpc.should_rate_limit(request()).await.unwrap();
+    grpc.should_rate_limit(path_a()).await.unwrap();
 
     redis.kill();
     let (status, body) = check(&client, &serve.url(), "k").await;
@@ -245,7 +249,7 @@ async fn the_error_policy_leaves_a_failing_store_to_the_caller() {
             ),
         "{body}"
     );
-    let refusal = grpc.should_rate_limit(request()).await.unwrap_err();
+    let refusal = grpc.should_rate_limit(path_a()).await.unwrap_err();
     assert_eq!(refusal.code(), tonic::Code::Unavailable, "{refusal:?}");
     assert!(
         refusal.message().contains("(rule \"edge.path\")"),
@@ -579,17 +583,7 @@ async fn a_zero_grpc_timeout_waits_for_a_slow_store() {
                   [[domains.descriptors]]\nkey = \"path\"\nlimit = 1\nwindow_ms = 3600000\n";
     let serve = Serve::start(&redis.url(), config);
     let grpc = serve.server.grpc;
-    let request = RateLimitRequest {
-        domain: "edge".into(),
-        descriptors: vec![RateLimitDescriptor {
-            entries: vec![Entry {
-                key: "path".into(),
-                value: "/a".into(),
-            }],
-            ..Default::default()
-        }],
-        hits_addend: 1,
-    };
+    let request = path_a();
     // The first call loads the policy's script.
     let (status, message, _) = raw_should(grpc, "5S", &request, true).await;
     assert_eq!(status, "0", "{message}");
