@@ -264,6 +264,11 @@ async fn the_error_policy_leaves_a_failing_store_to_the_caller() {
         2,
         "{text}"
     );
+    // The requests were sound.
+    for api in ["http", "grpc"] {
+        let series = format!("ratewarden_bad_requests_total{{api=\"{api}\"}}");
+        assert_eq!(common::metric_value(&text, &series), 0, "{text}");
+    }
 
     redis.restart();
     let deadline = Instant::now() + Duration::from_secs(20);

@@ -82,6 +82,10 @@ pub fn server(service: Arc<Service>, calls: Arc<Calls>) -> RateLimitServiceServe
     RateLimitServiceServer::new(Rls { service, calls }).max_decoding_message_size(MAX_MESSAGE_BYTES)
 }
 
+/// The most resets a connection's peer may provoke before the connection
+/// is closed (see [`serve`]).
+pub const MAX_LOCAL_RESETS_PER_CONNECTION: usize = 65_536;
+
 /// Serves `service` (tonic's routes, under the server's layers) on the
 /// connections `acceptor` admits until `stop` turns true, then stops
 /// accepting and sends every open connection a GOAWAY, so that it
@@ -123,7 +127,15 @@ where
         // on a client that opens no flow-control window lives until the
         // connection closes, and without a bound one connection could
         // open hundreds of thousands.
-        .max_concurrent_streams(max_streams_per_connection);
+        .max_concurrent_streams(max_streams_per_connection)
+        // A stream past that bound is refused with a reset, which h2 counts
+        // (twice) among the resets a peer provokes, and past hyper's
+        // default of 1024 it closes the connection, calls in flight and
+        // all (its guard against reset floods): 512 refusals over a
+        // connection's life. A client that overruns the server's own bound
+        // provokes no work; the guard stays, but far enough that overruns
+        // alone take some 32,000 refusals to close a connection.
+        .max_local_error_reset_streams(Some(MAX_LOCAL_RESETS_PER_CONNECTION));
     // Each connection task holds a sender; when all are gone, every
     // connection has closed.
     let (open_tx, mut open_rx) = mpsc::channel::<()>(1);
@@ -247,7 +259,12 @@ impl RateLimitService for Rls {
         let _call = self.calls.enter();
         let started = Instant::now();
         let result = self.decide(request.into_inner()).await;
-        if result.is_err() {
+        // Not a store failure left to the client (`UNAVAILABLE`): the
+        // request was sound.
+        if result
+            .as_ref()
+            .is_err_and(|s| s.code() == tonic::Code::InvalidArgument)
+        {
             self.service.metrics.bad_request(Api::Grpc);
         }
         self.service.metrics.latency(Api::Grpc, started.elapsed());

@@ -402,7 +402,8 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
             policy: Some(rule.spec.policy.policy.name()),
             rule: Some(rule.spec.name.clone()),
             shadow: rule.spec.shadow,
-            would_allow: rule.spec.shadow.then_some(o.decision.allowed),
+            // Left unanswered, a shadow rule has no verdict to report.
+            would_allow: (rule.spec.shadow && !o.unanswered).then_some(o.decision.allowed),
             failure_policy: o.by_failure_policy(),
             failure: o.failure.map(StoreErrorKind::name),
         },

@@ -55,9 +55,10 @@ pub struct DescriptorOutcome {
     /// and never limited (`rule` is then `None`).
     pub unlimited: bool,
     /// Whether the store failed under `failure_policy = "error"`: nothing
-    /// was decided (the decision is a refusal, so that the request's other
-    /// descriptors consume nothing), and the request fails. Never for a
-    /// shadow rule, which fails no request as it refuses none.
+    /// was decided (the decision stands in as a refusal, so that the
+    /// request's other descriptors consume nothing), and unless another
+    /// descriptor refuses the request, it fails. A shadow rule's fails no
+    /// request, as its refusals refuse none.
     pub unanswered: bool,
 }
 
@@ -69,10 +70,18 @@ impl DescriptorOutcome {
 }
 
 /// Why a request is left unanswered, as a message for its client: the
-/// first of its descriptors whose store failed under `failure_policy =
-/// "error"`. `None` when every descriptor was answered.
+/// first of its enforcing descriptors whose store failed under
+/// `failure_policy = "error"`. `None` when every descriptor was answered,
+/// or when one refuses the request, which is then refused whatever the
+/// others would have said.
 pub fn unanswered(outcomes: &[DescriptorOutcome]) -> Option<String> {
-    let (i, o) = outcomes.iter().enumerate().find(|(_, o)| o.unanswered)?;
+    if outcomes.iter().any(|o| !o.allowed && !o.unanswered) {
+        return None;
+    }
+    let (i, o) = outcomes
+        .iter()
+        .enumerate()
+        .find(|(_, o)| o.unanswered && o.rule.as_ref().is_some_and(|r| !r.spec.shadow))?;
     let rule = o.rule.as_ref().map_or("", |r| r.spec.name.as_str());
     let kind = o.failure.map_or("unknown", StoreErrorKind::name);
     Some(format!(
@@ -426,6 +435,8 @@ impl Service {
         if enforcing.len() > 1 {
             let mut peeks: Vec<Option<Decision>> = vec![None; groups.len()];
             let mut blocked = Vec::new();
+            // The checks the store did not answer, by group.
+            let mut unchecked: Vec<Option<StoreError>> = vec![None; groups.len()];
             for &g in &enforcing {
                 if decided[g].is_some() {
                     blocked.push(g);
@@ -436,15 +447,32 @@ impl Service {
                     Ok(d) if d.allowed && d.remaining >= *cost => peeks[g] = Some(d),
                     // A refusal, or a failing store, is decided for real
                     // below: the failure policy applies there.
-                    _ => blocked.push(g),
+                    Ok(_) => blocked.push(g),
+                    Err(e) => {
+                        unchecked[g] = Some(e);
+                        blocked.push(g);
+                    }
                 }
             }
+            let mut refused = false;
             for &g in &blocked {
                 if decided[g].is_none() {
                     let (m, cost) = &groups[g];
-                    decided[g] = Some(self.take(m, *cost).await);
-                    own[g] = true;
+                    decided[g] = Some(match unchecked[g].take() {
+                        // Once the request is refused, a store that did not
+                        // answer the check is not sent a take: a frozen or
+                        // overloaded Redis runs what it was sent when it
+                        // answers again, and would charge a refused
+                        // request. The failure policy answers the check
+                        // instead (no rule's decision: not counted as one).
+                        Some(e) if refused => self.answer_failure(m, &e, 0),
+                        _ => {
+                            own[g] = true;
+                            self.take(m, *cost).await
+                        }
+                    });
                 }
+                refused |= decided[g].is_some_and(|(d, _)| !d.allowed);
             }
             if blocked
                 .iter()
@@ -504,9 +532,8 @@ impl Service {
         (decision, failure): (Decision, Option<StoreErrorKind>),
         record: bool,
     ) -> DescriptorOutcome {
-        let unanswered = failure.is_some()
-            && self.settings.failure_policy == ServeFailurePolicy::Error
-            && rule.as_ref().is_some_and(|r| !r.spec.shadow);
+        let unanswered = failure.is_some_and(|kind| kind != StoreErrorKind::CorruptState)
+            && self.settings.failure_policy == ServeFailurePolicy::Error;
         let allowed = match &rule {
             Some(r) => {
                 // Left unanswered, it is no decision of the rule's.
@@ -571,47 +598,64 @@ impl Service {
                 }
                 (d, None)
             }
-            Err(e) => {
-                m.rule.metrics.store_error(e.kind());
-                self.last_failure_ms
-                    .store(self.clock.now_ms(), Ordering::Relaxed);
-                if let Some(refused) = m.rule.spec.policy.refused_whatever_the_state(cost) {
-                    self.log_store_error(&m.rule, &e, self.settings.failure_policy);
-                    return (refused, None);
-                }
-                let closed = || m.rule.spec.policy.refused_while_failing();
-                let policy = match self.settings.failure_policy {
-                    // A corrupt key is refused under `open` too (and logged,
-                    // and counted).
-                    ServeFailurePolicy::Decide(policy) => policy.answering(e.kind()),
-                    ServeFailurePolicy::Error => {
-                        self.metrics.failure_unanswered();
-                        self.log_store_error(&m.rule, &e, ServeFailurePolicy::Error);
-                        return (closed(), Some(e.kind()));
-                    }
-                };
-                let decision = match policy {
-                    // Nothing is known of the budget: report none left, so a
-                    // client that reads `remaining` slows down.
-                    FailurePolicy::FailOpen => Decision::admitted(0),
-                    FailurePolicy::FailClosed => closed(),
-                    FailurePolicy::Local => {
-                        let local = m.rule.failover.as_ref().or(m.rule.local.as_ref());
-                        match local.map(|l| l.check_now(m.key, cost)) {
-                            Some(Ok(d)) => d,
-                            // The local limiter cannot decide either (on the
-                            // embedded store it is the store that failed, full
-                            // of keys): refused as under `closed`, with a wait,
-                            // never as a request no wait admits.
-                            _ => closed(),
-                        }
-                    }
-                };
-                self.metrics.failure_decision(policy, decision.allowed);
-                self.log_store_error(&m.rule, &e, ServeFailurePolicy::Decide(policy));
-                (decision, Some(e.kind()))
-            }
+            Err(e) => self.answer_failure(m, &e, cost),
         }
+    }
+
+    /// What the failure policy answers a request of `cost` whose store
+    /// failed with `e`; counted and logged. The kind is the failure's, when
+    /// the failure policy decided.
+    fn answer_failure(
+        &self,
+        m: &Matched,
+        e: &StoreError,
+        cost: u64,
+    ) -> (Decision, Option<StoreErrorKind>) {
+        m.rule.metrics.store_error(e.kind());
+        self.last_failure_ms
+            .store(self.clock.now_ms(), Ordering::Relaxed);
+        if let Some(refused) = m.rule.spec.policy.refused_whatever_the_state(cost) {
+            self.log_store_error(&m.rule, e, self.settings.failure_policy);
+            return (refused, None);
+        }
+        let closed = || m.rule.spec.policy.refused_while_failing();
+        let policy = match self.settings.failure_policy {
+            // A corrupt key fails on every request until it is
+            // deleted: left to the caller (Envoy's default lets
+            // requests through), its limit would be lifted for good.
+            // It is refused, as under `open`.
+            ServeFailurePolicy::Error if e.kind() == StoreErrorKind::CorruptState => {
+                FailurePolicy::FailClosed
+            }
+            ServeFailurePolicy::Error => {
+                self.metrics.failure_unanswered();
+                self.log_store_error(&m.rule, e, ServeFailurePolicy::Error);
+                return (closed(), Some(e.kind()));
+            }
+            // A corrupt key is refused under `open` too (and logged,
+            // and counted).
+            ServeFailurePolicy::Decide(policy) => policy.answering(e.kind()),
+        };
+        let decision = match policy {
+            // Nothing is known of the budget: report none left, so a
+            // client that reads `remaining` slows down.
+            FailurePolicy::FailOpen => Decision::admitted(0),
+            FailurePolicy::FailClosed => closed(),
+            FailurePolicy::Local => {
+                let local = m.rule.failover.as_ref().or(m.rule.local.as_ref());
+                match local.map(|l| l.check_now(m.key, cost)) {
+                    Some(Ok(d)) => d,
+                    // The local limiter cannot decide either (on the
+                    // embedded store it is the store that failed, full
+                    // of keys): refused as under `closed`, with a wait,
+                    // never as a request no wait admits.
+                    _ => closed(),
+                }
+            }
+        };
+        self.metrics.failure_decision(policy, decision.allowed);
+        self.log_store_error(&m.rule, e, ServeFailurePolicy::Decide(policy));
+        (decision, Some(e.kind()))
     }
 
     /// Logs a store failure, at most one line a second: a store that is
@@ -959,25 +1003,60 @@ shadow = true
         );
     }
 
-    /// A store that fails every call.
-    struct Broken(ratewarden_core::PolicyConfig);
+    /// A store that fails every call with `kind`, counting the calls that
+    /// would take something (a frozen Redis would run them later).
+    struct Broken {
+        config: ratewarden_core::PolicyConfig,
+        kind: StoreErrorKind,
+        takes: Arc<AtomicU64>,
+    }
 
     impl Limiter for Broken {
         fn config(&self) -> &ratewarden_core::PolicyConfig {
-            &self.0
+            &self.config
         }
 
-        fn check(&self, _key: u64, _cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
-            let e = StoreError::new(StoreErrorKind::Backend, "down");
+        fn check(&self, _key: u64, cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
+            if cost > 0 {
+                self.takes.fetch_add(1, Ordering::Relaxed);
+            }
+            let e = StoreError::new(self.kind, "down");
             Box::pin(std::future::ready(Err(e)))
         }
     }
 
     /// The memory store for rules whose limit is not `broken`, a store that
-    /// fails for those whose limit is.
+    /// fails with `kind` for those whose limit is.
     struct PartlyBroken {
         memory: crate::store::MemoryFactory,
         broken: &'static [u64],
+        kind: StoreErrorKind,
+        takes: Arc<AtomicU64>,
+    }
+
+    impl PartlyBroken {
+        /// A service on `config` with rules whose limit is in `broken`
+        /// failing with `kind`, and its count of takes sent to them.
+        async fn service(
+            config: &str,
+            broken: &'static [u64],
+            kind: StoreErrorKind,
+        ) -> (Service, Arc<AtomicU64>) {
+            let config = Config::parse(config, "t.toml").unwrap();
+            let takes = Arc::new(AtomicU64::new(0));
+            let factory = Arc::new(PartlyBroken {
+                memory: crate::store::MemoryFactory {
+                    options: ratewarden_core::MemoryOptions::default(),
+                },
+                broken,
+                kind,
+                takes: Arc::clone(&takes),
+            });
+            let service = Service::with_config(config, ConfigSource { path: None }, factory)
+                .await
+                .unwrap();
+            (service, takes)
+        }
     }
 
     impl StoreFactory for PartlyBroken {
@@ -995,7 +1074,11 @@ shadow = true
                     return self.memory.build(rule_id, config).await;
                 }
                 Ok(crate::store::BuiltLimiter {
-                    limiter: Arc::new(Broken(*config)),
+                    limiter: Arc::new(Broken {
+                        config: *config,
+                        kind: self.kind,
+                        takes: Arc::clone(&self.takes),
+                    }),
                     local: None,
                 })
             })
@@ -1009,17 +1092,8 @@ shadow = true
     #[tokio::test]
     async fn under_the_error_policy_a_failing_store_leaves_the_request_unanswered() {
         let text = format!("[server]\nfailure_policy = \"error\"\n{TWO}");
-        let config = Config::parse(&text, "t.toml").unwrap();
-        let factory = Arc::new(PartlyBroken {
-            memory: crate::store::MemoryFactory {
-                options: ratewarden_core::MemoryOptions::default(),
-            },
-            // `b` and the shadow rule `s`.
-            broken: &[2, 1],
-        });
-        let s = Service::with_config(config, ConfigSource { path: None }, factory)
-            .await
-            .unwrap();
+        // `b` and the shadow rule `s`.
+        let (s, _) = PartlyBroken::service(&text, &[2, 1], StoreErrorKind::Backend).await;
 
         let out = s
             .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
@@ -1054,11 +1128,66 @@ shadow = true
             ),
             "{text}"
         );
-        // Not a decision of the rule's.
-        assert!(
-            !text.contains("ratewarden_decisions_total{rule=\"api.b\",outcome=\"refused\"} 1"),
-            "{text}"
-        );
+        // Not a decision of the rule's, nor the shadow rule's.
+        for rule in ["api.b", "api.s"] {
+            for outcome in ["refused", "shadow_refused"] {
+                let series = format!(
+                    "ratewarden_decisions_total{{rule=\"{rule}\",outcome=\"{outcome}\"}} 0"
+                );
+                assert!(text.contains(&series), "{series}: {text}");
+            }
+        }
+
+        // A descriptor that refuses answers the request, whatever the
+        // failing store would have said: refused (`a` has 9 left).
+        let out = s
+            .check_descriptors("api", &[d(&[("a", "x")], 10), d(&[("b", "y")], 1)])
+            .await
+            .unwrap();
+        assert!(unanswered(&out).is_none(), "{out:?}");
+        assert!(!out[0].allowed && !out[0].unanswered && out[1].unanswered);
+    }
+
+    /// Once a request is refused (here by a failing store under `closed`
+    /// or `error`), no take is sent to a store that did not answer its
+    /// check: a frozen Redis would run it when it thaws, charging a
+    /// request that was refused.
+    #[tokio::test]
+    async fn a_refused_request_sends_no_take_to_a_store_that_did_not_answer() {
+        for policy in ["closed", "error"] {
+            let text = format!("[server]\nfailure_policy = \"{policy}\"\n{TWO}");
+            // `a` and `b`.
+            let (s, takes) = PartlyBroken::service(&text, &[10, 2], StoreErrorKind::Timeout).await;
+            let out = s
+                .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
+                .await
+                .unwrap();
+            assert!(out.iter().all(|o| !o.allowed), "{policy}: {out:?}");
+            assert_eq!(takes.load(Ordering::Relaxed), 1, "{policy}");
+            assert_eq!(unanswered(&out).is_some(), policy == "error", "{policy}");
+            // Each descriptor's failure is counted, once.
+            let text = s.metrics.render(&[]);
+            for rule in ["api.a", "api.b"] {
+                let series =
+                    format!("ratewarden_store_errors_total{{rule=\"{rule}\",kind=\"timeout\"}} 1");
+                assert!(text.contains(&series), "{policy}: {series}: {text}");
+            }
+        }
+    }
+
+    /// A key holding state the store cannot read fails on every request:
+    /// under `error` it is refused, as under `open`, rather than left to a
+    /// caller whose default admits it, for good.
+    #[tokio::test]
+    async fn under_the_error_policy_a_corrupt_key_is_refused() {
+        let text = format!("[server]\nfailure_policy = \"error\"\n{TWO}");
+        let (s, _) = PartlyBroken::service(&text, &[2], StoreErrorKind::CorruptState).await;
+        let out = s
+            .check_descriptors("api", &[d(&[("b", "y")], 1)])
+            .await
+            .unwrap();
+        assert!(unanswered(&out).is_none(), "{out:?}");
+        assert!(!out[0].allowed && out[0].by_failure_policy(), "{out:?}");
     }
 
     /// A memory store whose override limiters count their making, and
