@@ -301,10 +301,12 @@ impl Service {
     /// than one enforcing (matched, not shadow) descriptor, every
     /// one is first checked at cost 0, which records nothing. If any would
     /// refuse, only those are decided for real (a refusal changes no count)
-    /// and the others consume nothing. Otherwise each is taken in turn. A
-    /// concurrent request on the same keys between the check and the take
-    /// can still make a later descriptor refuse after earlier ones took
-    /// their cost; that is counted in `ratewarden_partial_consumptions_total`.
+    /// and the others consume nothing; one whose check the store fails is
+    /// answered by the failure policy, with no take. Otherwise each is taken
+    /// in turn until one refuses. A concurrent request on the same keys
+    /// between the check and the take (or a store failing the take) can
+    /// still make a later descriptor refuse after earlier ones took their
+    /// cost; that is counted in `ratewarden_partial_consumptions_total`.
     pub async fn check_descriptors(
         &self,
         domain: &str,
@@ -432,8 +434,10 @@ impl Service {
                 own[g] = true;
             }
         }
+        // The cost-0 checks that found room, which stand for their
+        // descriptors when another refuses the request.
+        let mut peeks: Vec<Option<Decision>> = vec![None; groups.len()];
         if enforcing.len() > 1 {
-            let mut peeks: Vec<Option<Decision>> = vec![None; groups.len()];
             let mut blocked = Vec::new();
             // The checks the store did not answer, by group.
             let mut unchecked: Vec<Option<StoreError>> = vec![None; groups.len()];
@@ -445,8 +449,8 @@ impl Service {
                 let (m, cost) = &groups[g];
                 match self.call(m, 0).await {
                     Ok(d) if d.allowed && d.remaining >= *cost => peeks[g] = Some(d),
-                    // A refusal, or a failing store, is decided for real
-                    // below: the failure policy applies there.
+                    // A refusal is decided for real below, and a failing
+                    // store by the failure policy.
                     Ok(_) => blocked.push(g),
                     Err(e) => {
                         unchecked[g] = Some(e);
@@ -454,25 +458,20 @@ impl Service {
                     }
                 }
             }
-            let mut refused = false;
             for &g in &blocked {
                 if decided[g].is_none() {
                     let (m, cost) = &groups[g];
+                    own[g] = true;
                     decided[g] = Some(match unchecked[g].take() {
-                        // Once the request is refused, a store that did not
-                        // answer the check is not sent a take: a frozen or
-                        // overloaded Redis runs what it was sent when it
-                        // answers again, and would charge a refused
-                        // request. The failure policy answers the check
-                        // instead (no rule's decision: not counted as one).
-                        Some(e) if refused => self.answer_failure(m, &e, 0),
-                        _ => {
-                            own[g] = true;
-                            self.take(m, *cost).await
-                        }
+                        // A store that did not answer the check is sent no
+                        // take: a frozen or overloaded Redis runs what it
+                        // was sent when it answers again, and would charge
+                        // the request whatever it was answered here. The
+                        // failure policy answers, as for a failed take.
+                        Some(e) => self.answer_failure(m, &e, *cost),
+                        None => self.take(m, *cost).await,
                     });
                 }
-                refused |= decided[g].is_some_and(|(d, _)| !d.allowed);
             }
             if blocked
                 .iter()
@@ -485,7 +484,7 @@ impl Service {
                 }
             }
         }
-        let refused_already = enforcing
+        let mut refused = enforcing
             .iter()
             .any(|&g| decided[g].is_some_and(|(d, _)| !d.allowed));
         let mut consumed = false;
@@ -495,7 +494,13 @@ impl Service {
                 continue;
             }
             let shadow = m.rule.spec.shadow;
-            if refused_already && !shadow {
+            if refused && !shadow {
+                // Refused already (checked first, or by a take before this
+                // one, which a concurrent request or a failing store can
+                // make refuse): what is left stands at its check, and
+                // takes nothing.
+                decided[g] = peeks[g].map(|d| (d, None));
+                debug_assert!(decided[g].is_some(), "checked, as one of several");
                 continue;
             }
             let (d, failed) = self.take(m, *cost).await;
@@ -503,6 +508,7 @@ impl Service {
                 self.metrics.partial_consumption();
             }
             consumed |= !shadow && d.allowed && *cost > 0;
+            refused |= !shadow && !d.allowed;
             decided[g] = Some((d, failed));
             own[g] = true;
         }
@@ -1003,11 +1009,13 @@ shadow = true
         );
     }
 
-    /// A store that fails every call with `kind`, counting the calls that
-    /// would take something (a frozen Redis would run them later).
+    /// A store that fails every call with `kind` (but cost-0 checks, when
+    /// `checks` is set, which find room), counting the calls that would
+    /// take something (a frozen Redis would run them later).
     struct Broken {
         config: ratewarden_core::PolicyConfig,
         kind: StoreErrorKind,
+        checks: bool,
         takes: Arc<AtomicU64>,
     }
 
@@ -1017,6 +1025,11 @@ shadow = true
         }
 
         fn check(&self, _key: u64, cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
+            if cost == 0 && self.checks {
+                return Box::pin(std::future::ready(Ok(Decision::admitted(
+                    self.config.limit,
+                ))));
+            }
             if cost > 0 {
                 self.takes.fetch_add(1, Ordering::Relaxed);
             }
@@ -1031,6 +1044,7 @@ shadow = true
         memory: crate::store::MemoryFactory,
         broken: &'static [u64],
         kind: StoreErrorKind,
+        checks: bool,
         takes: Arc<AtomicU64>,
     }
 
@@ -1042,6 +1056,17 @@ shadow = true
             broken: &'static [u64],
             kind: StoreErrorKind,
         ) -> (Service, Arc<AtomicU64>) {
+            Self::checked(config, broken, kind, false).await
+        }
+
+        /// As [`Self::service`], the broken rules answering cost-0 checks
+        /// when `checks` is set.
+        async fn checked(
+            config: &str,
+            broken: &'static [u64],
+            kind: StoreErrorKind,
+            checks: bool,
+        ) -> (Service, Arc<AtomicU64>) {
             let config = Config::parse(config, "t.toml").unwrap();
             let takes = Arc::new(AtomicU64::new(0));
             let factory = Arc::new(PartlyBroken {
@@ -1050,6 +1075,7 @@ shadow = true
                 },
                 broken,
                 kind,
+                checks,
                 takes: Arc::clone(&takes),
             });
             let service = Service::with_config(config, ConfigSource { path: None }, factory)
@@ -1077,6 +1103,7 @@ shadow = true
                     limiter: Arc::new(Broken {
                         config: *config,
                         kind: self.kind,
+                        checks: self.checks,
                         takes: Arc::clone(&self.takes),
                     }),
                     local: None,
@@ -1148,13 +1175,12 @@ shadow = true
         assert!(!out[0].allowed && !out[0].unanswered && out[1].unanswered);
     }
 
-    /// Once a request is refused (here by a failing store under `closed`
-    /// or `error`), no take is sent to a store that did not answer its
-    /// check: a frozen Redis would run it when it thaws, charging a
-    /// request that was refused.
+    /// No take is sent to a store that did not answer a descriptor's
+    /// check: a frozen Redis would run it when it thaws, charging the
+    /// request whatever it was answered. The failure policy answers.
     #[tokio::test]
-    async fn a_refused_request_sends_no_take_to_a_store_that_did_not_answer() {
-        for policy in ["closed", "error"] {
+    async fn a_store_that_did_not_answer_the_check_is_sent_no_take() {
+        for policy in ["open", "closed", "error"] {
             let text = format!("[server]\nfailure_policy = \"{policy}\"\n{TWO}");
             // `a` and `b`.
             let (s, takes) = PartlyBroken::service(&text, &[10, 2], StoreErrorKind::Timeout).await;
@@ -1162,8 +1188,12 @@ shadow = true
                 .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
                 .await
                 .unwrap();
-            assert!(out.iter().all(|o| !o.allowed), "{policy}: {out:?}");
-            assert_eq!(takes.load(Ordering::Relaxed), 1, "{policy}");
+            let allowed = policy == "open";
+            assert!(
+                out.iter().all(|o| o.allowed == allowed),
+                "{policy}: {out:?}"
+            );
+            assert_eq!(takes.load(Ordering::Relaxed), 0, "{policy}");
             assert_eq!(unanswered(&out).is_some(), policy == "error", "{policy}");
             // Each descriptor's failure is counted, once.
             let text = s.metrics.render(&[]);
@@ -1173,6 +1203,28 @@ shadow = true
                 assert!(text.contains(&series), "{policy}: {series}: {text}");
             }
         }
+    }
+
+    /// Once a take refuses the request (a failing store's, under `closed`),
+    /// the descriptors after it take nothing: they stand at their checks.
+    #[tokio::test]
+    async fn descriptors_after_a_refused_take_take_nothing() {
+        let text = format!("[server]\nfailure_policy = \"closed\"\n{TWO}");
+        // `a` answers its check, then fails its take.
+        let (s, takes) = PartlyBroken::checked(&text, &[10], StoreErrorKind::Timeout, true).await;
+        let out = s
+            .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
+            .await
+            .unwrap();
+        assert!(!out[0].allowed && out[0].by_failure_policy(), "{out:?}");
+        assert_eq!(takes.load(Ordering::Relaxed), 1);
+        // `b` still has its 2, shown as its check found them.
+        assert!(out[1].allowed && out[1].decision.remaining == 2, "{out:?}");
+        let alone = s
+            .check_descriptors("api", &[d(&[("b", "y")], 0)])
+            .await
+            .unwrap();
+        assert_eq!(alone[0].decision.remaining, 2);
     }
 
     /// A key holding state the store cannot read fails on every request:
