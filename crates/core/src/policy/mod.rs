@@ -349,6 +349,15 @@ mod narrow_division_tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// A numerator of 32 bits over a divisor past them: the 32-bit path
+    /// must not take it (`2^32` as a `u32` is 0).
+    #[test]
+    fn rem_with_a_divisor_past_32_bits() {
+        assert_eq!(rem(5, 1 << 32), 5);
+        assert_eq!(rem(u64::from(u32::MAX), (1 << 32) + 3), u64::from(u32::MAX));
+        assert_eq!(rem(1000, (1 << 33) + 999), 1000);
+    }
+
     fn wide() -> impl Strategy<Value = u128> {
         // Every width the fast paths choose between, and their edges.
         prop_oneof![
