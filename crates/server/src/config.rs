@@ -1381,6 +1381,25 @@ impl Validator<'_> {
                     format!("{what} appears twice at this level; merge the two"),
                 ));
             }
+            // `*` matches every value, the empty one too, before a node of
+            // the key alone is looked at: that node would never be reached.
+            let star = Some("*".to_owned());
+            let shadowed = match &value {
+                None => seen.contains(&(key.clone(), star)),
+                Some(v) if *v == "*" => seen.contains(&(key.clone(), None)),
+                Some(_) => false,
+            };
+            if shadowed {
+                return Err(self.err(
+                    span,
+                    &field,
+                    format!(
+                        "key {key:?} has a node with value \"*\" and a node with any value at \
+                         this level: \"*\" matches every value first, so the other is never \
+                         reached; keep one (both count each value on its own)"
+                    ),
+                ));
+            }
             let path = match &value {
                 Some(v) => format!("{parent_name}.{key}_{v}"),
                 None => format!("{parent_name}.{key}"),
@@ -1977,6 +1996,39 @@ shadow = true
         assert!(e.message.contains("keep unlimited or the limit"), "{e}");
         let e = parse_err("[[domains]]\ndomain = \"d\"\n[[domains.descriptors]]\nkey = \"k\"\nunlimited = true\n[[domains.descriptors]]\nkey = \"k\"\nvalue = \"\"\nlimit = 1\nunit = \"minute\"\n");
         assert!(e.message.contains("twice"), "{e}");
+    }
+
+    /// A `*` node and a node of the key alone, side by side: the second is
+    /// never reached, in either order, so the file is refused.
+    #[test]
+    fn a_star_node_beside_a_key_only_node_is_refused() {
+        let star =
+            "[[domains.descriptors]]\nkey = \"k\"\nvalue = \"*\"\nlimit = 1\nunit = \"hour\"\n";
+        let any = "[[domains.descriptors]]\nkey = \"k\"\nlimit = 5\nunit = \"hour\"\n";
+        // The second node's header: after the first's 5 or 4 lines.
+        for (first, second, line) in [(star, any, 8), (any, star, 7)] {
+            let e = parse_err(&format!("[[domains]]\ndomain = \"d\"\n{first}{second}"));
+            assert_eq!(
+                (e.line, e.field.as_str()),
+                (Some(line), "domains[0].descriptors[1]"),
+                "{e}"
+            );
+            assert!(
+                e.message
+                    .contains("\"*\" matches every value first, so the other is never reached"),
+                "{e}"
+            );
+        }
+        // Under different parents, or beside a prefix, both are reached.
+        Config::parse(
+            &format!(
+                "[[domains]]\ndomain = \"d\"\n{any}\
+                 [[domains.descriptors]]\nkey = \"k\"\nvalue = \"a*\"\nlimit = 1\nunit = \"hour\"\n\
+                 [[domains]]\ndomain = \"e\"\n{star}"
+            ),
+            "t",
+        )
+        .unwrap();
     }
 
     #[test]
