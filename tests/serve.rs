@@ -1803,7 +1803,7 @@ async fn an_http_descriptor_may_carry_a_limit_override() {
     let ask = |limit: Value| {
         let (client, url) = (client.clone(), server.url());
         let mut d = json!({"entries": [{"key": "user", "value": "cy"}]});
-        if !limit.is_null() {
+        if limit != json!("none") {
             d["limit"] = limit;
         }
         async move {
@@ -1826,7 +1826,7 @@ async fn an_http_descriptor_may_carry_a_limit_override() {
         "{body}"
     );
     // Without it, the rule's own 3 a minute, untouched.
-    let (status, body) = ask(Value::Null).await;
+    let (status, body) = ask(json!("none")).await;
     assert_eq!((status, &body["rule"]), (200, &json!("per-user")), "{body}");
     assert_eq!(body["remaining"], 2, "{body}");
     // The same override over gRPC takes the last of its count.
@@ -1840,7 +1840,8 @@ async fn an_http_descriptor_may_carry_a_limit_override() {
     for (limit, message) in [
         (
             json!({"requests_per_unit": 2, "unit": "fortnight"}),
-            "descriptors[0].limit: unknown unit \"fortnight\"; use second, minute",
+            "descriptors[0].limit.unit \"fortnight\" is no unit; use second, minute, hour, day, \
+             week, month (30 days) or year (365 days)",
         ),
         (
             json!({"requests_per_unit": "2", "unit": "hour"}),
@@ -1856,8 +1857,13 @@ async fn an_http_descriptor_may_carry_a_limit_override() {
         ),
         (
             json!({"requests_per_unit": 2, "unit": "hour", "window_ms": 10}),
-            "unknown field `window_ms`",
+            "descriptors[0].limit: unknown field `window_ms`",
         ),
+        (
+            json!(null),
+            "descriptors[0].limit is null: leave it out for the configured rule's limit",
+        ),
+        (json!(5), "descriptors[0].limit is 5: leave it out"),
     ] {
         let (status, body) = ask(limit).await;
         assert_eq!(status, 400, "{body}");

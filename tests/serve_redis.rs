@@ -244,9 +244,21 @@ async fn the_error_policy_leaves_a_failing_store_to_the_caller() {
     assert!(
         message.starts_with("the store failed (")
             && message.ends_with(
-                "deciding descriptor 0 (rule \"keys\"), and failure_policy = \"error\" leaves the \
+                "deciding the key (rule \"keys\"), and failure_policy = \"error\" leaves the \
              decision to the caller"
             ),
+        "{body}"
+    );
+    let body =
+        json!({"domain": "edge", "descriptors": [{"entries": [{"key": "path", "value": "/a"}]}]});
+    let r = client.post(serve.url()).json(&body).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 503);
+    let body: Value = r.json().await.unwrap();
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("deciding descriptor 0 (rule \"edge.path\")"),
         "{body}"
     );
     let refusal = grpc.should_rate_limit(path_a()).await.unwrap_err();
@@ -261,7 +273,7 @@ async fn the_error_policy_leaves_a_failing_store_to_the_caller() {
             &text,
             "ratewarden_failure_policy_decisions_total{policy=\"error\",outcome=\"unanswered\"}"
         ),
-        2,
+        3,
         "{text}"
     );
     // The requests were sound.

@@ -97,9 +97,10 @@ pub const MAX_LOCAL_RESETS_PER_CONNECTION: usize = 65_536;
 /// millisecond in, where [`call_deadline`](crate::call_deadline) reads zero
 /// as no deadline. Its other layers do nothing here: the service never
 /// fails (so there is no error to turn into a status), and the streams'
-/// bound, set here, bounds a connection's concurrent calls.
-/// The HTTP/2 settings are hyper's defaults, as tonic's are, but for those
-/// set here.
+/// bound, set here, bounds a connection's concurrent calls. The HTTP/2
+/// settings are hyper's defaults, as tonic's are, but for those set here
+/// (tonic also turned off hyper's bound on the resets a peer provokes,
+/// which is kept here, raised).
 pub async fn serve<S>(
     mut acceptor: Acceptor,
     service: S,
@@ -309,7 +310,7 @@ impl Rls {
             .map_err(|e| Status::invalid_argument(e.0))?;
         // Envoy applies its own failure_mode_deny to an error, as to
         // envoyproxy/ratelimit's.
-        if let Some(m) = unanswered(&outcomes) {
+        if let Some(m) = unanswered(&outcomes, true) {
             return Err(Status::unavailable(m));
         }
         let overall = if outcomes.iter().all(|o| o.allowed) {

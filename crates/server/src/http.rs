@@ -265,9 +265,11 @@ struct DescriptorJson {
     #[serde(default)]
     entries: Vec<Object<EntryJson>>,
     /// The descriptor's own limit, as Envoy's `RateLimitDescriptor.limit`
-    /// gives it: decided in place of the configured rule's.
-    #[serde(default)]
-    limit: Option<Object<LimitJson>>,
+    /// gives it: decided in place of the configured rule's. Any JSON value
+    /// (null included), read by [`LimitJson::read`], which says what is
+    /// wrong with one that is no such object.
+    #[serde(default, deserialize_with = "present")]
+    limit: Option<serde_json::Value>,
 }
 
 /// A descriptor's limit override: `requests_per_unit` per `unit`.
@@ -282,16 +284,33 @@ struct LimitJson {
 }
 
 impl LimitJson {
-    /// The override, or what to change; `at` names the descriptor.
-    fn read(self, at: &str) -> Result<LimitOverride, String> {
+    /// The override in `value`, or what to change; `at` names the
+    /// descriptor.
+    fn read(value: serde_json::Value, at: &str) -> Result<LimitOverride, String> {
         let example = "such as {\"requests_per_unit\": 10, \"unit\": \"minute\"}";
-        let (Some(n), Some(unit)) = (self.requests_per_unit, self.unit) else {
+        if !value.is_object() {
+            // `null` too: absent is the configured rule's limit, and a
+            // client sending null may have meant no limit at all.
+            return Err(format!(
+                "{at}.limit is {value}: leave it out for the configured rule's limit, or send \
+                 an object, {example}"
+            ));
+        }
+        let limit: LimitJson =
+            serde_json::from_value(value).map_err(|e| format!("{at}.limit: {e}"))?;
+        let (Some(n), Some(unit)) = (limit.requests_per_unit, limit.unit) else {
             return Err(format!(
                 "{at}.limit needs both requests_per_unit and unit, {example}"
             ));
         };
         let limit = whole_number(&format!("{at}.limit.requests_per_unit"), n)?;
-        let window_ms = crate::config::unit_ms(&unit).map_err(|m| format!("{at}.limit: {m}"))?;
+        // The configuration's units, but for its advice to write window_ms.
+        let window_ms = crate::config::unit_ms(&unit).map_err(|_| {
+            format!(
+                "{at}.limit.unit {unit:?} is no unit; use second, minute, hour, day, week, \
+                 month (30 days) or year (365 days)"
+            )
+        })?;
         Ok(LimitOverride { limit, window_ms })
     }
 }
@@ -619,7 +638,7 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
         (None, Some(domain), Some(descriptors)) => {
             let mut requests = Vec::with_capacity(descriptors.len());
             for (i, Object(d)) in descriptors.into_iter().enumerate() {
-                let limit = match d.limit.map(|Object(l)| l.read(&format!("descriptors[{i}]"))) {
+                let limit = match d.limit.map(|l| LimitJson::read(l, &format!("descriptors[{i}]"))) {
                     Some(Err(m)) => return bad(StatusCode::BAD_REQUEST, m),
                     Some(Ok(l)) => Some(l),
                     None => None,
@@ -645,7 +664,7 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
         Ok(o) => o,
         Err(BadRequest(m)) => return bad(StatusCode::BAD_REQUEST, m),
     };
-    if let Some(m) = unanswered(&outcomes) {
+    if let Some(m) = unanswered(&outcomes, listed) {
         return bad(StatusCode::SERVICE_UNAVAILABLE, m);
     }
     respond(outcomes, listed)

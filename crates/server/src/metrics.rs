@@ -270,8 +270,8 @@ impl Metrics {
         }
 
         out.push_str(
-            "# HELP ratewarden_failure_policy_decisions_total Descriptors answered by the failure \
-             policy because the store failed (under `error`, left unanswered: the request fails).\n",
+            "# HELP ratewarden_failure_policy_decisions_total Counts answered by the failure \
+             policy because the store failed (under `error`, left undecided).\n",
         );
         out.push_str("# TYPE ratewarden_failure_policy_decisions_total counter\n");
         for (i, policy) in ["open", "closed", "local"].into_iter().enumerate() {

@@ -94,8 +94,9 @@ impl Budget {
     }
 }
 
-/// What tonic puts in each request's extensions for a connection: its
-/// address, and its budget of request bytes.
+/// What [`grpc::serve`](crate::grpc::serve) puts in each request's
+/// extensions for a connection: its address, and its budget of request
+/// bytes.
 #[derive(Debug, Clone)]
 pub struct ConnectionBudget {
     /// The peer's address, as tonic reports it for TCP.

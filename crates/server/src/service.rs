@@ -71,10 +71,11 @@ impl DescriptorOutcome {
 
 /// Why a request is left unanswered, as a message for its client: the
 /// first of its enforcing descriptors whose store failed under
-/// `failure_policy = "error"`. `None` when every descriptor was answered,
-/// or when one refuses the request, which is then refused whatever the
-/// others would have said.
-pub fn unanswered(outcomes: &[DescriptorOutcome]) -> Option<String> {
+/// `failure_policy = "error"` (named by its index among `descriptors`,
+/// else the request is a key's). `None` when every descriptor was
+/// answered, or when one refuses the request, which is then refused
+/// whatever the others would have said.
+pub fn unanswered(outcomes: &[DescriptorOutcome], descriptors: bool) -> Option<String> {
     if outcomes.iter().any(|o| !o.allowed && !o.unanswered) {
         return None;
     }
@@ -84,8 +85,13 @@ pub fn unanswered(outcomes: &[DescriptorOutcome]) -> Option<String> {
         .find(|(_, o)| o.unanswered && o.rule.as_ref().is_some_and(|r| !r.spec.shadow))?;
     let rule = o.rule.as_ref().map_or("", |r| r.spec.name.as_str());
     let kind = o.failure.map_or("unknown", StoreErrorKind::name);
+    let what = if descriptors {
+        format!("descriptor {i}")
+    } else {
+        "the key".to_owned()
+    };
     Some(format!(
-        "the store failed ({kind}) deciding descriptor {i} (rule {rule:?}), and \
+        "the store failed ({kind}) deciding {what} (rule {rule:?}), and \
          failure_policy = \"error\" leaves the decision to the caller"
     ))
 }
@@ -394,19 +400,18 @@ impl Service {
         let mut groups: Vec<(Matched, u64)> = Vec::new();
         let mut group_of: Vec<Option<usize>> = Vec::with_capacity(descriptors.len());
         {
-            // Only the grouping needs the rules' addresses.
-            let mut index: HashMap<(*const Rule, u64), usize> = HashMap::new();
+            // By the rule's identity, not its address: an override whose
+            // limiter could not be made is a new `Rule` at every match.
+            let mut index: HashMap<(String, u64), usize> = HashMap::new();
             for (d, m) in descriptors.iter().zip(matches) {
                 let Some(m) = m else {
                     group_of.push(None);
                     continue;
                 };
-                let g = *index
-                    .entry((Arc::as_ptr(&m.rule), m.key))
-                    .or_insert_with(|| {
-                        groups.push((m.clone(), 0));
-                        groups.len() - 1
-                    });
+                let g = *index.entry((m.rule.id.clone(), m.key)).or_insert_with(|| {
+                    groups.push((m.clone(), 0));
+                    groups.len() - 1
+                });
                 groups[g].1 = groups[g].1.saturating_add(d.cost);
                 group_of.push(Some(g));
             }
@@ -458,19 +463,36 @@ impl Service {
                     }
                 }
             }
+            // First the refusals the checks found, decided for real (a
+            // refusal changes no count).
             for &g in &blocked {
-                if decided[g].is_none() {
+                if decided[g].is_none() && unchecked[g].is_none() {
                     let (m, cost) = &groups[g];
                     own[g] = true;
-                    decided[g] = Some(match unchecked[g].take() {
-                        // A store that did not answer the check is sent no
-                        // take: a frozen or overloaded Redis runs what it
-                        // was sent when it answers again, and would charge
-                        // the request whatever it was answered here. The
-                        // failure policy answers, as for a failed take.
-                        Some(e) => self.answer_failure(m, &e, *cost),
-                        None => self.take(m, *cost).await,
-                    });
+                    decided[g] = Some(self.take(m, *cost).await);
+                }
+            }
+            // Then the checks the store did not answer. Such a store is
+            // sent no take: a frozen or overloaded Redis runs what it was
+            // sent when it answers again, and would charge the request
+            // whatever it was answered here. The failure policy answers,
+            // as for a failed take; once the request is refused, as for a
+            // check (no cost on a `local` twin, and no decision of the
+            // rule's), so that the refused request consumes nothing.
+            let mut refused = blocked
+                .iter()
+                .any(|&g| decided[g].is_some_and(|(d, _)| !d.allowed));
+            for &g in &blocked {
+                if let Some(e) = unchecked[g].take() {
+                    let (m, cost) = &groups[g];
+                    let answer = if refused {
+                        self.answer_failure(m, &e, 0)
+                    } else {
+                        own[g] = true;
+                        self.answer_failure(m, &e, *cost)
+                    };
+                    refused |= !answer.0.allowed;
+                    decided[g] = Some(answer);
                 }
             }
             if blocked
@@ -490,7 +512,11 @@ impl Service {
         let mut consumed = false;
         for (g, (m, cost)) in groups.iter().enumerate() {
             if decided[g].is_some() {
-                consumed |= *cost > 0 && decided[g].is_some_and(|(d, _)| d.allowed);
+                // Taken from a store count (not answered by the failure
+                // policy, which takes none).
+                consumed |= *cost > 0
+                    && own[g]
+                    && decided[g].is_some_and(|(d, failed)| d.allowed && failed.is_none());
                 continue;
             }
             let shadow = m.rule.spec.shadow;
@@ -507,7 +533,7 @@ impl Service {
             if !shadow && !d.allowed && consumed {
                 self.metrics.partial_consumption();
             }
-            consumed |= !shadow && d.allowed && *cost > 0;
+            consumed |= !shadow && d.allowed && *cost > 0 && failed.is_none();
             refused |= !shadow && !d.allowed;
             decided[g] = Some((d, failed));
             own[g] = true;
@@ -1128,7 +1154,7 @@ shadow = true
             .unwrap();
         assert!(!out[0].unanswered && out[1].unanswered, "{out:?}");
         assert_eq!(
-            unanswered(&out).unwrap(),
+            unanswered(&out, true).unwrap(),
             "the store failed (backend) deciding descriptor 1 (rule \"api.b\"), and \
              failure_policy = \"error\" leaves the decision to the caller"
         );
@@ -1144,7 +1170,7 @@ shadow = true
             .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("s", "z")], 1)])
             .await
             .unwrap();
-        assert!(unanswered(&out).is_none(), "{out:?}");
+        assert!(unanswered(&out, true).is_none(), "{out:?}");
         assert!(out.iter().all(|o| o.allowed) && out[1].by_failure_policy());
         assert_eq!(out[0].decision.remaining, 9);
 
@@ -1171,7 +1197,7 @@ shadow = true
             .check_descriptors("api", &[d(&[("a", "x")], 10), d(&[("b", "y")], 1)])
             .await
             .unwrap();
-        assert!(unanswered(&out).is_none(), "{out:?}");
+        assert!(unanswered(&out, true).is_none(), "{out:?}");
         assert!(!out[0].allowed && !out[0].unanswered && out[1].unanswered);
     }
 
@@ -1194,7 +1220,11 @@ shadow = true
                 "{policy}: {out:?}"
             );
             assert_eq!(takes.load(Ordering::Relaxed), 0, "{policy}");
-            assert_eq!(unanswered(&out).is_some(), policy == "error", "{policy}");
+            assert_eq!(
+                unanswered(&out, true).is_some(),
+                policy == "error",
+                "{policy}"
+            );
             // Each descriptor's failure is counted, once.
             let text = s.metrics.render(&[]);
             for rule in ["api.a", "api.b"] {
@@ -1227,6 +1257,149 @@ shadow = true
         assert_eq!(alone[0].decision.remaining, 2);
     }
 
+    /// Under `local`, a descriptor whose check the store failed is decided
+    /// on the local twin; but when another descriptor refuses the request,
+    /// only as a check, so the refused request consumes nothing there.
+    #[tokio::test]
+    async fn a_refused_request_consumes_nothing_on_a_local_twin() {
+        let text = format!("[server]\nfailure_policy = \"local\"\n{TWO}");
+        // `a`'s store fails; `b` (2) is spent first.
+        let (s, _) = PartlyBroken::service(&text, &[10], StoreErrorKind::Timeout).await;
+        assert!(
+            s.check_descriptors("api", &[d(&[("b", "y")], 2)])
+                .await
+                .unwrap()[0]
+                .allowed
+        );
+        let out = s
+            .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
+            .await
+            .unwrap();
+        assert!(
+            out[0].allowed && out[0].by_failure_policy() && !out[1].allowed,
+            "{out:?}"
+        );
+        let alone = s
+            .check_descriptors("api", &[d(&[("a", "x")], 0)])
+            .await
+            .unwrap();
+        assert_eq!(alone[0].decision.remaining, 10);
+        // Standing as a check: no decision of the rule's.
+        let text = s.metrics.render(&[]);
+        assert!(
+            text.contains("ratewarden_decisions_total{rule=\"api.a\",outcome=\"allowed\"} 1\n"),
+            "only the later check: {text}"
+        );
+    }
+
+    /// A store whose checks find room and whose takes refuse, as when
+    /// another request spends the budget between the two.
+    struct Outrun(ratewarden_core::PolicyConfig);
+
+    impl Limiter for Outrun {
+        fn config(&self) -> &ratewarden_core::PolicyConfig {
+            &self.0
+        }
+
+        fn check(&self, _key: u64, cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
+            let d = if cost == 0 {
+                Decision::admitted(self.0.limit)
+            } else {
+                Decision::refused(Some(1000), 0)
+            };
+            Box::pin(std::future::ready(Ok(d)))
+        }
+    }
+
+    /// Rule `a` (limit 10) fails every call, rule `b` (limit 2) is outrun.
+    struct FailingAndOutrun;
+
+    impl StoreFactory for FailingAndOutrun {
+        fn describe(&self) -> String {
+            "test".into()
+        }
+
+        fn build<'a>(
+            &'a self,
+            _rule_id: &'a str,
+            config: &'a ratewarden_core::PolicyConfig,
+        ) -> BoxFuture<'a, anyhow::Result<crate::store::BuiltLimiter>> {
+            let limiter: Arc<dyn Limiter> = if config.limit == 10 {
+                Arc::new(Broken {
+                    config: *config,
+                    kind: StoreErrorKind::Timeout,
+                    checks: false,
+                    takes: Arc::new(AtomicU64::new(0)),
+                })
+            } else {
+                Arc::new(Outrun(*config))
+            };
+            Box::pin(std::future::ready(Ok(crate::store::BuiltLimiter {
+                limiter,
+                local: None,
+            })))
+        }
+    }
+
+    /// A descriptor the failure policy admitted (`open`) took no count, so
+    /// a refusal after it is no partial consumption.
+    #[tokio::test]
+    async fn an_admission_by_the_failure_policy_consumes_nothing() {
+        let text = format!("[server]\nfailure_policy = \"open\"\n{TWO}");
+        let config = Config::parse(&text, "t.toml").unwrap();
+        let s = Service::with_config(
+            config,
+            ConfigSource { path: None },
+            Arc::new(FailingAndOutrun),
+        )
+        .await
+        .unwrap();
+        let out = s
+            .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
+            .await
+            .unwrap();
+        assert!(
+            out[0].allowed && out[0].by_failure_policy() && !out[1].allowed,
+            "{out:?}"
+        );
+        let text = s.metrics.render(&[]);
+        assert!(
+            text.contains("ratewarden_partial_consumptions_total 0\n"),
+            "{text}"
+        );
+    }
+
+    /// Two copies of one override whose limiter cannot be made are one
+    /// count, decided once at their summed cost: under `local`, 2 on a
+    /// limit of 1 is refused, and the twin keeps its 1.
+    #[tokio::test]
+    async fn copies_of_an_override_that_cannot_be_made_are_one_count() {
+        let (s, _) = override_service("local", true).await;
+        let out = s
+            .check_descriptors("api", &[over(&[("a", "x")], 1), over(&[("a", "x")], 1)])
+            .await
+            .unwrap();
+        assert!(out.iter().all(|o| !o.allowed), "{out:?}");
+        let alone = s
+            .check_descriptors(
+                "api",
+                &[DescriptorRequest {
+                    cost: 0,
+                    ..over(&[("a", "x")], 1)
+                }],
+            )
+            .await
+            .unwrap();
+        assert_eq!(alone[0].decision.remaining, 1);
+        let text = s.metrics.render(&[]);
+        assert!(
+            text.contains(
+                "ratewarden_store_errors_total{rule=\"api.a.override\",kind=\"backend\"} 2\n"
+            ),
+            "one failure for the pair, one for the check after: {text}"
+        );
+    }
+
     /// A key holding state the store cannot read fails on every request:
     /// under `error` it is refused, as under `open`, rather than left to a
     /// caller whose default admits it, for good.
@@ -1238,7 +1411,7 @@ shadow = true
             .check_descriptors("api", &[d(&[("b", "y")], 1)])
             .await
             .unwrap();
-        assert!(unanswered(&out).is_none(), "{out:?}");
+        assert!(unanswered(&out, true).is_none(), "{out:?}");
         assert!(!out[0].allowed && out[0].by_failure_policy(), "{out:?}");
     }
 
