@@ -383,6 +383,36 @@ mod tests {
         key.wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29) ^ key
     }
 
+    /// The array grows only when an insert would pass `MAX_LOAD`: it
+    /// fills to exactly 13/16 first.
+    #[test]
+    fn a_table_fills_to_exactly_max_load() {
+        let mut table = PackedTable::default();
+        table.rebuild(16, &good);
+        for key in 1..=12u64 {
+            assert!(!table.put_new(good(key), key, key, good).0);
+        }
+        assert!(!table.is_full(), "13 of 16 is not past 13/16");
+        assert!(!table.put_new(good(13), 13, 13, good).0);
+        assert_eq!(table.slots().len(), 16);
+        assert!(table.is_full());
+    }
+
+    /// A sweep keeps the array while more than a quarter of its slots
+    /// hold live keys: rebuilding retires it, which sends every reader
+    /// without the lock back to it.
+    #[test]
+    fn a_sweep_keeps_the_array_above_a_quarter_live() {
+        let mut table = PackedTable::default();
+        for key in 1..=1000u64 {
+            let _ = table.put_new(good(key), key, key, good);
+        }
+        let before = Arc::clone(table.slots());
+        assert!(!table.retain(|state| state <= 500, good).0);
+        assert!(Arc::ptr_eq(&before, table.slots()));
+        assert_eq!(table.len(), 500);
+    }
+
     fn get(table: &PackedTable, hash: fn(u64) -> u64, key: u64) -> Option<u64> {
         table
             .cell(hash(key), key)
