@@ -446,13 +446,30 @@ impl Service {
             let mut blocked = Vec::new();
             // The checks the store did not answer, by group.
             let mut unchecked: Vec<Option<StoreError>> = vec![None; groups.len()];
+            // All at once: they record nothing, so their order does not
+            // matter, and a request waits for its slowest check rather
+            // than for the sum of them (one timeout, not one per
+            // descriptor, when the store does not answer).
+            let groups_ref = &groups;
+            let checks = futures_util::future::join_all(
+                enforcing
+                    .iter()
+                    .filter(|&&g| decided[g].is_none())
+                    .map(|&g| async move { (g, self.call(&groups_ref[g].0, 0).await) }),
+            )
+            .await;
+            let mut checked: Vec<Option<Result<Decision, StoreError>>> =
+                (0..groups.len()).map(|_| None).collect();
+            for (g, check) in checks {
+                checked[g] = Some(check);
+            }
             for &g in &enforcing {
-                if decided[g].is_some() {
+                let Some(check) = checked[g].take() else {
                     blocked.push(g);
                     continue;
-                }
-                let (m, cost) = &groups[g];
-                match self.call(m, 0).await {
+                };
+                let (_, cost) = &groups[g];
+                match check {
                     Ok(d) if d.allowed && d.remaining >= *cost => peeks[g] = Some(d),
                     // A refusal is decided for real below, and a failing
                     // store by the failure policy.
@@ -1397,6 +1414,73 @@ shadow = true
                 "ratewarden_store_errors_total{rule=\"api.a.override\",kind=\"backend\"} 2\n"
             ),
             "one failure for the pair, one for the check after: {text}"
+        );
+    }
+
+    /// A store whose checks (cost 0) answer only once `barrier` has as many
+    /// waiting as it has parties, and whose takes admit.
+    struct AllAtOnce {
+        config: ratewarden_core::PolicyConfig,
+        barrier: Arc<tokio::sync::Barrier>,
+    }
+
+    impl Limiter for AllAtOnce {
+        fn config(&self) -> &ratewarden_core::PolicyConfig {
+            &self.config
+        }
+
+        fn check(&self, _key: u64, cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
+            let limit = self.config.limit;
+            let barrier = Arc::clone(&self.barrier);
+            Box::pin(async move {
+                if cost == 0 {
+                    barrier.wait().await;
+                }
+                Ok(Decision::admitted(limit - cost))
+            })
+        }
+    }
+
+    struct AllAtOnceFactory(Arc<tokio::sync::Barrier>);
+
+    impl StoreFactory for AllAtOnceFactory {
+        fn describe(&self) -> String {
+            "test".into()
+        }
+
+        fn build<'a>(
+            &'a self,
+            _rule_id: &'a str,
+            config: &'a ratewarden_core::PolicyConfig,
+        ) -> BoxFuture<'a, anyhow::Result<crate::store::BuiltLimiter>> {
+            let limiter = Arc::new(AllAtOnce {
+                config: *config,
+                barrier: Arc::clone(&self.0),
+            });
+            Box::pin(std::future::ready(Ok(crate::store::BuiltLimiter {
+                limiter,
+                local: None,
+            })))
+        }
+    }
+
+    /// A request's descriptors are checked at once: here each check
+    /// answers only once the other is asked too, so checks one after the
+    /// other would time out (and be refused, under `closed`).
+    #[tokio::test]
+    async fn a_requests_checks_are_asked_at_once() {
+        let config = Config::parse(TWO, "t.toml").unwrap();
+        let factory = Arc::new(AllAtOnceFactory(Arc::new(tokio::sync::Barrier::new(2))));
+        let s = Service::with_config(config, ConfigSource { path: None }, factory)
+            .await
+            .unwrap();
+        let out = s
+            .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
+            .await
+            .unwrap();
+        assert!(
+            out.iter().all(|o| o.allowed && !o.by_failure_policy()),
+            "{out:?}"
         );
     }
 
