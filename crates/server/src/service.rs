@@ -1081,54 +1081,14 @@ shadow = true
         }
     }
 
-    /// The memory store for rules whose limit is not `broken`, a store that
-    /// fails with `kind` for those whose limit is.
-    struct PartlyBroken {
-        memory: crate::store::MemoryFactory,
-        broken: &'static [u64],
-        kind: StoreErrorKind,
-        checks: bool,
-        takes: Arc<AtomicU64>,
-    }
+    /// The limiter `make` gives a rule by its configuration, else the
+    /// memory store's.
+    struct TestFactory<F>(F);
 
-    impl PartlyBroken {
-        /// A service on `config` with rules whose limit is in `broken`
-        /// failing with `kind`, and its count of takes sent to them.
-        async fn service(
-            config: &str,
-            broken: &'static [u64],
-            kind: StoreErrorKind,
-        ) -> (Service, Arc<AtomicU64>) {
-            Self::checked(config, broken, kind, false).await
-        }
-
-        /// As [`Self::service`], the broken rules answering cost-0 checks
-        /// when `checks` is set.
-        async fn checked(
-            config: &str,
-            broken: &'static [u64],
-            kind: StoreErrorKind,
-            checks: bool,
-        ) -> (Service, Arc<AtomicU64>) {
-            let config = Config::parse(config, "t.toml").unwrap();
-            let takes = Arc::new(AtomicU64::new(0));
-            let factory = Arc::new(PartlyBroken {
-                memory: crate::store::MemoryFactory {
-                    options: ratewarden_core::MemoryOptions::default(),
-                },
-                broken,
-                kind,
-                checks,
-                takes: Arc::clone(&takes),
-            });
-            let service = Service::with_config(config, ConfigSource { path: None }, factory)
-                .await
-                .unwrap();
-            (service, takes)
-        }
-    }
-
-    impl StoreFactory for PartlyBroken {
+    impl<F> StoreFactory for TestFactory<F>
+    where
+        F: Fn(&ratewarden_core::PolicyConfig) -> Option<Arc<dyn Limiter>> + Send + Sync + 'static,
+    {
         fn describe(&self) -> String {
             "test".into()
         }
@@ -1139,20 +1099,61 @@ shadow = true
             config: &'a ratewarden_core::PolicyConfig,
         ) -> BoxFuture<'a, anyhow::Result<crate::store::BuiltLimiter>> {
             Box::pin(async move {
-                if !self.broken.contains(&config.limit) {
-                    return self.memory.build(rule_id, config).await;
-                }
-                Ok(crate::store::BuiltLimiter {
-                    limiter: Arc::new(Broken {
-                        config: *config,
-                        kind: self.kind,
-                        checks: self.checks,
-                        takes: Arc::clone(&self.takes),
+                match (self.0)(config) {
+                    Some(limiter) => Ok(crate::store::BuiltLimiter {
+                        limiter,
+                        local: None,
                     }),
-                    local: None,
-                })
+                    None => {
+                        let memory = crate::store::MemoryFactory {
+                            options: ratewarden_core::MemoryOptions::default(),
+                        };
+                        memory.build(rule_id, config).await
+                    }
+                }
             })
         }
+    }
+
+    /// A service on `config` whose rules decide on what `make` gives them
+    /// (the memory store where it gives nothing).
+    async fn service_on<F>(config: &str, make: F) -> Service
+    where
+        F: Fn(&ratewarden_core::PolicyConfig) -> Option<Arc<dyn Limiter>> + Send + Sync + 'static,
+    {
+        let config = Config::parse(config, "t.toml").unwrap();
+        Service::with_config(
+            config,
+            ConfigSource { path: None },
+            Arc::new(TestFactory(make)),
+        )
+        .await
+        .unwrap()
+    }
+
+    /// The memory store for rules whose limit is not in `broken`, and for
+    /// those whose limit is, a store that fails with `kind` (but answers
+    /// checks when `checks` is set); with the count of takes sent to them.
+    async fn partly_broken(
+        config: &str,
+        broken: &'static [u64],
+        kind: StoreErrorKind,
+        checks: bool,
+    ) -> (Service, Arc<AtomicU64>) {
+        let takes = Arc::new(AtomicU64::new(0));
+        let sent = Arc::clone(&takes);
+        let service = service_on(config, move |config| {
+            broken.contains(&config.limit).then(|| {
+                Arc::new(Broken {
+                    config: *config,
+                    kind,
+                    checks,
+                    takes: Arc::clone(&sent),
+                }) as Arc<dyn Limiter>
+            })
+        })
+        .await;
+        (service, takes)
     }
 
     /// Under `failure_policy = "error"` a descriptor whose store fails is
@@ -1163,7 +1164,7 @@ shadow = true
     async fn under_the_error_policy_a_failing_store_leaves_the_request_unanswered() {
         let text = format!("[server]\nfailure_policy = \"error\"\n{TWO}");
         // `b` and the shadow rule `s`.
-        let (s, _) = PartlyBroken::service(&text, &[2, 1], StoreErrorKind::Backend).await;
+        let (s, _) = partly_broken(&text, &[2, 1], StoreErrorKind::Backend, false).await;
 
         let out = s
             .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
@@ -1226,7 +1227,7 @@ shadow = true
         for policy in ["open", "closed", "error"] {
             let text = format!("[server]\nfailure_policy = \"{policy}\"\n{TWO}");
             // `a` and `b`.
-            let (s, takes) = PartlyBroken::service(&text, &[10, 2], StoreErrorKind::Timeout).await;
+            let (s, takes) = partly_broken(&text, &[10, 2], StoreErrorKind::Timeout, false).await;
             let out = s
                 .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
                 .await
@@ -1258,7 +1259,7 @@ shadow = true
     async fn descriptors_after_a_refused_take_take_nothing() {
         let text = format!("[server]\nfailure_policy = \"closed\"\n{TWO}");
         // `a` answers its check, then fails its take.
-        let (s, takes) = PartlyBroken::checked(&text, &[10], StoreErrorKind::Timeout, true).await;
+        let (s, takes) = partly_broken(&text, &[10], StoreErrorKind::Timeout, true).await;
         let out = s
             .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
             .await
@@ -1281,7 +1282,7 @@ shadow = true
     async fn a_refused_request_consumes_nothing_on_a_local_twin() {
         let text = format!("[server]\nfailure_policy = \"local\"\n{TWO}");
         // `a`'s store fails; `b` (2) is spent first.
-        let (s, _) = PartlyBroken::service(&text, &[10], StoreErrorKind::Timeout).await;
+        let (s, _) = partly_broken(&text, &[10], StoreErrorKind::Timeout, false).await;
         assert!(
             s.check_descriptors("api", &[d(&[("b", "y")], 2)])
                 .await
@@ -1328,49 +1329,25 @@ shadow = true
         }
     }
 
-    /// Rule `a` (limit 10) fails every call, rule `b` (limit 2) is outrun.
-    struct FailingAndOutrun;
-
-    impl StoreFactory for FailingAndOutrun {
-        fn describe(&self) -> String {
-            "test".into()
-        }
-
-        fn build<'a>(
-            &'a self,
-            _rule_id: &'a str,
-            config: &'a ratewarden_core::PolicyConfig,
-        ) -> BoxFuture<'a, anyhow::Result<crate::store::BuiltLimiter>> {
-            let limiter: Arc<dyn Limiter> = if config.limit == 10 {
-                Arc::new(Broken {
-                    config: *config,
-                    kind: StoreErrorKind::Timeout,
-                    checks: false,
-                    takes: Arc::new(AtomicU64::new(0)),
-                })
-            } else {
-                Arc::new(Outrun(*config))
-            };
-            Box::pin(std::future::ready(Ok(crate::store::BuiltLimiter {
-                limiter,
-                local: None,
-            })))
-        }
-    }
-
     /// A descriptor the failure policy admitted (`open`) took no count, so
     /// a refusal after it is no partial consumption.
     #[tokio::test]
     async fn an_admission_by_the_failure_policy_consumes_nothing() {
         let text = format!("[server]\nfailure_policy = \"open\"\n{TWO}");
-        let config = Config::parse(&text, "t.toml").unwrap();
-        let s = Service::with_config(
-            config,
-            ConfigSource { path: None },
-            Arc::new(FailingAndOutrun),
-        )
-        .await
-        .unwrap();
+        // `a` (limit 10) fails every call, `b` (limit 2) is outrun.
+        let s = service_on(&text, |config| {
+            Some(if config.limit == 10 {
+                Arc::new(Broken {
+                    config: *config,
+                    kind: StoreErrorKind::Timeout,
+                    checks: false,
+                    takes: Arc::new(AtomicU64::new(0)),
+                }) as Arc<dyn Limiter>
+            } else {
+                Arc::new(Outrun(*config))
+            })
+        })
+        .await;
         let out = s
             .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
             .await
@@ -1441,39 +1418,19 @@ shadow = true
         }
     }
 
-    struct AllAtOnceFactory(Arc<tokio::sync::Barrier>);
-
-    impl StoreFactory for AllAtOnceFactory {
-        fn describe(&self) -> String {
-            "test".into()
-        }
-
-        fn build<'a>(
-            &'a self,
-            _rule_id: &'a str,
-            config: &'a ratewarden_core::PolicyConfig,
-        ) -> BoxFuture<'a, anyhow::Result<crate::store::BuiltLimiter>> {
-            let limiter = Arc::new(AllAtOnce {
-                config: *config,
-                barrier: Arc::clone(&self.0),
-            });
-            Box::pin(std::future::ready(Ok(crate::store::BuiltLimiter {
-                limiter,
-                local: None,
-            })))
-        }
-    }
-
     /// A request's descriptors are checked at once: here each check
     /// answers only once the other is asked too, so checks one after the
     /// other would time out (and be refused, under `closed`).
     #[tokio::test]
     async fn a_requests_checks_are_asked_at_once() {
-        let config = Config::parse(TWO, "t.toml").unwrap();
-        let factory = Arc::new(AllAtOnceFactory(Arc::new(tokio::sync::Barrier::new(2))));
-        let s = Service::with_config(config, ConfigSource { path: None }, factory)
-            .await
-            .unwrap();
+        let barrier = Arc::new(tokio::sync::Barrier::new(2));
+        let s = service_on(TWO, move |config| {
+            Some(Arc::new(AllAtOnce {
+                config: *config,
+                barrier: Arc::clone(&barrier),
+            }) as Arc<dyn Limiter>)
+        })
+        .await;
         let out = s
             .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
             .await
@@ -1490,7 +1447,7 @@ shadow = true
     #[tokio::test]
     async fn under_the_error_policy_a_corrupt_key_is_refused() {
         let text = format!("[server]\nfailure_policy = \"error\"\n{TWO}");
-        let (s, _) = PartlyBroken::service(&text, &[2], StoreErrorKind::CorruptState).await;
+        let (s, _) = partly_broken(&text, &[2], StoreErrorKind::CorruptState, false).await;
         let out = s
             .check_descriptors("api", &[d(&[("b", "y")], 1)])
             .await
