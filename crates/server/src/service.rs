@@ -791,6 +791,16 @@ mod tests {
             .unwrap()
     }
 
+    /// What is left of the count of `key` = `value` in domain `api`, as
+    /// a check (cost 0) finds it.
+    async fn left(s: &Service, key: &str, value: &str) -> u64 {
+        let check = s
+            .check_descriptors("api", &[d(&[(key, value)], 0)])
+            .await
+            .unwrap();
+        check[0].decision.remaining
+    }
+
     fn d(entries: &[(&str, &str)], cost: u64) -> DescriptorRequest {
         DescriptorRequest {
             entries: entries
@@ -837,11 +847,7 @@ shadow = true
         assert!(out[0].allowed);
         assert!(!out[1].allowed);
         // "a" still has 8 left: the refused request took nothing from it.
-        let alone = s
-            .check_descriptors("api", &[d(&[("a", "x")], 0)])
-            .await
-            .unwrap();
-        assert_eq!(alone[0].decision.remaining, 8);
+        assert_eq!(left(&s, "a", "x").await, 8);
     }
 
     /// `ratewarden_decisions_total` counts decisions made: not the cost-0
@@ -1177,11 +1183,7 @@ shadow = true
              failure_policy = \"error\" leaves the decision to the caller"
         );
         // `a` took nothing.
-        let alone = s
-            .check_descriptors("api", &[d(&[("a", "x")], 0)])
-            .await
-            .unwrap();
-        assert_eq!(alone[0].decision.remaining, 10);
+        assert_eq!(left(&s, "a", "x").await, 10);
 
         // The shadow rule's failure: answered, and `a` takes its cost.
         let out = s
@@ -1268,11 +1270,7 @@ shadow = true
         assert_eq!(takes.load(Ordering::Relaxed), 1);
         // `b` still has its 2, shown as its check found them.
         assert!(out[1].allowed && out[1].decision.remaining == 2, "{out:?}");
-        let alone = s
-            .check_descriptors("api", &[d(&[("b", "y")], 0)])
-            .await
-            .unwrap();
-        assert_eq!(alone[0].decision.remaining, 2);
+        assert_eq!(left(&s, "b", "y").await, 2);
     }
 
     /// Under `local`, a descriptor whose check the store failed is decided
@@ -1297,11 +1295,7 @@ shadow = true
             out[0].allowed && out[0].by_failure_policy() && !out[1].allowed,
             "{out:?}"
         );
-        let alone = s
-            .check_descriptors("api", &[d(&[("a", "x")], 0)])
-            .await
-            .unwrap();
-        assert_eq!(alone[0].decision.remaining, 10);
+        assert_eq!(left(&s, "a", "x").await, 10);
         // Standing as a check: no decision of the rule's.
         let text = s.metrics.render(&[]);
         assert!(
