@@ -1864,6 +1864,11 @@ async fn an_http_descriptor_may_carry_a_limit_override() {
             "descriptors[0].limit is null: leave it out for the configured rule's limit",
         ),
         (json!(5), "descriptors[0].limit is 5: leave it out"),
+        (json!("x".repeat(1000)), "descriptors[0].limit is a string: leave it out"),
+        (
+            json!({"requests_per_unit": 2, "unit": "y".repeat(1000)}),
+            "descriptors[0].limit.unit \"yyyyyyyyyyyyyyyyyyyyyyyy... (1000 characters)\" is no unit",
+        ),
     ] {
         let (status, body) = ask(limit).await;
         assert_eq!(status, 400, "{body}");

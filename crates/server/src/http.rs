@@ -292,8 +292,9 @@ impl LimitJson {
             // `null` too: absent is the configured rule's limit, and a
             // client sending null may have meant no limit at all.
             return Err(format!(
-                "{at}.limit is {value}: leave it out for the configured rule's limit, or send \
-                 an object, {example}"
+                "{at}.limit is {}: leave it out for the configured rule's limit, or send \
+                 an object, {example}",
+                kind_of(&value)
             ));
         }
         let limit: LimitJson =
@@ -307,8 +308,9 @@ impl LimitJson {
         // The configuration's units, but for its advice to write window_ms.
         let window_ms = crate::config::unit_ms(&unit).map_err(|_| {
             format!(
-                "{at}.limit.unit {unit:?} is no unit; use second, minute, hour, day, week, \
-                 month (30 days) or year (365 days)"
+                "{at}.limit.unit {:?} is no unit; use second, minute, hour, day, week, \
+                 month (30 days) or year (365 days)",
+                cut_short(&unit)
             )
         })?;
         Ok(LimitOverride { limit, window_ms })
@@ -457,20 +459,36 @@ fn parse_cost(cost: Option<serde_json::Value>) -> Result<u64, String> {
     }
 }
 
+/// What kind of JSON value `value` is, for a message: `null`, `true` or
+/// `false`, a number as written (cut short), else its type.
+fn kind_of(value: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match value {
+        Value::Null => "null".to_owned(),
+        Value::Bool(b) => b.to_string(),
+        Value::Number(n) => cut_short(&n.to_string()),
+        Value::String(_) => "a string".to_owned(),
+        Value::Array(_) => "an array".to_owned(),
+        Value::Object(_) => "an object".to_owned(),
+    }
+}
+
+/// `text` from a client, to be shown in a message: cut after 24
+/// characters, so that a long one is not echoed back whole.
+fn cut_short(text: &str) -> String {
+    match text.char_indices().nth(24) {
+        Some((cut, _)) => format!("{}... ({} characters)", &text[..cut], text.len()),
+        None => text.to_owned(),
+    }
+}
+
 /// `value` as a whole number from 0 to 2^53 - 1, or what is wrong with it,
 /// naming it `field`.
 fn whole_number(field: &str, value: serde_json::Value) -> Result<u64, String> {
-    use serde_json::Value;
     let n = match value {
-        Value::Number(n) => n,
+        serde_json::Value::Number(n) => n,
         other => {
-            let what = match other {
-                Value::Null => "null".to_owned(),
-                Value::Bool(b) => b.to_string(),
-                Value::String(_) => "a string".to_owned(),
-                Value::Array(_) => "an array".to_owned(),
-                _ => "an object".to_owned(),
-            };
+            let what = kind_of(&other);
             return Err(format!(
                 "{field} is {what}: it must be a JSON number, a whole number from 0 to \
                  {MAX_SAFE} (2^53 - 1), written without quotes"
@@ -480,13 +498,8 @@ fn whole_number(field: &str, value: serde_json::Value) -> Result<u64, String> {
     match n.as_u64() {
         Some(c) if c <= MAX_SAFE => Ok(c),
         _ => {
-            // Numbers are kept as written: a long one is shown cut short,
-            // not echoed back whole.
-            let written = n.to_string();
-            let shown = match written.char_indices().nth(24) {
-                Some((cut, _)) => format!("{}... ({} characters)", &written[..cut], written.len()),
-                None => written,
-            };
+            // Numbers are kept as written: a long one is shown cut short.
+            let shown = cut_short(&n.to_string());
             Err(format!(
                 "{field} is {shown}: it must be a whole number from 0 to {MAX_SAFE} (2^53 - 1), \
                  written without a fraction or exponent"
