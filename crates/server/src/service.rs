@@ -537,6 +537,16 @@ impl Service {
                 continue;
             }
             let shadow = m.rule.spec.shadow;
+            // A take of nothing is what its check was: a cost-0 decision
+            // at the same time, so the check stands for it (one store call
+            // fewer for a request that only reads its counts).
+            if *cost == 0 && !refused {
+                if let Some(check) = peeks[g] {
+                    decided[g] = Some((check, None));
+                    own[g] = true;
+                    continue;
+                }
+            }
             if refused && !shadow {
                 // Refused already (checked first, or by a take before this
                 // one, which a concurrent request or a failing store can
@@ -1409,6 +1419,51 @@ shadow = true
                 }
                 Ok(Decision::admitted(limit - cost))
             })
+        }
+    }
+
+    /// A store that counts its calls and admits them all.
+    struct Counting {
+        config: ratewarden_core::PolicyConfig,
+        calls: Arc<AtomicU64>,
+    }
+
+    impl Limiter for Counting {
+        fn config(&self) -> &ratewarden_core::PolicyConfig {
+            &self.config
+        }
+
+        fn check(&self, _key: u64, cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            let d = Decision::admitted(self.config.limit - cost);
+            Box::pin(std::future::ready(Ok(d)))
+        }
+    }
+
+    /// A request that only reads its counts (every cost 0) is answered by
+    /// its checks: one store call per descriptor, and a decision each.
+    #[tokio::test]
+    async fn a_request_of_cost_0_is_answered_by_its_checks() {
+        let calls = Arc::new(AtomicU64::new(0));
+        let counted = Arc::clone(&calls);
+        let s = service_on(TWO, move |config| {
+            Some(Arc::new(Counting {
+                config: *config,
+                calls: Arc::clone(&counted),
+            }) as Arc<dyn Limiter>)
+        })
+        .await;
+        let out = s
+            .check_descriptors("api", &[d(&[("a", "x")], 0), d(&[("b", "y")], 0)])
+            .await
+            .unwrap();
+        assert!(out.iter().all(|o| o.allowed), "{out:?}");
+        assert_eq!(calls.load(Ordering::Relaxed), 2);
+        let text = s.metrics.render(&[]);
+        for rule in ["api.a", "api.b"] {
+            let series =
+                format!("ratewarden_decisions_total{{rule=\"{rule}\",outcome=\"allowed\"}} 1\n");
+            assert!(text.contains(&series), "{series}: {text}");
         }
     }
 
