@@ -801,6 +801,16 @@ mod tests {
             .unwrap()
     }
 
+    /// The value of the metric `series` (its name and labels) that `s`
+    /// renders; a series it does not render fails the test.
+    fn metric(s: &Service, series: &str) -> u64 {
+        let text = s.metrics.render(&[]);
+        let prefix = format!("{series} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix)?.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no series {series}: {text}"))
+    }
+
     /// What is left of the count of `key` = `value` in domain `api`, as
     /// a check (cost 0) finds it.
     async fn left(s: &Service, key: &str, value: &str) -> u64 {
@@ -867,12 +877,10 @@ shadow = true
     async fn metrics_count_each_decision_once() {
         let s = service(TWO).await;
         let count = |rule: &str, outcome: &str| {
-            let text = s.metrics.render(&[]);
-            let series =
-                format!("ratewarden_decisions_total{{rule=\"{rule}\",outcome=\"{outcome}\"}} ");
-            text.lines()
-                .find_map(|l| l.strip_prefix(&series)?.parse::<u64>().ok())
-                .unwrap_or(0)
+            metric(
+                &s,
+                &format!("ratewarden_decisions_total{{rule=\"{rule}\",outcome=\"{outcome}\"}}"),
+            )
         };
         let both = [d(&[("a", "x")], 1), d(&[("b", "y")], 2)];
         s.check_descriptors("api", &both).await.unwrap();
@@ -1204,20 +1212,19 @@ shadow = true
         assert!(out.iter().all(|o| o.allowed) && out[1].by_failure_policy());
         assert_eq!(out[0].decision.remaining, 9);
 
-        let text = s.metrics.render(&[]);
-        assert!(
-            text.contains(
-                "ratewarden_failure_policy_decisions_total{policy=\"error\",outcome=\"unanswered\"} 2\n"
+        assert_eq!(
+            metric(
+                &s,
+                "ratewarden_failure_policy_decisions_total{policy=\"error\",outcome=\"unanswered\"}"
             ),
-            "{text}"
+            2
         );
         // Not a decision of the rule's, nor the shadow rule's.
         for rule in ["api.b", "api.s"] {
             for outcome in ["refused", "shadow_refused"] {
-                let series = format!(
-                    "ratewarden_decisions_total{{rule=\"{rule}\",outcome=\"{outcome}\"}} 0"
-                );
-                assert!(text.contains(&series), "{series}: {text}");
+                let series =
+                    format!("ratewarden_decisions_total{{rule=\"{rule}\",outcome=\"{outcome}\"}}");
+                assert_eq!(metric(&s, &series), 0, "{series}");
             }
         }
 
@@ -1256,11 +1263,10 @@ shadow = true
                 "{policy}"
             );
             // Each descriptor's failure is counted, once.
-            let text = s.metrics.render(&[]);
             for rule in ["api.a", "api.b"] {
                 let series =
-                    format!("ratewarden_store_errors_total{{rule=\"{rule}\",kind=\"timeout\"}} 1");
-                assert!(text.contains(&series), "{policy}: {series}: {text}");
+                    format!("ratewarden_store_errors_total{{rule=\"{rule}\",kind=\"timeout\"}}");
+                assert_eq!(metric(&s, &series), 1, "{policy}: {series}");
             }
         }
     }
@@ -1306,11 +1312,14 @@ shadow = true
             "{out:?}"
         );
         assert_eq!(left(&s, "a", "x").await, 10);
-        // Standing as a check: no decision of the rule's.
-        let text = s.metrics.render(&[]);
-        assert!(
-            text.contains("ratewarden_decisions_total{rule=\"api.a\",outcome=\"allowed\"} 1\n"),
-            "only the later check: {text}"
+        // Standing as a check: no decision of the rule's (only the later
+        // check is one).
+        assert_eq!(
+            metric(
+                &s,
+                "ratewarden_decisions_total{rule=\"api.a\",outcome=\"allowed\"}"
+            ),
+            1
         );
     }
 
@@ -1360,11 +1369,7 @@ shadow = true
             out[0].allowed && out[0].by_failure_policy() && !out[1].allowed,
             "{out:?}"
         );
-        let text = s.metrics.render(&[]);
-        assert!(
-            text.contains("ratewarden_partial_consumptions_total 0\n"),
-            "{text}"
-        );
+        assert_eq!(metric(&s, "ratewarden_partial_consumptions_total"), 0);
     }
 
     /// Two copies of one override whose limiter cannot be made are one
@@ -1389,12 +1394,13 @@ shadow = true
             .await
             .unwrap();
         assert_eq!(alone[0].decision.remaining, 1);
-        let text = s.metrics.render(&[]);
-        assert!(
-            text.contains(
-                "ratewarden_store_errors_total{rule=\"api.a.override\",kind=\"backend\"} 2\n"
+        // One failure for the pair, one for the check after.
+        assert_eq!(
+            metric(
+                &s,
+                "ratewarden_store_errors_total{rule=\"api.a.override\",kind=\"backend\"}"
             ),
-            "one failure for the pair, one for the check after: {text}"
+            2
         );
     }
 
@@ -1459,11 +1465,10 @@ shadow = true
             .unwrap();
         assert!(out.iter().all(|o| o.allowed), "{out:?}");
         assert_eq!(calls.load(Ordering::Relaxed), 2);
-        let text = s.metrics.render(&[]);
         for rule in ["api.a", "api.b"] {
             let series =
-                format!("ratewarden_decisions_total{{rule=\"{rule}\",outcome=\"allowed\"}} 1\n");
-            assert!(text.contains(&series), "{series}: {text}");
+                format!("ratewarden_decisions_total{{rule=\"{rule}\",outcome=\"allowed\"}}");
+            assert_eq!(metric(&s, &series), 1, "{series}");
         }
     }
 
