@@ -832,6 +832,24 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
         "{stderr}"
     );
     let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--http",
+            "127.0.0.1:0",
+            "--grpc",
+            "127.0.0.1:18099",
+            "--metrics",
+            "127.0.0.1:18099",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--grpc and --metrics are both 127.0.0.1:18099"),
+        "{stderr}"
+    );
+    let out = Command::new(BIN)
         .args(["serve", "--http", "nowhere"])
         .output()
         .unwrap();
@@ -841,6 +859,116 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
         stderr.contains("write HOST:PORT, such as 127.0.0.1:8080"),
         "{stderr}"
     );
+}
+
+/// `--metrics ADDR` moves `/metrics` to a port of its own, which answers
+/// no checks: the operator's port can be kept from the clients'. Each
+/// port's wrong requests say where the endpoint is, and are counted under
+/// their own interface.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_may_have_a_port_of_their_own() {
+    use std::io::Read;
+    let server = Server::start(&["--metrics", "127.0.0.1:0"]);
+    let metrics = server.metrics.expect("serve names the metrics port");
+    let client = client();
+    let (status, _, body) = post(&client, &server.url(), json!({"key": "k", "cost": 1})).await;
+    assert_eq!(status, 200, "{body}");
+
+    let text = common::metrics(&client, metrics).await;
+    assert_eq!(
+        common::metric_value(
+            &text,
+            "ratewarden_decisions_total{rule=\"keys\",outcome=\"allowed\"}"
+        ),
+        1
+    );
+    for path in ["healthz", "readyz"] {
+        let answer = client
+            .get(format!("http://{metrics}/{path}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 200, "{path} on the metrics port");
+        let answer = client
+            .get(format!("http://{}/{path}", server.http))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 200, "{path} on the HTTP port");
+    }
+
+    // Neither port serves the other's endpoint, and each says where it is.
+    let answer = client
+        .get(format!("http://{}/metrics", server.http))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 404);
+    let said = answer.text().await.unwrap();
+    assert!(
+        said.contains("GET /metrics is served on the address given by --metrics"),
+        "{said}"
+    );
+    let (status, _, body) = post(
+        &client,
+        &format!("http://{metrics}/v1/check"),
+        json!({"key": "k", "cost": 1}),
+    )
+    .await;
+    assert_eq!(status, 404, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("POST /v1/check is served on the address given by --http"),
+        "{body}"
+    );
+    // The check on the metrics port decided nothing.
+    let text = common::metrics(&client, metrics).await;
+    assert_eq!(
+        common::metric_value(
+            &text,
+            "ratewarden_decisions_total{rule=\"keys\",outcome=\"allowed\"}"
+        ),
+        1
+    );
+    let bad = |api| format!("ratewarden_bad_requests_total{{api=\"{api}\"}}");
+    assert_eq!(common::metric_value(&text, &bad("http")), 1, "{text}");
+    assert_eq!(common::metric_value(&text, &bad("metrics")), 1, "{text}");
+
+    // Its connections have a bound of their own: the HTTP port's
+    // `max_connections` is not the operator's to spend. (The client's
+    // connection is closed first, and given a second to be seen closed.)
+    drop(client);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let held: Vec<_> = (0..ratewarden_server::METRICS_MAX_CONNECTIONS)
+        .map(|_| std::net::TcpStream::connect(metrics).unwrap())
+        .collect();
+    // Accepted in order: give the server a moment to take them all (a
+    // second, for a busy machine).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut one_more = std::net::TcpStream::connect(metrics).unwrap();
+    one_more
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut sink = Vec::new();
+    let closed = match one_more.read_to_end(&mut sink) {
+        Ok(_) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+    };
+    assert!(closed, "a connection past the bound is closed unserved");
+    drop(held);
+    // And to see them closed, freeing their places.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let text = common::metrics(&reqwest::Client::new(), metrics).await;
+    let refused = |api| format!("ratewarden_connections_refused_total{{api=\"{api}\"}}");
+    assert_eq!(
+        common::metric_value(&text, &refused("metrics")),
+        1,
+        "{text}"
+    );
+    assert_eq!(common::metric_value(&text, &refused("http")), 0, "{text}");
+    server.stop();
 }
 
 /// `--http localhost:PORT`, as the README's examples spell the host.

@@ -30,6 +30,11 @@ pub struct Args {
     /// Address of the Envoy RLS v3 gRPC interface, HOST:PORT (as --http).
     #[arg(long, default_value = "127.0.0.1:8081", value_name = "ADDR", value_parser = parse_addr)]
     pub grpc: SocketAddr,
+    /// Serve GET /metrics (and /healthz, /readyz) on a port of its own,
+    /// HOST:PORT (as --http), and no longer on --http's: a port the
+    /// operator can keep from the clients.
+    #[arg(long, value_name = "ADDR", value_parser = parse_addr)]
+    pub metrics: Option<SocketAddr>,
 }
 
 /// `HOST:PORT` with an IP address or a name, resolved now: the README's
@@ -59,18 +64,26 @@ pub fn run(args: Args) -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
-    if args.http == args.grpc && args.http.port() != 0 {
-        eprintln!(
-            "ratewarden serve: --http and --grpc are both {}; give the two interfaces different ports",
-            args.http
-        );
-        return ExitCode::FAILURE;
+    let mut given = vec![("--http", args.http), ("--grpc", args.grpc)];
+    given.extend(args.metrics.map(|a| ("--metrics", a)));
+    for (i, (flag, addr)) in given.iter().enumerate() {
+        if let Some((other, _)) = given[..i]
+            .iter()
+            .find(|(_, a)| a == addr && addr.port() != 0)
+        {
+            eprintln!(
+                "ratewarden serve: {other} and {flag} are both {addr}; give each interface \
+                 a port of its own"
+            );
+            return ExitCode::FAILURE;
+        }
     }
     let options = ServeOptions {
         config: ConfigSource { path: args.config },
         store: args.store,
         http: args.http,
         grpc: args.grpc,
+        metrics: args.metrics,
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -87,8 +100,14 @@ pub fn run(args: Args) -> ExitCode {
             // Tests and scripts read this line to learn the ports. One
             // that stopped reading (or a closed standard output) is no
             // reason to stop serving, as println!'s panic would.
+            // The gRPC address stays last, where scripts written for
+            // the line without metrics find it.
+            let metrics = running
+                .metrics_addr
+                .map(|a| format!(", metrics on http://{a}/metrics"))
+                .unwrap_or_default();
             let _ = super::print_out(&format!(
-                "ratewarden serve: HTTP on http://{}/v1/check, gRPC on {}\n",
+                "ratewarden serve: HTTP on http://{}/v1/check{metrics}, gRPC on {}\n",
                 running.http_addr, running.grpc_addr
             ));
         })

@@ -34,6 +34,9 @@ pub struct Server {
     pub child: Child,
     pub http: SocketAddr,
     pub grpc: SocketAddr,
+    /// Where `/metrics` is served, when `--metrics` gave it a port of
+    /// its own.
+    pub metrics: Option<SocketAddr>,
 }
 
 impl Server {
@@ -53,17 +56,24 @@ impl Server {
             .spawn()
             .expect("the ratewarden binary starts");
         let line = first_line(&mut child).expect("serve prints where it listens");
-        // "ratewarden serve: HTTP on http://ADDR/v1/check, gRPC on ADDR"
+        // "ratewarden serve: HTTP on http://ADDR/v1/check, gRPC on ADDR",
+        // with ", metrics on http://ADDR/metrics" before the gRPC address
+        // under --metrics.
         let http = line
             .split("http://")
             .nth(1)
             .and_then(|s| s.split('/').next())
             .expect(&line);
         let grpc = line.trim().rsplit(' ').next().expect(&line);
+        let metrics = line
+            .split("metrics on http://")
+            .nth(1)
+            .map(|s| s.split('/').next().expect(&line).parse().expect(&line));
         Server {
             child,
             http: http.parse().expect(&line),
             grpc: grpc.parse().expect(&line),
+            metrics,
         }
     }
 

@@ -56,6 +56,11 @@ impl Acceptor {
         &self.metrics
     }
 
+    /// The interface its connections are counted under.
+    pub fn api(&self) -> Api {
+        self.api
+    }
+
     /// Admits connections from `listener` for `api`.
     pub fn new(
         listener: TcpListener,

@@ -1,11 +1,12 @@
-//! The HTTP JSON interface: `POST /v1/check`, `GET /healthz`, `GET /readyz`, `GET /metrics`.
+//! The HTTP JSON interface: `POST /v1/check`, `GET /healthz`, `GET /readyz`,
+//! `GET /metrics` (on a port of its own when `--metrics` gives one).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRef, FromRequest, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri, Version};
 use axum::middleware::{from_fn_with_state, Next};
 use axum::response::{IntoResponse, Response};
@@ -62,6 +63,7 @@ pub async fn serve(
         let mut conn_stop = stop.clone();
         let open = open_tx.clone();
         let metrics = Arc::clone(acceptor.metrics());
+        let api = acceptor.api();
         tokio::spawn(async move {
             let _open = open;
             let _permit = permit;
@@ -91,7 +93,7 @@ pub async fn serve(
                     // the router's own bad requests.
                     if let Err(e) = served {
                         if e.is_parse() || e.is_parse_too_large() {
-                            metrics.bad_request(Api::Http);
+                            metrics.bad_request(api);
                             tracing::debug!("unreadable HTTP request: {e}");
                         }
                     }
@@ -121,18 +123,90 @@ pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// The largest request body read, in bytes.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
 
-/// The routes, sharing `service`.
-pub fn router(service: Arc<Service>) -> Router {
-    Router::new()
-        .route("/v1/check", post(check))
+/// Which of the server's HTTP ports a router serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Port {
+    /// `--http`: checks, health, and `/metrics` unless `elsewhere`.
+    Check {
+        /// Whether `/metrics` has a port of its own (`--metrics`).
+        metrics_elsewhere: bool,
+    },
+    /// `--metrics`: `/metrics` and health, no checks, so that the
+    /// operator's port can be kept from the clients'.
+    Metrics,
+}
+
+impl Port {
+    /// The interface its connections and bad requests are counted under.
+    pub fn api(self) -> Api {
+        match self {
+            Port::Check { .. } => Api::Http,
+            Port::Metrics => Api::Metrics,
+        }
+    }
+
+    /// Its endpoints, for the errors that send a client to the right one
+    /// (a bare 404 leaves a client guessing at a typo).
+    fn endpoints(self) -> &'static str {
+        match self {
+            Port::Check {
+                metrics_elsewhere: false,
+            } => "POST /v1/check, GET /healthz, GET /readyz and GET /metrics",
+            Port::Check {
+                metrics_elsewhere: true,
+            } => {
+                "POST /v1/check, GET /healthz and GET /readyz (GET /metrics is served on \
+                 the address given by --metrics)"
+            }
+            Port::Metrics => {
+                "GET /metrics, GET /healthz and GET /readyz (POST /v1/check is served on \
+                 the address given by --http)"
+            }
+        }
+    }
+}
+
+/// What every handler may ask for: the service, and which port it serves.
+#[derive(Clone)]
+struct AppState {
+    service: Arc<Service>,
+    port: Port,
+}
+
+impl FromRef<AppState> for Arc<Service> {
+    fn from_ref(state: &AppState) -> Arc<Service> {
+        Arc::clone(&state.service)
+    }
+}
+
+impl FromRef<AppState> for Port {
+    fn from_ref(state: &AppState) -> Port {
+        state.port
+    }
+}
+
+/// The routes of `port`, sharing `service`.
+pub fn router(service: Arc<Service>, port: Port) -> Router {
+    let routes = match port {
+        Port::Check { metrics_elsewhere } => {
+            let check = Router::new().route("/v1/check", post(check));
+            if metrics_elsewhere {
+                check
+            } else {
+                check.route("/metrics", get(metrics))
+            }
+        }
+        Port::Metrics => Router::new().route("/metrics", get(metrics)),
+    };
+    let state = AppState { service, port };
+    routes
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(from_fn_with_state(Arc::clone(&service), one_host))
-        .with_state(service)
+        .layer(from_fn_with_state(state.clone(), one_host))
+        .with_state(state)
 }
 
 /// Refuses what RFC 9112 (section 3.2) says a server must answer 400: an
@@ -140,7 +214,7 @@ pub fn router(service: Arc<Service>) -> Router {
 /// than one or with a value that is no `host[:port]`. hyper leaves these
 /// to the service. An HTTP/1.0 request may leave `Host` out; an empty value
 /// is allowed (a request whose target has no host sends one).
-async fn one_host(State(service): State<Arc<Service>>, request: Request, next: Next) -> Response {
+async fn one_host(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let mut hosts = request.headers().get_all(header::HOST).iter();
     let problem = match (hosts.next(), hosts.next()) {
         (None, _) if request.version() == Version::HTTP_11 => {
@@ -164,7 +238,7 @@ async fn one_host(State(service): State<Arc<Service>>, request: Request, next: N
         }
     };
     if let Some(problem) = problem {
-        service.metrics.bad_request(Api::Http);
+        state.service.metrics.bad_request(state.port.api());
         return bad(
             StatusCode::BAD_REQUEST,
             format!("the request {problem} (RFC 9112, section 3.2), such as Host: localhost"),
@@ -173,34 +247,29 @@ async fn one_host(State(service): State<Arc<Service>>, request: Request, next: N
     next.run(request).await
 }
 
-/// Every endpoint, for the errors that send a client to the right one.
-const ENDPOINTS: &str = "POST /v1/check, GET /healthz, GET /readyz and GET /metrics";
-
 /// A path that is no endpoint: said in JSON, like every other error, and
-/// naming the endpoints (a bare 404 leaves a client guessing at a typo).
-async fn not_found(State(service): State<Arc<Service>>, method: Method, uri: Uri) -> Response {
-    service.metrics.bad_request(Api::Http);
+/// naming the endpoints.
+async fn not_found(State(state): State<AppState>, method: Method, uri: Uri) -> Response {
+    state.service.metrics.bad_request(state.port.api());
     bad(
         StatusCode::NOT_FOUND,
         format!(
-            "there is no endpoint {method} {}; the endpoints are {ENDPOINTS}",
-            uri.path()
+            "there is no endpoint {method} {}; the endpoints are {}",
+            uri.path(),
+            state.port.endpoints()
         ),
     )
 }
 
 /// An endpoint asked with the wrong method (axum adds the `Allow` header).
-async fn method_not_allowed(
-    State(service): State<Arc<Service>>,
-    method: Method,
-    uri: Uri,
-) -> Response {
-    service.metrics.bad_request(Api::Http);
+async fn method_not_allowed(State(state): State<AppState>, method: Method, uri: Uri) -> Response {
+    state.service.metrics.bad_request(state.port.api());
     bad(
         StatusCode::METHOD_NOT_ALLOWED,
         format!(
-            "{} does not take {method}; the endpoints are {ENDPOINTS}",
-            uri.path()
+            "{} does not take {method}; the endpoints are {}",
+            uri.path(),
+            state.port.endpoints()
         ),
     )
 }

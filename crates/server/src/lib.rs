@@ -95,6 +95,9 @@ pub struct ServeOptions {
     pub http: SocketAddr,
     /// Where gRPC listens (port 0 picks a free one).
     pub grpc: SocketAddr,
+    /// Where `GET /metrics` is served, on a port of its own, instead of
+    /// on `http` (port 0 picks a free one).
+    pub metrics: Option<SocketAddr>,
 }
 
 impl Default for ServeOptions {
@@ -104,6 +107,7 @@ impl Default for ServeOptions {
             store: StoreUrl::Memory,
             http: SocketAddr::from(([127, 0, 0, 1], 8080)),
             grpc: SocketAddr::from(([127, 0, 0, 1], 8081)),
+            metrics: None,
         }
     }
 }
@@ -144,11 +148,14 @@ pub struct Running {
     pub http_addr: SocketAddr,
     /// Where gRPC listens.
     pub grpc_addr: SocketAddr,
+    /// Where `GET /metrics` is served when it has a port of its own.
+    pub metrics_addr: Option<SocketAddr>,
     /// The shared state, for reloads and inspection.
     pub service: Arc<Service>,
     health: tonic_health::server::HealthReporter,
     shutdown: watch::Sender<bool>,
     http_task: JoinHandle<anyhow::Result<()>>,
+    metrics_task: Option<JoinHandle<anyhow::Result<()>>>,
     grpc_task: JoinHandle<anyhow::Result<()>>,
     grpc_calls: Arc<grpc::Calls>,
     keeper_task: JoinHandle<anyhow::Result<()>>,
@@ -201,6 +208,9 @@ impl Running {
         };
         let all = async {
             self.http_task.await.context("a server task panicked")??;
+            if let Some(task) = self.metrics_task {
+                task.await.context("a server task panicked")??;
+            }
             grpc.await.context("a server task panicked")??;
             self.keeper_task.await.context("a server task panicked")??;
             anyhow::Ok(())
@@ -234,8 +244,20 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     let grpc_listener = TcpListener::bind(options.grpc)
         .await
         .with_context(|| format!("cannot listen for gRPC on {}", options.grpc))?;
+    let metrics_listener = match options.metrics {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for metrics on {addr}"))?,
+        ),
+        None => None,
+    };
     let http_addr = http_listener.local_addr()?;
     let grpc_addr = grpc_listener.local_addr()?;
+    let metrics_addr = match &metrics_listener {
+        Some(listener) => Some(listener.local_addr()?),
+        None => None,
+    };
     let (shutdown, stop) = watch::channel(false);
 
     let max_connections = raise_open_file_limit(service.settings().max_connections);
@@ -246,12 +268,32 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
         max_connections,
         Arc::clone(&metrics),
     );
-    let app = http::router(Arc::clone(&service));
+    let app = http::router(
+        Arc::clone(&service),
+        http::Port::Check {
+            metrics_elsewhere: metrics_listener.is_some(),
+        },
+    );
     let http_stop = stop.clone();
     let http_task = tokio::spawn(async move {
         http::serve(http_acceptor, app, http_stop)
             .await
             .context("the HTTP server failed")
+    });
+    let metrics_task = metrics_listener.map(|listener| {
+        let acceptor = conn::Acceptor::new(
+            listener,
+            Api::Metrics,
+            METRICS_MAX_CONNECTIONS,
+            Arc::clone(&metrics),
+        );
+        let app = http::router(Arc::clone(&service), http::Port::Metrics);
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            http::serve(acceptor, app, stop)
+                .await
+                .context("the metrics server failed")
+        })
     });
 
     let grpc_calls = Arc::new(grpc::Calls::default());
@@ -308,6 +350,7 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     tracing::info!(
         http = %http_addr,
         grpc = %grpc_addr,
+        metrics = %metrics_addr.map_or_else(|| "on the HTTP port".to_owned(), |a| a.to_string()),
         store = %service.store_description(),
         config = %service.rules().config.source,
         "ratewarden serve is listening"
@@ -315,10 +358,12 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     Ok(Running {
         http_addr,
         grpc_addr,
+        metrics_addr,
         service,
         health,
         shutdown,
         http_task,
+        metrics_task,
         grpc_task,
         grpc_calls,
         keeper_task,
@@ -326,8 +371,15 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
 }
 
 /// Open files the process needs beside its connections: listeners, Redis
-/// connections, the configuration file when it is read, a margin.
+/// connections, the configuration file when it is read, the `--metrics`
+/// port's connections, a margin.
 const FILES_BESIDE_CONNECTIONS: u64 = 256;
+
+/// The most connections the `--metrics` port holds open at once: its
+/// clients are a few scrapers and an operator's curl, and the bound keeps
+/// them well within the open files kept beside the other interfaces'
+/// connections (256).
+pub const METRICS_MAX_CONNECTIONS: usize = 64;
 
 /// Raises the soft open-file limit towards the hard one, so that
 /// `max_connections` on each of the two interfaces can be open at once

@@ -71,7 +71,12 @@ pub enum Api {
     Http,
     /// `ShouldRateLimit`.
     Grpc,
+    /// The port of its own that `--metrics` gives `GET /metrics`.
+    Metrics,
 }
+
+/// Every interface, in the order their series are written.
+const APIS: [Api; 3] = [Api::Http, Api::Grpc, Api::Metrics];
 
 impl Api {
     /// The value of the `api` label.
@@ -79,6 +84,7 @@ impl Api {
         match self {
             Api::Http => "http",
             Api::Grpc => "grpc",
+            Api::Metrics => "metrics",
         }
     }
 }
@@ -129,8 +135,8 @@ pub struct Metrics {
     reloads_failed: AtomicU64,
     /// By housekeeping, and by full stores making room for new keys.
     forgotten: [AtomicU64; 2],
-    bad_requests: [AtomicU64; 2],
-    connections_refused: [AtomicU64; 2],
+    bad_requests: [AtomicU64; APIS.len()],
+    connections_refused: [AtomicU64; APIS.len()],
     unknown_domains: AtomicU64,
     limit_overrides_ignored: AtomicU64,
     grpc_deadlines_exceeded: AtomicU64,
@@ -170,6 +176,8 @@ impl Metrics {
         match api {
             Api::Http => self.latency_http.observe(elapsed),
             Api::Grpc => self.latency_grpc.observe(elapsed),
+            // It answers no check: the histogram is of checks only.
+            Api::Metrics => {}
         }
     }
 
@@ -413,10 +421,10 @@ fn escape(value: &str) -> String {
 }
 
 /// Writes a counter kept per interface, with its `api` label.
-fn per_api(out: &mut String, name: &str, help: &str, counts: &[AtomicU64; 2]) {
+fn per_api(out: &mut String, name: &str, help: &str, counts: &[AtomicU64; APIS.len()]) {
     let _ = writeln!(out, "# HELP {name} {help}");
     let _ = writeln!(out, "# TYPE {name} counter");
-    for api in [Api::Http, Api::Grpc] {
+    for api in APIS {
         let count = counts[api as usize].load(Ordering::Relaxed);
         let _ = writeln!(out, "{name}{{api=\"{}\"}} {count}", api.label());
     }
