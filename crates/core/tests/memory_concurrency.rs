@@ -4,6 +4,7 @@
 //! thread would see, each once.
 
 use std::collections::HashMap;
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::{Arc, Barrier};
 use std::thread;
 
@@ -109,11 +110,24 @@ fn racing_rounds_decide_as_a_serial_replay() {
                     let (store, barrier, times) = (store.clone(), &barrier, &times);
                     scope.spawn(move || {
                         let mut mine = vec![Vec::new(); ROUNDS];
+                        // A panic is held until the last round: a thread
+                        // that left the barrier would leave the others
+                        // waiting at it for ever instead of failing.
+                        let mut failed = None;
                         for (round, &now) in times.iter().enumerate() {
                             barrier.wait();
-                            for _ in 0..PER_THREAD {
-                                mine[round].push(store.decide(3, now, cost(round)).unwrap());
+                            if failed.is_some() {
+                                continue;
                             }
+                            let decided = panic::catch_unwind(AssertUnwindSafe(|| {
+                                for _ in 0..PER_THREAD {
+                                    mine[round].push(store.decide(3, now, cost(round)).unwrap());
+                                }
+                            }));
+                            failed = decided.err();
+                        }
+                        if let Some(payload) = failed {
+                            panic::resume_unwind(payload);
                         }
                         mine
                     })

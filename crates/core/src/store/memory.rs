@@ -1208,14 +1208,28 @@ mod tests {
                     let (store, barrier) = (store.clone(), &barrier);
                     scope.spawn(move || {
                         let mut admitted = Vec::new();
+                        // A panic is held until the last round: a thread
+                        // that left the barrier would leave the others
+                        // waiting at it for ever instead of failing.
+                        let mut failed = None;
                         for now in 0..ROUNDS {
                             barrier.wait();
-                            for _ in 0..400 {
-                                let d = store.decide(7, now, 1).unwrap();
-                                if d.allowed {
-                                    admitted.push((now / 10, d.remaining));
-                                }
+                            if failed.is_some() {
+                                continue;
                             }
+                            let round =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    for _ in 0..400 {
+                                        let d = store.decide(7, now, 1).unwrap();
+                                        if d.allowed {
+                                            admitted.push((now / 10, d.remaining));
+                                        }
+                                    }
+                                }));
+                            failed = round.err();
+                        }
+                        if let Some(panic) = failed {
+                            std::panic::resume_unwind(panic);
                         }
                         admitted
                     })
