@@ -1415,4 +1415,284 @@ unlimited = true
             "keys"
         );
     }
+
+    /// A descriptor reaching an `unlimited = true` node is known as such
+    /// (a gRPC answer then reports no limit); one reaching a rule, or
+    /// nothing, or in a domain not configured, is not.
+    #[test]
+    fn only_descriptors_reaching_an_unlimited_node_are_unlimited() {
+        let text =
+            format!("{TREE}\n[[domains.descriptors]]\nkey = \"internal\"\nunlimited = true\n");
+        let s = set(&text);
+        let unlimited = |domain: &str, e: &[(&str, &str)]| s.is_unlimited(domain, &entries(e));
+        assert!(unlimited("api", &[("internal", "x")]));
+        assert!(!unlimited("api", &[("path", "/login")]));
+        assert!(!unlimited("api", &[("unknown", "x")]));
+        assert!(!unlimited("web", &[("internal", "x")]));
+    }
+
+    /// Keeps the `rules` field of every warning logged on this thread.
+    struct WarningsSeen(Arc<parking_lot::Mutex<Vec<String>>>);
+
+    impl tracing::Subscriber for WarningsSeen {
+        fn register_callsite(
+            &self,
+            _: &'static tracing::Metadata<'static>,
+        ) -> tracing::subscriber::Interest {
+            tracing::subscriber::Interest::sometimes()
+        }
+
+        fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+            *metadata.level() == tracing::Level::WARN
+        }
+
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+        fn event(&self, event: &tracing::Event<'_>) {
+            struct Rules(String);
+            impl tracing::field::Visit for Rules {
+                fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn fmt::Debug) {
+                    if field.name() == "rules" {
+                        self.0 = format!("{value:?}");
+                    }
+                }
+            }
+            let mut rules = Rules(String::new());
+            event.record(&mut rules);
+            self.0.lock().push(rules.0);
+        }
+
+        fn enter(&self, _: &tracing::span::Id) {}
+
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    /// `serve` warns of the rules that admit nothing, by name, at start and
+    /// at each reload; a configuration without one warns of nothing.
+    #[test]
+    fn closed_rules_are_warned_of_by_name_and_only_they() {
+        let warnings = |s: &RuleSet| {
+            let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+            tracing::subscriber::with_default(WarningsSeen(Arc::clone(&seen)), || {
+                s.warn_of_closed_rules()
+            });
+            let seen = seen.lock().clone();
+            seen
+        };
+        let closed = set("[fallback]\nlimit = 0\nwindow_ms = 1000\n");
+        assert_eq!(warnings(&closed), ["fallback"]);
+        assert!(warnings(&set(TREE)).is_empty());
+    }
+
+    #[test]
+    fn debug_shows_each_rule_and_how_many_overrides_a_set_holds() {
+        let s = set(TREE);
+        let rule = &s.rules()[0];
+        assert_eq!(
+            format!("{rule:?}"),
+            format!("Rule {{ id: {:?}, spec: {:?} }}", rule.id, rule.spec)
+        );
+        let text = format!("{s:?}");
+        assert!(
+            text.contains("overrides: Overrides { entries: 0 }"),
+            "{text}"
+        );
+    }
+
+    /// An override whose limiter cannot be made still has the override's
+    /// own policy as its limiter's configuration, not a default one.
+    #[tokio::test]
+    async fn an_override_whose_limiter_cannot_be_made_keeps_its_policy() {
+        let factory = OverridesUnavailable(MemoryFactory {
+            options: MemoryOptions::default(),
+        });
+        let metrics = Metrics::default();
+        let set = RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics)
+            .await
+            .unwrap();
+        let m = login_override(&set, 3, &factory, &metrics).await.unwrap();
+        let config = *m.rule.limiter.config();
+        assert_eq!((config.limit, config.window_ms), (3, 3_600_000));
+        assert!(m.rule.limiter.check(m.key, 1).await.is_err());
+    }
+
+    /// A store in another process, as the rules see it: its limiters have
+    /// no in-memory store behind them.
+    struct Networked(MemoryFactory);
+
+    impl StoreFactory for Networked {
+        fn describe(&self) -> String {
+            "networked".to_owned()
+        }
+
+        fn build<'a>(
+            &'a self,
+            rule_id: &'a str,
+            config: &'a PolicyConfig,
+        ) -> BoxFuture<'a, anyhow::Result<crate::store::BuiltLimiter>> {
+            Box::pin(async move {
+                let built = self.0.build(rule_id, config).await?;
+                Ok(crate::store::BuiltLimiter {
+                    limiter: built.limiter,
+                    local: None,
+                })
+            })
+        }
+    }
+
+    /// An override on a networked store gets the in-memory twin that the
+    /// `local` failure policy decides on while the store is away, as a
+    /// configured rule does, and none under another failure policy.
+    #[tokio::test]
+    async fn an_override_on_a_networked_store_has_a_twin_only_under_the_local_policy() {
+        let factory = Networked(MemoryFactory {
+            options: MemoryOptions::default(),
+        });
+        let metrics = Metrics::default();
+        for (policy, twin) in [("local", true), ("closed", false)] {
+            let text = format!("[server]\nfailure_policy = \"{policy}\"\n{TREE}");
+            let set = RuleSet::build(Config::parse(&text, "t").unwrap(), &factory, None, &metrics)
+                .await
+                .unwrap();
+            let m = login_override(&set, 1, &factory, &metrics).await.unwrap();
+            assert!(m.rule.local.is_none());
+            assert_eq!(m.rule.failover.is_some(), twin, "{policy}");
+        }
+    }
+
+    /// Housekeeping and metrics reach every override whose limiter is made.
+    #[tokio::test]
+    async fn the_rules_of_made_overrides_are_listed() {
+        let factory = MemoryFactory {
+            options: MemoryOptions::default(),
+        };
+        let metrics = Metrics::default();
+        let set = RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics)
+            .await
+            .unwrap();
+        assert!(set.override_rules().is_empty());
+        for limit in [1, 2] {
+            login_override(&set, limit, &factory, &metrics)
+                .await
+                .unwrap();
+        }
+        let mut limits: Vec<_> = set
+            .override_rules()
+            .iter()
+            .map(|r| (r.spec.name.clone(), r.spec.policy.limit))
+            .collect();
+        limits.sort();
+        let name = "api.path_/login.override".to_owned();
+        assert_eq!(limits, [(name.clone(), 1), (name, 2)]);
+    }
+
+    /// An override of the fallback counts apart per domain and per entry
+    /// key, as the fallback itself does: no path through a tree fixes them.
+    #[tokio::test]
+    async fn an_override_of_the_fallback_counts_apart_per_domain_and_entry_key() {
+        let factory = MemoryFactory {
+            options: MemoryOptions::default(),
+        };
+        let metrics = Metrics::default();
+        let text = "[fallback]\nlimit = 1\nwindow_ms = 1000\n";
+        let set = RuleSet::build(Config::parse(text, "t").unwrap(), &factory, None, &metrics)
+            .await
+            .unwrap();
+        let over = LimitOverride {
+            limit: 1,
+            window_ms: 3_600_000,
+        };
+        let mut keys = Vec::new();
+        for (domain, e) in [
+            ("d1", [("k", "v")]),
+            ("d2", [("k", "v")]),
+            ("d1", [("j", "v")]),
+        ] {
+            match set
+                .match_override(domain, &entries(&e), over, &factory, &metrics)
+                .await
+            {
+                Some(OverrideMatch::Applied(m)) => {
+                    assert_eq!(m.rule.spec.name, "fallback.override");
+                    keys.push(m.key);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_ne!(keys[0], keys[1]);
+        assert_ne!(keys[0], keys[2]);
+    }
+
+    /// An override made for the reference policy (a descriptor no rule
+    /// matches, no fallback) is not kept by a reload that adds a fallback:
+    /// the same descriptor's override now stands in for the fallback, so
+    /// the old one would never be used again.
+    #[tokio::test]
+    async fn a_reload_adding_a_fallback_drops_the_overrides_of_the_reference() {
+        let factory = MemoryFactory {
+            options: MemoryOptions::default(),
+        };
+        let metrics = Metrics::default();
+        let first = RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics)
+            .await
+            .unwrap();
+        let over = LimitOverride {
+            limit: 1,
+            window_ms: 3_600_000,
+        };
+        let none = entries(&[("nothing", "x")]);
+        let made = first
+            .match_override("api", &none, over, &factory, &metrics)
+            .await;
+        assert!(matches!(made, Some(OverrideMatch::Applied(_))), "{made:?}");
+        let text = format!("[fallback]\nlimit = 1\nwindow_ms = 1000\n{TREE}");
+        let second = RuleSet::build(
+            Config::parse(&text, "t").unwrap(),
+            &factory,
+            Some(&first),
+            &metrics,
+        )
+        .await
+        .unwrap();
+        assert_eq!(second.overrides.entries.lock().len(), 0);
+    }
+
+    /// Two domains configuring the same descriptor have two rules, each
+    /// with its own limiter and counts.
+    #[test]
+    fn the_same_descriptor_in_two_domains_keeps_two_counts() {
+        let domain = |name: &str| {
+            format!(
+                "[[domains]]\ndomain = \"{name}\"\n\
+                 [[domains.descriptors]]\nkey = \"k\"\nlimit = 1\nwindow_ms = 1000\n"
+            )
+        };
+        let s = set(&format!("{}{}", domain("a"), domain("b")));
+        let m = |d: &str| s.match_descriptor(d, &entries(&[("k", "v")])).unwrap();
+        let (a, b) = (m("a"), m("b"));
+        assert_ne!(a.rule.id, b.rule.id);
+        assert!(!Arc::ptr_eq(&a.rule.limiter, &b.rule.limiter));
+        assert_ne!(a.key, b.key);
+    }
+
+    /// A value without a trailing `*` matches that value only: neither a
+    /// longer value nor one differing in its last character.
+    #[test]
+    fn an_exact_value_matches_only_itself() {
+        let s = set(TREE);
+        let name = |v: &str| {
+            s.match_descriptor("api", &entries(&[("path", v)]))
+                .map(|m| m.rule.spec.name.clone())
+        };
+        assert_eq!(name("/login").as_deref(), Some("api.path_/login"));
+        for other in ["/logiX", "/login/x", "/logi"] {
+            assert_eq!(name(other).as_deref(), Some("api.path"), "{other}");
+        }
+    }
 }

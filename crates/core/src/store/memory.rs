@@ -1915,4 +1915,167 @@ mod tests {
             assert_eq!(wide == 0, always_packs, "{config}: {wide} wide shards");
         }
     }
+
+    /// Only a refusal that leaves the state unchanged is a sign of a flood:
+    /// a key that is only peeked at (admitted, nothing changed) does not
+    /// take the shard's pin from the key that is flooded, whose repeats
+    /// keep being answered from the pinned snapshot.
+    #[test]
+    fn a_key_only_peeked_at_does_not_take_the_pin() {
+        let options = MemoryOptions {
+            max_keys: 1 << 10,
+            shards: 1,
+        };
+        let store = MemoryStore::new(FixedWindow::new(1, 10).unwrap(), options);
+        let held = || shard_of(&store, 1).refused.held().map(|h| h.0);
+        for key in [1, 2] {
+            assert!(store.decide(key, 0, 1).unwrap().allowed);
+        }
+        for _ in 0..2 {
+            assert!(!store.decide(1, 0, 1).unwrap().allowed);
+        }
+        assert_eq!(held(), Some(1));
+        for _ in 0..3 {
+            assert_eq!(store.decide(2, 1, 0).unwrap(), Decision::admitted(0));
+        }
+        assert_eq!(held(), Some(1));
+    }
+
+    /// A sweep that forgets nothing leaves no time behind it: a new key's
+    /// request stamped before that sweep is decided at its own time, not
+    /// moved forward as a request in flight across a forgetting would be.
+    #[test]
+    fn a_sweep_that_forgets_nothing_moves_no_request_in_time() {
+        let one_shard = MemoryOptions {
+            shards: 1,
+            ..MemoryOptions::default()
+        };
+        let store = MemoryStore::new(FixedWindow::new(1, 1000).unwrap(), one_shard);
+        // Key 1 counts in the window 1000..2000: nothing to forget at 1500.
+        assert!(store.decide(1, 1500, 1).unwrap().allowed);
+        assert_eq!(store.forget_idle(1500, usize::MAX).forgotten, 0);
+        // Key 2, new, at 800: its admission counts in the window 0..1000,
+        // so the window from 1000 on still has its one admission.
+        assert!(store.decide(2, 800, 1).unwrap().allowed);
+        assert!(store.decide(2, 1000, 1).unwrap().allowed);
+        assert!(!store.decide(2, 1000, 1).unwrap().allowed);
+    }
+
+    /// The capacity of shard `index`'s wide table.
+    fn wide_capacity<P: Policy>(store: &MemoryStore<P>, index: usize) -> usize {
+        match &store.inner.shards[index].lock().entries {
+            Entries::Wide(t) => t.capacity(),
+            Entries::Packed(_) => panic!("shard {index} is packed"),
+        }
+    }
+
+    /// After a sweep a wide shard left less than a quarter full gives
+    /// memory back, keeping room for twice the keys it still holds; one a
+    /// quarter full or more keeps its capacity, so that a shard whose keys
+    /// come and go is not reallocated at every sweep.
+    #[test]
+    fn a_wide_shard_shrinks_only_below_a_quarter_full_and_keeps_room_to_grow() {
+        let options = MemoryOptions {
+            max_keys: 1 << 12,
+            shards: 1,
+        };
+        // A sliding log never packs: its shard is wide from the start.
+        let store = MemoryStore::new(SlidingLog::new(5, 1000).unwrap(), options);
+        for key in 0..1000 {
+            store.decide(key, 0, 1).unwrap();
+        }
+        let full = wide_capacity(&store, 0);
+        assert!(full >= 1000);
+        // 100 keys stay, far below a quarter: the table shrinks, to room
+        // for 200.
+        for key in 0..100 {
+            store.decide(key, 5000, 1).unwrap();
+        }
+        assert_eq!(store.forget_idle(5000, usize::MAX).forgotten, 900);
+        let shrunk = wide_capacity(&store, 0);
+        assert!(shrunk < full && shrunk >= 200, "{full} -> {shrunk}");
+        // Exactly a quarter stays: the table keeps its capacity.
+        assert!(shrunk > 64 && shrunk.is_multiple_of(4), "{shrunk}");
+        let quarter = (shrunk / 4) as u64;
+        for key in 0..quarter {
+            store.decide(key, 10_000, 1).unwrap();
+        }
+        assert_eq!(
+            store.forget_idle(10_000, usize::MAX).forgotten,
+            100 - quarter as usize
+        );
+        assert_eq!(store.entries_tracked(), quarter as usize);
+        assert_eq!(wide_capacity(&store, 0), shrunk);
+    }
+
+    /// A shard's array replaced by another thread is let go by this
+    /// thread's views at its next decision through them, on any shard of
+    /// the store: a thread deciding only other shards' keys does not keep
+    /// the retired array alive.
+    #[test]
+    fn a_retired_array_is_let_go_by_the_views_of_other_threads() {
+        let options = MemoryOptions {
+            max_keys: 1 << 10,
+            shards: 2,
+        };
+        let store = MemoryStore::new(FixedWindow::new(10, 1000).unwrap(), options);
+        store.inner.views.enable();
+        let shard =
+            |key: u64| (store.inner.hasher.hash_one(key) >> 32) as usize & store.inner.shard_mask;
+        // Key 0 is `EMPTY`, kept beside the array: the keys start at 1.
+        let keys_of = |index: usize| (1..).filter(move |&key| shard(key) == index);
+        let (a, b) = (keys_of(0).next().unwrap(), keys_of(1).next().unwrap());
+        for key in [a, b, a, b] {
+            assert!(store.decide(key, 0, 1).unwrap().allowed);
+        }
+        let slots = |index: usize| match &store.inner.shards[index].lock().entries {
+            Entries::Packed(t) => t.slots().clone(),
+            Entries::Wide(_) => panic!("shard {index} is wide"),
+        };
+        let first = slots(0);
+        // Held by the shard, this thread's view and this test.
+        assert_eq!(Arc::strong_count(&first), 3);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                for key in keys_of(0).skip(1).take(200) {
+                    assert!(store.decide(key, 0, 1).unwrap().allowed);
+                }
+            });
+        });
+        assert!(!Arc::ptr_eq(&first, &slots(0)));
+        assert!(store.inner.views.enabled());
+        assert_eq!(store.decide(b, 0, 1).unwrap(), Decision::admitted(7));
+        assert_eq!(Arc::strong_count(&first), 1);
+    }
+
+    #[test]
+    fn debug_shows_the_layout_and_the_keys_held() {
+        let options = MemoryOptions {
+            max_keys: 10,
+            shards: 2,
+        };
+        let store = MemoryStore::new(FixedWindow::new(2, 10).unwrap(), options);
+        store.decide(1, 0, 1).unwrap();
+        assert_eq!(
+            format!("{store:?}"),
+            "MemoryStore { shards: 2, max_keys_per_shard: 5, entries_tracked: 1 }"
+        );
+    }
+
+    /// Through the `Store` trait (what the benches drive), the store
+    /// decides and counts its keys as it does through its own methods.
+    #[test]
+    fn the_store_trait_answers_as_the_store_does() {
+        let store = MemoryStore::new(FixedWindow::new(2, 10).unwrap(), MemoryOptions::default());
+        let dynamic: &dyn Store = &store;
+        assert_eq!(dynamic.entries_tracked(), 0);
+        for key in [1, 2, 1] {
+            assert!(dynamic.decide(key, 0, 1).unwrap().allowed);
+        }
+        assert_eq!(
+            dynamic.decide(1, 0, 1).unwrap(),
+            Decision::refused(Some(10), 0)
+        );
+        assert_eq!(dynamic.entries_tracked(), 2);
+    }
 }
