@@ -96,7 +96,7 @@ enum Probe {
 /// hash, scaled to `n` by a multiplication (Lemire's "fast range"), so
 /// that `n` need not be a power of two.
 #[inline]
-fn home(hash: u64, n: usize) -> usize {
+pub(crate) fn home(hash: u64, n: usize) -> usize {
     ((u128::from(hash) * n as u128) >> 64) as usize
 }
 
