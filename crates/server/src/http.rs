@@ -126,7 +126,7 @@ pub const MAX_BODY_BYTES: usize = 64 * 1024;
 /// Which of the server's HTTP ports a router serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Port {
-    /// `--http`: checks, health, and `/metrics` unless `elsewhere`.
+    /// `--http`: checks, health, and `/metrics` unless `metrics_elsewhere`.
     Check {
         /// Whether `/metrics` has a port of its own (`--metrics`).
         metrics_elsewhere: bool,
@@ -176,12 +176,6 @@ struct AppState {
 impl FromRef<AppState> for Arc<Service> {
     fn from_ref(state: &AppState) -> Arc<Service> {
         Arc::clone(&state.service)
-    }
-}
-
-impl FromRef<AppState> for Port {
-    fn from_ref(state: &AppState) -> Port {
-        state.port
     }
 }
 
