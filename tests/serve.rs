@@ -2563,3 +2563,38 @@ async fn a_full_store_says_how_long_its_keys_count() {
     );
     assert!(!line.contains("housekeeping"), "{line}");
 }
+
+/// A full store's refusals of new keys are an episode like an outage: the
+/// first call to succeed a second after the last of them says so, and
+/// counts those the one-a-second lines held back, so the log's counts add
+/// up to every failure.
+#[tokio::test]
+async fn a_full_store_episode_ends_with_a_line_that_counts_its_failures() {
+    let file = ConfigFile::new(
+        "[server]\nmax_keys = 1\n\n\
+         [keys]\npolicy = \"fixed-window\"\nlimit = 5\nwindow_ms = 600000\n",
+    );
+    let (server, log) = Server::start_logged(&["--config", file.path()]);
+    let client = client();
+    let (status, _, _) = post(&client, &server.url(), json!({"key": "a"})).await;
+    assert_eq!(status, 200);
+    for key in ["b", "c", "d", "e", "f"] {
+        let (_, _, body) = post(&client, &server.url(), json!({"key": key})).await;
+        assert_eq!(body["failure"], "capacity_exhausted", "{body}");
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (status, _, body) = post(&client, &server.url(), json!({"key": "a"})).await;
+    assert_eq!(status, 200, "{body}");
+    let lines = log.through_containing("succeed again");
+    let not_logged = |line: &str| common::log_field(line, "failures_not_logged");
+    let failed: Vec<&String> = lines
+        .iter()
+        .filter(|l| l.contains("store failed"))
+        .collect();
+    assert!(!failed.is_empty(), "{lines:#?}");
+    let logged =
+        failed.iter().map(|l| 1 + not_logged(l)).sum::<u64>() + not_logged(lines.last().unwrap());
+    assert_eq!(logged, 5, "{lines:#?}");
+    let series = "ratewarden_store_errors_total{rule=\"keys\",kind=\"capacity_exhausted\"}";
+    assert_eq!(common::metric(&client, server.http, series).await, 5);
+}

@@ -153,6 +153,26 @@ impl Log {
             }
         }
     }
+
+    /// Every line up to and including the next that contains `needle`,
+    /// waited for at most 20 s.
+    pub fn through_containing(&self, needle: &str) -> Vec<String> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut lines = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.0.recv_timeout(left) {
+                Ok(line) => {
+                    let last = line.contains(needle);
+                    lines.push(line);
+                    if last {
+                        return lines;
+                    }
+                }
+                Err(e) => panic!("no log line with {needle:?} within 20 s: {e}\n{lines:#?}"),
+            }
+        }
+    }
 }
 
 /// The whole number a log line gives its field `name` (`name=N`).

@@ -721,11 +721,11 @@ impl Service {
     /// down fails every request, and the metrics count them all.
     fn log_store_error(&self, rule: &Rule, e: &StoreError, policy: ServeFailurePolicy) {
         if let Some(held) = self.error_log.pass(self.clock.now_ms()) {
-            // A full in-memory store refuses new keys while known ones
-            // succeed: no outage whose end the log could announce.
-            if !e.is_capacity_exhausted() {
-                self.failure_logged.store(true, Ordering::Relaxed);
-            }
+            // A full in-memory store is announced as over, like an outage,
+            // once a second has passed without a failure: known keys
+            // succeed throughout, but the held-back count would otherwise
+            // wait for the next full store, maybe hours later.
+            self.failure_logged.store(true, Ordering::Relaxed);
             // Where the store's advice is set here, and the span it
             // speaks of. Housekeeping more often would not help: a full
             // store looks through itself every few new keys anyway.
