@@ -308,11 +308,14 @@ impl Service {
     /// one is first checked at cost 0, which records nothing. If any would
     /// refuse, only those are decided for real (a refusal changes no count)
     /// and the others consume nothing; one whose check the store fails is
-    /// answered by the failure policy, with no take. Otherwise each is taken
-    /// in turn until one refuses. A concurrent request on the same keys
-    /// between the check and the take (or a store failing the take) can
-    /// still make a later descriptor refuse after earlier ones took their
-    /// cost; that is counted in `ratewarden_partial_consumptions_total`.
+    /// answered by the failure policy, with no take (under `local`, its
+    /// twin is checked first too). Otherwise each is taken in turn until
+    /// one refuses. A concurrent request on the same keys between the check
+    /// and the take (or a store failing the take) can still make a later
+    /// descriptor refuse after earlier ones took their cost, and a refusal
+    /// decided for real can admit after all when its window rolled over
+    /// since its check; a refused request that consumed is counted in
+    /// `ratewarden_partial_consumptions_total`.
     pub async fn check_descriptors(
         &self,
         domain: &str,
@@ -499,10 +502,20 @@ impl Service {
             let mut refused = blocked
                 .iter()
                 .any(|&g| decided[g].is_some_and(|(d, _)| !d.allowed));
+            // Under `local` the failure policy takes from in-memory twins,
+            // so those are checked first too: a request that one twin
+            // refuses takes nothing from the others. The one that refuses
+            // is decided for real (a refusal changes no count).
+            let no_room: Vec<bool> = (0..groups.len())
+                .map(|g| {
+                    unchecked[g].is_some() && self.twin_would_refuse(&groups[g].0, groups[g].1)
+                })
+                .collect();
+            refused |= no_room.contains(&true);
             for &g in &blocked {
                 if let Some(e) = unchecked[g].take() {
                     let (m, cost) = &groups[g];
-                    let answer = if refused {
+                    let answer = if refused && !no_room[g] {
                         self.answer_failure(m, &e, 0)
                     } else {
                         own[g] = true;
@@ -526,14 +539,20 @@ impl Service {
         let mut refused = enforcing
             .iter()
             .any(|&g| decided[g].is_some_and(|(d, _)| !d.allowed));
+        // Whether a decision took its cost from a count: the store's, or
+        // under `local` a twin's (`open` admits taking nothing).
+        let local =
+            self.settings.failure_policy == ServeFailurePolicy::Decide(FailurePolicy::Local);
+        let took = |cost: u64, (d, failed): (Decision, Option<StoreErrorKind>)| {
+            cost > 0 && d.allowed && (failed.is_none() || local)
+        };
         let mut consumed = false;
         for (g, (m, cost)) in groups.iter().enumerate() {
-            if decided[g].is_some() {
-                // Taken from a store count (not answered by the failure
-                // policy, which takes none).
-                consumed |= *cost > 0
-                    && own[g]
-                    && decided[g].is_some_and(|(d, failed)| d.allowed && failed.is_none());
+            if let Some(decision) = decided[g] {
+                // Decided above for real: a refusal's take can still
+                // admit, when a window rolled over or a bucket refilled
+                // since its check.
+                consumed |= own[g] && !m.rule.spec.shadow && took(*cost, decision);
                 continue;
             }
             let shadow = m.rule.spec.shadow;
@@ -557,13 +576,13 @@ impl Service {
                 continue;
             }
             let (d, failed) = self.take(m, *cost).await;
-            if !shadow && !d.allowed && consumed {
-                self.metrics.partial_consumption();
-            }
-            consumed |= !shadow && d.allowed && *cost > 0 && failed.is_none();
+            consumed |= !shadow && took(*cost, (d, failed));
             refused |= !shadow && !d.allowed;
             decided[g] = Some((d, failed));
             own[g] = true;
+        }
+        if refused && consumed {
+            self.metrics.partial_consumption();
         }
         Ok(group_of
             .into_iter()
@@ -715,6 +734,31 @@ impl Service {
         self.metrics.failure_decision(policy, decision.allowed);
         self.log_store_error(&m.rule, e, ServeFailurePolicy::Decide(policy));
         (decision, Some(e.kind()))
+    }
+
+    /// Whether, under `local`, the failure policy would refuse `cost` on
+    /// `m`'s key now, found by a cost-0 check of the rule's in-memory twin
+    /// (which records nothing). Only `local` takes from a count while the
+    /// store fails: `open` admits and `closed` and `error` refuse, taking
+    /// nothing, so under them this is false and the order of the answers
+    /// costs nothing.
+    fn twin_would_refuse(&self, m: &Matched, cost: u64) -> bool {
+        if self.settings.failure_policy != ServeFailurePolicy::Decide(FailurePolicy::Local) {
+            return false;
+        }
+        if m.rule
+            .spec
+            .policy
+            .refused_whatever_the_state(cost)
+            .is_some()
+        {
+            return true;
+        }
+        let local = m.rule.failover.as_ref().or(m.rule.local.as_ref());
+        !matches!(
+            local.map(|l| l.check_now(m.key, 0)),
+            Some(Ok(d)) if d.allowed && d.remaining >= cost
+        )
     }
 
     /// Logs a store failure, at most one line a second: a store that is
@@ -1321,6 +1365,83 @@ shadow = true
             ),
             1
         );
+    }
+
+    /// Under `local`, when the store fails every check, the twins are
+    /// checked first too: a request one twin refuses takes nothing from
+    /// the twins of the descriptors before it, as on the store.
+    #[tokio::test]
+    async fn a_refused_request_takes_nothing_from_the_twins_before_the_refusal() {
+        let text = format!("[server]\nfailure_policy = \"local\"\n{TWO}");
+        // `a` (10) and `b` (2) both fail; `b`'s twin is spent first.
+        let (s, _) = partly_broken(&text, &[10, 2], StoreErrorKind::Timeout, false).await;
+        let spent = s
+            .check_descriptors("api", &[d(&[("b", "y")], 2)])
+            .await
+            .unwrap();
+        assert!(
+            spent[0].allowed && spent[0].by_failure_policy(),
+            "{spent:?}"
+        );
+        for _ in 0..3 {
+            let out = s
+                .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
+                .await
+                .unwrap();
+            assert!(out[0].allowed && !out[1].allowed, "{out:?}");
+            assert_eq!(out[0].decision.remaining, 10, "{out:?}");
+        }
+        assert_eq!(left(&s, "a", "x").await, 10);
+        assert_eq!(metric(&s, "ratewarden_partial_consumptions_total"), 0);
+        // Each refusal is `b`'s own; `a` stood at its check.
+        for (rule, outcome, n) in [("api.a", "allowed", 1), ("api.b", "refused", 3)] {
+            let series =
+                format!("ratewarden_decisions_total{{rule=\"{rule}\",outcome=\"{outcome}\"}}");
+            assert_eq!(metric(&s, &series), n, "{series}");
+        }
+    }
+
+    /// A store whose checks find no room and whose takes admit, as when a
+    /// window rolls over between the two.
+    struct Rolled(ratewarden_core::PolicyConfig);
+
+    impl Limiter for Rolled {
+        fn config(&self) -> &ratewarden_core::PolicyConfig {
+            &self.0
+        }
+
+        fn check(&self, _key: u64, cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
+            let d = if cost == 0 {
+                Decision::admitted(0)
+            } else {
+                Decision::admitted(self.0.limit - cost)
+            };
+            Box::pin(std::future::ready(Ok(d)))
+        }
+    }
+
+    /// A descriptor whose check found no room is decided for real; when
+    /// its take admits after all (a window rolled over since the check)
+    /// and another descriptor refuses the request, the request consumed:
+    /// a partial consumption, counted.
+    #[tokio::test]
+    async fn a_refusal_whose_take_admits_is_a_partial_consumption() {
+        // `a` (10) rolls over between check and take; `b` (2) is spent.
+        let s = service_on(TWO, |config| {
+            (config.limit == 10).then(|| Arc::new(Rolled(*config)) as Arc<dyn Limiter>)
+        })
+        .await;
+        let spent = s
+            .check_descriptors("api", &[d(&[("b", "y")], 2)])
+            .await
+            .unwrap();
+        assert!(spent[0].allowed, "{spent:?}");
+        let out = s
+            .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
+            .await
+            .unwrap();
+        assert!(out[0].allowed && !out[1].allowed, "{out:?}");
+        assert_eq!(metric(&s, "ratewarden_partial_consumptions_total"), 1);
     }
 
     /// A store whose checks find room and whose takes refuse, as when
