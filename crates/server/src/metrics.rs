@@ -165,8 +165,9 @@ impl Metrics {
         self.failures_unanswered.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Counts a multi-descriptor request in which a descriptor refused after
-    /// others had already consumed (a race between its check and its take).
+    /// Counts a multi-descriptor request refused although one of its
+    /// descriptors consumed (a race between a check and a take, or a
+    /// window that rolled over between them).
     pub fn partial_consumption(&self) {
         self.partial_consumptions.fetch_add(1, Ordering::Relaxed);
     }
@@ -298,8 +299,8 @@ impl Metrics {
         );
 
         out.push_str(
-            "# HELP ratewarden_partial_consumptions_total Multi-descriptor requests refused after \
-             another descriptor had consumed.\n",
+            "# HELP ratewarden_partial_consumptions_total Multi-descriptor requests refused \
+             although one of their descriptors consumed.\n",
         );
         out.push_str("# TYPE ratewarden_partial_consumptions_total counter\n");
         let _ = writeln!(
