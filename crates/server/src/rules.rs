@@ -869,15 +869,36 @@ mod tests {
     use ratewarden_core::MemoryOptions;
 
     fn build(config: Config, previous: Option<&RuleSet>, metrics: &Metrics) -> RuleSet {
-        let factory = MemoryFactory {
-            options: MemoryOptions::default(),
-        };
+        let factory = memory_factory();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
         runtime
             .block_on(RuleSet::build(config, &factory, previous, metrics))
             .unwrap()
+    }
+
+    fn memory_factory() -> MemoryFactory {
+        MemoryFactory {
+            options: MemoryOptions::default(),
+        }
+    }
+
+    /// The rule set of `text`, built on `factory` after `previous`.
+    async fn built(
+        text: &str,
+        factory: &dyn StoreFactory,
+        previous: Option<&RuleSet>,
+        metrics: &Metrics,
+    ) -> RuleSet {
+        RuleSet::build(
+            Config::parse(text, "t").unwrap(),
+            factory,
+            previous,
+            metrics,
+        )
+        .await
+        .unwrap()
     }
 
     fn set(text: &str) -> RuleSet {
@@ -1154,9 +1175,7 @@ unlimited = true
 
     #[tokio::test]
     async fn reload_keeps_overrides_of_unchanged_rules() {
-        let factory = MemoryFactory {
-            options: MemoryOptions::default(),
-        };
+        let factory = memory_factory();
         let metrics = Metrics::default();
         async fn override_limiter(
             s: &RuleSet,
@@ -1176,9 +1195,7 @@ unlimited = true
                 other => panic!("{other:?}"),
             }
         }
-        let first = RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics)
-            .await
-            .unwrap();
+        let first = built(TREE, &factory, None, &metrics).await;
         let login = [("path", "/login")];
         let any = [("path", "/other")];
         let none = [("nothing", "x")];
@@ -1193,14 +1210,7 @@ unlimited = true
             "value = \"/login\"\n",
             "value = \"/login\"\npolicy = \"gcra\"\n",
         );
-        let second = RuleSet::build(
-            Config::parse(&changed, "t").unwrap(),
-            &factory,
-            Some(&first),
-            &metrics,
-        )
-        .await
-        .unwrap();
+        let second = built(&changed, &factory, Some(&first), &metrics).await;
         assert!(!Arc::ptr_eq(
             &before[0],
             &override_limiter(&second, &login, &factory, &metrics).await
@@ -1247,13 +1257,9 @@ unlimited = true
 
     #[tokio::test]
     async fn a_new_override_takes_the_place_of_one_that_holds_nothing() {
-        let factory = MemoryFactory {
-            options: MemoryOptions::default(),
-        };
+        let factory = memory_factory();
         let metrics = Metrics::default();
-        let set = RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics)
-            .await
-            .unwrap();
+        let set = built(TREE, &factory, None, &metrics).await;
         let find = |limit| login_override(&set, limit, &factory, &metrics);
         let spend = |m: Matched| async move { m.rule.limiter.check(m.key, 1).await.unwrap() };
         let held = |limit: u64| {
@@ -1301,13 +1307,9 @@ unlimited = true
     /// reload can still make room after it.
     #[tokio::test]
     async fn a_reload_keeps_how_long_its_overrides_were_idle() {
-        let factory = MemoryFactory {
-            options: MemoryOptions::default(),
-        };
+        let factory = memory_factory();
         let metrics = Metrics::default();
-        let first = RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics)
-            .await
-            .unwrap();
+        let first = built(TREE, &factory, None, &metrics).await;
         first
             .overrides
             .min_idle_ms
@@ -1318,14 +1320,7 @@ unlimited = true
                 .is_some());
         }
         tokio::time::sleep(std::time::Duration::from_millis(60)).await;
-        let second = RuleSet::build(
-            Config::parse(TREE, "t").unwrap(),
-            &factory,
-            Some(&first),
-            &metrics,
-        )
-        .await
-        .unwrap();
+        let second = built(TREE, &factory, Some(&first), &metrics).await;
         drop(first);
         assert_eq!(second.overrides.entries.lock().len(), MAX_OVERRIDES);
         assert!(login_override(&second, 1000, &factory, &metrics)
@@ -1360,14 +1355,10 @@ unlimited = true
     /// a new override cannot take its place and lose the count.
     #[tokio::test]
     async fn an_override_deciding_on_its_twin_keeps_its_place() {
-        let factory = OverridesUnavailable(MemoryFactory {
-            options: MemoryOptions::default(),
-        });
+        let factory = OverridesUnavailable(memory_factory());
         let metrics = Metrics::default();
         let text = format!("[server]\nfailure_policy = \"local\"\n{TREE}");
-        let set = RuleSet::build(Config::parse(&text, "t").unwrap(), &factory, None, &metrics)
-            .await
-            .unwrap();
+        let set = built(&text, &factory, None, &metrics).await;
         set.overrides
             .min_idle_ms
             .store(0, std::sync::atomic::Ordering::Relaxed);
@@ -1509,13 +1500,9 @@ unlimited = true
     /// own policy as its limiter's configuration, not a default one.
     #[tokio::test]
     async fn an_override_whose_limiter_cannot_be_made_keeps_its_policy() {
-        let factory = OverridesUnavailable(MemoryFactory {
-            options: MemoryOptions::default(),
-        });
+        let factory = OverridesUnavailable(memory_factory());
         let metrics = Metrics::default();
-        let set = RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics)
-            .await
-            .unwrap();
+        let set = built(TREE, &factory, None, &metrics).await;
         let m = login_override(&set, 3, &factory, &metrics).await.unwrap();
         let config = *m.rule.limiter.config();
         assert_eq!((config.limit, config.window_ms), (3, 3_600_000));
@@ -1551,15 +1538,11 @@ unlimited = true
     /// configured rule does, and none under another failure policy.
     #[tokio::test]
     async fn an_override_on_a_networked_store_has_a_twin_only_under_the_local_policy() {
-        let factory = Networked(MemoryFactory {
-            options: MemoryOptions::default(),
-        });
+        let factory = Networked(memory_factory());
         let metrics = Metrics::default();
         for (policy, twin) in [("local", true), ("closed", false)] {
             let text = format!("[server]\nfailure_policy = \"{policy}\"\n{TREE}");
-            let set = RuleSet::build(Config::parse(&text, "t").unwrap(), &factory, None, &metrics)
-                .await
-                .unwrap();
+            let set = built(&text, &factory, None, &metrics).await;
             let m = login_override(&set, 1, &factory, &metrics).await.unwrap();
             assert!(m.rule.local.is_none());
             assert_eq!(m.rule.failover.is_some(), twin, "{policy}");
@@ -1569,13 +1552,9 @@ unlimited = true
     /// Housekeeping and metrics reach every override whose limiter is made.
     #[tokio::test]
     async fn the_rules_of_made_overrides_are_listed() {
-        let factory = MemoryFactory {
-            options: MemoryOptions::default(),
-        };
+        let factory = memory_factory();
         let metrics = Metrics::default();
-        let set = RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics)
-            .await
-            .unwrap();
+        let set = built(TREE, &factory, None, &metrics).await;
         assert!(set.override_rules().is_empty());
         for limit in [1, 2] {
             login_override(&set, limit, &factory, &metrics)
@@ -1596,14 +1575,10 @@ unlimited = true
     /// key, as the fallback itself does: no path through a tree fixes them.
     #[tokio::test]
     async fn an_override_of_the_fallback_counts_apart_per_domain_and_entry_key() {
-        let factory = MemoryFactory {
-            options: MemoryOptions::default(),
-        };
+        let factory = memory_factory();
         let metrics = Metrics::default();
         let text = "[fallback]\nlimit = 1\nwindow_ms = 1000\n";
-        let set = RuleSet::build(Config::parse(text, "t").unwrap(), &factory, None, &metrics)
-            .await
-            .unwrap();
+        let set = built(text, &factory, None, &metrics).await;
         let over = LimitOverride {
             limit: 1,
             window_ms: 3_600_000,
@@ -1635,13 +1610,9 @@ unlimited = true
     /// the old one would never be used again.
     #[tokio::test]
     async fn a_reload_adding_a_fallback_drops_the_overrides_of_the_reference() {
-        let factory = MemoryFactory {
-            options: MemoryOptions::default(),
-        };
+        let factory = memory_factory();
         let metrics = Metrics::default();
-        let first = RuleSet::build(Config::parse(TREE, "t").unwrap(), &factory, None, &metrics)
-            .await
-            .unwrap();
+        let first = built(TREE, &factory, None, &metrics).await;
         let over = LimitOverride {
             limit: 1,
             window_ms: 3_600_000,
@@ -1652,14 +1623,7 @@ unlimited = true
             .await;
         assert!(matches!(made, Some(OverrideMatch::Applied(_))), "{made:?}");
         let text = format!("[fallback]\nlimit = 1\nwindow_ms = 1000\n{TREE}");
-        let second = RuleSet::build(
-            Config::parse(&text, "t").unwrap(),
-            &factory,
-            Some(&first),
-            &metrics,
-        )
-        .await
-        .unwrap();
+        let second = built(&text, &factory, Some(&first), &metrics).await;
         assert_eq!(second.overrides.entries.lock().len(), 0);
     }
 
