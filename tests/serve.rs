@@ -755,18 +755,16 @@ async fn a_reload_under_load_loses_no_request_and_resets_no_count() {
 
 #[test]
 fn bad_configurations_and_stores_stop_serve_with_a_message() {
-    let run = |args: &[&str]| {
-        let out = Command::new(BIN)
-            .arg("serve")
-            .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
-            .args(args)
-            .output()
-            .unwrap();
+    // `serve` with only `args`, and with free ports besides.
+    let bare = |args: &[&str]| {
+        let out = Command::new(BIN).arg("serve").args(args).output().unwrap();
         (
             out.status.success(),
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
+    let run =
+        |args: &[&str]| bare(&[&["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"], args].concat());
     let file = ConfigFile::new("[keys]\nlimit = 10\nwindow_ms = 0\n");
     let (ok, stderr) = run(&["--config", file.path()]);
     assert!(!ok);
@@ -815,46 +813,27 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
         ),
         "{stderr}"
     );
-    let out = Command::new(BIN)
-        .args([
-            "serve",
-            "--http",
-            "127.0.0.1:18099",
-            "--grpc",
-            "127.0.0.1:18099",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let (ok, stderr) = bare(&["--http", "127.0.0.1:18099", "--grpc", "127.0.0.1:18099"]);
+    assert!(!ok);
     assert!(
         stderr.contains("--http and --grpc are both 127.0.0.1:18099"),
         "{stderr}"
     );
-    let out = Command::new(BIN)
-        .args([
-            "serve",
-            "--http",
-            "127.0.0.1:0",
-            "--grpc",
-            "127.0.0.1:18099",
-            "--metrics",
-            "127.0.0.1:18099",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let (ok, stderr) = bare(&[
+        "--http",
+        "127.0.0.1:0",
+        "--grpc",
+        "127.0.0.1:18099",
+        "--metrics",
+        "127.0.0.1:18099",
+    ]);
+    assert!(!ok);
     assert!(
         stderr.contains("--grpc and --metrics are both 127.0.0.1:18099"),
         "{stderr}"
     );
-    let out = Command::new(BIN)
-        .args(["serve", "--http", "nowhere"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let (ok, stderr) = bare(&["--http", "nowhere"]);
+    assert!(!ok);
     assert!(
         stderr.contains("write HOST:PORT, such as 127.0.0.1:8080"),
         "{stderr}"
