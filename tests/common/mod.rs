@@ -143,15 +143,8 @@ impl Log {
     /// The next line that contains `needle`, waited for at most 20 s;
     /// the lines before it are passed over.
     pub fn next_containing(&self, needle: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.0.recv_timeout(left) {
-                Ok(line) if line.contains(needle) => return line,
-                Ok(_) => {}
-                Err(e) => panic!("no log line with {needle:?} within 20 s: {e}"),
-            }
-        }
+        let mut through = self.through_containing(needle);
+        through.pop().expect("the line that contains the needle")
     }
 
     /// Every line up to and including the next that contains `needle`,
