@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
+use futures_util::future::BoxFuture;
 use ratewarden_core::{Decision, PolicyConfig, PolicyKind, StoreError, StoreErrorKind, MAX_SAFE};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
@@ -11,6 +12,8 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{
     MultipleNodeRoutingInfo, ResponsePolicy, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
 };
+use redis::io::tcp::socket2::TcpKeepalive;
+use redis::io::tcp::TcpSettings;
 use redis::{AsyncConnectionConfig, TlsCertificates};
 use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, Script, Value};
 
@@ -220,32 +223,39 @@ enum Conn {
 /// [`RedisStore::with_config`].
 #[derive(Clone)]
 enum Backend {
-    Node(ConnectionManager),
-    Cluster(Arc<Cluster>),
+    Node(Arc<Renewing<ConnectionManager>>),
+    Cluster(Arc<Renewing<ClusterConnection>>),
 }
 
-/// The least time between two starts of a new cluster connection, so that
-/// a cluster that keeps timing out is not sent a storm of connections.
-const CLUSTER_REBUILD_INTERVAL: Duration = Duration::from_secs(1);
+/// The least time between two starts of a new connection, so that a Redis
+/// that keeps timing out is not sent a storm of connections.
+const REBUILD_INTERVAL: Duration = Duration::from_secs(1);
 
-/// A Redis Cluster connection that is replaced by a new one when calls
-/// time out.
+/// Makes a new connection of the store's kind, for [`Renewing`].
+type Connect<C> = Box<dyn Fn() -> BoxFuture<'static, RedisResult<C>> + Send + Sync>;
+
+/// A connection that is replaced by a new one when calls time out.
 ///
-/// redis-rs 0.32 reads the cluster's slot map again only when a node
-/// answers `MOVED` or a connection fails. A master that hangs (a frozen
-/// process or host) does neither: its connection stays open, every call
-/// routed to it times out, and after its replica takes over its slots the
-/// client still sends them to the hung node, until that node dies or comes
-/// back. A new connection reads the slot map afresh and finds the new
-/// master; calls already under way finish on the old one. A timed-out call
-/// is never tried again (it may have been applied): only later calls go
-/// to the new connection.
-struct Cluster {
-    client: ClusterClient,
-    conn: RwLock<ClusterConnection>,
+/// A connection that stops answering without failing is never replaced by
+/// the client: redis-rs 0.32 reconnects when a call fails on a connection,
+/// and a timeout is no failure. On one node, a link whose far end is gone
+/// without a word (a host or VM lost, a managed Redis whose endpoint moved
+/// to another machine, a NAT or load balancer that dropped the flow) then
+/// times out every call until the kernel gives up on the socket, some
+/// fifteen minutes later, while a new connection to the same address
+/// answers at once. On a cluster, a master that hangs (a frozen process
+/// or host) neither answers `MOVED` nor fails: its connection stays open,
+/// every call routed to it times out, and after its replica takes over its
+/// slots the client still sends them to the hung node; a new connection
+/// reads the slot map afresh and finds the new master. Calls already under
+/// way finish on the old connection. A timed-out call is never tried again
+/// (it may have been applied): only later calls go to the new connection.
+struct Renewing<C> {
+    connect: Connect<C>,
+    conn: RwLock<C>,
     /// When the last new connection was started, and whether one is being
     /// made now: at most one at a time, at most one per
-    /// [`CLUSTER_REBUILD_INTERVAL`].
+    /// [`REBUILD_INTERVAL`].
     rebuild: Mutex<Rebuild>,
     /// The most making a new connection may take.
     connect_timeout: Duration,
@@ -262,20 +272,35 @@ struct Rebuild {
     last_swapped: Option<Instant>,
 }
 
-impl Cluster {
-    fn conn(&self) -> ClusterConnection {
+impl<C: Clone + Send + Sync + 'static> Renewing<C> {
+    fn new(
+        connect: Connect<C>,
+        conn: C,
+        connect_timeout: Duration,
+        call_timeout: Duration,
+    ) -> Self {
+        Renewing {
+            connect,
+            conn: RwLock::new(conn),
+            rebuild: Mutex::default(),
+            connect_timeout,
+            call_timeout,
+        }
+    }
+
+    fn conn(&self) -> C {
         self.conn
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
     }
 
-    /// A call timed out (or a probe found the slot map out of date): starts
-    /// making a new connection in the background,
-    /// unless one is being made, or was started less than
-    /// [`CLUSTER_REBUILD_INTERVAL`] ago, or replaced the old one less than
-    /// a call timeout ago (the timeout may be a late one of a call begun on
-    /// the old connection). Never makes the caller wait.
+    /// A call timed out (or a probe found a cluster's slot map out of
+    /// date): starts making a new connection in the background, unless
+    /// one is being made, or was started less than [`REBUILD_INTERVAL`]
+    /// ago, or replaced the old one less than a call timeout ago (the
+    /// timeout may be a late one of a call begun on the old connection).
+    /// Never makes the caller wait.
     fn timed_out(self: &Arc<Self>) {
         {
             let mut rebuild = self.rebuild.lock().unwrap_or_else(PoisonError::into_inner);
@@ -283,7 +308,7 @@ impl Cluster {
             let within =
                 |t: Option<Instant>, d: Duration| t.is_some_and(|t| now.duration_since(t) < d);
             if rebuild.in_flight
-                || within(rebuild.last_started, CLUSTER_REBUILD_INTERVAL)
+                || within(rebuild.last_started, REBUILD_INTERVAL)
                 || within(rebuild.last_swapped, self.call_timeout)
             {
                 return;
@@ -293,8 +318,8 @@ impl Cluster {
         }
         /// Ends the rebuild however its task ends (even cancelled, when the
         /// runtime shuts down), so that a later timeout can start another.
-        struct Done(Arc<Cluster>);
-        impl Drop for Done {
+        struct Done<C>(Arc<Renewing<C>>);
+        impl<C> Drop for Done<C> {
             fn drop(&mut self) {
                 self.0
                     .rebuild
@@ -305,13 +330,17 @@ impl Cluster {
         }
         let done = Done(Arc::clone(self));
         tokio::spawn(async move {
-            let cluster = &done.0;
-            let connecting = cluster.client.get_async_connection();
-            // A failed attempt keeps the old connection: it may still
-            // serve the slots of every node that answers.
-            if let Ok(Ok(conn)) = tokio::time::timeout(cluster.connect_timeout, connecting).await {
-                *cluster.conn.write().unwrap_or_else(PoisonError::into_inner) = conn;
-                cluster
+            let renewing = &done.0;
+            let connecting = (renewing.connect)();
+            // A failed attempt keeps the old connection: on a cluster it
+            // may still serve the slots of every node that answers, and on
+            // one node the next timeout tries again.
+            if let Ok(Ok(conn)) = tokio::time::timeout(renewing.connect_timeout, connecting).await {
+                *renewing
+                    .conn
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner) = conn;
+                renewing
                     .rebuild
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
@@ -500,7 +529,8 @@ impl RedisStore {
                     .response_timeout(node_response_timeout)
                     .retries(2)
                     .min_retry_wait(5)
-                    .max_retry_wait(50);
+                    .max_retry_wait(50)
+                    .tcp_settings(tcp_settings());
                 if let Some(certificates) = certificates {
                     builder = builder.certs(certificates.clone());
                 }
@@ -604,13 +634,16 @@ impl RedisStore {
                             )
                         })
                 })?;
-                Backend::Cluster(Arc::new(Cluster {
-                    client,
-                    conn: RwLock::new(conn),
-                    rebuild: Mutex::default(),
+                let connect: Connect<ClusterConnection> = Box::new(move || {
+                    let client = client.clone();
+                    Box::pin(async move { client.get_async_connection().await })
+                });
+                Backend::Cluster(Arc::new(Renewing::new(
+                    connect,
+                    conn,
                     connect_timeout,
-                    call_timeout: response_timeout,
-                }))
+                    response_timeout,
+                )))
             } else {
                 if let Some(what) = crate::url::query_error(url, shown) {
                     return Err(StoreError::new(StoreErrorKind::InvalidInput, what));
@@ -629,11 +662,13 @@ impl RedisStore {
                 let manager_config = ConnectionManagerConfig::new()
                     .set_connection_timeout(connect_timeout)
                     .set_response_timeout(response_timeout)
-                    .set_number_of_retries(0);
+                    .set_number_of_retries(0)
+                    .set_tcp_settings(tcp_settings());
                 let address = address_of(&client.get_connection_info().addr);
-                let mut conn = ConnectionManager::new_with_config(client, manager_config)
-                    .await
-                    .map_err(|e| connect_error(e, &address, form))?;
+                let mut conn =
+                    ConnectionManager::new_with_config(client.clone(), manager_config.clone())
+                        .await
+                        .map_err(|e| connect_error(e, &address, form))?;
                 // Connecting sends nothing when the URL has no password, so
                 // a Redis that wants one, a cluster node, or a server that
                 // is not Redis would only show at the first decision: ask
@@ -641,7 +676,18 @@ impl RedisStore {
                 retry_timeouts!(deadline, node_response_timeout, {
                     check_node(&mut conn, &address, form).await
                 })?;
-                Backend::Node(conn)
+                let connect: Connect<ConnectionManager> = Box::new(move || {
+                    Box::pin(ConnectionManager::new_with_config(
+                        client.clone(),
+                        manager_config.clone(),
+                    ))
+                });
+                Backend::Node(Arc::new(Renewing::new(
+                    connect,
+                    conn,
+                    connect_timeout,
+                    response_timeout,
+                )))
             };
             let store = Self::with_connection(backend, crate::redact_url(url), config, options);
             store.prepare(deadline, node_response_timeout).await?;
@@ -920,7 +966,7 @@ impl RedisStore {
     /// A handle on the current connection, for one call.
     fn conn(&self) -> Conn {
         match &self.inner.backend {
-            Backend::Node(c) => Conn::Node(c.clone()),
+            Backend::Node(c) => Conn::Node(c.conn()),
             Backend::Cluster(c) => Conn::Cluster(c.conn()),
         }
     }
@@ -963,19 +1009,19 @@ impl RedisStore {
         }
     }
 
-    /// On a cluster, starts a new connection in the background for later
-    /// calls, at most one a second (see [`Cluster`]); on one node, nothing.
-    fn renew_cluster_connection(&self) {
-        if let Backend::Cluster(cluster) = &self.inner.backend {
-            cluster.timed_out();
+    /// Starts a new connection in the background for later calls, at most
+    /// one a second (see [`Renewing`]).
+    fn renew_connection(&self) {
+        match &self.inner.backend {
+            Backend::Node(node) => node.timed_out(),
+            Backend::Cluster(cluster) => cluster.timed_out(),
         }
     }
 
-    /// The error for a call that took its whole timeout. On a cluster, a
-    /// timeout also starts a new connection (see [`Cluster`]), for later
-    /// calls.
+    /// The error for a call that took its whole timeout. A timeout also
+    /// starts a new connection (see [`Renewing`]), for later calls.
     fn timed_out(&self) -> StoreError {
-        self.renew_cluster_connection();
+        self.renew_connection();
         StoreError::new(
             StoreErrorKind::Timeout,
             format!(
@@ -1115,7 +1161,7 @@ impl RedisStore {
                     // no decision that would show the client otherwise.
                     let e = map_error(e);
                     if e.kind() == StoreErrorKind::ConnectionDropped {
-                        self.renew_cluster_connection();
+                        self.renew_connection();
                     }
                     return Err(e);
                 }
@@ -1191,7 +1237,7 @@ impl RedisStore {
                     // A slot map out of date (a failover the client has not
                     // seen) is mended only by a new connection: nothing
                     // else tells redis-rs, since its fallback node answered.
-                    self.renew_cluster_connection();
+                    self.renew_connection();
                     return failed(format!(
                         "{master}: node {id} answered in its place (the client cannot reach \
                          it, or its slot map is out of date)"
@@ -1211,7 +1257,7 @@ impl RedisStore {
                 Ok(Err(MasterCheck::Redis(e))) => {
                     let e = map_error(e);
                     if e.kind() == StoreErrorKind::ConnectionDropped {
-                        self.renew_cluster_connection();
+                        self.renew_connection();
                     }
                     return Err(StoreError::new(
                         e.kind(),
@@ -2187,6 +2233,26 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
 
 /// A one-node client for `url`, with `certificates` when it takes TLS
 /// files of its own.
+/// The TCP settings of every connection to Redis.
+///
+/// No Nagle delay: the calls of many tasks share one connection, and a
+/// request written while the one before it is unacknowledged would wait
+/// for that acknowledgement (as hiredis and `redis-benchmark` do, for the
+/// same reason). Keepalive probes after 15 s idle, then every 5 s: a
+/// connection whose far end is gone without a word (a host lost, a flow
+/// dropped by a NAT or load balancer) fails while idle, and is replaced
+/// before a call waits on it, rather than timing out the first calls
+/// after a quiet spell (see [`Renewing`] for a connection that stops
+/// answering while in use).
+fn tcp_settings() -> TcpSettings {
+    let keepalive = TcpKeepalive::new()
+        .with_time(Duration::from_secs(15))
+        .with_interval(Duration::from_secs(5));
+    TcpSettings::default()
+        .set_nodelay(true)
+        .set_keepalive(keepalive)
+}
+
 fn client_for(url: &str, certificates: Option<&TlsCertificates>) -> RedisResult<redis::Client> {
     match certificates {
         Some(certificates) => redis::Client::build_with_tls(url, certificates.clone()),

@@ -748,3 +748,101 @@ fn a_store_made_once_redis_is_back_is_not_refused_with_the_outage_error() {
     let made = made.unwrap_or_else(|e| panic!("Redis is back: {e}"));
     assert!(rt.block_on(made.decide(1, None, 1)).unwrap().allowed);
 }
+
+/// A TCP relay to a Redis whose connections can be made silent: after
+/// [`SilencingRelay::silence`], the connections open then stay open but
+/// carry nothing either way, as a link whose far end is gone without a
+/// word (a host lost, a flow dropped by a NAT); connections made later
+/// are relayed.
+struct SilencingRelay {
+    port: u16,
+    generation: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl SilencingRelay {
+    async fn start(target_port: u16) -> SilencingRelay {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the relay");
+        let port = listener.local_addr().expect("relay address").port();
+        let generation = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let relay_generation = Arc::clone(&generation);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target_port)).await
+                else {
+                    continue;
+                };
+                let born = relay_generation.load(Ordering::SeqCst);
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                for (mut from, mut to) in [(client_read, server_write), (server_read, client_write)]
+                {
+                    let generation = Arc::clone(&relay_generation);
+                    tokio::spawn(async move {
+                        let mut buf = vec![0u8; 16 * 1024];
+                        // Once silenced, what arrives is read and dropped,
+                        // and both sockets stay open until the test ends.
+                        while let Ok(n @ 1..) = from.read(&mut buf).await {
+                            if generation.load(Ordering::SeqCst) == born
+                                && to.write_all(&buf[..n]).await.is_err()
+                            {
+                                break;
+                            }
+                        }
+                        std::future::pending::<()>().await;
+                    });
+                }
+            }
+        });
+        SilencingRelay { port, generation }
+    }
+
+    fn silence(&self) {
+        self.generation
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A connection that stops answering without failing (its far end gone)
+/// is replaced: the calls on it time out, and within a few seconds calls
+/// on the same store are decided on a new connection, rather than timing
+/// out until the kernel gives up on the socket, many minutes later.
+#[test]
+fn a_connection_that_stops_answering_is_replaced() {
+    let rt = common::runtime();
+    let server = RedisServer::start();
+    rt.block_on(async {
+        let relay = SilencingRelay::start(server.port()).await;
+        let url = format!("redis://127.0.0.1:{}", relay.port);
+        let store = RedisStore::connect(&url, REFERENCE, options("silenced"))
+            .await
+            .expect("connect");
+        assert!(store.decide(1, Some(5_000), 1).await.unwrap().allowed);
+        relay.silence();
+        let err = store.decide(2, Some(5_000), 1).await.unwrap_err();
+        assert_eq!(err.kind(), StoreErrorKind::Timeout, "{err}");
+        // At most one new connection a second, made in the background.
+        let give_up = Instant::now() + Duration::from_secs(20);
+        let mut timeouts = 1;
+        loop {
+            match store.decide(3, Some(5_000), 1).await {
+                Ok(decision) => {
+                    assert_eq!(decision.remaining, 99, "{decision:?}");
+                    break;
+                }
+                Err(e) => {
+                    assert_eq!(e.kind(), StoreErrorKind::Timeout, "{e}");
+                    timeouts += 1;
+                    assert!(
+                        Instant::now() < give_up,
+                        "{timeouts} calls timed out on the silent connection: none replaced it"
+                    );
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    });
+}
