@@ -4,8 +4,9 @@
 //!
 //! Each script touches exactly one Redis key, which holds the whole state of
 //! one limiter key, so a script never spans two cluster slots. Scripts are
-//! called by `EVALSHA` and loaded again when Redis answers `NOSCRIPT`. Their
-//! arithmetic is exact over SPEC's whole range (`0 ..= 2^53 - 1`): Lua
+//! called by `EVALSHA`, and with their text (`EVAL`) when Redis answers
+//! `NOSCRIPT`. Their arithmetic is exact over SPEC's whole range
+//! (`0 ..= 2^53 - 1`): Lua
 //! numbers are doubles, so products that may pass `2^53` are done on
 //! numbers split into 24-bit limbs, and small values take a plain fast path.
 //!

@@ -1,6 +1,7 @@
 //! The store: connection, key names, script calls, replies and errors.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -59,11 +60,12 @@ const STATE_FORMAT: &str = "v2";
 /// lives this long only when the check is cut short.
 const PROBE_TTL_MS: u64 = 10_000;
 
-/// The most times a [`RedisStore::decide_many`] batch loads its script
-/// again after `NOSCRIPT` before its requests that still meet it fail: a
-/// cache flushed that often is not served. (One call goes by `EVAL` with
-/// the script's text after a second `NOSCRIPT`; a batch's thousands of
-/// calls would each carry the text.)
+/// The most times a one-node [`RedisStore::decide_many`] batch loads its
+/// script again after `NOSCRIPT` before its requests that still meet it
+/// fail: a cache flushed that often is not served. (A batch's thousands
+/// of calls would each carry the text by `EVAL`.) Also the most rounds a
+/// single call waits for another to send the text (see
+/// [`RedisStore::eval`]).
 const MAX_SCRIPT_LOADS: u32 = 5;
 
 /// The most requests one [`RedisStore::decide_many`] call takes: a bound on
@@ -392,6 +394,12 @@ struct Inner {
     script: &'static Script,
     /// The script's text, for a node the script was not loaded on.
     script_source: &'static str,
+    /// Held by the one call that sends the script's text (`EVAL`) after
+    /// `NOSCRIPT`; the calls that met `NOSCRIPT` meanwhile wait for it and
+    /// try `EVALSHA` again (see [`RedisStore::eval`]).
+    script_turn: tokio::sync::Mutex<()>,
+    /// How many times the script's text was sent after `NOSCRIPT`.
+    scripts_sent: AtomicU64,
     /// The escaped prefix and the configuration, joined by `:`, ending in `:`.
     key_prefix: String,
     /// ARGV 1..3: limit, window_ms, burst.
@@ -852,6 +860,8 @@ impl RedisStore {
                 config,
                 script,
                 script_source,
+                script_turn: tokio::sync::Mutex::new(()),
+                scripts_sent: AtomicU64::new(0),
                 key_prefix,
                 config_args,
                 options,
@@ -1487,44 +1497,78 @@ impl RedisStore {
             .map_err(map_error)
     }
 
-    /// The script's call on the Redis key `name`, the script loaded again
-    /// when the server answers `NOSCRIPT` (its cache flushed, or the node
-    /// restarted): a `NOSCRIPT` ran nothing, so the call is repeated. A
-    /// second `NOSCRIPT` comes from a cache flushed again between the load
-    /// and the call, or on a cluster from a node that serves no slot yet
-    /// (one just added, taking its first keys, which the client reaches by
-    /// `ASK`, and which loading on every master missed): the call then goes
-    /// with the script's text, by `EVAL`, which runs whatever the cache
-    /// holds (and keeps the script there).
+    /// The script's call on the Redis key `name`, by `EVALSHA`; when the
+    /// node answers `NOSCRIPT` (its cache flushed; restarted; a replica
+    /// promoted; on a cluster, a node just added, which takes its first
+    /// keys by `ASK`), by `EVAL` with the script's text, which runs it and
+    /// keeps it in that node's cache. A `NOSCRIPT` ran nothing, so the
+    /// call runs once.
+    ///
+    /// Every call in flight on that node meets `NOSCRIPT` together (a
+    /// batch's thousands on a cluster, where each request is a call), and
+    /// the text is some 12 KB: one of them sends it, and the others wait
+    /// for it, then try `EVALSHA` again. On a cluster whose several nodes
+    /// lost the script, that takes a round per node, up to
+    /// [`MAX_SCRIPT_LOADS`]; after that, or when the cache is flushed
+    /// again between the text and the retry, a call sends the text itself.
     ///
     /// `call` makes the call, by `EVALSHA`, or with `true` by `EVAL`.
     async fn eval(&self, conn: &mut Conn, call: impl Fn(bool) -> Cmd) -> Result<Value, StoreError> {
-        match self.try_call(conn, &call(false)).await {
-            Err(e) if e.kind() == ErrorKind::NoScriptError => {}
-            other => return other.map_err(map_error),
-        }
-        self.load_script(conn).await?;
-        match self.try_call(conn, &call(false)).await {
-            Err(e) if e.kind() == ErrorKind::NoScriptError => {
-                self.try_call(conn, &call(true)).await.map_err(map_error)
+        let inner = &self.inner;
+        for _ in 0..MAX_SCRIPT_LOADS {
+            let sent = inner.scripts_sent.load(Ordering::Acquire);
+            match self.try_call(conn, &call(false)).await {
+                Err(e) if e.kind() == ErrorKind::NoScriptError => {}
+                other => return other.map_err(map_error),
             }
-            other => other.map_err(map_error),
+            let _turn = inner.script_turn.lock().await;
+            if inner.scripts_sent.load(Ordering::Acquire) == sent {
+                // No call sent the text since this one's EVALSHA set out:
+                // this one does. (Cancelled by its timeout, it counts
+                // nothing, and the next call in line sends it.)
+                let called = self.try_call(conn, &call(true)).await;
+                inner.scripts_sent.fetch_add(1, Ordering::Release);
+                return called.map_err(map_error);
+            }
         }
+        self.try_call(conn, &call(true)).await.map_err(map_error)
     }
 
-    /// Loads the policy's script into the server's script cache, for a
-    /// call that met NOSCRIPT (a flushed cache or a restarted node).
+    /// Loads the policy's script into the script cache: of the one node,
+    /// or of every master of a cluster (replicas decide nothing, and one
+    /// that is loading its data or down must not stop a store; a replica
+    /// promoted later gets the script at its first call, by `EVAL`).
     async fn load_script(&self, conn: &mut Conn) -> Result<(), StoreError> {
-        let script = &self.inner.script;
-        let mut loaded = script.prepare_invoke().load_async(conn).await;
+        let mut loaded = self.load_script_once(conn).await;
         // As a call does (see try_call): the first command after Redis
         // returns can meet the error of the reconnection that failed while
         // it was away, and only then start a new one. A new rule's or
         // override's store would be refused for it, with Redis up.
         if matches!(&loaded, Err(e) if self.retry_on_new_connection(e)) {
-            loaded = script.prepare_invoke().load_async(conn).await;
+            loaded = self.load_script_once(conn).await;
         }
-        loaded.map(drop).map_err(map_error)
+        loaded.map_err(map_error)
+    }
+
+    async fn load_script_once(&self, conn: &mut Conn) -> RedisResult<()> {
+        match conn {
+            Conn::Node(_) => self
+                .inner
+                .script
+                .prepare_invoke()
+                .load_async(conn)
+                .await
+                .map(drop),
+            Conn::Cluster(cluster) => {
+                let mut cmd = redis::cmd("SCRIPT");
+                cmd.arg("LOAD").arg(self.inner.script_source);
+                let every_master = RoutingInfo::MultiNode((
+                    MultipleNodeRoutingInfo::AllMasters,
+                    Some(ResponsePolicy::AllSucceeded),
+                ));
+                cluster.route_command(&cmd, every_master).await.map(drop)
+            }
+        }
     }
 
     /// One script call, without the timeout.

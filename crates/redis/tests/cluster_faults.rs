@@ -654,3 +654,79 @@ fn readiness_names_the_hung_master_not_those_reporting_the_cluster_down() {
     );
     assert!(!message.contains("cluster_state"), "{message}");
 }
+
+/// The calls of a `cmdstat_<command>` line of a node's `INFO commandstats`.
+fn command_calls(node: &ratewarden_redis::test_support::RedisServer, command: &str) -> u64 {
+    let stats = node.cli(&["INFO", "commandstats"]);
+    let prefix = format!("cmdstat_{command}:calls=");
+    stats
+        .lines()
+        .find_map(|line| line.strip_prefix(&prefix))
+        .map_or(0, |rest| {
+            rest.split(',').next().unwrap().parse().expect("calls")
+        })
+}
+
+/// The script is loaded on the masters only, which decide: a replica that
+/// is down stops neither a store made for another configuration nor the
+/// calls on masters that lost the script; and those calls send its text
+/// (`EVAL`) to their own master, once per master or so, not each to every
+/// node.
+#[test]
+fn scripts_go_to_masters_only_and_once_after_a_flush() {
+    let mut cluster = RedisCluster::start_with_replicas(15_000);
+    assert!(
+        (0..3).all(|i| cluster.is_master(i)),
+        "nodes 0-2 are masters"
+    );
+    let replica = cluster
+        .replica_of(0, 1)
+        .expect("the first master has a replica");
+    let rt = common::runtime();
+    let store = rt.block_on(async {
+        let store = RedisStore::connect(&cluster.url(), REFERENCE, options("masters-only"))
+            .await
+            .expect("connect");
+        every_key_decided(&store, "a healthy cluster decides every key").await;
+        store
+    });
+    cluster.kill_node(replica);
+    let config = PolicyConfig::new(PolicyKind::FixedWindow, 100, 60_000);
+    let other = rt
+        .block_on(store.with_config(config, common::fresh_prefix("masters-only-other")))
+        .expect("a replica down does not stop a new store");
+    let live: Vec<usize> = (0..cluster.nodes().len())
+        .filter(|&i| i != replica)
+        .collect();
+    for &i in &live {
+        let node = &cluster.nodes()[i];
+        assert_eq!(
+            command_calls(node, "script|load"),
+            u64::from(cluster.is_master(i)) * 2,
+            "node {i}: loaded at connect and by with_config on masters only"
+        );
+        if cluster.is_master(i) {
+            assert_eq!(node.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+        }
+        assert_eq!(node.cli(&["CONFIG", "RESETSTAT"]).trim(), "OK");
+    }
+    rt.block_on(every_key_decided(
+        &other,
+        "every key is decided after the flush",
+    ));
+    let sent: u64 = live
+        .iter()
+        .map(|&i| command_calls(&cluster.nodes()[i], "eval"))
+        .sum();
+    assert!(
+        (1..=9).contains(&sent),
+        "the text sent {sent} times for {KEYS} calls"
+    );
+    for &i in &live {
+        assert_eq!(
+            command_calls(&cluster.nodes()[i], "script|load"),
+            0,
+            "node {i}"
+        );
+    }
+}

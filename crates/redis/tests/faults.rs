@@ -846,3 +846,42 @@ fn a_connection_that_stops_answering_is_replaced() {
         }
     });
 }
+
+/// The calls of a `cmdstat_<command>` line of `INFO commandstats`.
+fn command_calls(server: &RedisServer, command: &str) -> u64 {
+    let stats = server.cli(&["INFO", "commandstats"]);
+    let prefix = format!("cmdstat_{command}:calls=");
+    stats
+        .lines()
+        .find_map(|line| line.strip_prefix(&prefix))
+        .map_or(0, |rest| {
+            rest.split(',').next().unwrap().parse().expect("calls")
+        })
+}
+
+/// Calls in flight when the script cache is flushed all meet `NOSCRIPT`:
+/// one of them sends the script's text (`EVAL`) and the others wait for it
+/// and go by `EVALSHA` again, rather than each sending some 12 KB; and
+/// each call is applied once.
+#[test]
+fn concurrent_calls_after_a_script_flush_send_the_script_once() {
+    let rt = common::runtime();
+    let server = RedisServer::start();
+    rt.block_on(async {
+        let config = PolicyConfig::new(PolicyKind::FixedWindow, 100, 60_000);
+        let store = common::store(&server.url(), config, "flush-herd").await;
+        assert!(store.decide(1, Some(5_000), 1).await.unwrap().allowed);
+        assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+        assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]).trim(), "OK");
+        let calls = (0..200).map(|_| store.decide(1, Some(5_000), 1));
+        let decisions = futures_util::future::join_all(calls).await;
+        let admitted = decisions
+            .into_iter()
+            .map(|d| d.expect("every call is decided"))
+            .filter(|d| d.allowed)
+            .count();
+        assert_eq!(admitted, 99, "each call applied once");
+        assert_eq!(command_calls(&server, "eval"), 1, "the text sent once");
+        assert_eq!(command_calls(&server, "script|load"), 0);
+    });
+}
