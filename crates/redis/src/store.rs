@@ -1584,15 +1584,7 @@ impl RedisStore {
                 self.eval_named(by_source, &name, now_ms, cost)
             })
             .await
-            .map_err(|e| {
-                // The scripts name the key of a value they refuse; Redis's
-                // own WRONGTYPE does not, and deleting it needs its name.
-                if e.kind() == StoreErrorKind::CorruptState && !e.detail().contains(&name) {
-                    StoreError::new(e.kind(), format!("under key {name}: {}", e.detail()))
-                } else {
-                    e
-                }
-            })?;
+            .map_err(|e| naming_the_key(e, &name))?;
         parse_reply(value)
     }
 
@@ -1732,7 +1724,11 @@ impl RedisStore {
                         {
                             again.push(i)
                         }
-                        Err(e) => results[i] = Some(Err(self.call_error(map_error(e)))),
+                        Err(e) => {
+                            let e = self.call_error(map_error(e));
+                            let name = self.key_name(requests[i].0);
+                            results[i] = Some(Err(naming_the_key(e, &name)));
+                        }
                         Ok(v) => results[i] = Some(parse_reply(v)),
                     }
                 }
@@ -1758,6 +1754,17 @@ impl RedisStore {
         tokio::time::timeout(timeout, call)
             .await
             .map_err(|_| self.timed_out())?
+    }
+}
+
+/// A corrupt state's error naming the Redis key `name`: the scripts name
+/// the key of a value they refuse, but Redis's own `WRONGTYPE` does not,
+/// and deleting the key needs its name.
+fn naming_the_key(e: StoreError, name: &str) -> StoreError {
+    if e.kind() == StoreErrorKind::CorruptState && !e.detail().contains(name) {
+        StoreError::new(e.kind(), format!("under key {name}: {}", e.detail()))
+    } else {
+        e
     }
 }
 

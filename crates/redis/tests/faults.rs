@@ -587,6 +587,15 @@ fn corrupt_state_is_a_typed_error_never_an_admit() {
                     !text.contains("field w ") && !text.contains("field a "),
                     "{text}"
                 );
+                // In a batch, too, beside a request decided as usual.
+                let results = store
+                    .decide_many(&[(8, 1), (7, 1)], Some(5_000))
+                    .await
+                    .expect("the batch is sent");
+                assert!(results[0].is_ok(), "{:?}", results[0]);
+                let err = results[1].as_ref().expect_err("corrupt state in a batch");
+                assert_eq!(err.kind(), StoreErrorKind::CorruptState, "{err}");
+                assert!(err.to_string().contains(&name), "{policy} {setup:?}: {err}");
                 // Even failing open, corrupt state is an error, not an admit.
                 let err = limiter
                     .check_detailed(7, 1)
