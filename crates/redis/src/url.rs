@@ -382,6 +382,27 @@ pub(crate) fn query_error(url: &str, shown: &str) -> Option<String> {
              SSL_CERT_FILE (or tls_ca_file in the store's options)"
         ));
     }
+    // A query reads `+` as a space (form encoding), so a base64-made
+    // password would be sent with spaces in it and refused as wrong, with
+    // nothing to point at the `+`.
+    if let Some(field) = unix
+        .then(|| parsed.query())
+        .flatten()
+        .into_iter()
+        .flat_map(|query| query.split('&'))
+        .filter(|pair| pair.contains('+'))
+        .find_map(|pair| {
+            ["user", "pass"].into_iter().find(|field| {
+                pair.strip_prefix(field)
+                    .is_some_and(|rest| rest.starts_with('='))
+            })
+        })
+    {
+        return Some(format!(
+            "{shown:?}: the field {field:?} holds a +, which a query reads as a space: write \
+             it %2B (and & as %26, / as %2F, % as %25)"
+        ));
+    }
     let taken: &[&str] = if unix {
         &["db", "user", "pass", "protocol"]
     } else {
@@ -468,6 +489,8 @@ pub fn is_cluster_url(url: &str) -> bool {
 /// assert_eq!(url_error("redis://127.0.0.1:6379/3"), None);
 /// assert!(url_error("redis://127.0.0.1:6379?db=3").unwrap().contains("redis://HOST:PORT/DB"));
 /// assert_eq!(url_error("rediss://redis.example.com:6380"), None);
+/// assert!(url_error("redis+unix:///run/r.sock?pass=a+b").unwrap().contains("%2B"));
+/// assert_eq!(url_error("redis+unix:///run/r.sock?pass=a%2Bb"), None);
 /// assert!(url_error("rediss://127.0.0.1:6380#insecure").unwrap().contains("SSL_CERT_FILE"));
 /// assert!(url_error("http://127.0.0.1:6379").unwrap().contains("not a Redis address"));
 /// ```
