@@ -621,4 +621,28 @@ mod tests {
         h.insert("x-forwarded-for", HeaderValue::try_from(padded).unwrap());
         assert_eq!(t.client_ip(ip("10.0.0.3"), &h), ip("10.0.0.9"));
     }
+
+    #[test]
+    fn the_documented_bounds_are_read_up_to_the_last_entry() {
+        // docs/middleware.md promises 32 non-empty entries and 128 elements,
+        // written out here rather than through the constants, so that a
+        // bound that shrinks (or stops one short) is seen.
+        let t = trust(ForwardedHeader::XForwardedFor);
+        let xff = |value: String| {
+            let mut h = HeaderMap::new();
+            h.insert("x-forwarded-for", HeaderValue::try_from(value).unwrap());
+            t.client_ip(ip("10.0.0.3"), &h)
+        };
+        // The client behind 31 trusted proxies is the 32nd entry: read.
+        let chain =
+            |proxies: usize| format!("198.51.100.7, {}", vec!["10.0.0.9"; proxies].join(", "));
+        assert_eq!(xff(chain(31)), ip("198.51.100.7"));
+        // Behind 32 it is the 33rd: the walk stops at the last proxy read.
+        assert_eq!(xff(chain(32)), ip("10.0.0.9"));
+        // The client behind 127 empty elements is the 128th element: read.
+        assert_eq!(
+            xff(format!("198.51.100.7{}", ",".repeat(127))),
+            ip("198.51.100.7")
+        );
+    }
 }

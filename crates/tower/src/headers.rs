@@ -329,6 +329,9 @@ mod tests {
         assert!(err.contains("printable ASCII"), "{err}");
         let long = "x".repeat(MAX_POLICY_NAME_LEN + 1);
         assert!(RateLimitHeaders::new(&long, &ratewarden_core::REFERENCE).is_err());
+        // "At most 64 bytes" (the builder's docs): a name of exactly 64 is taken.
+        let longest = "x".repeat(64);
+        assert!(RateLimitHeaders::new(&longest, &ratewarden_core::REFERENCE).is_ok());
     }
 
     #[test]

@@ -700,4 +700,25 @@ mod tests {
         let err = KeyRejection::generic(StatusCode::FORBIDDEN, "no role");
         assert_eq!(err.message(), "forbidden");
     }
+
+    #[test]
+    fn a_rejection_as_an_error_shows_status_message_and_detail() {
+        // Shown as a std::error::Error (in a log, a `?` chain) it carries
+        // the detail too; the body is the message alone.
+        let err = KeyRejection::generic(StatusCode::FORBIDDEN, "no role");
+        assert_eq!(err.to_string(), "403 Forbidden: forbidden (no role)");
+        let err = KeyRejection::new(StatusCode::BAD_REQUEST, "send x-api-key");
+        assert_eq!(err.to_string(), "400 Bad Request: send x-api-key");
+    }
+
+    #[test]
+    fn an_extension_key_debugs_as_its_extension_type() {
+        // The closure has no Debug; the type it reads and the status say
+        // which extractor this is.
+        struct User;
+        let key = ExtensionKey::new(|_: &User| RequestKey::Id(1));
+        let text = format!("{key:?}");
+        assert!(text.starts_with("ExtensionKey"), "{text}");
+        assert!(text.contains("User") && text.contains("500"), "{text}");
+    }
 }

@@ -726,4 +726,32 @@ mod tests {
             SF_INTEGER_MAX.to_string().as_str()
         );
     }
+
+    #[test]
+    fn builder_layer_and_service_debug_as_their_configuration() {
+        // The limiter, key and closures have no Debug; what is shown in
+        // their place is the configuration that decides.
+        let limiter = Arc::new(LocalLimiter::new(REFERENCE, Default::default()).unwrap());
+        let builder =
+            RateLimitLayer::builder(limiter, crate::key::GlobalKey::new(0)).policy_name("api");
+        let text = format!("{builder:?}");
+        assert!(text.starts_with("RateLimitBuilder"), "{text}");
+        assert!(
+            text.contains("limit: 100") && text.contains("\"api\""),
+            "{text}"
+        );
+        let layer = builder.build().unwrap();
+        let text = format!("{layer:?}");
+        assert!(text.starts_with("RateLimitLayer"), "{text}");
+        assert!(
+            text.contains("limit: 100") && text.contains("FailClosed"),
+            "{text}"
+        );
+        let text = format!("{:?}", layer.layer("the inner service"));
+        assert!(text.starts_with("RateLimitService"), "{text}");
+        assert!(
+            text.contains("limit: 100") && text.contains("the inner service"),
+            "{text}"
+        );
+    }
 }

@@ -745,6 +745,19 @@ async fn a_bucket_that_never_refills_says_so_once_its_burst_is_spent() {
             body,
             format!("rate limit exceeded; {kind} 0 per 1000 ms (burst 2) never refills, and its burst is spent\n")
         );
+        // A cost above the burst is refused even by a full bucket: the
+        // body blames the cost, not a burst that was never spent.
+        let (limiter, _clock) = local(config);
+        let layer = RateLimitLayer::builder(Arc::new(limiter), GlobalKey::new(0))
+            .cost(|_| 3)
+            .build()
+            .unwrap();
+        let (response, body) = send(&router(layer), Request::builder().uri("/")).await;
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            body,
+            format!("rate limit exceeded; a request of cost 3 is above what {kind} 0 per 1000 ms (burst 2) can ever admit\n")
+        );
     }
 }
 
@@ -803,6 +816,13 @@ fn bad_configuration_is_an_error_that_says_what_to_change() {
         .build()
         .unwrap_err();
     assert!(err.to_string().contains("under 1 ms"), "{err}");
+    // "At least 1 ms": 1 ms itself is accepted.
+    assert!(
+        RateLimitLayer::builder(Arc::new(limiter.clone()), GlobalKey::new(0))
+            .check_timeout(Duration::from_millis(1))
+            .build()
+            .is_ok()
+    );
     let (unused, _clock) = local(REFERENCE);
     let err = RateLimitLayer::builder(Arc::new(limiter.clone()), GlobalKey::new(0))
         .failure_policy(FailurePolicy::FailOpen)
@@ -1070,6 +1090,44 @@ async fn fail_local_decides_on_the_in_memory_fallback() {
     assert_eq!(header(&response, &RATELIMIT), Some("\"default\";r=0;t=1"));
     clock.advance_ms(1000);
     assert_eq!(admitted(&app, || get_from("192.0.2.1:1"), 5).await, 3);
+}
+
+/// Under `Local`, a fallback that fails is answered by how it failed: a
+/// full fallback is unavailable (503, as failing closed), and a fallback
+/// that can decide nothing (its clock past 2^53 - 1 ms, which every store
+/// refuses as invalid input) is a server error, as the limiter's own
+/// invalid input is.
+#[tokio::test]
+async fn a_failing_local_fallback_is_answered_by_how_it_failed() {
+    let config = PolicyConfig::new(PolicyKind::FixedWindow, 3, 1000);
+    let with_fallback = |fallback: LocalLimiter| {
+        let down = Arc::new(Failing(config, StoreErrorKind::ConnectionDropped));
+        let key = HeaderKey::new(HeaderName::from_static("x-api-key"));
+        router(
+            RateLimitLayer::builder(down, key)
+                .failure_policy(FailurePolicy::Local)
+                .local_fallback(fallback)
+                .build()
+                .unwrap(),
+        )
+    };
+    let with_key = |key: &str| Request::builder().uri("/").header("x-api-key", key);
+    let options = ratewarden_core::MemoryOptions {
+        max_keys: 1,
+        shards: 1,
+    };
+    let full =
+        with_fallback(LocalLimiter::with_clock(config, options, ManualClock::new(0)).unwrap());
+    let (response, _) = send(&full, with_key("a")).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let (response, body) = send(&full, with_key("b")).await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(body, "the rate limiter is unavailable; try again later\n");
+    let past = ManualClock::new(ratewarden_core::MAX_SAFE + 1);
+    let broken = with_fallback(LocalLimiter::with_clock(config, Default::default(), past).unwrap());
+    let (response, body) = send(&broken, with_key("a")).await;
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(body, "internal server error\n");
 }
 
 /// A store that fails every other call, and decides the others.
