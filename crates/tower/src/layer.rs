@@ -452,6 +452,11 @@ impl Shared {
                 "rate limiter failed"
             );
         }
+        // A cost no store can decide is invalid whatever failed first: a
+        // limiter of the user's own may fail before it looks at the cost.
+        if let Err(invalid) = ratewarden_core::check_request(0, cost) {
+            return Verdict::Invalid(invalid);
+        }
         if let Some(refused) = self.limiter.config().refused_whatever_the_state(cost) {
             return Verdict::Decided(refused);
         }

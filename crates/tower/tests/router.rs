@@ -1196,19 +1196,24 @@ async fn invalid_cost_is_a_server_error_under_every_failure_policy() {
         FailurePolicy::Local,
     ] {
         let (limiter, _clock) = local(REFERENCE);
-        let layer = RateLimitLayer::builder(Arc::new(limiter), GlobalKey::new(0))
-            .cost(|_| u64::MAX)
-            .failure_policy(policy)
-            .build()
-            .unwrap();
-        let (response, body) = send(&router(layer), Request::builder().uri("/")).await;
-        assert_eq!(
-            response.status(),
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "{policy}"
-        );
-        // The cost and the store's limits are logged, not sent.
-        assert_eq!(body, "internal server error\n");
+        // Also from a limiter of a user's own that fails before it looks
+        // at the cost: no failure policy makes the cost decidable.
+        let limiters: [Arc<dyn Limiter>; 2] = [Arc::new(limiter), failing()];
+        for limiter in limiters {
+            let layer = RateLimitLayer::builder(limiter, GlobalKey::new(0))
+                .cost(|_| u64::MAX)
+                .failure_policy(policy)
+                .build()
+                .unwrap();
+            let (response, body) = send(&router(layer), Request::builder().uri("/")).await;
+            assert_eq!(
+                response.status(),
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "{policy}"
+            );
+            // The cost and the store's limits are logged, not sent.
+            assert_eq!(body, "internal server error\n");
+        }
     }
 }
 
