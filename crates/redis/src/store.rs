@@ -2200,6 +2200,11 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
             format!("{node_scheme}://USER:PASSWORD@HOST:PORT"),
         )
     };
+    let (db, db0) = if address.starts_with('/') {
+        ("?db=", "?db=0")
+    } else {
+        ("/DB", "/0")
+    };
     let text = e.to_string();
     // With a /DB, connecting sends SELECT first, whose refusal wraps the
     // NOAUTH in its own words.
@@ -2216,7 +2221,8 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
             StoreErrorKind::InvalidInput,
             format!(
                 "Redis at {address} refused the URL's user or password ({e}): \
-                 correct them in {with_password} (or {with_user})"
+                 correct them in {with_password} (or {with_user}); a Redis with no password \
+                 set refuses one too: then leave it out"
             ),
         )
     } else if text.contains("SELECT is not allowed in cluster mode") {
@@ -2234,8 +2240,8 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
         StoreError::new(
             StoreErrorKind::InvalidInput,
             format!(
-                "Redis at {address} has no database of the number the URL's /DB names ({e}): \
-                 use one below the server's `databases` setting (16 by default), such as /0"
+                "Redis at {address} has no database of the number the URL's {db} names ({e}): \
+                 use one below the server's `databases` setting (16 by default), such as {db0}"
             ),
         )
     } else if let Some(why) = form

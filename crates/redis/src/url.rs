@@ -365,11 +365,24 @@ pub(crate) const FORMS: &str = "redis://[[USER]:PASSWORD@]HOST:PORT[/DB], \
 /// URL's fragment is refused too: `#insecure` would ask redis-rs to skip
 /// the certificate checks, which this store never does. `shown`: the URL
 /// without its credentials. A URL that does not parse is left to
-/// redis-rs's message. So is the path, but for a database that is no
-/// number (`redis://HOST:PORT/x`), which redis-rs refuses only when
-/// connecting, as an "invalid client config".
+/// redis-rs's message, but for a port out of range, which that message
+/// does not name. So is the path, but for a database that is no number
+/// (`redis://HOST:PORT/x`), which redis-rs refuses only when connecting,
+/// as an "invalid client config".
 pub(crate) fn query_error(url: &str, shown: &str) -> Option<String> {
-    let parsed = ::url::Url::parse(url).ok()?;
+    let bad_port = || {
+        let scheme = url.split("://").next().unwrap_or("redis");
+        format!(
+            "{shown:?}: its port is not a number from 1 to 65535; write {scheme}://HOST:PORT \
+             with Redis's port (6379 by default)"
+        )
+    };
+    let parsed = match ::url::Url::parse(url) {
+        Ok(parsed) if parsed.port() == Some(0) => return Some(bad_port()),
+        Ok(parsed) => parsed,
+        Err(::url::ParseError::InvalidPort) => return Some(bad_port()),
+        Err(_) => return None,
+    };
     let scheme = parsed.scheme();
     let unix = scheme == "redis+unix";
     if let Some(e) = (!unix).then(|| db_error(url)).flatten() {
@@ -491,6 +504,8 @@ pub fn is_cluster_url(url: &str) -> bool {
 /// assert_eq!(url_error("rediss://redis.example.com:6380"), None);
 /// assert!(url_error("redis+unix:///run/r.sock?pass=a+b").unwrap().contains("%2B"));
 /// assert_eq!(url_error("redis+unix:///run/r.sock?pass=a%2Bb"), None);
+/// assert!(url_error("redis://127.0.0.1:99999").unwrap().contains("1 to 65535"));
+/// assert!(url_error("redis://127.0.0.1:0").unwrap().contains("1 to 65535"));
 /// assert!(url_error("rediss://127.0.0.1:6380#insecure").unwrap().contains("SSL_CERT_FILE"));
 /// assert!(url_error("http://127.0.0.1:6379").unwrap().contains("not a Redis address"));
 /// ```

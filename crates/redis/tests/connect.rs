@@ -41,6 +41,20 @@ fn a_redis_that_wants_a_password_is_refused_at_connect_saying_so() {
         e.to_string().contains("refused the URL's user or password"),
         "{e}"
     );
+    // A password given to a Redis that has none is refused as wrong: the
+    // message says that this is a cause too.
+    let open = RedisServer::start();
+    let e = connect(&format!("redis://:s3cret@127.0.0.1:{}", open.port()))
+        .expect_err("a password to a Redis without one");
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(e.to_string().contains("no password set"), "{e}");
+    drop(open);
+    // A port that is none is named as the thing to change.
+    for bad in ["0", "99999"] {
+        let e = connect(&format!("redis://127.0.0.1:{bad}")).expect_err("no port");
+        assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+        assert!(e.to_string().contains("1 to 65535"), "{e}");
+    }
 
     // With a /DB, connecting selects it first; the refusal is the same.
     let e = connect(&format!("redis://127.0.0.1:{port}/1")).expect_err("no password given");
@@ -357,6 +371,11 @@ fn a_unix_socket_url_connects_and_other_forms_are_checked_saying_so() {
         e.to_string().contains("redis+unix:///PATH?pass=PASSWORD"),
         "{e}"
     );
+    // The socket form names its database in the query.
+    let e = connect(&format!("redis+unix://{path}?pass=s3cret&db=999")).expect_err("no such db");
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(e.to_string().contains("the URL's ?db= names"), "{e}");
+    assert!(e.to_string().contains("such as ?db=0"), "{e}");
     drop(server);
     let _ = std::fs::remove_file(&socket);
 
