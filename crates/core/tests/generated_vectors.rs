@@ -380,6 +380,20 @@ fn edges_file() -> VectorFile {
             (k(1), 110, 1),
         ],
     );
+    // GCRA near 2^53 with limit 1: now * limit stays below 2^53 while the
+    // arrival time an admission sets (now * limit + cost * W) passes it.
+    add(
+        "gcra: limit 1 near 2^53, where an admitted arrival time passes 2^53",
+        PolicyConfig::new(Gcra, 1, 1000).with_burst(3),
+        vec![
+            (k(1), MAX_SAFE - 10, 1),
+            (k(1), MAX_SAFE - 10, 0),
+            (k(1), MAX_SAFE - 9, 2),
+            (k(1), MAX_SAFE - 8, 1),
+            (k(1), MAX_SAFE, 1),
+            (k(1), MAX_SAFE, 0),
+        ],
+    );
     // Large states whose 64-bit packing in the memory store is one of the
     // two values it reserves for itself: each must decide as any other.
     let reserved = "a state whose packing is a value the memory store reserves";
