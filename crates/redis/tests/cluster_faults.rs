@@ -82,9 +82,14 @@ async fn failures(store: &RedisStore) -> Vec<StoreError> {
         .collect()
 }
 
-#[test]
-fn a_hung_master_costs_its_slots_only_until_its_replica_takes_over() {
-    let cluster = RedisCluster::start_with_replicas(1000);
+/// Three masters (nodes 0-2) with a replica each (`node_timeout_ms`), the
+/// index of node 0's replica, and a store with options `tag` on which
+/// every key was decided.
+fn replicated_cluster(
+    node_timeout_ms: u64,
+    tag: &str,
+) -> (RedisCluster, usize, tokio::runtime::Runtime, RedisStore) {
+    let cluster = RedisCluster::start_with_replicas(node_timeout_ms);
     assert!(
         (0..3).all(|i| cluster.is_master(i)),
         "nodes 0-2 are masters"
@@ -94,13 +99,18 @@ fn a_hung_master_costs_its_slots_only_until_its_replica_takes_over() {
         .expect("the first master has a replica");
     let rt = common::runtime();
     let store = rt.block_on(async {
-        let store = RedisStore::connect(&cluster.url(), REFERENCE, options("hung-master"))
+        let store = RedisStore::connect(&cluster.url(), REFERENCE, options(tag))
             .await
             .expect("connect");
         every_key_decided(&store, "a healthy cluster decides every key").await;
         store
     });
+    (cluster, replica, rt, store)
+}
 
+#[test]
+fn a_hung_master_costs_its_slots_only_until_its_replica_takes_over() {
+    let (cluster, replica, rt, store) = replicated_cluster(1000, "hung-master");
     cluster.nodes()[0].pause();
     let promoted_at = decide_until_master(&cluster, &store, &rt, replica);
     decided_again(&store, &rt, promoted_at);
@@ -655,18 +665,6 @@ fn readiness_names_the_hung_master_not_those_reporting_the_cluster_down() {
     assert!(!message.contains("cluster_state"), "{message}");
 }
 
-/// The calls of a `cmdstat_<command>` line of a node's `INFO commandstats`.
-fn command_calls(node: &ratewarden_redis::test_support::RedisServer, command: &str) -> u64 {
-    let stats = node.cli(&["INFO", "commandstats"]);
-    let prefix = format!("cmdstat_{command}:calls=");
-    stats
-        .lines()
-        .find_map(|line| line.strip_prefix(&prefix))
-        .map_or(0, |rest| {
-            rest.split(',').next().unwrap().parse().expect("calls")
-        })
-}
-
 /// The script is loaded on the masters only, which decide: a replica that
 /// is down stops neither a store made for another configuration nor the
 /// calls on masters that lost the script; and those calls send its text
@@ -674,22 +672,7 @@ fn command_calls(node: &ratewarden_redis::test_support::RedisServer, command: &s
 /// node.
 #[test]
 fn scripts_go_to_masters_only_and_once_after_a_flush() {
-    let mut cluster = RedisCluster::start_with_replicas(15_000);
-    assert!(
-        (0..3).all(|i| cluster.is_master(i)),
-        "nodes 0-2 are masters"
-    );
-    let replica = cluster
-        .replica_of(0, 1)
-        .expect("the first master has a replica");
-    let rt = common::runtime();
-    let store = rt.block_on(async {
-        let store = RedisStore::connect(&cluster.url(), REFERENCE, options("masters-only"))
-            .await
-            .expect("connect");
-        every_key_decided(&store, "a healthy cluster decides every key").await;
-        store
-    });
+    let (mut cluster, replica, rt, store) = replicated_cluster(15_000, "masters-only");
     cluster.kill_node(replica);
     let config = PolicyConfig::new(PolicyKind::FixedWindow, 100, 60_000);
     let other = rt
@@ -701,7 +684,7 @@ fn scripts_go_to_masters_only_and_once_after_a_flush() {
     for &i in &live {
         let node = &cluster.nodes()[i];
         assert_eq!(
-            command_calls(node, "script|load"),
+            common::command_calls(node, "script|load"),
             u64::from(cluster.is_master(i)) * 2,
             "node {i}: loaded at connect and by with_config on masters only"
         );
@@ -716,7 +699,7 @@ fn scripts_go_to_masters_only_and_once_after_a_flush() {
     ));
     let sent: u64 = live
         .iter()
-        .map(|&i| command_calls(&cluster.nodes()[i], "eval"))
+        .map(|&i| common::command_calls(&cluster.nodes()[i], "eval"))
         .sum();
     assert!(
         (1..=9).contains(&sent),
@@ -724,7 +707,7 @@ fn scripts_go_to_masters_only_and_once_after_a_flush() {
     );
     for &i in &live {
         assert_eq!(
-            command_calls(&cluster.nodes()[i], "script|load"),
+            common::command_calls(&cluster.nodes()[i], "script|load"),
             0,
             "node {i}"
         );

@@ -856,18 +856,6 @@ fn a_connection_that_stops_answering_is_replaced() {
     });
 }
 
-/// The calls of a `cmdstat_<command>` line of `INFO commandstats`.
-fn command_calls(server: &RedisServer, command: &str) -> u64 {
-    let stats = server.cli(&["INFO", "commandstats"]);
-    let prefix = format!("cmdstat_{command}:calls=");
-    stats
-        .lines()
-        .find_map(|line| line.strip_prefix(&prefix))
-        .map_or(0, |rest| {
-            rest.split(',').next().unwrap().parse().expect("calls")
-        })
-}
-
 /// Calls in flight when the script cache is flushed all meet `NOSCRIPT`:
 /// one of them sends the script's text (`EVAL`) and the others wait for it
 /// and go by `EVALSHA` again, rather than each sending some 12 KB; and
@@ -890,7 +878,11 @@ fn concurrent_calls_after_a_script_flush_send_the_script_once() {
             .filter(|d| d.allowed)
             .count();
         assert_eq!(admitted, 99, "each call applied once");
-        assert_eq!(command_calls(&server, "eval"), 1, "the text sent once");
-        assert_eq!(command_calls(&server, "script|load"), 0);
+        assert_eq!(
+            common::command_calls(&server, "eval"),
+            1,
+            "the text sent once"
+        );
+        assert_eq!(common::command_calls(&server, "script|load"), 0);
     });
 }

@@ -78,3 +78,16 @@ pub async fn store(url: &str, config: PolicyConfig, tag: &str) -> RedisStore {
         .await
         .expect("connect to the test Redis")
 }
+
+/// The calls of `command` in a server's `INFO commandstats`
+/// (`cmdstat_<command>:calls=N,...`; 0 when the command never ran).
+pub fn command_calls(server: &ratewarden_redis::test_support::RedisServer, command: &str) -> u64 {
+    let stats = server.cli(&["INFO", "commandstats"]);
+    let prefix = format!("cmdstat_{command}:calls=");
+    stats
+        .lines()
+        .find_map(|line| line.strip_prefix(&prefix))
+        .map_or(0, |rest| {
+            rest.split(',').next().unwrap().parse().expect("calls")
+        })
+}
