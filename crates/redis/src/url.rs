@@ -364,25 +364,16 @@ pub(crate) const FORMS: &str = "redis://[[USER]:PASSWORD@]HOST:PORT[/DB], \
 /// database 0, and `?password=` would send no password. A `rediss://`
 /// URL's fragment is refused too: `#insecure` would ask redis-rs to skip
 /// the certificate checks, which this store never does. `shown`: the URL
-/// without its credentials. A URL that does not parse is left to
-/// redis-rs's message, but for a port out of range, which that message
-/// does not name. So is the path, but for a database that is no number
+/// without its credentials. A port that is no port is named
+/// ([`port_error`]); any other URL that does not parse is left to
+/// redis-rs's message. So is the path, but for a database that is no number
 /// (`redis://HOST:PORT/x`), which redis-rs refuses only when connecting,
 /// as an "invalid client config".
 pub(crate) fn query_error(url: &str, shown: &str) -> Option<String> {
-    let bad_port = || {
-        let scheme = url.split("://").next().unwrap_or("redis");
-        format!(
-            "{shown:?}: its port is not a number from 1 to 65535; write {scheme}://HOST:PORT \
-             with Redis's port (6379 by default)"
-        )
-    };
-    let parsed = match ::url::Url::parse(url) {
-        Ok(parsed) if parsed.port() == Some(0) => return Some(bad_port()),
-        Ok(parsed) => parsed,
-        Err(::url::ParseError::InvalidPort) => return Some(bad_port()),
-        Err(_) => return None,
-    };
+    if let Some(e) = port_error(url, shown) {
+        return Some(e);
+    }
+    let parsed = ::url::Url::parse(url).ok()?;
     let scheme = parsed.scheme();
     let unix = scheme == "redis+unix";
     if let Some(e) = (!unix).then(|| db_error(url)).flatten() {
@@ -442,6 +433,31 @@ pub(crate) fn query_error(url: &str, shown: &str) -> Option<String> {
     Some(format!(
         "{shown:?}: its query has {named} that is not read, so it would be ignored; {instead}"
     ))
+}
+
+/// What is wrong with a one-node TCP URL's port, if it is a number that
+/// is no port (0, or above 65535): redis-rs's own message does not name
+/// it. The host and port are what follows the last `@`, so a password
+/// holding `/`, `:` or `@` unencoded (which has an error of its own) is
+/// not mistaken for them.
+fn port_error(url: &str, shown: &str) -> Option<String> {
+    let (scheme, rest) = url.split_once("://")?;
+    if !matches!(scheme, "redis" | "rediss") {
+        return None;
+    }
+    let host_port = rest.rsplit_once('@').map_or(rest, |(_, after)| after);
+    let host_port = host_port.split(['/', '?', '#']).next()?;
+    let (_, port) = host_port.rsplit_once(':')?;
+    if port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    match port.parse::<u32>() {
+        Ok(1..=65535) => None,
+        _ => Some(format!(
+            "{shown:?}: its port is not a number from 1 to 65535; write {scheme}://HOST:PORT \
+             with Redis's port (6379 by default)"
+        )),
+    }
 }
 
 /// What is wrong with a one-node URL's `/DB`, if it is no number. The
@@ -506,6 +522,8 @@ pub fn is_cluster_url(url: &str) -> bool {
 /// assert_eq!(url_error("redis+unix:///run/r.sock?pass=a%2Bb"), None);
 /// assert!(url_error("redis://127.0.0.1:99999").unwrap().contains("1 to 65535"));
 /// assert!(url_error("redis://127.0.0.1:0").unwrap().contains("1 to 65535"));
+/// assert!(url_error("redis://:pw@127.0.0.1:99999").unwrap().contains("1 to 65535"));
+/// assert_eq!(url_error("redis://:pw@127.0.0.1:6379"), None);
 /// assert!(url_error("rediss://127.0.0.1:6380#insecure").unwrap().contains("SSL_CERT_FILE"));
 /// assert!(url_error("http://127.0.0.1:6379").unwrap().contains("not a Redis address"));
 /// ```
