@@ -1194,6 +1194,92 @@ mod tests {
         }
     }
 
+    /// Each check of what reads for sure, held by a case only it decides:
+    /// anything that fails one is hidden.
+    #[test]
+    fn only_what_reads_for_sure_is_shown() {
+        for (url, shown) in [
+            // A cluster's seeds each need a port: one without may be a
+            // password whose `@` was forgotten.
+            ("redis-cluster://S3cretPw,h:1", "redis-cluster://***"),
+            // Credentials after a seed without them: `app:6379` may be a
+            // user and the start of a password holding `,`.
+            (
+                "redis-cluster://app:6379,:tail@b:2",
+                "redis-cluster://***@b:2",
+            ),
+            // A `,` splits seeds on a cluster only: on one node,
+            // `app:9876,a` may be USER:PASSWORD with its `@` forgotten.
+            ("redis://app:9876,a:6379", "redis://***"),
+            ("rediss://app:9876,a:6379", "rediss://***"),
+            // Brackets hold an IPv6 address (IPv4-mapped too), nothing else,
+            // in a URL or in a bare address.
+            (
+                "redis://[::ffff:127.0.0.1]:6379",
+                "redis://[::ffff:127.0.0.1]:6379",
+            ),
+            ("redis://[S3cret]:6379", "redis://***"),
+            ("[S3cret]:6379", "***"),
+            // A short lower-case word may hold digits: shown, so that a
+            // typo reads.
+            ("memory2", "memory2"),
+        ] {
+            assert_eq!(redact_url(url), shown, "{url}");
+        }
+    }
+
+    /// A database that is no number (a negative one, or one past i64,
+    /// redis-rs's type for it) is refused before connecting, with that
+    /// part hidden: redis-rs would refuse it only at connect.
+    #[test]
+    fn a_database_that_is_no_number_is_refused_hidden() {
+        for url in [
+            "redis://h:1/x",
+            "redis://h:1/-1",
+            "redis://h:1/99999999999999999999",
+        ] {
+            let e = super::url_error(url).unwrap_or_default();
+            assert!(
+                e.starts_with("\"redis://h:1/***\": what follows HOST:PORT/ must be a database"),
+                "{url}: {e}"
+            );
+        }
+        assert_eq!(super::url_error("redis://h:1/15"), None);
+    }
+
+    /// A query field a one-node URL would ignore is named when it is one
+    /// a user would mean, and only then: anything else may be a secret.
+    #[test]
+    fn an_ignored_query_field_is_named_only_when_it_is_no_secret() {
+        let e = super::url_error("redis://h:1?password=pw").unwrap_or_default();
+        assert!(
+            e.contains("its query has the field \"password\" that is not read"),
+            "{e}"
+        );
+        let e = super::url_error("redis://h:1?S3cret").unwrap_or_default();
+        assert!(
+            e.contains("its query has a field that is not read") && !e.contains("S3cret"),
+            "{e}"
+        );
+    }
+
+    /// A Redis-like scheme or a bare address gets the URL forms to write;
+    /// anything else is another store's name.
+    #[test]
+    fn redis_like_urls_are_told_from_other_stores() {
+        for url in [
+            "valkey://h:1",
+            "redis-sentinel://h:1",
+            "unix:///run/r.sock",
+            "127.0.0.1:6379",
+        ] {
+            assert!(super::is_redis_like_url(url), "{url}");
+        }
+        for url in ["memory", "etcd://h:1", "unix"] {
+            assert!(!super::is_redis_like_url(url), "{url}");
+        }
+    }
+
     /// Many generated store strings holding marked secrets, typed and
     /// mistyped every way the generator knows (schemes, separators, escaped
     /// or look-alike `@`, credentials in queries and fragments, cluster seed
