@@ -1015,7 +1015,10 @@ fn bench_redis_writes_only_under_its_prefix_and_leaves_no_key_without_a_ttl() {
     let mut conn = client
         .get_connection_with_timeout(Duration::from_secs(2))
         .unwrap();
-    let keys: Vec<String> = redis::Commands::scan(&mut conn).unwrap().collect();
+    let keys: Vec<String> = redis::Commands::scan(&mut conn)
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
     for key in keys {
         if key == "counter:__rand_int__" || key == "unrelated" {
             continue;

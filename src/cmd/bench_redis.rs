@@ -953,7 +953,7 @@ fn redis_benchmark_target(url: &str) -> Result<Target, String> {
     let info: redis::ConnectionInfo = url
         .parse()
         .map_err(|e| format!("{shown:?} is not a Redis URL ({e}): bench-redis takes {form}"))?;
-    let (address, mut args) = match info.addr {
+    let (address, mut args) = match info.addr().clone() {
         redis::ConnectionAddr::Tcp(host, port) => {
             let address = if host.contains(':') {
                 format!("[{host}]:{port}")
@@ -974,15 +974,16 @@ fn redis_benchmark_target(url: &str) -> Result<Target, String> {
         }
         _ => return Err(format!("{shown:?}: bench-redis takes {form}")),
     };
-    if info.redis.db != 0 {
-        args.extend(["--dbnum".to_owned(), info.redis.db.to_string()]);
+    let settings = info.redis_settings();
+    if settings.db() != 0 {
+        args.extend(["--dbnum".to_owned(), settings.db().to_string()]);
     }
-    let password = info.redis.password.is_some();
-    if let Some(password) = info.redis.password {
-        if let Some(user) = info.redis.username {
-            args.extend(["--user".to_owned(), user]);
+    let password = settings.password().is_some();
+    if let Some(password) = settings.password() {
+        if let Some(user) = settings.username() {
+            args.extend(["--user".to_owned(), user.to_owned()]);
         }
-        args.extend(["-a".to_owned(), password]);
+        args.extend(["-a".to_owned(), password.to_owned()]);
     }
     Ok(Target {
         args,
@@ -1071,7 +1072,7 @@ fn connect_error(e: &RedisError, address: &str, waited: Duration) -> String {
             "nothing accepts connections at {address} (connection refused): start \
              redis-server there, or correct the URL's address"
         )
-    } else if e.kind() == ErrorKind::ParseError {
+    } else if e.kind() == ErrorKind::Parse {
         format!(
             "the server at {address} answered with something that is not Redis's protocol: \
              another server (HTTP, a proxy) holds the port; check the port"
@@ -1213,8 +1214,14 @@ async fn pipelined_minimal(
     // Every connection is made before the clock starts: the rate is of
     // decisions, as the store's is (its connections are made beforehand).
     let mut conns = Vec::with_capacity(args.connections);
+    // Bounded here, by CALL_TIMEOUT, as each batch is below: redis-rs's
+    // own defaults (500 ms a reply) would fail a large batch.
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(None)
+        .set_response_timeout(None);
     for _ in 0..args.connections {
-        let conn = tokio::time::timeout(CALL_TIMEOUT, client.get_multiplexed_async_connection())
+        let connecting = client.get_multiplexed_async_connection_with_config(&config);
+        let conn = tokio::time::timeout(CALL_TIMEOUT, connecting)
             .await
             .map_err(|_| format!("Redis did not answer a new connection within {secs} s"))?
             .map_err(|e| e.to_string())?;
@@ -1574,11 +1581,7 @@ mod tests {
         assert!(e.contains("refused the URL's user or password"), "{e}");
         assert!(!e.contains("AuthenticationFailed"), "{e}");
         let e = connect_error(
-            &RedisError::from((
-                ErrorKind::ParseError,
-                "invalid response",
-                "HTTP/1.1".to_owned(),
-            )),
+            &RedisError::from((ErrorKind::Parse, "invalid response", "HTTP/1.1".to_owned())),
             "h:1",
             CONNECT_TIMEOUT,
         );

@@ -17,7 +17,10 @@ use redis::cluster_routing::{
 use redis::io::tcp::socket2::TcpKeepalive;
 use redis::io::tcp::TcpSettings;
 use redis::{AsyncConnectionConfig, TlsCertificates};
-use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, Script, Value};
+use redis::{
+    Cmd, ErrorKind, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, RedisResult, Script,
+    ServerErrorKind, Value,
+};
 
 const PRELUDE: &str = include_str!("lua/prelude.lua");
 const FIXED_WINDOW: &str = include_str!("lua/fixed_window.lua");
@@ -254,7 +257,7 @@ type Connect<C> = Box<dyn Fn() -> BoxFuture<'static, RedisResult<C>> + Send + Sy
 /// A connection that is replaced by a new one when calls time out.
 ///
 /// A connection that stops answering without failing is never replaced by
-/// the client: redis-rs 0.32 reconnects when a call fails on a connection,
+/// the client: redis-rs (1.8) reconnects when a call fails on a connection,
 /// and a timeout is no failure. On one node, a link whose far end is gone
 /// without a word (a host or VM lost, a managed Redis whose endpoint moved
 /// to another machine, a NAT or load balancer that dropped the flow) then
@@ -673,21 +676,20 @@ impl RedisStore {
                 }
                 let client = client_for(url, certificates).map_err(|e| invalid_url(shown, e))?;
                 // One attempt per (re)connection, no backoff: redis-rs
-                // 0.32 waits at least a second (backon's minimum delay,
-                // which neither the factor nor max_delay lowers) before
-                // each retry, so retries made every call wait its whole
-                // timeout while Redis refused connections, and the first
-                // calls after Redis returned wait for a sleeping attempt.
+                // sleeps a backoff delay before each retry (at least a
+                // second in 0.32), so retries made every call wait its
+                // whole timeout while Redis refused connections, and the
+                // first calls after Redis returned wait for a sleeping
+                // attempt.
                 // Without them a refused connection fails the call at once,
                 // as a connection error, and the next call (or this call's
                 // one more try, see retry_on_new_connection) starts a new
                 // attempt, so the first call after Redis returns connects.
                 let manager_config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(connect_timeout)
-                    .set_response_timeout(response_timeout)
-                    .set_number_of_retries(0)
-                    .set_tcp_settings(tcp_settings());
-                let address = address_of(&client.get_connection_info().addr);
+                    .set_connection_timeout(Some(connect_timeout))
+                    .set_response_timeout(Some(response_timeout))
+                    .set_number_of_retries(0);
+                let address = address_of(client.get_connection_info().addr());
                 let mut conn =
                     ConnectionManager::new_with_config(client.clone(), manager_config.clone())
                         .await
@@ -1169,7 +1171,7 @@ impl RedisStore {
             // master must not stop the probe before it can be named (and
             // replicas, which a probe does not need, are left out).
             let asked = conn.route_command(
-                &cmd,
+                cmd,
                 RoutingInfo::MultiNode((
                     MultipleNodeRoutingInfo::AllMasters,
                     Some(ResponsePolicy::OneSucceeded),
@@ -1370,7 +1372,7 @@ impl RedisStore {
         let mut pipe = redis::pipe();
         pipe.cmd("ASKING").add_command(cmd.clone());
         let mut values = cluster
-            .route_pipeline(&pipe, 1, 1, SingleNodeRoutingInfo::ByAddress { host, port })
+            .route_pipeline(pipe, 1, 1, SingleNodeRoutingInfo::ByAddress { host, port })
             .await?;
         match values.pop() {
             Some(value) => value.extract_error(),
@@ -1395,7 +1397,9 @@ impl RedisStore {
                 .and_then(Value::extract_error);
         }
         match (result, conn) {
-            (Err(e), Conn::Cluster(cluster)) if e.kind() == ErrorKind::Ask => {
+            (Err(e), Conn::Cluster(cluster))
+                if e.kind() == ErrorKind::Server(ServerErrorKind::Ask) =>
+            {
                 Self::call_asking(cluster, e, cmd).await
             }
             (result, _) => result,
@@ -1533,7 +1537,7 @@ impl RedisStore {
         for _ in 0..MAX_SCRIPT_ROUNDS {
             let sent = inner.scripts_sent.load(Ordering::Acquire);
             match self.try_call(conn, &call(false)).await {
-                Err(e) if e.kind() == ErrorKind::NoScriptError => {}
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {}
                 other => return other.map_err(map_error),
             }
             let _turn = inner.script_turn.lock().await;
@@ -1581,7 +1585,7 @@ impl RedisStore {
                     MultipleNodeRoutingInfo::AllMasters,
                     Some(ResponsePolicy::AllSucceeded),
                 ));
-                cluster.route_command(&cmd, every_master).await.map(drop)
+                cluster.route_command(cmd, every_master).await.map(drop)
             }
         }
     }
@@ -1737,7 +1741,7 @@ impl RedisStore {
                 for (&i, value) in todo.iter().zip(values) {
                     match value.extract_error() {
                         Err(e)
-                            if e.kind() == ErrorKind::NoScriptError
+                            if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
                                 && attempt < MAX_SCRIPT_LOADS =>
                         {
                             again.push(i)
@@ -1892,11 +1896,11 @@ async fn check_master(conn: &mut ClusterConnection, range: &SlotRange) -> Result
     pipe.cmd("CLUSTER").arg("MYID").cmd("CLUSTER").arg("INFO");
     let route = SingleNodeRoutingInfo::SpecificNode(Route::new(range.first, SlotAddr::Master));
     let values = conn
-        .route_pipeline(&pipe, 0, 2, route)
+        .route_pipeline(pipe, 0, 2, route)
         .await
         .map_err(MasterCheck::Redis)?;
     let text = |v: Option<&Value>| {
-        v.and_then(|v| redis::from_redis_value::<String>(v).ok())
+        v.and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
             .unwrap_or_default()
     };
     let id = text(values.first());
@@ -2041,10 +2045,10 @@ async fn cluster_connect_error(
 ) -> StoreError {
     let probes = nodes.iter().map(|node| async move {
         let client = client_for(node, certificates).map_err(|e| invalid_url(shown, e))?;
-        let address = address_of(&client.get_connection_info().addr);
+        let address = address_of(client.get_connection_info().addr());
         let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(node_timeout)
-            .set_response_timeout(node_timeout);
+            .set_connection_timeout(Some(node_timeout))
+            .set_response_timeout(Some(node_timeout));
         let mut conn = client
             .get_multiplexed_async_connection_with_config(&config)
             .await
@@ -2270,7 +2274,7 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
         StoreError::new(StoreErrorKind::InvalidInput, why)
     } else {
         let refused = e.is_connection_refusal();
-        let not_redis = e.kind() == ErrorKind::ParseError;
+        let not_redis = e.kind() == ErrorKind::Parse;
         let e = map_error(e);
         // The detail, not the whole error: shown, the error starts with its
         // kind ("store connection dropped: "), which the caller's showing
@@ -2334,9 +2338,10 @@ fn tcp_settings() -> TcpSettings {
 }
 
 fn client_for(url: &str, certificates: Option<&TlsCertificates>) -> RedisResult<redis::Client> {
+    let info = url.into_connection_info()?.set_tcp_settings(tcp_settings());
     match certificates {
-        Some(certificates) => redis::Client::build_with_tls(url, certificates.clone()),
-        None => redis::Client::open(url),
+        Some(certificates) => redis::Client::build_with_tls(info, certificates.clone()),
+        None => redis::Client::open(info),
     }
 }
 
@@ -2356,7 +2361,7 @@ fn invalid_url(shown: &str, e: RedisError) -> StoreError {
 /// Whether an error's `text` is the ACL refusing the URL's user a command
 /// or a key (in a script, "can't run this command").
 fn refused_permission(text: &str) -> bool {
-    text.contains("NOPERM") || text.contains("can't run this command")
+    text.contains("NOPERM") || text.contains("NoPerm:") || text.contains("can't run this command")
 }
 
 /// What to change when Redis refuses the URL's user a command or a key.
@@ -2463,10 +2468,12 @@ pub(crate) fn map_error(e: RedisError) -> StoreError {
         || matches!(
             e.kind(),
             ErrorKind::ClusterConnectionNotFound
-                | ErrorKind::ClusterDown
-                | ErrorKind::TryAgain
-                | ErrorKind::MasterDown
-                | ErrorKind::Moved
+                | ErrorKind::Server(
+                    ServerErrorKind::ClusterDown
+                        | ServerErrorKind::TryAgain
+                        | ServerErrorKind::MasterDown
+                        | ServerErrorKind::Moved
+                )
         )
     {
         StoreErrorKind::ConnectionDropped

@@ -450,7 +450,10 @@ impl RedisServer {
             .expect("connect");
         let keys: Vec<String> = {
             use redis::Commands;
-            conn.scan::<String>().expect("SCAN").collect()
+            conn.scan::<String>()
+                .expect("SCAN")
+                .collect::<Result<_, _>>()
+                .expect("SCAN")
         };
         keys.into_iter()
             .map(|key| {

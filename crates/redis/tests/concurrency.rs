@@ -319,15 +319,9 @@ fn seed_pattern_under_the_same_load_is_measured() {
     let server = RedisServer::start();
     let rt = common::runtime();
     let counts = rt.block_on(async {
-        let client = redis::Client::open(server.url()).unwrap();
         let mut conns = Vec::new();
         for _ in 0..CLIENTS {
-            conns.push(
-                client
-                    .get_multiplexed_async_connection()
-                    .await
-                    .expect("connect"),
-            );
+            conns.push(common::plain_connection(&server.url()).await);
         }
         let mut counts = Vec::new();
         for run in 0..RUNS {

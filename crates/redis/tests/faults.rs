@@ -448,8 +448,7 @@ fn single_calls_are_decided_under_a_storm_of_script_flushes() {
     rt.block_on(async {
         let config = PolicyConfig::new(PolicyKind::FixedWindow, 1_000_000, 1000);
         let store = common::store(&url, config, "storm").await;
-        let client = redis::Client::open(url.as_str()).unwrap();
-        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let mut conn = common::plain_connection(&url).await;
         let stop = Instant::now() + Duration::from_secs(2);
         let flusher = tokio::spawn(async move {
             let mut flushes = 0u32;
@@ -552,8 +551,7 @@ fn corrupt_state_is_a_typed_error_never_an_admit() {
                 "0".into(),
             ]));
             setups.push(Setup::Cli(vec!["RPUSH".into(), name.clone(), "5".into()]));
-            let client = redis::Client::open(server.url()).unwrap();
-            let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+            let mut conn = common::plain_connection(&server.url()).await;
             for setup in setups {
                 server.cli(&["DEL", &name]);
                 match &setup {

@@ -91,3 +91,14 @@ pub fn command_calls(server: &ratewarden_redis::test_support::RedisServer, comma
             rest.split(',').next().unwrap().parse().expect("calls")
         })
 }
+
+/// A connection for a test's own commands, with no response timeout:
+/// redis-rs sets 500 ms by default, which a loaded machine can miss.
+pub async fn plain_connection(url: &str) -> redis::aio::MultiplexedConnection {
+    let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
+    redis::Client::open(url)
+        .expect("a Redis URL")
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .expect("connect")
+}
