@@ -719,9 +719,9 @@ fn scripts_go_to_masters_only_and_once_after_a_flush() {
 
 /// The store options of the batch tests: a batch of thousands needs more
 /// than the single calls' 200 ms.
-fn batch_options(tag: &str) -> RedisOptions {
+fn batch_options(tag: &str, timeout_ms: u64) -> RedisOptions {
     RedisOptions {
-        timeout_ms: 3_000,
+        timeout_ms,
         ..options(tag)
     }
 }
@@ -754,7 +754,9 @@ fn a_hung_master_costs_only_its_own_keys_while_it_hangs() {
     let (batch_store, store) = rt.block_on(async {
         let url = cluster.url();
         let connect = |options| RedisStore::connect(&url, REFERENCE, options);
-        let batch_store = connect(batch_options("hung-batch")).await.expect("connect");
+        let batch_store = connect(batch_options("hung-batch", 3_000))
+            .await
+            .expect("connect");
         let store = connect(options("hung-singles")).await.expect("connect");
         (batch_store, store)
     });
@@ -778,22 +780,25 @@ fn a_hung_master_costs_only_its_own_keys_while_it_hangs() {
         );
     }
     // Rounds of single calls over 3 s, each of whose timeouts asks for a
-    // new connection (at most one a second).
+    // new connection (at most one a second). A round can miss its 200 ms
+    // on a busy machine now and then; before, every round from about the
+    // second one on decided almost nothing.
     let started = Instant::now();
+    let mut rounds = Vec::new();
     while started.elapsed() < Duration::from_secs(3) {
         let failed = rt.block_on(failures(&store));
         for e in &failed {
             assert_eq!(e.kind(), StoreErrorKind::Timeout, "{e}");
         }
-        let n = KEYS as usize - failed.len();
-        assert!(
-            enough(n, KEYS),
-            "{n} of {KEYS} decided at {:?}",
-            started.elapsed()
-        );
+        rounds.push(KEYS as usize - failed.len());
         std::thread::sleep(Duration::from_millis(100));
     }
     cluster.nodes()[0].resume();
+    let good = rounds.iter().filter(|&&n| enough(n, KEYS)).count();
+    assert!(
+        good * 4 >= rounds.len() * 3,
+        "rounds of {KEYS} single calls decided {rounds:?}"
+    );
 }
 
 /// A batch sent right after a failover is decided but for the calls that
@@ -808,7 +813,10 @@ fn a_failover_costs_a_batch_at_most_its_calls_in_flight() {
     let cluster = RedisCluster::start_with_replicas(1_000);
     let rt = common::runtime();
     let store = rt.block_on(async {
-        RedisStore::connect(&cluster.url(), REFERENCE, batch_options("failover-batch"))
+        // A long timeout, for a loaded machine: the batch is given a
+        // quarter of it without an answer before it takes a new connection.
+        let options = batch_options("failover-batch", 8_000);
+        RedisStore::connect(&cluster.url(), REFERENCE, options)
             .await
             .expect("connect")
     });
