@@ -1805,17 +1805,7 @@ impl RedisStore {
                 }
                 todo = again;
             }
-            Ok(results
-                .into_iter()
-                .map(|r| {
-                    r.unwrap_or_else(|| {
-                        Err(StoreError::new(
-                            StoreErrorKind::Backend,
-                            "request left undecided",
-                        ))
-                    })
-                })
-                .collect())
+            Ok(every_result(results))
         };
         tokio::time::timeout(timeout, call)
             .await
@@ -1958,18 +1948,26 @@ impl RedisStore {
         for (i, r) in all.into_iter().flatten() {
             results[i] = Some(r);
         }
-        results
-            .into_iter()
-            .map(|r| {
-                r.unwrap_or_else(|| {
-                    Err(StoreError::new(
-                        StoreErrorKind::Backend,
-                        "request left undecided",
-                    ))
-                })
-            })
-            .collect()
+        every_result(results)
     }
+}
+
+/// A batch's results, each request's (one left without a result, which
+/// no path leaves, says so rather than panics).
+fn every_result(
+    results: Vec<Option<Result<Decision, StoreError>>>,
+) -> Vec<Result<Decision, StoreError>> {
+    results
+        .into_iter()
+        .map(|r| {
+            r.unwrap_or_else(|| {
+                Err(StoreError::new(
+                    StoreErrorKind::Backend,
+                    "request left undecided",
+                ))
+            })
+        })
+        .collect()
 }
 
 /// Awaits a cluster batch's `call`, holding its `place` (see
