@@ -841,7 +841,8 @@ fn a_failover_costs_a_batch_at_most_its_calls_in_flight() {
     );
     let results = rt.block_on(store.decide_many(&requests, None));
     let n = decided(&results.expect("batch"), "after a failover");
-    // 256 calls in flight at a time; a second set can go out on the old
-    // connection while the new one is made.
+    // Given up: the calls in flight when the connection stopped
+    // answering, about 490 (256 holding places, and calls slow on the
+    // failed-over master that had given theirs up).
     assert!(n >= 9_000, "{n} of {BATCH_KEYS} decided after a failover");
 }
