@@ -709,17 +709,9 @@ impl RedisStore {
                     let client = client.clone();
                     Box::pin(async move {
                         let mut conn = client.get_async_connection().await?;
-                        // Taken only once every master answers on it as
-                        // itself. A connection made while a master hangs
-                        // has none to it, and tries to make one for each
-                        // call of its slots, holding up every other call
-                        // meanwhile: in place of the old one (whose calls
-                        // to the hung master wait alone), it decided almost
-                        // nothing, where the old one decided the other
-                        // masters' keys. Once the master's replica has
-                        // taken over, every master answers and the new
-                        // slot map is taken.
-                        every_master_answers(&mut conn).await?;
+                        // Taken only once no master hangs for it (see
+                        // no_master_hangs).
+                        no_master_hangs(&mut conn, node_connect_timeout).await?;
                         Ok(conn)
                     })
                 });
@@ -2132,17 +2124,25 @@ async fn check_master(conn: &mut ClusterConnection, range: &SlotRange) -> Result
     Ok(())
 }
 
-/// Whether every master of the slot map that `conn` reads answers on it,
-/// as itself (see [`check_master`]; a master that answers but is not `ok`
-/// counts: it is reached).
-async fn every_master_answers(conn: &mut ClusterConnection) -> RedisResult<()> {
-    let failed = |what: &str| {
-        RedisError::from((
-            ErrorKind::Client,
-            "new connection not taken",
-            what.to_owned(),
-        ))
-    };
+/// Whether no master of the slot map that `conn` reads hangs for it: each
+/// answers on it as itself (see [`check_master`]; one that answers but is
+/// not `ok` counts), or, when it does not, refuses a TCP connection within
+/// `probe_timeout` (a master that is down).
+///
+/// A new connection that has no connection to a master tries to make one
+/// for each call of its slots. To a master that is down that fails at
+/// once, and the other masters' calls go on; to one that hangs (a frozen
+/// process, a host that no longer answers) each try waits, holding up
+/// every other call meanwhile. In place of an old connection (whose calls
+/// to the hung master wait alone) such a connection decided almost
+/// nothing, where the old one decided the other masters' keys; so it is
+/// not taken while the master hangs, and is once its replica has taken
+/// over. A master that is down is no reason to keep the old connection:
+/// after a master was killed, the old one could stop answering every call
+/// until its replica took over, and a new one decided the others' keys.
+async fn no_master_hangs(conn: &mut ClusterConnection, probe_timeout: Duration) -> RedisResult<()> {
+    let not_taken =
+        |what: String| RedisError::from((ErrorKind::Client, "new connection not taken", what));
     let every_master = RoutingInfo::MultiNode((
         MultipleNodeRoutingInfo::AllMasters,
         Some(ResponsePolicy::OneSucceeded),
@@ -2150,23 +2150,35 @@ async fn every_master_answers(conn: &mut ClusterConnection) -> RedisResult<()> {
     let reply = conn
         .route_command(redis::cmd("CLUSTER").arg("SLOTS").to_owned(), every_master)
         .await?;
-    let slots = slot_ranges(&reply).map_err(|e| failed(e.detail()))?;
+    let slots = slot_ranges(&reply).map_err(|e| not_taken(e.detail().to_owned()))?;
     let mut seen = std::collections::HashSet::new();
     let checks = slots
         .iter()
         .filter(|range| seen.insert(range.id.as_str()))
         .map(|range| {
             let mut conn = conn.clone();
-            async move { check_master(&mut conn, range).await }
+            async move {
+                match check_master(&mut conn, range).await {
+                    Ok(()) | Err(MasterCheck::NotOk) => Ok(()),
+                    Err(_) if refuses_connections(range, probe_timeout).await => Ok(()),
+                    Err(_) => Err(not_taken(format!("the master of {range} does not answer"))),
+                }
+            }
         });
-    for checked in futures_util::future::join_all(checks).await {
-        match checked {
-            Ok(()) | Err(MasterCheck::NotOk) => {}
-            Err(MasterCheck::Redis(e)) => return Err(e),
-            Err(_) => return Err(failed("a master's slots answered by another node")),
-        }
-    }
-    Ok(())
+    futures_util::future::try_join_all(checks).await.map(drop)
+}
+
+/// Whether the master of `range` refuses a TCP connection within
+/// `timeout` (it is down, rather than hung or out of reach).
+async fn refuses_connections(range: &SlotRange, timeout: Duration) -> bool {
+    let Some((host, port)) = &range.master else {
+        return false;
+    };
+    let connecting = tokio::net::TcpStream::connect((host.as_str(), *port));
+    matches!(
+        tokio::time::timeout(timeout, connecting).await,
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused
+    )
 }
 
 /// The `cluster_state` a `CLUSTER INFO` reply gives (`ok` or `fail`).

@@ -6,6 +6,8 @@ mod common;
 
 use std::net::{Ipv4Addr, TcpListener};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ratewarden_core::{PolicyConfig, PolicyKind, StoreError, StoreErrorKind, REFERENCE};
@@ -845,4 +847,87 @@ fn a_failover_costs_a_batch_at_most_its_calls_in_flight() {
     // answering, about 490 (256 holding places, and calls slow on the
     // failed-over master that had given theirs up).
     assert!(n >= 9_000, "{n} of {BATCH_KEYS} decided after a failover");
+}
+
+/// A master killed under load (100 callers, and batches beside them)
+/// costs its own keys, refused at once, and the cluster's own refusals
+/// (`CLUSTERDOWN`) until its replica takes over, not timeouts on every
+/// key: the cluster connection can stop answering every call after such
+/// a kill, and a new one must be taken although the dead master does not
+/// answer on it (before, single calls timed out on every key from the
+/// kill until after the promotion in most runs).
+#[test]
+fn a_killed_master_does_not_time_out_the_other_masters_keys() {
+    const CALLERS: u64 = 100;
+    let mut cluster = RedisCluster::start_with_replicas(1_000);
+    let replica = cluster
+        .replica_of(0, 1)
+        .expect("the first master has a replica");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let url = cluster.url();
+    let (store, batch_store) = rt.block_on(async {
+        let connect = |options| RedisStore::connect(&url, REFERENCE, options);
+        let store = connect(options("killed-singles")).await.expect("connect");
+        let batch_store = connect(batch_options("killed-batch", 3_000))
+            .await
+            .expect("connect");
+        (store, batch_store)
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let timeouts = Arc::new(AtomicU64::new(0));
+    let mut callers = Vec::new();
+    for caller in 0..CALLERS {
+        let (store, stop, timeouts) = (store.clone(), stop.clone(), timeouts.clone());
+        callers.push(rt.spawn(async move {
+            let mut key = caller * 1_000;
+            while !stop.load(Ordering::Relaxed) {
+                key += 1;
+                match store.decide(key, None, 1).await {
+                    Err(e) if e.kind() == StoreErrorKind::Timeout => {
+                        timeouts.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => assert_eq!(e.kind(), StoreErrorKind::ConnectionDropped, "{e}"),
+                    Ok(_) => {}
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }));
+    }
+    let batches = {
+        let stop = stop.clone();
+        rt.spawn(async move {
+            let requests = batch(5_000);
+            while !stop.load(Ordering::Relaxed) {
+                batch_store
+                    .decide_many(&requests, None)
+                    .await
+                    .expect("batch");
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    cluster.kill_node(0);
+    let promoted = cluster.wait_until_master(replica, Duration::from_secs(20));
+    // Past the promotion, for the calls that were failing to recover.
+    std::thread::sleep(Duration::from_secs(1));
+    stop.store(true, Ordering::Relaxed);
+    rt.block_on(async {
+        for caller in callers {
+            caller.await.expect("caller");
+        }
+        batches.await.expect("batches");
+    });
+    assert!(promoted, "the replica was not promoted within 20 s");
+    // Each caller can time out a call or two while the old connection
+    // stops answering and a new one is made; before, each timed out about
+    // every 200 ms for 2 s or more (about 1,000 in all).
+    let timeouts = timeouts.load(Ordering::Relaxed);
+    assert!(
+        timeouts <= 3 * CALLERS,
+        "{timeouts} single calls timed out across the kill"
+    );
 }
