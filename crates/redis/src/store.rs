@@ -1243,18 +1243,7 @@ impl RedisStore {
         };
         let slots = {
             let mut conn = cluster.clone();
-            let cmd = redis::cmd("CLUSTER").arg("SLOTS").to_owned();
-            // Asked of every master, the first answer taken: a frozen
-            // master must not stop the probe before it can be named (and
-            // replicas, which a probe does not need, are left out).
-            let asked = conn.route_command(
-                cmd,
-                RoutingInfo::MultiNode((
-                    MultipleNodeRoutingInfo::AllMasters,
-                    Some(ResponsePolicy::OneSucceeded),
-                )),
-            );
-            match tokio::time::timeout_at(deadline, asked).await {
+            match tokio::time::timeout_at(deadline, ask_slot_map(&mut conn)).await {
                 Ok(Ok(value)) => slot_ranges(&value)?,
                 Ok(Err(e)) if e.is_timeout() => {
                     return Err(timed_out("no master answered CLUSTER SLOTS"))
@@ -2124,6 +2113,18 @@ async fn check_master(conn: &mut ClusterConnection, range: &SlotRange) -> Result
     Ok(())
 }
 
+/// `CLUSTER SLOTS`, asked of every master and the first answer taken: a
+/// frozen master must not stop a probe before it can be named (and
+/// replicas, which a probe does not need, are left out).
+async fn ask_slot_map(conn: &mut ClusterConnection) -> RedisResult<Value> {
+    let every_master = RoutingInfo::MultiNode((
+        MultipleNodeRoutingInfo::AllMasters,
+        Some(ResponsePolicy::OneSucceeded),
+    ));
+    conn.route_command(redis::cmd("CLUSTER").arg("SLOTS").to_owned(), every_master)
+        .await
+}
+
 /// Whether no master of the slot map that `conn` reads hangs for it: each
 /// answers on it as itself (see [`check_master`]; one that answers but is
 /// not `ok` counts), or, when it does not, refuses a TCP connection within
@@ -2143,13 +2144,7 @@ async fn check_master(conn: &mut ClusterConnection, range: &SlotRange) -> Result
 async fn no_master_hangs(conn: &mut ClusterConnection, probe_timeout: Duration) -> RedisResult<()> {
     let not_taken =
         |what: String| RedisError::from((ErrorKind::Client, "new connection not taken", what));
-    let every_master = RoutingInfo::MultiNode((
-        MultipleNodeRoutingInfo::AllMasters,
-        Some(ResponsePolicy::OneSucceeded),
-    ));
-    let reply = conn
-        .route_command(redis::cmd("CLUSTER").arg("SLOTS").to_owned(), every_master)
-        .await?;
+    let reply = ask_slot_map(conn).await?;
     let slots = slot_ranges(&reply).map_err(|e| not_taken(e.detail().to_owned()))?;
     let mut seen = std::collections::HashSet::new();
     let checks = slots
