@@ -27,6 +27,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod down;
 mod limiter;
 mod store;
 #[cfg(feature = "test-support")]

@@ -22,6 +22,8 @@ use redis::{
     ServerErrorKind, Value,
 };
 
+use crate::down::DownMasters;
+
 const PRELUDE: &str = include_str!("lua/prelude.lua");
 const FIXED_WINDOW: &str = include_str!("lua/fixed_window.lua");
 const SLIDING_WINDOW_COUNTER: &str = include_str!("lua/sliding_window_counter.lua");
@@ -255,7 +257,8 @@ enum Conn {
 #[derive(Clone)]
 enum Backend {
     Node(Arc<Renewing<ConnectionManager>>),
-    Cluster(Arc<Renewing<ClusterConnection>>),
+    /// With the cluster's masters found down (see [`crate::down`]).
+    Cluster(Arc<Renewing<ClusterConnection>>, Arc<DownMasters>),
 }
 
 /// The least time between two starts of a new connection, so that a Redis
@@ -705,22 +708,44 @@ impl RedisStore {
                             )
                         })
                 })?;
-                let connect: Connect<ClusterConnection> = Box::new(move || {
-                    let client = client.clone();
-                    Box::pin(async move {
-                        let mut conn = client.get_async_connection().await?;
-                        // Taken only once no master hangs for it (see
-                        // no_master_hangs).
-                        no_master_hangs(&mut conn, node_connect_timeout).await?;
-                        Ok(conn)
+                // The slot map, to tell which master a key's call goes to
+                // (see crate::down); one not read now is read at the first
+                // failed call.
+                let map = match tokio::time::timeout(node_response_timeout, ask_slot_map(&mut conn))
+                    .await
+                {
+                    Ok(Ok(reply)) => slot_ranges(&reply).unwrap_or_default(),
+                    _ => Vec::new(),
+                };
+                let down = Arc::new(DownMasters::new(
+                    map,
+                    node_connect_timeout,
+                    node_response_timeout,
+                ));
+                let connect: Connect<ClusterConnection> = {
+                    let down = Arc::clone(&down);
+                    Box::new(move || {
+                        let client = client.clone();
+                        let down = Arc::clone(&down);
+                        Box::pin(async move {
+                            let mut conn = client.get_async_connection().await?;
+                            // Taken only once no master hangs for it (see
+                            // no_master_hangs).
+                            let map = no_master_hangs(&mut conn, node_connect_timeout).await?;
+                            down.set_map(map);
+                            Ok(conn)
+                        })
                     })
-                });
-                Backend::Cluster(Arc::new(Renewing::new(
-                    connect,
-                    conn,
-                    connect_timeout,
-                    response_timeout,
-                )))
+                };
+                Backend::Cluster(
+                    Arc::new(Renewing::new(
+                        connect,
+                        conn,
+                        connect_timeout,
+                        response_timeout,
+                    )),
+                    down,
+                )
             } else {
                 if let Some(what) = crate::url::query_error(url, shown) {
                     return Err(StoreError::new(StoreErrorKind::InvalidInput, what));
@@ -1045,7 +1070,7 @@ impl RedisStore {
     fn conn(&self) -> Conn {
         match &self.inner.backend {
             Backend::Node(c) => Conn::Node(c.conn()),
-            Backend::Cluster(c) => Conn::Cluster(c.conn()),
+            Backend::Cluster(c, _) => Conn::Cluster(c.conn()),
         }
     }
 
@@ -1087,12 +1112,26 @@ impl RedisStore {
         }
     }
 
+    /// After a failed call, with error `e`: on a cluster, when its master
+    /// may be down (the call timed out or lost its connection), checks in
+    /// the background which masters are (see [`crate::down`]).
+    fn look_for_down_masters(&self, e: &StoreError) {
+        if let Backend::Cluster(cluster, down) = &self.inner.backend {
+            if matches!(
+                e.kind(),
+                StoreErrorKind::Timeout | StoreErrorKind::ConnectionDropped
+            ) {
+                down.check(|| cluster.conn());
+            }
+        }
+    }
+
     /// Starts a new connection in the background for later calls, at most
     /// one a second (see [`Renewing`]).
     fn renew_connection(&self) {
         match &self.inner.backend {
             Backend::Node(node) => node.timed_out(),
-            Backend::Cluster(cluster) => cluster.timed_out(),
+            Backend::Cluster(cluster, _) => cluster.timed_out(),
         }
     }
 
@@ -1170,10 +1209,14 @@ impl RedisStore {
     ) -> Result<Decision, StoreError> {
         Self::check(now_ms, cost)?;
         let timeout = Duration::from_millis(self.inner.options.timeout_ms);
-        match tokio::time::timeout(timeout, self.call_one(key, now_ms, cost)).await {
+        let result = match tokio::time::timeout(timeout, self.call_one(key, now_ms, cost)).await {
             Ok(result) => result.map_err(|e| self.call_error(e)),
             Err(_) => Err(self.timed_out()),
+        };
+        if let Err(e) = &result {
+            self.look_for_down_masters(e);
         }
+        result
     }
 
     /// Asks Redis whether it can decide, within
@@ -1544,7 +1587,7 @@ impl RedisStore {
                     // A hung master times the check out with no word of
                     // which node it is.
                     let hint = if e.kind() == StoreErrorKind::Timeout
-                        && matches!(self.inner.backend, Backend::Cluster(_))
+                        && matches!(self.inner.backend, Backend::Cluster(..))
                     {
                         "; a master that does not answer (a hung node) does this: \
                          redis-cli --cluster check HOST:PORT shows which"
@@ -1656,7 +1699,8 @@ impl RedisStore {
         }
     }
 
-    /// One script call, without the timeout.
+    /// One script call, without the timeout; on a cluster, not sent when
+    /// the key's master is down (see [`crate::down`]).
     async fn call_one(
         &self,
         key: u64,
@@ -1664,6 +1708,19 @@ impl RedisStore {
         cost: u64,
     ) -> Result<Decision, StoreError> {
         let name = self.key_name(key);
+        if let Backend::Cluster(_, down) = &self.inner.backend {
+            if let Some(range) = down.refusing(name.as_bytes()) {
+                return Err(StoreError::new(
+                    StoreErrorKind::ConnectionDropped,
+                    format!(
+                        "the master of slots {range} refuses connections (it is down), so the \
+                         call was not sent and nothing was applied; its slots are sent again \
+                         once it accepts connections or the cluster names another master for \
+                         them"
+                    ),
+                ));
+            }
+        }
         let value = self
             .eval(&mut self.conn(), |by_source| {
                 self.eval_named(by_source, &name, now_ms, cost)
@@ -1693,7 +1750,8 @@ impl RedisStore {
     /// batch's deadline gets a [`StoreErrorKind::Timeout`] of its own (a
     /// key's later requests, not sent then, say so), while the keys of the
     /// masters that answered keep their decisions. So one hung master
-    /// costs its own keys only. When the batch gets no answer at all for a
+    /// costs its own keys only, and one found down fails its keys at once
+    /// without sending them (see `docs/redis.md`). When the batch gets no answer at all for a
     /// quarter of its timeout (a cluster connection can stop answering
     /// every call after a failover), a new connection is made, and once
     /// it is in place the requests still waiting on the old one get a
@@ -1724,7 +1782,7 @@ impl RedisStore {
             Self::check(now_ms, cost)?;
         }
         let timeout = Duration::from_millis(self.inner.options.timeout_ms);
-        if let Backend::Cluster(cluster) = &self.inner.backend {
+        if let Backend::Cluster(cluster, _) = &self.inner.backend {
             return Ok(self
                 .decide_many_on_cluster(cluster, requests, now_ms, timeout)
                 .await);
@@ -1882,9 +1940,17 @@ impl RedisStore {
                             Either::Left((Ok(result), _)) => {
                                 answered.fetch_add(1, Ordering::Relaxed);
                                 last_answer_ms.store(elapsed_ms(), Ordering::Relaxed);
-                                result.map_err(|e| self.call_error(e))
+                                let result = result.map_err(|e| self.call_error(e));
+                                if let Err(e) = &result {
+                                    self.look_for_down_masters(e);
+                                }
+                                result
                             }
-                            Either::Left((Err(_), _)) => Err(self.timed_out()),
+                            Either::Left((Err(_), _)) => {
+                                let e = self.timed_out();
+                                self.look_for_down_masters(&e);
+                                Err(e)
+                            }
                             Either::Right(_) => {
                                 key_given_up = true;
                                 Err(self.given_up(stall))
@@ -1992,13 +2058,13 @@ fn naming_the_key(e: StoreError, name: &str) -> StoreError {
 /// A slot range of `CLUSTER SLOTS`, with its master's address when the
 /// reply names one (for messages).
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct SlotRange {
-    first: u16,
-    last: u16,
-    /// The master's host and port, for messages.
-    master: Option<(String, u16)>,
+pub(crate) struct SlotRange {
+    pub(crate) first: u16,
+    pub(crate) last: u16,
+    /// The master's host and port.
+    pub(crate) master: Option<(String, u16)>,
     /// The master's node id.
-    id: String,
+    pub(crate) id: String,
 }
 
 impl std::fmt::Display for SlotRange {
@@ -2016,7 +2082,7 @@ impl std::fmt::Display for SlotRange {
 /// and last slot, then the master's `[host, port, ...]`, then replicas'.
 /// At most [`MAX_SLOT_RANGES`]: a cluster has at most 16,384 slots, and
 /// far fewer ranges in practice.
-fn slot_ranges(reply: &Value) -> Result<Vec<SlotRange>, StoreError> {
+pub(crate) fn slot_ranges(reply: &Value) -> Result<Vec<SlotRange>, StoreError> {
     let malformed = || {
         StoreError::new(
             StoreErrorKind::Backend,
@@ -2116,7 +2182,7 @@ async fn check_master(conn: &mut ClusterConnection, range: &SlotRange) -> Result
 /// `CLUSTER SLOTS`, asked of every master and the first answer taken: a
 /// frozen master must not stop a probe before it can be named (and
 /// replicas, which a probe does not need, are left out).
-async fn ask_slot_map(conn: &mut ClusterConnection) -> RedisResult<Value> {
+pub(crate) async fn ask_slot_map(conn: &mut ClusterConnection) -> RedisResult<Value> {
     let every_master = RoutingInfo::MultiNode((
         MultipleNodeRoutingInfo::AllMasters,
         Some(ResponsePolicy::OneSucceeded),
@@ -2141,7 +2207,10 @@ async fn ask_slot_map(conn: &mut ClusterConnection) -> RedisResult<Value> {
 /// over. A master that is down is no reason to keep the old connection:
 /// after a master was killed, the old one could stop answering every call
 /// until its replica took over, and a new one decided the others' keys.
-async fn no_master_hangs(conn: &mut ClusterConnection, probe_timeout: Duration) -> RedisResult<()> {
+async fn no_master_hangs(
+    conn: &mut ClusterConnection,
+    probe_timeout: Duration,
+) -> RedisResult<Vec<SlotRange>> {
     let not_taken =
         |what: String| RedisError::from((ErrorKind::Client, "new connection not taken", what));
     let reply = ask_slot_map(conn).await?;
@@ -2155,18 +2224,25 @@ async fn no_master_hangs(conn: &mut ClusterConnection, probe_timeout: Duration) 
             async move {
                 match check_master(&mut conn, range).await {
                     Ok(()) | Err(MasterCheck::NotOk) => Ok(()),
-                    Err(_) if refuses_connections(range, probe_timeout).await => Ok(()),
+                    Err(_) if refuses_connections(range.master.as_ref(), probe_timeout).await => {
+                        Ok(())
+                    }
                     Err(_) => Err(not_taken(format!("the master of {range} does not answer"))),
                 }
             }
         });
-    futures_util::future::try_join_all(checks).await.map(drop)
+    futures_util::future::try_join_all(checks).await?;
+    Ok(slots)
 }
 
-/// Whether the master of `range` refuses a TCP connection within
-/// `timeout` (it is down, rather than hung or out of reach).
-async fn refuses_connections(range: &SlotRange, timeout: Duration) -> bool {
-    let Some((host, port)) = &range.master else {
+/// Whether the node at `address` (a master's, of a slot map) refuses a
+/// TCP connection within `timeout` (it is down, rather than hung or out of
+/// reach); `None` (a map that names no address) is not.
+pub(crate) async fn refuses_connections(
+    address: Option<&(String, u16)>,
+    timeout: Duration,
+) -> bool {
+    let Some((host, port)) = address else {
         return false;
     };
     let connecting = tokio::net::TcpStream::connect((host.as_str(), *port));
@@ -2183,7 +2259,7 @@ fn cluster_state(info: &str) -> Option<&str> {
 }
 
 /// How many hash slots a Redis Cluster has.
-const SLOTS: u16 = 16_384;
+pub(crate) const SLOTS: u16 = 16_384;
 
 /// The least number whose decimal text hashes to `slot`, as a hash tag
 /// (Redis Cluster's CRC16-XMODEM of the tag, modulo [`SLOTS`]). The table

@@ -1,0 +1,351 @@
+//! The masters of a Redis Cluster found down, so that calls for their
+//! slots fail at once instead of going to the cluster connection.
+//!
+//! A master that is down (killed, crashed, its host rebooting) refuses
+//! connections, and redis-rs (1.8) then fails a call for its slots within
+//! milliseconds, as long as few such calls are under way. Many at once
+//! stall the whole connection: each failed call makes the client reread
+//! its slot map and reconnect, and while it does it answers no call, of
+//! any master. Measured on a loopback cluster of three masters with one
+//! killed and no replica: rounds of 300 calls (200 ms timeout), a third of
+//! them for the dead master's keys, decided 0 to 45 of the other masters'
+//! 201 per round, for as long as the master stayed down; a new connection
+//! stalled at the next round. A store that knows the master is down does
+//! not send those calls: they fail at once, and the other masters' keys
+//! are decided.
+//!
+//! A master is known down only while it refuses a TCP connection: that is
+//! said by the host itself (nothing listens on the port), never guessed
+//! from a timeout, so a master that is slow or hung, or a network that
+//! drops packets, is never taken for down. A failed call (timed out, or a
+//! dropped connection) has every master of the slot map probed, at most
+//! one round per [`CHECK_INTERVAL`]; a call not sent counts as failed, so
+//! a master found down is probed again as long as calls for its slots
+//! come, and the slot map is read again with each round: its slots are
+//! sent again as soon as it accepts connections, or as soon as the
+//! cluster names another master for them (a replica that took over).
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use redis::cluster_async::ClusterConnection;
+
+use crate::store::{ask_slot_map, refuses_connections, slot_ranges, SlotRange, SLOTS};
+
+/// The least time between two rounds of probes (one TCP connection to
+/// each master) and two reads of the slot map: at most four of each a
+/// second, however many calls fail.
+const CHECK_INTERVAL: Duration = Duration::from_millis(250);
+
+/// The most probes of a round under way at once: a cluster of hundreds of
+/// masters is probed a part at a time.
+const PROBES_AT_ONCE: usize = 64;
+
+/// The cluster slot of the Redis key `name`: CRC16-XMODEM of its hash tag
+/// (the part between the first `{` and the next `}`, when not empty), or
+/// of the whole name, modulo [`SLOTS`], as Redis Cluster places keys.
+/// (redis-rs computes it too, but does not give the number out.)
+fn key_slot(name: &[u8]) -> u16 {
+    let tagged = name
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &name[open + 1..];
+            rest.iter()
+                .position(|&b| b == b'}')
+                .map(|close| &rest[..close])
+        })
+        .filter(|tag| !tag.is_empty());
+    crc16::State::<crc16::XMODEM>::calculate(tagged.unwrap_or(name)) % SLOTS
+}
+
+/// The masters of a cluster found down, shared by every store on one
+/// connection (see the module's documentation).
+pub(crate) struct DownMasters {
+    state: Mutex<State>,
+    /// Whether any master is down now: read without the lock on every
+    /// call, which is all a call costs while every master is up.
+    any_down: AtomicBool,
+    /// The most a probe's TCP connection may take: a master that neither
+    /// accepts nor refuses within it is not down.
+    probe_timeout: Duration,
+    /// The most reading the slot map may take.
+    read_timeout: Duration,
+}
+
+/// A master's address, as the slot map names it.
+type Address = (String, u16);
+
+#[derive(Default)]
+struct State {
+    /// The cluster's slot map as last read, sorted by first slot: at most
+    /// `MAX_SLOT_RANGES`.
+    map: Vec<SlotRange>,
+    /// The masters of `map` that refused a connection when last probed.
+    down: HashSet<Address>,
+    /// Whether a round of probes is under way, and when the last began.
+    probing: bool,
+    last_probe: Option<Instant>,
+    /// Whether the map is being read again.
+    reading: bool,
+}
+
+impl State {
+    /// The range of `map` that holds `slot`, if any.
+    fn range_of(&self, slot: u16) -> Option<&SlotRange> {
+        // Sorted by first slot, the ranges apart (take_map).
+        let after = self.map.partition_point(|range| range.first <= slot);
+        let range = self.map.get(after.checked_sub(1)?)?;
+        (slot <= range.last).then_some(range)
+    }
+
+    /// Takes a slot map read afresh: the masters it no longer names are
+    /// forgotten (a replica took over their slots, or they left).
+    fn take_map(&mut self, mut map: Vec<SlotRange>) {
+        map.sort_by_key(|range| range.first);
+        let named: HashSet<&Address> = map.iter().filter_map(|r| r.master.as_ref()).collect();
+        self.down.retain(|address| named.contains(address));
+        self.map = map;
+    }
+}
+
+impl DownMasters {
+    /// No master known down; `map`: the slot map, when one was read.
+    pub(crate) fn new(
+        map: Vec<SlotRange>,
+        probe_timeout: Duration,
+        read_timeout: Duration,
+    ) -> Self {
+        let mut state = State::default();
+        state.take_map(map);
+        DownMasters {
+            state: Mutex::new(state),
+            any_down: AtomicBool::new(false),
+            probe_timeout,
+            read_timeout,
+        }
+    }
+
+    /// The state, and on release `any_down` made to agree with it.
+    fn state(&self) -> StateGuard<'_> {
+        StateGuard {
+            state: self.state.lock().unwrap_or_else(PoisonError::into_inner),
+            any_down: &self.any_down,
+        }
+    }
+
+    /// A slot map read afresh (by a new connection).
+    pub(crate) fn set_map(&self, map: Vec<SlotRange>) {
+        self.state().take_map(map);
+    }
+
+    /// The slot range of the Redis key `name` when its master is down: a
+    /// call for it must not be sent.
+    pub(crate) fn refusing(&self, name: &[u8]) -> Option<SlotRange> {
+        if !self.any_down.load(Ordering::Relaxed) {
+            return None;
+        }
+        let state = self.state();
+        let range = state.range_of(key_slot(name))?;
+        let master = range.master.as_ref()?;
+        state.down.contains(master).then(|| range.clone())
+    }
+
+    /// A call failed, or was not sent because its master is down: probes
+    /// every master of the slot map in the background, and reads the map
+    /// again on the connection `conn` gives. At most one probe round per
+    /// [`CHECK_INTERVAL`], one map read at a time; never makes the caller
+    /// wait.
+    ///
+    /// Every master, not the failed call's only: when a master goes down,
+    /// the calls it stalls time out with the others' at the same moment,
+    /// and the first failure to come is as likely to be another master's.
+    pub(crate) fn check(self: &Arc<Self>, conn: impl FnOnce() -> ClusterConnection) {
+        let (masters, read) = {
+            let mut state = self.state();
+            let now = Instant::now();
+            if state.probing
+                || state
+                    .last_probe
+                    .is_some_and(|t| now.duration_since(t) < CHECK_INTERVAL)
+            {
+                return;
+            }
+            state.probing = true;
+            state.last_probe = Some(now);
+            let masters: HashSet<Address> =
+                state.map.iter().filter_map(|r| r.master.clone()).collect();
+            let read = !state.reading;
+            state.reading = true;
+            (masters, read)
+        };
+        let probing = Ending(Arc::clone(self), |state| state.probing = false);
+        tokio::spawn(async move {
+            let down = &probing.0;
+            let probe_timeout = down.probe_timeout;
+            let probes = masters.into_iter().map(|master| async move {
+                let refuses = refuses_connections(Some(&master), probe_timeout).await;
+                (master, refuses)
+            });
+            let results: Vec<(Address, bool)> = futures_util::stream::iter(probes)
+                .buffer_unordered(PROBES_AT_ONCE)
+                .collect()
+                .await;
+            let mut state = down.state();
+            let State { map, down, .. } = &mut *state;
+            // A master a map read meanwhile no longer names is left out.
+            let named: HashSet<&Address> = map.iter().filter_map(|r| r.master.as_ref()).collect();
+            for (master, refuses) in results {
+                if refuses && named.contains(&master) {
+                    down.insert(master);
+                } else {
+                    down.remove(&master);
+                }
+            }
+            drop(state);
+            drop(probing);
+        });
+        if !read {
+            return;
+        }
+        let reading = Ending(Arc::clone(self), |state| state.reading = false);
+        let mut conn = conn();
+        // For a replica that took a down master's slots. Apart from the
+        // probes: a connection stalled by calls for a down master answers
+        // nothing until it is replaced, reading the map included.
+        tokio::spawn(async move {
+            let down = &reading.0;
+            let read = tokio::time::timeout(down.read_timeout, ask_slot_map(&mut conn)).await;
+            if let Ok(Ok(reply)) = read {
+                if let Ok(map) = slot_ranges(&reply) {
+                    down.state().take_map(map);
+                }
+            }
+            drop(reading);
+        });
+    }
+}
+
+/// Ends a background task's part of the state (its second field) however
+/// the task ends, cancelled too (when the runtime shuts down), so that a
+/// later failure can start another.
+struct Ending(Arc<DownMasters>, fn(&mut State));
+
+impl Drop for Ending {
+    fn drop(&mut self) {
+        (self.1)(&mut self.0.state());
+    }
+}
+
+/// [`DownMasters`]'s state, locked.
+struct StateGuard<'a> {
+    state: std::sync::MutexGuard<'a, State>,
+    any_down: &'a AtomicBool,
+}
+
+impl std::ops::Deref for StateGuard<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.state
+    }
+}
+
+impl std::ops::DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.state
+    }
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        self.any_down
+            .store(!self.state.down.is_empty(), Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_placed_as_redis_cluster_places_them() {
+        // What CLUSTER KEYSLOT answered on Redis 7.0.
+        assert_eq!(key_slot(b"somekey"), 11058);
+        assert_eq!(key_slot(b"foo"), 12182);
+        // A hash tag picks the slot, the first one only; an empty one, or
+        // a `{` never closed, does not.
+        assert_eq!(key_slot(b"{foo}.bar"), 12182);
+        assert_eq!(key_slot(b"x{foo}y{bar}"), 12182);
+        assert_eq!(key_slot(b"{}foo"), 9500);
+        assert_eq!(key_slot(b"foo{"), 7673);
+        // A store's key name, whose parts are escaped of braces.
+        assert_eq!(
+            key_slot(b"t123-down-master-0:fixed-window:100:1000:0:42"),
+            6826
+        );
+    }
+
+    fn range(first: u16, last: u16, port: u16) -> SlotRange {
+        SlotRange {
+            first,
+            last,
+            master: Some(("127.0.0.1".to_owned(), port)),
+            id: format!("node-{port}"),
+        }
+    }
+
+    /// A key name whose slot is `slot`: the store's own names never carry
+    /// a hash tag, these do.
+    fn name_in(slot: u16) -> Vec<u8> {
+        (0u32..)
+            .map(|n| format!("{{{n}}}"))
+            .find(|name| key_slot(name.as_bytes()) == slot)
+            .expect("every slot has a tag")
+            .into_bytes()
+    }
+
+    fn down_masters(map: Vec<SlotRange>) -> DownMasters {
+        DownMasters::new(map, Duration::from_millis(10), Duration::from_millis(10))
+    }
+
+    #[test]
+    fn a_slot_is_found_in_a_map_out_of_order_and_with_gaps() {
+        let down = down_masters(vec![
+            range(10_000, 16_383, 3),
+            range(0, 4_999, 1),
+            range(5_001, 9_999, 2),
+        ]);
+        let state = down.state();
+        let port = |slot| {
+            state
+                .range_of(slot)
+                .and_then(|r| r.master.as_ref())
+                .map(|m| m.1)
+        };
+        assert_eq!(port(0), Some(1));
+        assert_eq!(port(4_999), Some(1));
+        assert_eq!(port(5_000), None);
+        assert_eq!(port(5_001), Some(2));
+        assert_eq!(port(9_999), Some(2));
+        assert_eq!(port(10_000), Some(3));
+        assert_eq!(port(16_383), Some(3));
+        assert_eq!(down_masters(Vec::new()).state().range_of(0), None);
+    }
+
+    #[test]
+    fn only_a_down_masters_keys_are_refused_until_a_map_names_another() {
+        let down = down_masters(vec![range(0, 8_191, 1), range(8_192, 16_383, 2)]);
+        assert_eq!(down.refusing(&name_in(0)), None);
+        down.state().down.insert(("127.0.0.1".to_owned(), 1));
+        assert_eq!(down.refusing(&name_in(0)), Some(range(0, 8_191, 1)));
+        assert_eq!(down.refusing(&name_in(8_191)), Some(range(0, 8_191, 1)));
+        assert_eq!(down.refusing(&name_in(8_192)), None);
+        // A replica took the down master's slots.
+        down.set_map(vec![range(0, 8_191, 3), range(8_192, 16_383, 2)]);
+        assert!(down.state().down.is_empty());
+        assert_eq!(down.refusing(&name_in(0)), None);
+    }
+}
