@@ -148,8 +148,9 @@ impl DownMasters {
         if !self.any_down.load(Ordering::Relaxed) {
             return None;
         }
+        let slot = key_slot(name);
         let state = self.state();
-        let range = state.range_of(key_slot(name))?;
+        let range = state.range_of(slot)?;
         let master = range.master.as_ref()?;
         state.down.contains(master).then(|| range.clone())
     }
