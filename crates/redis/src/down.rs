@@ -1,12 +1,12 @@
 //! The masters of a Redis Cluster found down, so that calls for their
 //! slots fail at once instead of going to the cluster connection.
 //!
-//! A master that is down (killed, crashed, its host rebooting) refuses
-//! connections, and redis-rs (1.8) then fails a call for its slots within
-//! milliseconds, as long as few such calls are under way. Many at once
-//! stall the whole connection: each failed call makes the client reread
-//! its slot map and reconnect, and while it does it answers no call, of
-//! any master. Measured on a loopback cluster of three masters with one
+//! A master whose process is down (killed, crashed, restarting) on a host
+//! that still answers refuses connections, and redis-rs (1.8) then fails a
+//! call for its slots within milliseconds, as long as few such calls are
+//! under way. Many at once stall the whole connection: each failed call
+//! makes the client reread its slot map and reconnect, and while it does
+//! it answers no call, of any master. Measured on a loopback cluster of three masters with one
 //! killed and no replica: rounds of 300 calls (200 ms timeout), a third of
 //! them for the dead master's keys, decided 0 to 45 of the other masters'
 //! 201 per round, for as long as the master stayed down; a new connection
@@ -15,15 +15,15 @@
 //! are decided.
 //!
 //! A master is known down only while it refuses a TCP connection: that is
-//! said by the host itself (nothing listens on the port), never guessed
-//! from a timeout, so a master that is slow or hung, or a network that
-//! drops packets, is never taken for down. A failed call (timed out, or a
+//! said by its host (nothing listens on the port), never guessed from a
+//! timeout, so a master that is slow or hung, a host that is gone, or a
+//! network that drops packets, is never taken for down. A failed call (timed out, or a
 //! dropped connection) has every master of the slot map probed, at most
-//! one round per [`CHECK_INTERVAL`]; a call not sent counts as failed, so
-//! a master found down is probed again as long as calls for its slots
-//! come, and the slot map is read again with each round: its slots are
-//! sent again as soon as it accepts connections, or as soon as the
-//! cluster names another master for them (a replica that took over).
+//! one round per [`CHECK_INTERVAL`]; a call not sent has the masters found
+//! down probed again, so they are probed as long as calls for their slots
+//! come, and the slot map is read again with each round: their slots are
+//! sent again as soon as they accept connections, or as soon as the
+//! cluster names other masters for them (a replica that took over).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,6 +43,20 @@ const CHECK_INTERVAL: Duration = Duration::from_millis(250);
 /// The most probes of a round under way at once: a cluster of hundreds of
 /// masters is probed a part at a time.
 const PROBES_AT_ONCE: usize = 64;
+
+/// Which masters a round of [`DownMasters::check`] probes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Probe {
+    /// Every master of the slot map: after a call that failed. Not the
+    /// failed call's master only: when a master goes down, the calls it
+    /// stalls time out with the others' at the same moment, and the first
+    /// failure to come is as likely to be another master's.
+    Every,
+    /// The masters found down: after a call not sent to one, so that its
+    /// slots are sent again once it accepts connections, without probing
+    /// the masters that are up as long as it stays down.
+    Down,
+}
 
 /// The cluster slot of the Redis key `name`: CRC16-XMODEM of its hash tag
 /// (the part between the first `{` and the next `}`, when not empty), or
@@ -142,10 +156,16 @@ impl DownMasters {
         self.state().take_map(map);
     }
 
+    /// Whether any master is down now: otherwise [`DownMasters::refusing`]
+    /// refuses nothing.
+    pub(crate) fn any_down(&self) -> bool {
+        self.any_down.load(Ordering::Relaxed)
+    }
+
     /// The slot range of the Redis key `name` when its master is down: a
     /// call for it must not be sent.
     pub(crate) fn refusing(&self, name: &[u8]) -> Option<SlotRange> {
-        if !self.any_down.load(Ordering::Relaxed) {
+        if !self.any_down() {
             return None;
         }
         let slot = key_slot(name);
@@ -155,16 +175,11 @@ impl DownMasters {
         state.down.contains(master).then(|| range.clone())
     }
 
-    /// A call failed, or was not sent because its master is down: probes
-    /// every master of the slot map in the background, and reads the map
-    /// again on the connection `conn` gives. At most one probe round per
-    /// [`CHECK_INTERVAL`], one map read at a time; never makes the caller
-    /// wait.
-    ///
-    /// Every master, not the failed call's only: when a master goes down,
-    /// the calls it stalls time out with the others' at the same moment,
-    /// and the first failure to come is as likely to be another master's.
-    pub(crate) fn check(self: &Arc<Self>, conn: impl FnOnce() -> ClusterConnection) {
+    /// Probes masters in the background (see [`Probe`]), and reads the slot
+    /// map again on the connection `conn` gives. At most one probe round
+    /// per [`CHECK_INTERVAL`], one map read at a time; never makes the
+    /// caller wait.
+    pub(crate) fn check(self: &Arc<Self>, which: Probe, conn: impl FnOnce() -> ClusterConnection) {
         let (masters, read) = {
             let mut state = self.state();
             let now = Instant::now();
@@ -177,13 +192,18 @@ impl DownMasters {
             }
             state.probing = true;
             state.last_probe = Some(now);
-            let masters: HashSet<Address> =
-                state.map.iter().filter_map(|r| r.master.clone()).collect();
+            let masters: HashSet<Address> = match which {
+                Probe::Every => state.map.iter().filter_map(|r| r.master.clone()).collect(),
+                Probe::Down => state.down.clone(),
+            };
             let read = !state.reading;
             state.reading = true;
             (masters, read)
         };
+        // Both before anything else can fail, so that neither flag is left
+        // set.
         let probing = Ending(Arc::clone(self), |state| state.probing = false);
+        let reading = read.then(|| Ending(Arc::clone(self), |state| state.reading = false));
         tokio::spawn(async move {
             let down = &probing.0;
             let probe_timeout = down.probe_timeout;
@@ -209,10 +229,9 @@ impl DownMasters {
             drop(state);
             drop(probing);
         });
-        if !read {
+        let Some(reading) = reading else {
             return;
-        }
-        let reading = Ending(Arc::clone(self), |state| state.reading = false);
+        };
         let mut conn = conn();
         // For a replica that took a down master's slots. Apart from the
         // probes: a connection stalled by calls for a down master answers

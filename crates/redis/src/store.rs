@@ -22,7 +22,7 @@ use redis::{
     ServerErrorKind, Value,
 };
 
-use crate::down::DownMasters;
+use crate::down::{DownMasters, Probe};
 
 const PRELUDE: &str = include_str!("lua/prelude.lua");
 const FIXED_WINDOW: &str = include_str!("lua/fixed_window.lua");
@@ -1121,9 +1121,31 @@ impl RedisStore {
                 e.kind(),
                 StoreErrorKind::Timeout | StoreErrorKind::ConnectionDropped
             ) {
-                down.check(|| cluster.conn());
+                down.check(Probe::Every, || cluster.conn());
             }
         }
+    }
+
+    /// On a cluster, when the master of `key` is down (see
+    /// [`crate::down`]), the error of its call, which is not sent; the
+    /// masters found down are then probed again, in the background.
+    fn not_sent_to_down_master(&self, key: u64) -> Option<StoreError> {
+        let Backend::Cluster(cluster, down) = &self.inner.backend else {
+            return None;
+        };
+        if !down.any_down() {
+            return None;
+        }
+        let range = down.refusing(self.key_name(key).as_bytes())?;
+        down.check(Probe::Down, || cluster.conn());
+        Some(self.call_error(StoreError::new(
+            StoreErrorKind::ConnectionDropped,
+            format!(
+                "the master of slots {range} refuses connections (it is down), so the call was \
+                 not sent and nothing was applied; its slots are sent again once it accepts \
+                 connections or the cluster names another master for them"
+            ),
+        )))
     }
 
     /// Starts a new connection in the background for later calls, at most
@@ -1208,6 +1230,9 @@ impl RedisStore {
         cost: u64,
     ) -> Result<Decision, StoreError> {
         Self::check(now_ms, cost)?;
+        if let Some(e) = self.not_sent_to_down_master(key) {
+            return Err(e);
+        }
         let timeout = Duration::from_millis(self.inner.options.timeout_ms);
         let result = match tokio::time::timeout(timeout, self.call_one(key, now_ms, cost)).await {
             Ok(result) => result.map_err(|e| self.call_error(e)),
@@ -1699,8 +1724,7 @@ impl RedisStore {
         }
     }
 
-    /// One script call, without the timeout; on a cluster, not sent when
-    /// the key's master is down (see [`crate::down`]).
+    /// One script call, without the timeout.
     async fn call_one(
         &self,
         key: u64,
@@ -1708,19 +1732,6 @@ impl RedisStore {
         cost: u64,
     ) -> Result<Decision, StoreError> {
         let name = self.key_name(key);
-        if let Backend::Cluster(_, down) = &self.inner.backend {
-            if let Some(range) = down.refusing(name.as_bytes()) {
-                return Err(StoreError::new(
-                    StoreErrorKind::ConnectionDropped,
-                    format!(
-                        "the master of slots {range} refuses connections (it is down), so the \
-                         call was not sent and nothing was applied; its slots are sent again \
-                         once it accepts connections or the cluster names another master for \
-                         them"
-                    ),
-                ));
-            }
-        }
         let value = self
             .eval(&mut self.conn(), |by_source| {
                 self.eval_named(by_source, &name, now_ms, cost)
@@ -1913,6 +1924,8 @@ impl RedisStore {
                         // Checked before sending (a timeout polls its call
                         // once even when it is late): this one never went.
                         Err(self.not_sent())
+                    } else if let Some(e) = self.not_sent_to_down_master(key) {
+                        Err(e)
                     } else {
                         let generation = cluster.generation();
                         let call = tokio::time::timeout_at(
