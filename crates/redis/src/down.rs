@@ -17,13 +17,15 @@
 //! A master is known down only while it refuses a TCP connection: that is
 //! said by its host (nothing listens on the port), never guessed from a
 //! timeout, so a master that is slow or hung, a host that is gone, or a
-//! network that drops packets, is never taken for down. A failed call (timed out, or a
-//! dropped connection) has every master of the slot map probed, at most
-//! one round per [`CHECK_INTERVAL`]; a call not sent has the masters found
-//! down probed again, so they are probed as long as calls for their slots
-//! come, and the slot map is read again with each round: their slots are
-//! sent again as soon as they accept connections, or as soon as the
-//! cluster names other masters for them (a replica that took over).
+//! network that drops packets, is never taken for down. A failed call
+//! (timed out, or a dropped connection) has every master of the slot map
+//! probed, at most one round per [`QUIET_CHECK_INTERVAL`] while no master
+//! is down and one per [`CHECK_INTERVAL`] while one is. A call not sent
+//! has the masters found down probed again, so they are probed as long as
+//! calls for their slots come, and the slot map is read again with each
+//! round: their slots are sent again as soon as they accept connections,
+//! or as soon as the cluster names other masters for them (a replica that
+//! took over).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,10 +37,16 @@ use redis::cluster_async::ClusterConnection;
 
 use crate::store::{ask_slot_map, refuses_connections, slot_ranges, SlotRange, SLOTS};
 
-/// The least time between two rounds of probes (one TCP connection to
-/// each master) and two reads of the slot map: at most four of each a
-/// second, however many calls fail.
+/// The least time between two rounds of probes and two reads of the slot
+/// map while a master is down: at most four of each a second, however many
+/// calls fail.
 const CHECK_INTERVAL: Duration = Duration::from_millis(250);
+
+/// The least time between two rounds while no master is down: calls that
+/// time out for another reason (a hung master, an overloaded cluster) have
+/// every master probed at most once a second. A master that goes down is
+/// found by the first round after it, so at most this late.
+const QUIET_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
 /// The most probes of a round under way at once: a cluster of hundreds of
 /// masters is probed a part at a time.
@@ -177,16 +185,21 @@ impl DownMasters {
 
     /// Probes masters in the background (see [`Probe`]), and reads the slot
     /// map again on the connection `conn` gives. At most one probe round
-    /// per [`CHECK_INTERVAL`], one map read at a time; never makes the
-    /// caller wait.
+    /// per [`CHECK_INTERVAL`] (per [`QUIET_CHECK_INTERVAL`] while no master
+    /// is down), one map read at a time; never makes the caller wait.
     pub(crate) fn check(self: &Arc<Self>, which: Probe, conn: impl FnOnce() -> ClusterConnection) {
         let (masters, read) = {
             let mut state = self.state();
             let now = Instant::now();
+            let interval = if state.down.is_empty() {
+                QUIET_CHECK_INTERVAL
+            } else {
+                CHECK_INTERVAL
+            };
             if state.probing
                 || state
                     .last_probe
-                    .is_some_and(|t| now.duration_since(t) < CHECK_INTERVAL)
+                    .is_some_and(|t| now.duration_since(t) < interval)
             {
                 return;
             }
