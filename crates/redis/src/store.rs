@@ -1762,13 +1762,13 @@ impl RedisStore {
     /// key's later requests, not sent then, say so), while the keys of the
     /// masters that answered keep their decisions. So one hung master
     /// costs its own keys only, and one found down fails its keys at once
-    /// without sending them (see `docs/redis.md`). When the batch gets no answer at all for a
-    /// quarter of its timeout (a cluster connection can stop answering
-    /// every call after a failover), a new connection is made, and once
-    /// it is in place the requests still waiting on the old one get a
-    /// [`StoreErrorKind::Timeout`] (they may have been applied), their
-    /// keys' later requests are not sent, and the other keys go on the new
-    /// connection.
+    /// without sending them (see `docs/redis.md`). When the batch gets no
+    /// answer at all for a quarter of its timeout (a cluster connection
+    /// can stop answering every call after a failover), a new connection
+    /// is made, and once it is in place the requests still waiting on the
+    /// old one get a [`StoreErrorKind::Timeout`] (they may have been
+    /// applied), their keys' later requests are not sent, and the other
+    /// keys go on the new connection.
     ///
     /// [`RedisOptions::timeout_ms`] bounds the whole batch, not each
     /// request: a batch of thousands needs more than the default 50 ms
@@ -2069,7 +2069,7 @@ fn naming_the_key(e: StoreError, name: &str) -> StoreError {
 }
 
 /// A slot range of `CLUSTER SLOTS`, with its master's address when the
-/// reply names one (for messages).
+/// reply names one (for messages, and to probe it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SlotRange {
     pub(crate) first: u16,
