@@ -111,6 +111,11 @@ struct State {
     /// Whether a round of probes is under way, and when the last began.
     probing: bool,
     last_probe: Option<Instant>,
+    /// Whether a failed call asked for every master to be probed since the
+    /// last round that did: the next round does, whatever starts it, so
+    /// that calls not sent to one master down, which start a round as soon
+    /// as one may start, cannot keep another from being found.
+    every_wanted: bool,
     /// Whether the map is being read again.
     reading: bool,
 }
@@ -122,6 +127,35 @@ impl State {
         let after = self.map.partition_point(|range| range.first <= slot);
         let range = self.map.get(after.checked_sub(1)?)?;
         (slot <= range.last).then_some(range)
+    }
+
+    /// Starts a round of probes at `now` for a call that asks for `which`,
+    /// unless one is under way or began too recently: the masters to probe,
+    /// and whether to read the map again (unless a read is under way).
+    fn start_round(&mut self, which: Probe, now: Instant) -> Option<(HashSet<Address>, bool)> {
+        self.every_wanted |= which == Probe::Every;
+        let interval = if self.down.is_empty() {
+            QUIET_CHECK_INTERVAL
+        } else {
+            CHECK_INTERVAL
+        };
+        if self.probing
+            || self
+                .last_probe
+                .is_some_and(|t| now.duration_since(t) < interval)
+        {
+            return None;
+        }
+        self.probing = true;
+        self.last_probe = Some(now);
+        let masters = if std::mem::take(&mut self.every_wanted) {
+            self.map.iter().filter_map(|r| r.master.clone()).collect()
+        } else {
+            self.down.clone()
+        };
+        let read = !self.reading;
+        self.reading = true;
+        Some((masters, read))
     }
 
     /// Takes a slot map read afresh: the masters it no longer names are
@@ -188,30 +222,8 @@ impl DownMasters {
     /// per [`CHECK_INTERVAL`] (per [`QUIET_CHECK_INTERVAL`] while no master
     /// is down), one map read at a time; never makes the caller wait.
     pub(crate) fn check(self: &Arc<Self>, which: Probe, conn: impl FnOnce() -> ClusterConnection) {
-        let (masters, read) = {
-            let mut state = self.state();
-            let now = Instant::now();
-            let interval = if state.down.is_empty() {
-                QUIET_CHECK_INTERVAL
-            } else {
-                CHECK_INTERVAL
-            };
-            if state.probing
-                || state
-                    .last_probe
-                    .is_some_and(|t| now.duration_since(t) < interval)
-            {
-                return;
-            }
-            state.probing = true;
-            state.last_probe = Some(now);
-            let masters: HashSet<Address> = match which {
-                Probe::Every => state.map.iter().filter_map(|r| r.master.clone()).collect(),
-                Probe::Down => state.down.clone(),
-            };
-            let read = !state.reading;
-            state.reading = true;
-            (masters, read)
+        let Some((masters, read)) = self.state().start_round(which, Instant::now()) else {
+            return;
         };
         // Both before anything else can fail, so that neither flag is left
         // set.
@@ -366,6 +378,40 @@ mod tests {
         assert_eq!(port(10_000), Some(3));
         assert_eq!(port(16_383), Some(3));
         assert_eq!(down_masters(Vec::new()).state().range_of(0), None);
+    }
+
+    #[test]
+    fn calls_not_sent_to_a_down_master_do_not_keep_others_from_being_probed() {
+        let down = down_masters(vec![range(0, 8_191, 1), range(8_192, 16_383, 2)]);
+        let mut state = down.state();
+        state.down.insert(("127.0.0.1".to_owned(), 1));
+        let start = Instant::now();
+        let at = |ms| start + Duration::from_millis(ms);
+        let ports = |round: Option<(HashSet<Address>, bool)>| {
+            let mut ports: Vec<u16> = round.expect("a round").0.iter().map(|a| a.1).collect();
+            ports.sort();
+            ports
+        };
+        // Calls not sent probe the master that is down only; the first
+        // round reads the map again, the next ones while that read lasts
+        // do not.
+        let first = state.start_round(Probe::Down, at(0));
+        assert!(first.as_ref().is_some_and(|(_, read)| *read));
+        assert_eq!(ports(first), [1]);
+        state.probing = false;
+        // A call that failed meanwhile starts no round of its own...
+        assert!(state.start_round(Probe::Every, at(100)).is_none());
+        // ...but the next round, started by a call not sent, probes all.
+        assert_eq!(ports(state.start_round(Probe::Down, at(250))), [1, 2]);
+        state.probing = false;
+        assert_eq!(ports(state.start_round(Probe::Down, at(500))), [1]);
+        // One round at a time.
+        assert!(state.start_round(Probe::Every, at(1_000)).is_none());
+        state.probing = false;
+        // While no master is down, at most one round a second.
+        state.down.clear();
+        assert!(state.start_round(Probe::Every, at(1_400)).is_none());
+        assert_eq!(ports(state.start_round(Probe::Every, at(1_500))), [1, 2]);
     }
 
     #[test]
