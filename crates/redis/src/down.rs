@@ -4,18 +4,17 @@
 //! A master whose process is down (killed, crashed, restarting) on a host
 //! that still answers refuses connections, and redis-rs (1.8) then fails a
 //! call for its slots within milliseconds, as long as few such calls are
-//! under way. Many at once stall the whole connection: a failed call
-//! makes the client reread its slot map, and while it does it answers no
-//! call, of any master; with many calls under way the reread can wait for
-//! ever for the lock on the client's connections (instrumented: it never
-//! got it), so the stall lasts until a new connection replaces the old.
-//! Measured on a loopback cluster of three masters with one killed and no
-//! replica: rounds of 300 calls (200 ms timeout), a third of
-//! them for the dead master's keys, decided 0 to 45 of the other masters'
-//! 201 per round, for as long as the master stayed down; a new connection
-//! stalled at the next round. A store that knows the master is down does
-//! not send those calls: they fail at once, and the other masters' keys
-//! are decided.
+//! under way. Many at once stall the whole connection: a failed call makes
+//! the client reread its slot map, and while it does it answers no call, of
+//! any master; with many calls under way the reread can wait for ever for
+//! the lock on the client's connections (instrumented: it never got it), so
+//! the stall lasts until a new connection replaces the old. Measured on a
+//! loopback cluster of three masters with one killed and no replica: rounds
+//! of 300 calls (200 ms timeout), a third of them for the dead master's
+//! keys, decided 0 to 45 of the other masters' 201 per round, for as long
+//! as the master stayed down; a new connection stalled at the next round. A
+//! store that knows the master is down does not send those calls: they fail
+//! at once, and the other masters' keys are decided.
 //!
 //! A master is known down only while it refuses a TCP connection: that is
 //! said by its host (nothing listens on the port), never guessed from a
