@@ -243,14 +243,18 @@ impl DownMasters {
                 .collect()
                 .await;
             let mut state = down.state();
-            let State { map, down, .. } = &mut *state;
+            let State {
+                map,
+                down: found_down,
+                ..
+            } = &mut *state;
             // A master a map read meanwhile no longer names is left out.
             let named: HashSet<&Address> = map.iter().filter_map(|r| r.master.as_ref()).collect();
             for (master, refuses) in results {
                 if refuses && named.contains(&master) {
-                    down.insert(master);
+                    found_down.insert(master);
                 } else {
-                    down.remove(&master);
+                    found_down.remove(&master);
                 }
             }
             drop(state);
