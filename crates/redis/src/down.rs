@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use redis::cluster_async::ClusterConnection;
 
-use crate::store::{ask_slot_map, refuses_connections, slot_ranges, SlotRange, SLOTS};
+use crate::store::{ask_slot_map, key_slot, refuses_connections, slot_ranges, SlotRange};
 
 /// The least time between two rounds of probes and two reads of the slot
 /// map while a master is down: at most four of each a second, however many
@@ -66,24 +66,6 @@ pub(crate) enum Probe {
     /// slots are sent again once it accepts connections, without probing
     /// the masters that are up as long as it stays down.
     Down,
-}
-
-/// The cluster slot of the Redis key `name`: CRC16-XMODEM of its hash tag
-/// (the part between the first `{` and the next `}`, when not empty), or
-/// of the whole name, modulo [`SLOTS`], as Redis Cluster places keys.
-/// (redis-rs computes it too, but does not give the number out.)
-fn key_slot(name: &[u8]) -> u16 {
-    let tagged = name
-        .iter()
-        .position(|&b| b == b'{')
-        .and_then(|open| {
-            let rest = &name[open + 1..];
-            rest.iter()
-                .position(|&b| b == b'}')
-                .map(|close| &rest[..close])
-        })
-        .filter(|tag| !tag.is_empty());
-    crc16::State::<crc16::XMODEM>::calculate(tagged.unwrap_or(name)) % SLOTS
 }
 
 /// The masters of a cluster found down, shared by every store on one
@@ -320,24 +302,6 @@ impl Drop for StateGuard<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn keys_are_placed_as_redis_cluster_places_them() {
-        // What CLUSTER KEYSLOT answered on Redis 7.0.
-        assert_eq!(key_slot(b"somekey"), 11058);
-        assert_eq!(key_slot(b"foo"), 12182);
-        // A hash tag picks the slot, the first one only; an empty one, or
-        // a `{` never closed, does not.
-        assert_eq!(key_slot(b"{foo}.bar"), 12182);
-        assert_eq!(key_slot(b"x{foo}y{bar}"), 12182);
-        assert_eq!(key_slot(b"{}foo"), 9500);
-        assert_eq!(key_slot(b"foo{"), 7673);
-        // A store's key name, whose parts are escaped of braces.
-        assert_eq!(
-            key_slot(b"t123-down-master-0:fixed-window:100:1000:0:42"),
-            6826
-        );
-    }
 
     fn range(first: u16, last: u16, port: u16) -> SlotRange {
         SlotRange {

@@ -2272,7 +2272,25 @@ fn cluster_state(info: &str) -> Option<&str> {
 }
 
 /// How many hash slots a Redis Cluster has.
-pub(crate) const SLOTS: u16 = 16_384;
+const SLOTS: u16 = 16_384;
+
+/// The cluster slot of the Redis key `name`: CRC16-XMODEM of its hash tag
+/// (the part between the first `{` and the next `}`, when not empty), or
+/// of the whole name, modulo [`SLOTS`], as Redis Cluster places keys.
+/// (redis-rs computes it too, but does not give the number out.)
+pub(crate) fn key_slot(name: &[u8]) -> u16 {
+    let tagged = name
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &name[open + 1..];
+            rest.iter()
+                .position(|&b| b == b'}')
+                .map(|close| &rest[..close])
+        })
+        .filter(|tag| !tag.is_empty());
+    crc16::State::<crc16::XMODEM>::calculate(tagged.unwrap_or(name)) % SLOTS
+}
 
 /// The least number whose decimal text hashes to `slot`, as a hash tag
 /// (Redis Cluster's CRC16-XMODEM of the tag, modulo [`SLOTS`]). The table
@@ -2285,7 +2303,7 @@ fn slot_tag(slot: u16) -> u32 {
         let mut tags = vec![u32::MAX; usize::from(SLOTS)];
         let mut left = tags.len();
         for n in 0u32.. {
-            let slot = crc16::State::<crc16::XMODEM>::calculate(n.to_string().as_bytes()) % SLOTS;
+            let slot = key_slot(n.to_string().as_bytes());
             let tag = &mut tags[usize::from(slot)];
             if *tag == u32::MAX {
                 *tag = n;
@@ -2973,11 +2991,26 @@ mod tests {
         );
         for slot in 0..SLOTS {
             let tag = slot_tag(slot).to_string();
-            assert_eq!(
-                crc16::State::<crc16::XMODEM>::calculate(tag.as_bytes()) % SLOTS,
-                slot
-            );
+            assert_eq!(key_slot(tag.as_bytes()), slot);
         }
+    }
+
+    #[test]
+    fn keys_are_placed_as_redis_cluster_places_them() {
+        // What CLUSTER KEYSLOT answered on Redis 7.0.
+        assert_eq!(key_slot(b"somekey"), 11058);
+        assert_eq!(key_slot(b"foo"), 12182);
+        // A hash tag picks the slot, the first one only; an empty one, or
+        // a `{` never closed, does not.
+        assert_eq!(key_slot(b"{foo}.bar"), 12182);
+        assert_eq!(key_slot(b"x{foo}y{bar}"), 12182);
+        assert_eq!(key_slot(b"{}foo"), 9500);
+        assert_eq!(key_slot(b"foo{"), 7673);
+        // A store's key name, whose parts are escaped of braces.
+        assert_eq!(
+            key_slot(b"t123-down-master-0:fixed-window:100:1000:0:42"),
+            6826
+        );
     }
 
     #[test]
