@@ -16,10 +16,25 @@
 //! store that knows the master is down does not send those calls: they fail
 //! at once, and the other masters' keys are decided.
 //!
-//! A master is known down only while it refuses a TCP connection: that is
-//! said by its host (nothing listens on the port), never guessed from a
-//! timeout, so a master that is slow or hung, a host that is gone, or a
-//! network that drops packets, is never taken for down. A failed call
+//! A host that is gone (powered off, cut off, or a container deleted with
+//! its address) stalls the connection too, once the client's connection to
+//! it is lost (as when its process died before it went): each call for its
+//! slots has the client try to connect, and each try waits out its time.
+//! Measured the same way, with the port neither accepting nor refusing
+//! connections, every other master's key timed out, in every round, for as
+//! long as it stayed away, and no new connection was taken in place of the
+//! old (see `no_master_hangs`). While the client's connection to it stays
+//! open, only the calls for its slots time out.
+//!
+//! So a master is taken for down while it refuses a TCP connection (its
+//! host says so: nothing listens on the port), or while two connections
+//! in a row neither succeed nor are refused within the probe's time, which
+//! is the time the client itself gives a node's connection: it cannot
+//! connect to such a master either. One lost packet is not enough: the
+//! second connection is tried at once, with a first packet of its own. A
+//! master that is slow or hung accepts connections (its kernel does), so
+//! it is not taken for down, unless it stays hung until its queue of
+//! connections to accept is full; its calls time out anyway. A failed call
 //! (timed out, or a dropped connection) has every master of the slot map
 //! probed, at most one round per [`QUIET_CHECK_INTERVAL`] while no master
 //! is down and one per [`CHECK_INTERVAL`] while one is. A call not sent
@@ -29,7 +44,7 @@
 //! or as soon as the cluster names other masters for them (a replica that
 //! took over).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -37,7 +52,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use redis::cluster_async::ClusterConnection;
 
-use crate::store::{ask_slot_map, key_slot, refuses_connections, slot_ranges, SlotRange};
+use crate::store::{ask_slot_map, key_slot, slot_ranges, SlotRange};
 
 /// The least time between two rounds of probes and two reads of the slot
 /// map while a master is down: at most four of each a second, however many
@@ -76,7 +91,7 @@ pub(crate) struct DownMasters {
     /// call, which is all a call costs while every master is up.
     any_down: AtomicBool,
     /// The most a probe's TCP connection may take: a master that neither
-    /// accepts nor refuses within it is not down.
+    /// accepts nor refuses within it, twice, is down.
     probe_timeout: Duration,
     /// The most reading the slot map may take.
     read_timeout: Duration,
@@ -85,13 +100,66 @@ pub(crate) struct DownMasters {
 /// A master's address, as the slot map names it.
 type Address = (String, u16);
 
+/// Why a master is taken for down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Down {
+    /// It refused a TCP connection: nothing listens on its port.
+    Refuses,
+    /// Two TCP connections in a row neither succeeded nor were refused
+    /// within the probe's time: its host is gone or cut off.
+    Unreachable,
+}
+
+/// What a TCP connection to a master met within a probe's time.
+enum Reach {
+    Accepted,
+    Refused,
+    /// Neither within the time, or another failure (no route to the host,
+    /// a name that no longer resolves).
+    Failed,
+}
+
+/// Tries a TCP connection to `address` within `timeout`.
+async fn reach(address: &Address, timeout: Duration) -> Reach {
+    let connecting = tokio::net::TcpStream::connect((address.0.as_str(), address.1));
+    match tokio::time::timeout(timeout, connecting).await {
+        Ok(Ok(_)) => Reach::Accepted,
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Reach::Refused,
+        Ok(Err(_)) | Err(_) => Reach::Failed,
+    }
+}
+
+/// Whether the master at `address` is down (see the module's
+/// documentation): it refuses a TCP connection within `timeout`, or fails
+/// two in a row (the second tried at once).
+async fn probe(address: &Address, timeout: Duration) -> Option<Down> {
+    for _ in 0..2 {
+        match reach(address, timeout).await {
+            Reach::Accepted => return None,
+            Reach::Refused => return Some(Down::Refuses),
+            Reach::Failed => {}
+        }
+    }
+    Some(Down::Unreachable)
+}
+
+/// Whether the node at `address` (a master's, of a slot map) refuses a
+/// TCP connection within `timeout` (it is down, rather than hung or out of
+/// reach); `None` (a map that names no address) is not.
+pub(crate) async fn refuses_connections(address: Option<&Address>, timeout: Duration) -> bool {
+    match address {
+        Some(address) => matches!(reach(address, timeout).await, Reach::Refused),
+        None => false,
+    }
+}
+
 #[derive(Default)]
 struct State {
     /// The cluster's slot map as last read, sorted by first slot: at most
     /// `MAX_SLOT_RANGES`.
     map: Vec<SlotRange>,
-    /// The masters of `map` that refused a connection when last probed.
-    down: HashSet<Address>,
+    /// The masters of `map` found down when last probed, and why.
+    down: HashMap<Address, Down>,
     /// Whether a round of probes is under way, and when the last began.
     probing: bool,
     last_probe: Option<Instant>,
@@ -135,7 +203,7 @@ impl State {
         let masters = if std::mem::take(&mut self.every_wanted) {
             self.map.iter().filter_map(|r| r.master.clone()).collect()
         } else {
-            self.down.clone()
+            self.down.keys().cloned().collect()
         };
         let read = !self.reading;
         self.reading = true;
@@ -147,7 +215,7 @@ impl State {
     fn take_map(&mut self, mut map: Vec<SlotRange>) {
         map.sort_by_key(|range| range.first);
         let named: HashSet<&Address> = map.iter().filter_map(|r| r.master.as_ref()).collect();
-        self.down.retain(|address| named.contains(address));
+        self.down.retain(|address, _| named.contains(address));
         self.map = map;
     }
 }
@@ -188,17 +256,30 @@ impl DownMasters {
         self.any_down.load(Ordering::Relaxed)
     }
 
-    /// The slot range of the Redis key `name` when its master is down: a
-    /// call for it must not be sent.
-    pub(crate) fn refusing(&self, name: &[u8]) -> Option<SlotRange> {
+    /// Whether the master at `address` was found down when last probed.
+    pub(crate) fn is_down(&self, address: &Address) -> bool {
+        self.any_down() && self.state().down.contains_key(address)
+    }
+
+    /// The slot range of the Redis key `name` when its master is down (a
+    /// call for it must not be sent), and what was found of the master,
+    /// for the call's error.
+    pub(crate) fn refusing(&self, name: &[u8]) -> Option<(SlotRange, String)> {
         if !self.any_down() {
             return None;
         }
         let slot = key_slot(name);
         let state = self.state();
         let range = state.range_of(slot)?;
-        let master = range.master.as_ref()?;
-        state.down.contains(master).then(|| range.clone())
+        let why = match state.down.get(range.master.as_ref()?)? {
+            Down::Refuses => "refuses connections (it is down)".to_owned(),
+            Down::Unreachable => format!(
+                "could not be connected to twice in a row, each within {} ms (its host is gone \
+                 or cut off)",
+                self.probe_timeout.as_millis()
+            ),
+        };
+        Some((range.clone(), why))
     }
 
     /// Probes masters in the background (see [`Probe`]), and reads the slot
@@ -217,10 +298,10 @@ impl DownMasters {
             let down = &probing.0;
             let probe_timeout = down.probe_timeout;
             let probes = masters.into_iter().map(|master| async move {
-                let refuses = refuses_connections(Some(&master), probe_timeout).await;
-                (master, refuses)
+                let found = probe(&master, probe_timeout).await;
+                (master, found)
             });
-            let results: Vec<(Address, bool)> = futures_util::stream::iter(probes)
+            let results: Vec<(Address, Option<Down>)> = futures_util::stream::iter(probes)
                 .buffer_unordered(PROBES_AT_ONCE)
                 .collect()
                 .await;
@@ -232,11 +313,14 @@ impl DownMasters {
             } = &mut *state;
             // A master a map read meanwhile no longer names is left out.
             let named: HashSet<&Address> = map.iter().filter_map(|r| r.master.as_ref()).collect();
-            for (master, refuses) in results {
-                if refuses && named.contains(&master) {
-                    found_down.insert(master);
-                } else {
-                    found_down.remove(&master);
+            for (master, found) in results {
+                match found {
+                    Some(why) if named.contains(&master) => {
+                        found_down.insert(master, why);
+                    }
+                    _ => {
+                        found_down.remove(&master);
+                    }
                 }
             }
             drop(state);
@@ -326,6 +410,37 @@ mod tests {
         DownMasters::new(map, Duration::from_millis(10), Duration::from_millis(10))
     }
 
+    /// A master is down when its port refuses a connection, or when two
+    /// in a row neither succeed nor are refused; one that accepts is up.
+    #[tokio::test]
+    async fn a_probe_tells_a_port_that_refuses_or_is_silent_from_one_that_accepts() {
+        use std::net::{Ipv4Addr, TcpListener, TcpStream};
+        let timeout = Duration::from_millis(200);
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind");
+        let address: Address = (
+            "127.0.0.1".to_owned(),
+            listener.local_addr().unwrap().port(),
+        );
+        assert_eq!(probe(&address, timeout).await, None);
+        // Past its queue of connections to accept (never accepted here),
+        // a port is silent: Linux drops a new connection's first packet.
+        let mut queued = Vec::new();
+        while let Ok(stream) =
+            TcpStream::connect_timeout(&listener.local_addr().unwrap(), Duration::from_millis(500))
+        {
+            queued.push(stream);
+            assert!(queued.len() <= 10_000, "the port never stopped accepting");
+        }
+        let started = Instant::now();
+        assert_eq!(probe(&address, timeout).await, Some(Down::Unreachable));
+        assert!(started.elapsed() >= 2 * timeout, "tried twice");
+        assert!(!refuses_connections(Some(&address), timeout).await);
+        drop((listener, queued));
+        assert_eq!(probe(&address, timeout).await, Some(Down::Refuses));
+        assert!(refuses_connections(Some(&address), timeout).await);
+        assert!(!refuses_connections(None, timeout).await);
+    }
+
     #[test]
     fn a_slot_is_found_in_a_map_out_of_order_and_with_gaps() {
         let down = down_masters(vec![
@@ -354,7 +469,9 @@ mod tests {
     fn calls_not_sent_to_a_down_master_do_not_keep_others_from_being_probed() {
         let down = down_masters(vec![range(0, 8_191, 1), range(8_192, 16_383, 2)]);
         let mut state = down.state();
-        state.down.insert(("127.0.0.1".to_owned(), 1));
+        state
+            .down
+            .insert(("127.0.0.1".to_owned(), 1), Down::Refuses);
         let start = Instant::now();
         let at = |ms| start + Duration::from_millis(ms);
         let ports = |round: Option<(HashSet<Address>, bool)>| {
@@ -387,14 +504,19 @@ mod tests {
     #[test]
     fn only_a_down_masters_keys_are_refused_until_a_map_names_another() {
         let down = down_masters(vec![range(0, 8_191, 1), range(8_192, 16_383, 2)]);
-        assert_eq!(down.refusing(&name_in(0)), None);
-        down.state().down.insert(("127.0.0.1".to_owned(), 1));
-        assert_eq!(down.refusing(&name_in(0)), Some(range(0, 8_191, 1)));
-        assert_eq!(down.refusing(&name_in(8_191)), Some(range(0, 8_191, 1)));
-        assert_eq!(down.refusing(&name_in(8_192)), None);
+        let refused_range = |slot| down.refusing(&name_in(slot)).map(|(range, _)| range);
+        assert_eq!(refused_range(0), None);
+        down.state()
+            .down
+            .insert(("127.0.0.1".to_owned(), 1), Down::Refuses);
+        assert_eq!(refused_range(0), Some(range(0, 8_191, 1)));
+        assert_eq!(refused_range(8_191), Some(range(0, 8_191, 1)));
+        assert_eq!(refused_range(8_192), None);
+        assert!(down.is_down(&("127.0.0.1".to_owned(), 1)));
+        assert!(!down.is_down(&("127.0.0.1".to_owned(), 2)));
         // A replica took the down master's slots.
         down.set_map(vec![range(0, 8_191, 3), range(8_192, 16_383, 2)]);
         assert!(down.state().down.is_empty());
-        assert_eq!(down.refusing(&name_in(0)), None);
+        assert_eq!(refused_range(0), None);
     }
 }

@@ -22,7 +22,7 @@ use redis::{
     ServerErrorKind, Value,
 };
 
-use crate::down::{DownMasters, Probe};
+use crate::down::{refuses_connections, DownMasters, Probe};
 
 const PRELUDE: &str = include_str!("lua/prelude.lua");
 const FIXED_WINDOW: &str = include_str!("lua/fixed_window.lua");
@@ -731,7 +731,8 @@ impl RedisStore {
                             let mut conn = client.get_async_connection().await?;
                             // Taken only once no master hangs for it (see
                             // no_master_hangs).
-                            let map = no_master_hangs(&mut conn, node_connect_timeout).await?;
+                            let map =
+                                no_master_hangs(&mut conn, node_connect_timeout, &down).await?;
                             down.set_map(map);
                             Ok(conn)
                         })
@@ -1136,14 +1137,14 @@ impl RedisStore {
         if !down.any_down() {
             return None;
         }
-        let range = down.refusing(self.key_name(key).as_bytes())?;
+        let (range, why) = down.refusing(self.key_name(key).as_bytes())?;
         down.check(Probe::Down, || cluster.conn());
         Some(self.call_error(StoreError::new(
             StoreErrorKind::ConnectionDropped,
             format!(
-                "the master of slots {range} refuses connections (it is down), so the call was \
-                 not sent and nothing was applied; its slots are sent again once it accepts \
-                 connections or the cluster names another master for them"
+                "the master of slots {range} {why}, so the call was not sent and nothing was \
+                 applied; its slots are sent again once it accepts connections or the cluster \
+                 names another master for them"
             ),
         )))
     }
@@ -2206,8 +2207,8 @@ pub(crate) async fn ask_slot_map(conn: &mut ClusterConnection) -> RedisResult<Va
 
 /// Whether no master of the slot map that `conn` reads hangs for it: each
 /// answers on it as itself (see [`check_master`]; one that answers but is
-/// not `ok` counts), or, when it does not, refuses a TCP connection within
-/// `probe_timeout` (a master that is down).
+/// not `ok` counts), or, when it does not, is down: `down` has found it
+/// so, or it refuses a TCP connection within `probe_timeout`.
 ///
 /// A new connection that has no connection to a master tries to make one
 /// for each call of its slots. To a master that is down that fails at
@@ -2220,9 +2221,14 @@ pub(crate) async fn ask_slot_map(conn: &mut ClusterConnection) -> RedisResult<Va
 /// over. A master that is down is no reason to keep the old connection:
 /// after a master was killed, the old one could stop answering every call
 /// until its replica took over, and a new one decided the others' keys.
+/// Nor is a host that `down` found gone: calls for its slots are not sent,
+/// so no call waits on a try to connect to it, and the old connection,
+/// whose connection to it was lost, stalled every call (measured: every
+/// other master's key timed out, for as long as the host stayed away).
 async fn no_master_hangs(
     conn: &mut ClusterConnection,
     probe_timeout: Duration,
+    down: &DownMasters,
 ) -> RedisResult<Vec<SlotRange>> {
     let not_taken =
         |what: String| RedisError::from((ErrorKind::Client, "new connection not taken", what));
@@ -2237,6 +2243,7 @@ async fn no_master_hangs(
             async move {
                 match check_master(&mut conn, range).await {
                     Ok(()) | Err(MasterCheck::NotOk) => Ok(()),
+                    Err(_) if range.master.as_ref().is_some_and(|m| down.is_down(m)) => Ok(()),
                     Err(_) if refuses_connections(range.master.as_ref(), probe_timeout).await => {
                         Ok(())
                     }
@@ -2246,23 +2253,6 @@ async fn no_master_hangs(
         });
     futures_util::future::try_join_all(checks).await?;
     Ok(slots)
-}
-
-/// Whether the node at `address` (a master's, of a slot map) refuses a
-/// TCP connection within `timeout` (it is down, rather than hung or out of
-/// reach); `None` (a map that names no address) is not.
-pub(crate) async fn refuses_connections(
-    address: Option<&(String, u16)>,
-    timeout: Duration,
-) -> bool {
-    let Some((host, port)) = address else {
-        return false;
-    };
-    let connecting = tokio::net::TcpStream::connect((host.as_str(), *port));
-    matches!(
-        tokio::time::timeout(timeout, connecting).await,
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused
-    )
 }
 
 /// The `cluster_state` a `CLUSTER INFO` reply gives (`ok` or `fail`).

@@ -220,6 +220,9 @@ pub struct RedisServer {
     /// While a killed cluster node is down: its bus port, held (see
     /// [`RedisServer::kill`]).
     bus_hold: Option<TcpListener>,
+    /// While its host is gone: its port, held silent (see
+    /// [`RedisServer::kill_host`]).
+    port_hold: Option<(TcpListener, Vec<TcpStream>)>,
 }
 
 impl RedisServer {
@@ -265,6 +268,7 @@ impl RedisServer {
                 cluster,
                 extra: extra.iter().map(|a| a.to_string()).collect(),
                 bus_hold: None,
+                port_hold: None,
             };
             if server.spawn() {
                 return server;
@@ -285,6 +289,7 @@ impl RedisServer {
     /// by some other server on that port never counts.
     fn spawn(&mut self) -> bool {
         self.bus_hold = None;
+        self.port_hold = None;
         let mut cmd = Command::new("redis-server");
         cmd.args([
             "--port",
@@ -390,6 +395,35 @@ impl RedisServer {
                 self.bus_hold = TcpListener::bind((Ipv4Addr::LOCALHOST, bus)).ok();
             }
         }
+    }
+
+    /// Kills the server (see [`RedisServer::kill`]) and holds its port
+    /// (the plain one) silent, as a host that is gone: the connections made
+    /// before are closed (as when the process dies before its host goes,
+    /// or a container is deleted with its address), and new ones are
+    /// neither accepted nor refused. The port listens and its queue of
+    /// connections to accept is kept full, so Linux drops every new
+    /// connection's first packet. Until [`RedisServer::restart`] or drop.
+    pub fn kill_host(&mut self) {
+        self.kill();
+        let listener =
+            TcpListener::bind((Ipv4Addr::LOCALHOST, self.port)).expect("hold the killed port");
+        let address = (Ipv4Addr::LOCALHOST, self.port).into();
+        let mut queued = Vec::new();
+        // Past the queue's length (the listen backlog, 128 for std, plus
+        // one) a loopback connection is neither accepted nor refused.
+        loop {
+            match TcpStream::connect_timeout(&address, Duration::from_millis(500)) {
+                Ok(stream) => queued.push(stream),
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => break,
+                Err(e) => panic!("filling the held port's queue: {e}"),
+            }
+            assert!(
+                queued.len() <= 10_000,
+                "the held port never stopped accepting"
+            );
+        }
+        self.port_hold = Some((listener, queued));
     }
 
     /// Starts the server again on the same port (with empty data).
@@ -651,6 +685,12 @@ impl RedisCluster {
     /// Kills the node at `index` (SIGKILL), as a crash would.
     pub fn kill_node(&mut self, index: usize) {
         self.nodes[index].kill();
+    }
+
+    /// Kills the node at `index` and makes its host gone (see
+    /// [`RedisServer::kill_host`]).
+    pub fn kill_host(&mut self, index: usize) {
+        self.nodes[index].kill_host();
     }
 
     /// Kills the node at `index` and starts it again on its port and

@@ -946,6 +946,34 @@ fn a_killed_master_does_not_time_out_the_other_masters_keys() {
 /// connections too, for as long as it stayed down.
 #[test]
 fn a_killed_master_without_a_replica_costs_only_its_own_keys() {
+    let found = Duration::from_secs(1);
+    a_master_down_costs_only_its_own_keys(RedisCluster::kill_node, found, "refuses connections");
+}
+
+/// The same when the master's host is gone: its port neither accepts nor
+/// refuses connections, after its process died (so the connections to it
+/// were closed first). Before, every other master's key timed out in every
+/// round, for as long as the host stayed away: each call for the master's
+/// slots had the client try to connect to it, and no new connection was
+/// taken in place of the stalled one.
+#[test]
+fn a_master_whose_host_is_gone_costs_only_its_own_keys() {
+    // Found after the first call's timeout (200 ms) and two probes of
+    // 500 ms (a quarter of connect_timeout_ms), then a new connection.
+    let found = Duration::from_millis(2_500);
+    a_master_down_costs_only_its_own_keys(RedisCluster::kill_host, found, "could not be connected");
+}
+
+/// Takes node 0 (a master with no replica) down with `take_down` under
+/// rounds of calls on 300 keys; from `found` on, for 3 s, checks that its
+/// keys fail as not sent, their errors saying `why`, while the other
+/// masters' keys are decided; then that a batch fails its keys the same
+/// way, and that every key is decided again after it restarts.
+fn a_master_down_costs_only_its_own_keys(
+    take_down: fn(&mut RedisCluster, usize),
+    found: Duration,
+    why: &str,
+) {
     const KEYS: u64 = 300;
     let mut cluster = RedisCluster::start();
     let rt = common::runtime();
@@ -984,18 +1012,18 @@ fn a_killed_master_without_a_replica_costs_only_its_own_keys() {
         "{} of {KEYS} keys on node 0",
         on_node_0.len()
     );
-    cluster.kill_node(0);
+    take_down(&mut cluster, 0);
     let killed = Instant::now();
     let mut rounds = 0;
     let mut rounds_with_others_failing = 0;
-    while killed.elapsed() < Duration::from_secs(4) {
+    while killed.elapsed() < found + Duration::from_secs(3) {
         let results = rt.block_on(futures_util::future::join_all(
             (0..KEYS).map(|k| store.decide(k, None, 1)),
         ));
-        // The first second is the kill's: the calls sent before the master
-        // was found down stall the connection (about 400 ms here, two
-        // rounds).
-        if killed.elapsed() < Duration::from_secs(1) {
+        // Until `found`, the calls sent before the master was found down
+        // stall the connection (about 400 ms here, two rounds, for a
+        // killed master).
+        if killed.elapsed() < found {
             continue;
         }
         rounds += 1;
@@ -1005,6 +1033,7 @@ fn a_killed_master_without_a_replica_costs_only_its_own_keys() {
                 Err(e) if on_node_0.contains(&key) => {
                     assert_eq!(e.kind(), StoreErrorKind::ConnectionDropped, "{e}");
                     assert!(e.detail().contains("was not sent"), "{e}");
+                    assert!(e.detail().contains(why), "{e}");
                 }
                 Ok(_) if on_node_0.contains(&key) => panic!("key {key} decided on a dead master"),
                 // A busy machine can miss 200 ms now and then.
@@ -1034,6 +1063,7 @@ fn a_killed_master_without_a_replica_costs_only_its_own_keys() {
         match result {
             Err(e) if on_node_0.contains(&key) => {
                 assert_eq!(e.kind(), StoreErrorKind::ConnectionDropped, "{e}");
+                assert!(e.detail().contains(why), "{e}");
             }
             Ok(_) if on_node_0.contains(&key) => panic!("key {key} decided on a dead master"),
             // 200 ms for the whole batch: a busy machine can miss it.
