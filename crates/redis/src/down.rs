@@ -256,6 +256,11 @@ impl DownMasters {
         self.any_down.load(Ordering::Relaxed)
     }
 
+    /// The slot map as last read.
+    pub(crate) fn map(&self) -> Vec<SlotRange> {
+        self.state().map.clone()
+    }
+
     /// Whether the master at `address` was found down when last probed.
     pub(crate) fn is_down(&self, address: &Address) -> bool {
         self.any_down() && self.state().down.contains_key(address)
@@ -329,13 +334,14 @@ impl DownMasters {
         let Some(reading) = reading else {
             return;
         };
-        let mut conn = conn();
+        let conn = conn();
+        let known = self.map();
         // For a replica that took a down master's slots. Apart from the
         // probes: a connection stalled by calls for a down master answers
         // nothing until it is replaced, reading the map included.
         tokio::spawn(async move {
             let down = &reading.0;
-            let read = tokio::time::timeout(down.read_timeout, ask_slot_map(&mut conn)).await;
+            let read = tokio::time::timeout(down.read_timeout, ask_slot_map(&conn, &known)).await;
             if let Ok(Ok(reply)) = read {
                 if let Ok(map) = slot_ranges(&reply) {
                     down.state().take_map(map);

@@ -711,12 +711,13 @@ impl RedisStore {
                 // The slot map, to tell which master a key's call goes to
                 // (see crate::down); one not read now is read at the first
                 // failed call.
-                let map = match tokio::time::timeout(node_response_timeout, ask_slot_map(&mut conn))
-                    .await
-                {
-                    Ok(Ok(reply)) => slot_ranges(&reply).unwrap_or_default(),
-                    _ => Vec::new(),
-                };
+                let map =
+                    match tokio::time::timeout(node_response_timeout, ask_slot_map(&conn, &[]))
+                        .await
+                    {
+                        Ok(Ok(reply)) => slot_ranges(&reply).unwrap_or_default(),
+                        _ => Vec::new(),
+                    };
                 let down = Arc::new(DownMasters::new(
                     map,
                     node_connect_timeout,
@@ -1149,6 +1150,15 @@ impl RedisStore {
         )))
     }
 
+    /// The cluster's slot map as last read (see [`DownMasters`]); empty on
+    /// one node, or when none could be read.
+    fn known_slot_map(&self) -> Vec<SlotRange> {
+        match &self.inner.backend {
+            Backend::Cluster(_, down) => down.map(),
+            Backend::Node(_) => Vec::new(),
+        }
+    }
+
     /// Starts a new connection in the background for later calls, at most
     /// one a second (see [`Renewing`]).
     fn renew_connection(&self) {
@@ -1311,8 +1321,9 @@ impl RedisStore {
             }
         };
         let slots = {
-            let mut conn = cluster.clone();
-            match tokio::time::timeout_at(deadline, ask_slot_map(&mut conn)).await {
+            let known = self.known_slot_map();
+            let asked = ask_slot_map(&cluster, &known);
+            match tokio::time::timeout_at(deadline, asked).await {
                 Ok(Ok(value)) => slot_ranges(&value)?,
                 Ok(Err(e)) if e.is_timeout() => {
                     return Err(timed_out("no master answered CLUSTER SLOTS"))
@@ -1716,11 +1727,13 @@ impl RedisStore {
             Conn::Cluster(cluster) => {
                 let mut cmd = redis::cmd("SCRIPT");
                 cmd.arg("LOAD").arg(self.inner.script_source);
-                let every_master = RoutingInfo::MultiNode((
-                    MultipleNodeRoutingInfo::AllMasters,
-                    Some(ResponsePolicy::AllSucceeded),
-                ));
-                cluster.route_command(cmd, every_master).await.map(drop)
+                let calls = every_master(
+                    cluster,
+                    &cmd,
+                    &self.known_slot_map(),
+                    ResponsePolicy::AllSucceeded,
+                );
+                futures_util::future::try_join_all(calls).await.map(drop)
             }
         }
     }
@@ -2193,16 +2206,70 @@ async fn check_master(conn: &mut ClusterConnection, range: &SlotRange) -> Result
     Ok(())
 }
 
-/// `CLUSTER SLOTS`, asked of every master and the first answer taken: a
-/// frozen master must not stop a probe before it can be named (and
-/// replicas, which a probe does not need, are left out).
-pub(crate) async fn ask_slot_map(conn: &mut ClusterConnection) -> RedisResult<Value> {
-    let every_master = RoutingInfo::MultiNode((
-        MultipleNodeRoutingInfo::AllMasters,
-        Some(ResponsePolicy::OneSucceeded),
-    ));
-    conn.route_command(redis::cmd("CLUSTER").arg("SLOTS").to_owned(), every_master)
+/// `cmd` sent to every master, each as a call of its own: to the master of
+/// the first slot of each master's range in `known` (the slot map last
+/// read), or, when no map was read, one call by redis-rs's own fan-out,
+/// which answers by `policy`.
+///
+/// redis-rs's fan-out (`MultipleNodeRoutingInfo::AllMasters`, in 1.8 and
+/// 2.0.0-rc.2) queues the calls to the nodes from within its connection's
+/// task without waking it; the task wakes itself only when the fan-out was
+/// the only call under way. Otherwise the calls wait, unsent, for the next
+/// wake: the answer of another call under way (one to a frozen master made
+/// a fan-out wait until it thawed, see the test), or, when the others end
+/// in the same turn of the task, the next call of any kind. A store's
+/// connect, whose `SCRIPT LOAD` follows a `CLUSTER SLOTS` fan-out whose
+/// other answers were still coming, waited its whole 10 s about once in
+/// 4,000 on a loopback cluster. A call routed to one node is queued
+/// through the task's channel, which wakes it (and sends any calls queued
+/// before it). The fan-out is kept for the first read of a map, when no
+/// other call is under way on the connection.
+pub(crate) fn every_master(
+    conn: &ClusterConnection,
+    cmd: &redis::Cmd,
+    known: &[SlotRange],
+    policy: ResponsePolicy,
+) -> Vec<BoxFuture<'static, RedisResult<Value>>> {
+    if known.is_empty() {
+        let mut conn = conn.clone();
+        let cmd = cmd.clone();
+        let every_master =
+            RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, Some(policy)));
+        return vec![Box::pin(async move {
+            conn.route_command(cmd, every_master).await
+        })];
+    }
+    let mut seen = std::collections::HashSet::new();
+    known
+        .iter()
+        .filter(|range| seen.insert(range.id.as_str()))
+        .map(|range| {
+            let mut conn = conn.clone();
+            let cmd = cmd.clone();
+            let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+                range.first,
+                SlotAddr::Master,
+            )));
+            Box::pin(async move { conn.route_command(cmd, route).await })
+                as BoxFuture<'static, RedisResult<Value>>
+        })
+        .collect()
+}
+
+/// `CLUSTER SLOTS`, asked of every master (see [`every_master`]; `known`:
+/// the slot map last read, if any) and the first answer taken: a frozen
+/// master must not stop a probe before it can be named (and replicas,
+/// which a probe does not need, are left out).
+pub(crate) async fn ask_slot_map(
+    conn: &ClusterConnection,
+    known: &[SlotRange],
+) -> RedisResult<Value> {
+    let mut cmd = redis::cmd("CLUSTER");
+    cmd.arg("SLOTS");
+    let calls = every_master(conn, &cmd, known, ResponsePolicy::OneSucceeded);
+    futures_util::future::select_ok(calls)
         .await
+        .map(|(answer, _)| answer)
 }
 
 /// Whether no master of the slot map that `conn` reads hangs for it: each
@@ -2232,7 +2299,7 @@ async fn no_master_hangs(
 ) -> RedisResult<Vec<SlotRange>> {
     let not_taken =
         |what: String| RedisError::from((ErrorKind::Client, "new connection not taken", what));
-    let reply = ask_slot_map(conn).await?;
+    let reply = ask_slot_map(conn, &down.map()).await?;
     let slots = slot_ranges(&reply).map_err(|e| not_taken(e.detail().to_owned()))?;
     let mut seen = std::collections::HashSet::new();
     let checks = slots
@@ -2927,6 +2994,66 @@ impl ratewarden_core::Limiter for RedisStore {
 mod tests {
     use ratewarden_core::{StoreError, StoreErrorKind};
     use std::time::Duration;
+
+    /// A read of the slot map from every master does not wait for another
+    /// call under way on the connection to end. redis-rs's own fan-out
+    /// did: its calls to the nodes waited unsent until something woke the
+    /// connection's task, here the answer of a call to a frozen master,
+    /// 1.5 s later.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_of_every_master_does_not_wait_for_another_call() {
+        use super::*;
+        let cluster = crate::test_support::RedisCluster::start();
+        let options = RedisOptions {
+            timeout_ms: 5_000,
+            ..RedisOptions::default()
+        };
+        let store = RedisStore::connect(&cluster.url(), ratewarden_core::REFERENCE, options)
+            .await
+            .expect("connect");
+        let Conn::Cluster(conn) = store.conn() else {
+            panic!("a cluster connection");
+        };
+        let known = store.known_slot_map();
+        assert_eq!(known.len(), 3, "three masters' ranges");
+        // A key of node 0, decided while node 0 is frozen: its call stays
+        // under way until node 0 thaws.
+        let node_0 = cluster.nodes()[0].port();
+        let on_node_0 = known
+            .iter()
+            .find(|range| range.master.as_ref().is_some_and(|m| m.1 == node_0))
+            .expect("node 0 is a master");
+        let key = (0u64..)
+            .find(|&key| {
+                let slot = key_slot(store.key_name(key).as_bytes());
+                (on_node_0.first..=on_node_0.last).contains(&slot)
+            })
+            .expect("a key of node 0");
+        cluster.nodes()[0].pause();
+        let under_way = tokio::spawn({
+            let store = store.clone();
+            async move { store.decide(key, None, 1).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let pid = cluster.nodes()[0].pid().expect("node 0 runs");
+        let thaw = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(1_500));
+            std::process::Command::new("kill")
+                .args(["-CONT", &pid.to_string()])
+                .status()
+        });
+        let started = Instant::now();
+        let read = ask_slot_map(&conn, &known).await;
+        let took = started.elapsed();
+        cluster.nodes()[0].resume();
+        assert!(read.is_ok(), "{read:?}");
+        assert!(
+            took < Duration::from_millis(1_000),
+            "the read took {took:?}, waiting for the frozen master's call"
+        );
+        under_way.await.expect("call").expect("decided once thawed");
+        let _ = thaw.join();
+    }
 
     /// A connect-time check that times out is tried again while another
     /// try fits before the deadline; other errors end it at once, and so
