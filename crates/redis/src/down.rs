@@ -32,6 +32,10 @@
 //! is the time the client itself gives a node's connection: it cannot
 //! connect to such a master either. One lost packet is not enough: the
 //! second connection is tried at once, with a first packet of its own. A
+//! host name (where nodes announce names, not IP addresses) is resolved
+//! first, within four times the probe's time: a name server slower than
+//! that marks no master, since the client's connections to it need no
+//! name; a name that no longer resolves counts as a failed connection. A
 //! master that is slow or hung accepts connections (its kernel does), so
 //! it is not taken for down, unless it stays hung until its queue of
 //! connections to accept is full; its calls time out anyway. A failed call
@@ -117,11 +121,25 @@ enum Reach {
     /// Neither within the time, or another failure (no route to the host,
     /// a name that no longer resolves).
     Failed,
+    /// Its name took longer than the probe's time to resolve: this says
+    /// nothing of the master, since the client's connections to it were
+    /// made before and need no name (a slow name server is no host gone).
+    Unknown,
 }
 
-/// Tries a TCP connection to `address` within `timeout`.
+/// Tries a TCP connection to `address` within `timeout`, once its name is
+/// resolved (at once for an IP address, as cluster nodes announce by
+/// default; within four times `timeout`, the whole `connect_timeout_ms`,
+/// for a host name).
 async fn reach(address: &Address, timeout: Duration) -> Reach {
-    let connecting = tokio::net::TcpStream::connect((address.0.as_str(), address.1));
+    let resolving = tokio::net::lookup_host((address.0.as_str(), address.1));
+    let addresses: Vec<std::net::SocketAddr> =
+        match tokio::time::timeout(timeout * 4, resolving).await {
+            Ok(Ok(addresses)) => addresses.collect(),
+            Ok(Err(_)) => return Reach::Failed,
+            Err(_) => return Reach::Unknown,
+        };
+    let connecting = tokio::net::TcpStream::connect(&addresses[..]);
     match tokio::time::timeout(timeout, connecting).await {
         Ok(Ok(_)) => Reach::Accepted,
         Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Reach::Refused,
@@ -135,7 +153,7 @@ async fn reach(address: &Address, timeout: Duration) -> Reach {
 async fn probe(address: &Address, timeout: Duration) -> Option<Down> {
     for _ in 0..2 {
         match reach(address, timeout).await {
-            Reach::Accepted => return None,
+            Reach::Accepted | Reach::Unknown => return None,
             Reach::Refused => return Some(Down::Refuses),
             Reach::Failed => {}
         }
@@ -428,6 +446,10 @@ mod tests {
             listener.local_addr().unwrap().port(),
         );
         assert_eq!(probe(&address, timeout).await, None);
+        // By name: each address it resolves to is tried (`localhost` may
+        // name ::1 first, where nothing listens).
+        let by_name: Address = ("localhost".to_owned(), address.1);
+        assert_eq!(probe(&by_name, timeout).await, None);
         // Past its queue of connections to accept (never accepted here),
         // a port is silent: Linux drops a new connection's first packet.
         let mut queued = Vec::new();
