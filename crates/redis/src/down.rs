@@ -121,9 +121,10 @@ enum Reach {
     /// Neither within the time, or another failure (no route to the host,
     /// a name that no longer resolves).
     Failed,
-    /// Its name took longer than the probe's time to resolve: this says
-    /// nothing of the master, since the client's connections to it were
-    /// made before and need no name (a slow name server is no host gone).
+    /// Its name took longer than four times the probe's time to resolve:
+    /// this says nothing of the master, since the client's connections to
+    /// it were made before and need no name (a slow name server is no host
+    /// gone).
     Unknown,
 }
 

@@ -2216,11 +2216,12 @@ async fn check_master(conn: &mut ClusterConnection, range: &SlotRange) -> Result
 /// task without waking it; the task wakes itself only when the fan-out was
 /// the only call under way. Otherwise the calls wait, unsent, for the next
 /// wake: the answer of another call under way (one to a frozen master made
-/// a fan-out wait until it thawed, see the test), or, when the others end
-/// in the same turn of the task, the next call of any kind. A store's
-/// connect, whose `SCRIPT LOAD` follows a `CLUSTER SLOTS` fan-out whose
-/// other answers were still coming, waited its whole 10 s about once in
-/// 4,000 on a loopback cluster. A call routed to one node is queued
+/// a fan-out wait until the master thawed, see the test
+/// `a_read_of_every_master_does_not_wait_for_another_call`), or, when the
+/// others end in the same turn of the task, the next call of any kind. A
+/// store's connect, whose `SCRIPT LOAD` follows a `CLUSTER SLOTS` fan-out
+/// whose other answers were still coming, waited its whole 10 s about once
+/// in 4,000 on a loopback cluster. A call routed to one node is queued
 /// through the task's channel, which wakes it (and sends any calls queued
 /// before it). The fan-out is kept for the first read of a map, when no
 /// other call is under way on the connection.
