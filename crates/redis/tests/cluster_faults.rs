@@ -1021,8 +1021,7 @@ fn a_master_down_costs_only_its_own_keys(
             (0..KEYS).map(|k| store.decide(k, None, 1)),
         ));
         // Until `found`, the calls sent before the master was found down
-        // stall the connection (about 400 ms here, two rounds, for a
-        // killed master).
+        // stall the connection (one round here, for a killed master).
         if killed.elapsed() < found {
             continue;
         }
