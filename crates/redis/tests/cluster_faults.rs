@@ -1021,7 +1021,8 @@ fn a_master_down_costs_only_its_own_keys(
             (0..KEYS).map(|k| store.decide(k, None, 1)),
         ));
         // Until `found`, the calls sent before the master was found down
-        // stall the connection (one round here, for a killed master).
+        // stall the connection (one or two rounds here, for a killed
+        // master).
         if killed.elapsed() < found {
             continue;
         }
