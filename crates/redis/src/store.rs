@@ -2240,10 +2240,7 @@ pub(crate) fn every_master(
             conn.route_command(cmd, every_master).await
         })];
     }
-    let mut seen = std::collections::HashSet::new();
-    known
-        .iter()
-        .filter(|range| seen.insert(range.id.as_str()))
+    one_range_per_master(known)
         .map(|range| {
             let mut conn = conn.clone();
             let cmd = cmd.clone();
@@ -2255,6 +2252,14 @@ pub(crate) fn every_master(
                 as BoxFuture<'static, RedisResult<Value>>
         })
         .collect()
+}
+
+/// The first range of each master of a slot map, the others left out: a
+/// call to that range's master stands for a call to the master.
+fn one_range_per_master(map: &[SlotRange]) -> impl Iterator<Item = &SlotRange> {
+    let mut seen = std::collections::HashSet::new();
+    map.iter()
+        .filter(move |range| seen.insert(range.id.as_str()))
 }
 
 /// `CLUSTER SLOTS`, asked of every master (see [`every_master`]; `known`:
@@ -2302,23 +2307,17 @@ async fn no_master_hangs(
         |what: String| RedisError::from((ErrorKind::Client, "new connection not taken", what));
     let reply = ask_slot_map(conn, &down.map()).await?;
     let slots = slot_ranges(&reply).map_err(|e| not_taken(e.detail().to_owned()))?;
-    let mut seen = std::collections::HashSet::new();
-    let checks = slots
-        .iter()
-        .filter(|range| seen.insert(range.id.as_str()))
-        .map(|range| {
-            let mut conn = conn.clone();
-            async move {
-                match check_master(&mut conn, range).await {
-                    Ok(()) | Err(MasterCheck::NotOk) => Ok(()),
-                    Err(_) if range.master.as_ref().is_some_and(|m| down.is_down(m)) => Ok(()),
-                    Err(_) if refuses_connections(range.master.as_ref(), probe_timeout).await => {
-                        Ok(())
-                    }
-                    Err(_) => Err(not_taken(format!("the master of {range} does not answer"))),
-                }
+    let checks = one_range_per_master(&slots).map(|range| {
+        let mut conn = conn.clone();
+        async move {
+            match check_master(&mut conn, range).await {
+                Ok(()) | Err(MasterCheck::NotOk) => Ok(()),
+                Err(_) if range.master.as_ref().is_some_and(|m| down.is_down(m)) => Ok(()),
+                Err(_) if refuses_connections(range.master.as_ref(), probe_timeout).await => Ok(()),
+                Err(_) => Err(not_taken(format!("the master of {range} does not answer"))),
             }
-        });
+        }
+    });
     futures_util::future::try_join_all(checks).await?;
     Ok(slots)
 }
