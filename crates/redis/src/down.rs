@@ -439,7 +439,7 @@ mod tests {
     /// in a row neither succeed nor are refused; one that accepts is up.
     #[tokio::test]
     async fn a_probe_tells_a_port_that_refuses_or_is_silent_from_one_that_accepts() {
-        use std::net::{Ipv4Addr, TcpListener, TcpStream};
+        use std::net::{Ipv4Addr, TcpListener};
         let timeout = Duration::from_millis(200);
         let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind");
         let address: Address = (
@@ -453,13 +453,7 @@ mod tests {
         assert_eq!(probe(&by_name, timeout).await, None);
         // Past its queue of connections to accept (never accepted here),
         // a port is silent: Linux drops a new connection's first packet.
-        let mut queued = Vec::new();
-        while let Ok(stream) =
-            TcpStream::connect_timeout(&listener.local_addr().unwrap(), Duration::from_millis(500))
-        {
-            queued.push(stream);
-            assert!(queued.len() <= 10_000, "the port never stopped accepting");
-        }
+        let queued = crate::test_support::fill_accept_queue(&listener);
         let started = Instant::now();
         assert_eq!(probe(&address, timeout).await, Some(Down::Unreachable));
         assert!(started.elapsed() >= 2 * timeout, "tried twice");

@@ -13,6 +13,24 @@ use std::time::{Duration, Instant};
 /// How long a server may take to start answering.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Fills the queue of connections to accept of `listener`, a loopback
+/// listener that never accepts, and returns them: past the queue's length
+/// (the listen backlog, 128 for std, plus one) a new connection is neither
+/// accepted nor refused, since Linux drops its first packet.
+pub fn fill_accept_queue(listener: &TcpListener) -> Vec<TcpStream> {
+    let address = listener.local_addr().expect("the listener's address");
+    let mut queued = Vec::new();
+    loop {
+        match TcpStream::connect_timeout(&address, Duration::from_millis(500)) {
+            Ok(stream) => queued.push(stream),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => break,
+            Err(e) => panic!("filling the port's queue: {e}"),
+        }
+        assert!(queued.len() <= 10_000, "the port never stopped accepting");
+    }
+    queued
+}
+
 /// A free loopback port; with `bus`, port + 10000 (a cluster node's bus)
 /// is free too.
 pub fn free_port(bus: bool) -> u16 {
@@ -408,21 +426,7 @@ impl RedisServer {
         self.kill();
         let listener =
             TcpListener::bind((Ipv4Addr::LOCALHOST, self.port)).expect("hold the killed port");
-        let address = (Ipv4Addr::LOCALHOST, self.port).into();
-        let mut queued = Vec::new();
-        // Past the queue's length (the listen backlog, 128 for std, plus
-        // one) a loopback connection is neither accepted nor refused.
-        loop {
-            match TcpStream::connect_timeout(&address, Duration::from_millis(500)) {
-                Ok(stream) => queued.push(stream),
-                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => break,
-                Err(e) => panic!("filling the held port's queue: {e}"),
-            }
-            assert!(
-                queued.len() <= 10_000,
-                "the held port never stopped accepting"
-            );
-        }
+        let queued = fill_accept_queue(&listener);
         self.port_hold = Some((listener, queued));
     }
 
