@@ -22,7 +22,12 @@
 //!
 //! A key is hashed once, with a keyed, per-store randomly seeded hash
 //! (foldhash): the bits pick the shard and the slot, and an attacker who
-//! chooses keys cannot predict which collide (no hash flooding).
+//! chooses keys cannot predict which collide (no hash flooding). Its
+//! `quality` form, not `fast`: for a `u64` the fast form is one folded
+//! multiply, and with some seeds consecutive keys (1 to 20,000) sat 17 to
+//! 40 slots from home on average in a shard, against about 2, in about one
+//! store in twenty (`keys_sit_near_their_home_slots` failed 2 runs of 40,
+//! and none of 80 with the extra multiply of `quality`).
 //!
 //! Memory per key: a shard keeps `(u64 key, u64 packed state)` pairs, 16
 //! bytes, in a flat open-addressing table (`table.rs`) rebuilt 9/16 full
@@ -74,7 +79,7 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use foldhash::fast::RandomState;
+use foldhash::quality::RandomState;
 use hashbrown::HashTable;
 use spin::mutex::{SpinMutex, SpinMutexGuard};
 
