@@ -1118,13 +1118,19 @@ impl RedisStore {
     /// may be down (the call timed out or lost its connection), checks in
     /// the background which masters are (see [`crate::down`]).
     fn look_for_down_masters(&self, e: &StoreError) {
+        if matches!(
+            e.kind(),
+            StoreErrorKind::Timeout | StoreErrorKind::ConnectionDropped
+        ) {
+            self.probe_every_master();
+        }
+    }
+
+    /// On a cluster, checks in the background which masters are down (see
+    /// [`crate::down`]).
+    fn probe_every_master(&self) {
         if let Backend::Cluster(cluster, down) = &self.inner.backend {
-            if matches!(
-                e.kind(),
-                StoreErrorKind::Timeout | StoreErrorKind::ConnectionDropped
-            ) {
-                down.check(Probe::Every, || cluster.conn());
-            }
+            down.check(Probe::Every, || cluster.conn());
         }
     }
 
@@ -1778,8 +1784,9 @@ impl RedisStore {
     /// costs its own keys only, and one found down fails its keys at once
     /// without sending them (see `docs/redis.md`). When the batch gets no
     /// answer at all for a quarter of its timeout (a cluster connection
-    /// can stop answering every call after a failover), a new connection
-    /// is made, and once it is in place the requests still waiting on the
+    /// can stop answering every call after a failover, or after a master
+    /// is killed), every master is probed and a new connection is made,
+    /// and once it is in place the requests still waiting on the
     /// old one get a [`StoreErrorKind::Timeout`] (they may have been
     /// applied), their keys' later requests are not sent, and the other
     /// keys go on the new connection.
@@ -1881,9 +1888,11 @@ impl RedisStore {
     /// [`CLUSTER_BATCH_KEYS_IN_FLIGHT`] calls holding a place).
     ///
     /// A cluster connection can stop answering every call at once (after a
-    /// failover, see docs/redis.md), and then no timeout frees it: when
-    /// the batch gets no answer for a quarter of its timeout, a new
-    /// connection is made, and once it is in place the calls still waiting
+    /// failover or a master's kill, see docs/redis.md), and then no
+    /// timeout frees it: when the batch gets no answer for a quarter of its
+    /// timeout, every master is probed (so that a master found down is
+    /// sent none of the calls that follow) and a new connection is made,
+    /// and once it is in place the calls still waiting
     /// on the old one are given up (a timeout's error: they may have been
     /// applied), their keys' later requests are not sent (so that a key's
     /// requests stay in order), and the other keys go on the new one.
@@ -2008,6 +2017,14 @@ impl RedisStore {
                     give_up.send_replace(current);
                     last_answer_ms.store(now_ms, Ordering::Relaxed);
                 } else {
+                    // A master killed under the batch can be why: redis-rs
+                    // tries its calls again instead of failing them, and
+                    // a slot-map read it starts meanwhile can wait for
+                    // ever, with every other call behind it. No call has
+                    // failed, so no probe has found the master down yet;
+                    // until one does, the new connection would be sent
+                    // its calls too, and stall the same way.
+                    self.probe_every_master();
                     cluster.stalled(current);
                 }
             }

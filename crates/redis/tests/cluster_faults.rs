@@ -937,6 +937,79 @@ fn a_killed_master_does_not_time_out_the_other_masters_keys() {
     );
 }
 
+/// A batch under way when a master with no replica is killed ends well
+/// within its timeout, every time, and so do the batches after it. redis-rs
+/// tries the dead master's calls again instead of failing them, and a
+/// slot-map read it starts meanwhile can wait for ever, every other call
+/// behind it; no call fails, so nothing had the masters probed, and the
+/// new connection the stalled batch made was sent the dead master's calls
+/// too and stalled the same way. Before, the batch under way waited its
+/// whole timeout after about one kill in four (6 of 25), and the next
+/// batch often did too. Five kills, each restarted before the next.
+#[test]
+fn a_batch_under_way_when_a_master_is_killed_ends_within_its_time() {
+    const KILLS: usize = 5;
+    const TIMEOUT_MS: u64 = 4_000;
+    let mut cluster = RedisCluster::start();
+    let rt = common::runtime();
+    let store = rt.block_on(async {
+        RedisStore::connect(
+            &cluster.url(),
+            REFERENCE,
+            batch_options("killed-long-batch", TIMEOUT_MS),
+        )
+        .await
+        .expect("connect")
+    });
+    let requests = Arc::new(batch(5_000));
+    for kill in 0..KILLS {
+        // Every key decided first (after a restart, once the cluster has
+        // taken the node back), so that the batch runs at full speed.
+        let ready = Instant::now();
+        while let Some(e) = rt.block_on(failures_of(&store, 300)).into_iter().next() {
+            assert!(
+                ready.elapsed() < Duration::from_secs(20),
+                "kill {kill}: keys still failed 20 s after the restart, one with {e}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let batches = {
+            let (store, stop, requests) = (store.clone(), stop.clone(), requests.clone());
+            rt.spawn(async move {
+                // How long each batch took, and how many of its requests
+                // were not sent because its time had run out.
+                let mut batches = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let started = Instant::now();
+                    let results = store.decide_many(&requests, None).await.expect("batch");
+                    let out_of_time = results
+                        .iter()
+                        .filter_map(|r| r.as_ref().err())
+                        .filter(|e| e.detail().contains("ran out before this request's turn"))
+                        .count();
+                    batches.push((started.elapsed(), out_of_time));
+                }
+                batches
+            })
+        };
+        // Into the second batch or so: one is under way at the kill.
+        std::thread::sleep(Duration::from_millis(700));
+        cluster.kill_node(0);
+        std::thread::sleep(Duration::from_millis(3_000));
+        stop.store(true, Ordering::Relaxed);
+        let batches = rt.block_on(batches).expect("batches");
+        for (took, out_of_time) in &batches {
+            assert!(
+                *out_of_time == 0 && *took < Duration::from_millis(TIMEOUT_MS),
+                "kill {kill}: a batch took {took:?} and ran out of time for {out_of_time} \
+                 requests; batches: {batches:?}"
+            );
+        }
+        cluster.restart_node(0);
+    }
+}
+
 /// A master killed with no replica to take over costs its own keys only,
 /// and those fail at once: their calls are not sent (a dropped connection
 /// saying so), single or in a batch, and the other masters' keys are
