@@ -27,8 +27,8 @@
 //! multiply, and with some seeds consecutive keys (1 to 20,000) sat 17 to
 //! 40 slots from home on average in a shard, against about 2, in about one
 //! store in twenty (`keys_sit_near_their_home_slots` failed 2 runs of 40,
-//! and none of 80 with the extra multiply of `quality`, which costs a few
-//! per cent at most: docs/bench.md, "Hash flooding").
+//! and none of 80 with the extra multiply of `quality`, which costs 0 to
+//! 11 per cent in measured medians: docs/bench.md, "Hash flooding").
 //!
 //! Memory per key: a shard keeps `(u64 key, u64 packed state)` pairs, 16
 //! bytes, in a flat open-addressing table (`table.rs`) rebuilt 9/16 full
