@@ -48,15 +48,17 @@
 //! on the wide state and pack again, so they are the same either way. The
 //! first state of a shard that does not fit turns that shard, once, into a
 //! SwissTable of `(u64 key, state)` with the wide states, which adds one
-//! control byte per slot and keeps its load between 7/16 and 7/8, and
-//! decides under its lock. A state is 16 bytes for `fixed-window` and
-//! `gcra`, 24 for `sliding-window-counter` and `token-bucket`, and 40 plus
-//! 16 per log entry for `sliding-log` (which never packs), in a store of
-//! one policy (`MemoryStore<FixedWindow>`); in a store built from a
-//! [`PolicyConfig`] ([`MemoryStore::for_config`],
-//! `LocalLimiter`), whose state is [`AnyState`](crate::registry::AnyState),
-//! every wide state takes the largest, 40 bytes: about 98 bytes a key in a
-//! full wide store. `ratewarden bench` measures the bytes per key.
+//! control byte per slot and keeps its load between 7/16 and 7/8 as it
+//! grows (a sweep can leave it down to a quarter of 7/8 before it shrinks,
+//! to room for twice the keys left), and decides under its lock. A state
+//! is 16 bytes for `fixed-window` and `gcra`, 24 for
+//! `sliding-window-counter` and `token-bucket`, and 40 plus 16 per log
+//! entry for `sliding-log` (which never packs), in a store of one policy
+//! (`MemoryStore<FixedWindow>`); in a store built from a [`PolicyConfig`]
+//! ([`MemoryStore::for_config`], `LocalLimiter`), whose state is
+//! [`AnyState`](crate::registry::AnyState), every wide state takes the
+//! largest, 40 bytes: about 98 bytes a key in a full wide store.
+//! `ratewarden bench` measures the bytes per key.
 //!
 //! The store holds at most [`MemoryOptions::max_keys`] keys, rounded up to
 //! a multiple of its shard count ([`MemoryStore::max_keys`]). It forgets
@@ -1139,10 +1141,18 @@ impl<P: Policy> Inner<P> {
             }
             Entries::Wide(entries) => {
                 entries.retain(|(_, state)| !policy.is_forgettable(state, now_ms));
-                let (len, capacity) = (entries.len(), entries.capacity());
-                if capacity > 64 && len * 4 < capacity {
-                    entries.shrink_to(len * 2, |e| hasher.hash_one(e.0));
-                }
+                // `shrink_to` reallocates only when a table with room for
+                // twice the keys left has fewer buckets than this one, so
+                // when the sweep left at most a quarter of its room (7/8
+                // of its buckets) holding keys. It counts buckets, not
+                // `capacity()`: a removed key whose slot stays marked
+                // deleted does not give its room back to `capacity()`, and
+                // sweeping a full table down to a fifth of its keys can
+                // leave `capacity()` under four times the keys left. Small
+                // tables (room for 64 keys) are kept unless emptied.
+                let len = entries.len();
+                let room = if len == 0 { 0 } else { (len * 2).max(64) };
+                entries.shrink_to(room, |e| hasher.hash_one(e.0));
             }
         }
     }
@@ -1986,12 +1996,12 @@ mod tests {
         }
     }
 
-    /// After a sweep a wide shard left less than a quarter full gives
-    /// memory back, keeping room for twice the keys it still holds; one a
-    /// quarter full or more keeps its capacity, so that a shard whose keys
+    /// After a sweep a wide shard left at most a quarter full gives memory
+    /// back, keeping room for twice the keys it still holds; one left more
+    /// than a quarter full keeps its allocation, so that a shard whose keys
     /// come and go is not reallocated at every sweep.
     #[test]
-    fn a_wide_shard_shrinks_only_below_a_quarter_full_and_keeps_room_to_grow() {
+    fn a_wide_shard_shrinks_at_a_quarter_full_or_less_and_keeps_room_to_grow() {
         let options = MemoryOptions {
             max_keys: 1 << 12,
             shards: 1,
@@ -2011,19 +2021,63 @@ mod tests {
         assert_eq!(store.forget_idle(5000, usize::MAX).forgotten, 900);
         let shrunk = wide_capacity(&store, 0);
         assert!(shrunk < full && shrunk >= 200, "{full} -> {shrunk}");
-        // Exactly a quarter stays: the table keeps its allocation.
-        assert!(shrunk > 64 && shrunk.is_multiple_of(4), "{shrunk}");
+        // One key more than a quarter stays: the table keeps its
+        // allocation.
+        assert!(shrunk > 128 && shrunk.is_multiple_of(4), "{shrunk}");
         let allocated = wide_allocation_bytes(&store, 0);
         let quarter = (shrunk / 4) as u64;
-        for key in 0..quarter {
+        for key in 0..=quarter {
             store.decide(key, 10_000, 1).unwrap();
         }
         assert_eq!(
             store.forget_idle(10_000, usize::MAX).forgotten,
-            100 - quarter as usize
+            99 - quarter as usize
         );
-        assert_eq!(store.entries_tracked(), quarter as usize);
+        assert_eq!(store.entries_tracked(), quarter as usize + 1);
         assert_eq!(wide_allocation_bytes(&store, 0), allocated);
+        // Exactly a quarter stays: it shrinks.
+        for key in 0..quarter {
+            store.decide(key, 15_000, 1).unwrap();
+        }
+        assert_eq!(store.forget_idle(15_000, usize::MAX).forgotten, 1);
+        assert!(wide_allocation_bytes(&store, 0) < allocated);
+        assert!(wide_capacity(&store, 0) >= 2 * quarter as usize);
+    }
+
+    /// A wide shard swept from full down to a fifth of its keys gives
+    /// memory back. Most keys removed from a full SwissTable leave their
+    /// slot marked deleted, which lowers `capacity()` as if the room were
+    /// still taken (to about 1,500 of 3,584 here), so a shrink judged by
+    /// `capacity()` kept the whole allocation.
+    #[test]
+    fn a_wide_shard_swept_from_full_gives_memory_back() {
+        let options = MemoryOptions {
+            max_keys: 1 << 14,
+            shards: 1,
+        };
+        let store = MemoryStore::new(SlidingLog::new(5, 1000).unwrap(), options);
+        let mut keys = 0;
+        // Fill the table to its last free slot (3,584 keys in 4,096
+        // slots), past any size whose growth leaves free room.
+        while keys < 3000 || store.entries_tracked() < wide_capacity(&store, 0) {
+            store.decide(keys, 0, 1).unwrap();
+            keys += 1;
+        }
+        let allocated = wide_allocation_bytes(&store, 0);
+        let kept = keys / 5;
+        for key in 0..kept {
+            store.decide(key, 5000, 1).unwrap();
+        }
+        assert_eq!(
+            store.forget_idle(5000, usize::MAX).forgotten as u64,
+            keys - kept
+        );
+        let after = wide_allocation_bytes(&store, 0);
+        assert!(after < allocated, "{allocated} bytes -> {after}");
+        assert!(wide_capacity(&store, 0) >= 2 * kept as usize);
+        for key in 0..kept {
+            assert!(store.decide(key, 5000, 1).unwrap().allowed, "{key}");
+        }
     }
 
     /// A shard's array replaced by another thread is let go by this
