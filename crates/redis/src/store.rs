@@ -299,6 +299,11 @@ struct Renewing<C> {
     /// The store's call timeout: calls begun on a replaced connection end
     /// within it, so their timeouts say nothing of the new one.
     call_timeout: Duration,
+    /// Calls answered (or failed), single or of a batch, on any
+    /// generation: a single call left without an answer for a while judges
+    /// by it whether the connection still answers others (see
+    /// [`RedisStore::decide`]).
+    answers: AtomicU64,
 }
 
 #[derive(Default)]
@@ -323,6 +328,7 @@ impl<C: Clone + Send + Sync + 'static> Renewing<C> {
             rebuild: Mutex::default(),
             connect_timeout,
             call_timeout,
+            answers: AtomicU64::new(0),
         }
     }
 
@@ -1239,7 +1245,10 @@ impl RedisStore {
     /// [`RedisOptions::ttl_grace_ms`] longer than the run, as `ratewarden
     /// vectors` sets; without one, a key whose TTL (from the caller's
     /// times) runs out in real time is forgotten while it still counts.
-    /// The call never takes longer than `timeout_ms`.
+    /// The call never takes longer than `timeout_ms`. On a cluster, one
+    /// left without an answer for a quarter of it (at least 100 ms) while
+    /// no other call is answered has every master probed and a new
+    /// connection made for later calls, and waits on.
     pub async fn decide(
         &self,
         key: u64,
@@ -1251,14 +1260,66 @@ impl RedisStore {
             return Err(e);
         }
         let timeout = Duration::from_millis(self.inner.options.timeout_ms);
-        let result = match tokio::time::timeout(timeout, self.call_one(key, now_ms, cost)).await {
-            Ok(result) => result.map_err(|e| self.call_error(e)),
-            Err(_) => Err(self.timed_out()),
+        let result = match self
+            .watched(timeout, self.call_one(key, now_ms, cost))
+            .await
+        {
+            Some(result) => result.map_err(|e| self.call_error(e)),
+            None => Err(self.timed_out()),
         };
         if let Err(e) = &result {
             self.look_for_down_masters(e);
         }
         result
+    }
+
+    /// Awaits a single call for at most `timeout`; `None` when it ran out.
+    ///
+    /// On a cluster, a call left without an answer for a quarter of its
+    /// timeout (at least [`CLUSTER_BATCH_SLOW_CALL`]) while no other call
+    /// was answered either may be on a connection that stopped
+    /// answering every call: redis-rs stops polling its calls while it
+    /// reads the slot map again, and after a failover, or a master killed
+    /// under many calls, that read can wait for ever (see
+    /// [`RedisStore::decide_many`]). Then every master is probed and a new
+    /// connection is made for later calls, as this call's timeout would,
+    /// three quarters of it sooner: a master found down has its later calls
+    /// not sent, and so cannot stall the new connection too, and calls
+    /// begun meanwhile go to a connection that answers. The call itself
+    /// waits on for its whole timeout: a Redis that is only slow may still
+    /// answer it.
+    async fn watched<T>(
+        &self,
+        timeout: Duration,
+        call: impl std::future::Future<Output = T>,
+    ) -> Option<T> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let Backend::Cluster(cluster, _) = &self.inner.backend else {
+            return tokio::time::timeout_at(deadline, call).await.ok();
+        };
+        let stall = (timeout / 4).max(CLUSTER_BATCH_SLOW_CALL);
+        // Read before the call takes its connection (see `generation`).
+        let generation = cluster.generation();
+        let seen = cluster.answers.load(Ordering::Relaxed);
+        let mut call = std::pin::pin!(call);
+        let out = if stall < timeout {
+            match tokio::time::timeout(stall, &mut call).await {
+                Ok(out) => Some(out),
+                Err(_) => {
+                    if cluster.answers.load(Ordering::Relaxed) == seen {
+                        self.probe_every_master();
+                        cluster.stalled(generation);
+                    }
+                    tokio::time::timeout_at(deadline, call).await.ok()
+                }
+            }
+        } else {
+            tokio::time::timeout_at(deadline, call).await.ok()
+        };
+        if out.is_some() {
+            cluster.answers.fetch_add(1, Ordering::Relaxed);
+        }
+        out
     }
 
     /// Asks Redis whether it can decide, within
@@ -1975,6 +2036,7 @@ impl RedisStore {
                         {
                             Either::Left((Ok(result), _)) => {
                                 answered.fetch_add(1, Ordering::Relaxed);
+                                cluster.answers.fetch_add(1, Ordering::Relaxed);
                                 last_answer_ms.store(elapsed_ms(), Ordering::Relaxed);
                                 let result = result.map_err(|e| self.call_error(e));
                                 if let Err(e) = &result {

@@ -1011,6 +1011,147 @@ fn a_batch_under_way_when_a_master_is_killed_ends_within_its_time() {
     }
 }
 
+/// Single calls begun after a master with no replica is killed are not
+/// held for a whole timeout by the calls under way at the kill. With many
+/// calls in flight, redis-rs's slot-map read after the kill can wait for
+/// ever with every call behind it (see the test above), and nothing had
+/// the masters probed or a new connection made until the first of those
+/// calls timed out: every call begun within a timeout of the kill (2 s
+/// here) timed out too, and a few begun just after it as well, when the
+/// new connection was sent the dead master's calls before it was found
+/// down. Now a call left without an answer for a quarter of its timeout,
+/// while no other call is answered either, has the masters probed and a
+/// new connection made, so the calls begun from about then on are decided
+/// (the other masters' keys) or not sent (the dead master's). The calls
+/// under way at the kill still wait out their timeout. 300 callers make
+/// the stall (it came in each of 10 kills measured); an open stream of
+/// calls, one every 20 ms, is what is checked. Three kills.
+#[test]
+fn single_calls_begun_after_a_master_is_killed_wait_a_quarter_timeout_at_most() {
+    const KILLS: usize = 3;
+    const TIMEOUT_MS: u64 = 2_000;
+    const CALLERS: u64 = 300;
+    let mut cluster = RedisCluster::start();
+    let rt = common::runtime();
+    let store = rt.block_on(async {
+        RedisStore::connect(
+            &cluster.url(),
+            REFERENCE,
+            batch_options("killed-single-calls", TIMEOUT_MS),
+        )
+        .await
+        .expect("connect")
+    });
+    let mut stalled_kills = 0;
+    for kill in 0..KILLS {
+        let ready = Instant::now();
+        while let Some(e) = rt.block_on(failures_of(&store, CALLERS)).into_iter().next() {
+            assert!(
+                ready.elapsed() < Duration::from_secs(20),
+                "kill {kill}: keys still failed 20 s after the restart, one with {e}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // The keys node 0 holds: the names it lists end in the key.
+        let on_node_0: Arc<std::collections::HashSet<u64>> = Arc::new(
+            cluster.nodes()[0]
+                .cli(&["--scan"])
+                .lines()
+                .filter_map(|name| name.rsplit(':').next()?.parse().ok())
+                .collect(),
+        );
+        assert!(on_node_0.len() > 50, "{} keys on node 0", on_node_0.len());
+        let stop = Arc::new(AtomicBool::new(false));
+        // Each caller decides its own key again and again; how many of
+        // the other masters' keys' calls timed out.
+        let callers: Vec<_> = (0..CALLERS)
+            .map(|key| {
+                let (store, stop, on_node_0) = (store.clone(), stop.clone(), on_node_0.clone());
+                rt.spawn(async move {
+                    let mut timed_out = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        if let Err(e) = store.decide(key, None, 1).await {
+                            if e.kind() == StoreErrorKind::Timeout && !on_node_0.contains(&key) {
+                                timed_out += 1;
+                            }
+                        }
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    timed_out
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(700));
+        cluster.kill_node(0);
+        let killed = Instant::now();
+        // From the kill on, a call every 20 ms, not waiting for the last:
+        // when each began (from the kill) and its result.
+        let stream = {
+            let store = store.clone();
+            rt.spawn(async move {
+                let mut calls = Vec::new();
+                for i in 0..125u64 {
+                    let store = store.clone();
+                    let key = i * 7 % CALLERS;
+                    calls.push(tokio::spawn(async move {
+                        let began = killed.elapsed();
+                        (began, key, store.decide(key, None, 1).await)
+                    }));
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                let mut results = Vec::new();
+                for call in calls {
+                    results.push(call.await.expect("call"));
+                }
+                results
+            })
+        };
+        let results = rt.block_on(stream).expect("stream");
+        stop.store(true, Ordering::Relaxed);
+        let mut timed_out = 0;
+        for caller in callers {
+            timed_out += rt.block_on(caller).expect("caller");
+        }
+        // Without a stall nothing is held: this kill shows nothing.
+        if timed_out > 0 {
+            stalled_kills += 1;
+            // A quarter of the timeout, then a probe and a new connection
+            // (milliseconds on loopback), with half a second to spare.
+            let checked = Duration::from_millis(1_000)..Duration::from_millis(1_900);
+            let mut seen = 0;
+            for (began, key, result) in &results {
+                if !checked.contains(began) {
+                    continue;
+                }
+                seen += 1;
+                match result {
+                    Ok(_) if on_node_0.contains(key) => {
+                        panic!("kill {kill}: key {key} decided on a dead master")
+                    }
+                    Ok(_) => {}
+                    Err(e) if on_node_0.contains(key) => {
+                        assert!(e.detail().contains("was not sent"), "kill {kill}: {e}")
+                    }
+                    Err(e) => panic!(
+                        "kill {kill}: key {key}'s call begun {began:?} after the kill failed \
+                         ({timed_out} calls of the other masters under way at the kill timed \
+                         out): {e}"
+                    ),
+                }
+            }
+            assert!(
+                seen > 30,
+                "kill {kill}: only {seen} calls begun in {checked:?}"
+            );
+        }
+        cluster.restart_node(0);
+    }
+    assert!(
+        stalled_kills > 0,
+        "no kill of {KILLS} stalled the connection"
+    );
+}
+
 /// A master killed with no replica to take over costs its own keys only,
 /// and those fail at once: their calls are not sent (a dropped connection
 /// saying so), single or in a batch, and the other masters' keys are
