@@ -299,11 +299,15 @@ struct Renewing<C> {
     /// The store's call timeout: calls begun on a replaced connection end
     /// within it, so their timeouts say nothing of the new one.
     call_timeout: Duration,
-    /// Calls answered (or failed), single or of a batch, on any
-    /// generation: a single call left without an answer for a while judges
-    /// by it whether the connection still answers others (see
-    /// [`RedisStore::decide`]).
-    answers: AtomicU64,
+    /// When a call (single or of a batch, on any generation) last had an
+    /// answer from Redis, in milliseconds from `made`: a single call left
+    /// without an answer for a while judges by it whether the connection
+    /// still answers others (see [`RedisStore::watched`]).
+    last_answer_ms: AtomicU64,
+    made: Instant,
+    /// The generation, sent at each replacement: a single call waiting on
+    /// a connection that stopped answering waits for the next one.
+    swaps: tokio::sync::watch::Sender<u64>,
 }
 
 #[derive(Default)]
@@ -328,7 +332,9 @@ impl<C: Clone + Send + Sync + 'static> Renewing<C> {
             rebuild: Mutex::default(),
             connect_timeout,
             call_timeout,
-            answers: AtomicU64::new(0),
+            last_answer_ms: AtomicU64::new(0),
+            made: Instant::now(),
+            swaps: tokio::sync::watch::Sender::new(0),
         }
     }
 
@@ -337,6 +343,18 @@ impl<C: Clone + Send + Sync + 'static> Renewing<C> {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// A call had an answer from Redis: the connection still answers.
+    fn answered(&self) {
+        let now_ms = u64::try_from(self.made.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_answer_ms.fetch_max(now_ms, Ordering::Relaxed);
+    }
+
+    /// How long no call has had an answer from Redis.
+    fn quiet_for(&self) -> Duration {
+        let last = Duration::from_millis(self.last_answer_ms.load(Ordering::Relaxed));
+        self.made.elapsed().saturating_sub(last)
     }
 
     /// The connection's generation: read before [`Renewing::conn`], a call
@@ -412,8 +430,9 @@ impl<C: Clone + Send + Sync + 'static> Renewing<C> {
                 *current = conn;
                 // Under the lock: whoever reads the new generation gets
                 // the new connection.
-                renewing.generation.fetch_add(1, Ordering::Release);
+                let generation = renewing.generation.fetch_add(1, Ordering::Release) + 1;
                 drop(current);
+                renewing.swaps.send_replace(generation);
                 renewing
                     .rebuild
                     .lock()
@@ -1132,6 +1151,27 @@ impl RedisStore {
         }
     }
 
+    /// On a cluster, notes that a call got `result` from Redis, so that
+    /// the connection still answers (see [`RedisStore::decide`]): a
+    /// decision or an error of Redis's own, not a failure to reach a
+    /// master, which redis-rs can report at once for a master that is
+    /// down while it answers no other call.
+    fn note_answer(&self, result: &Result<Decision, StoreError>) {
+        let Backend::Cluster(cluster, _) = &self.inner.backend else {
+            return;
+        };
+        let reached = match result {
+            Ok(_) => true,
+            Err(e) => !matches!(
+                e.kind(),
+                StoreErrorKind::Timeout | StoreErrorKind::ConnectionDropped
+            ),
+        };
+        if reached {
+            cluster.answered();
+        }
+    }
+
     /// On a cluster, checks in the background which masters are down (see
     /// [`crate::down`]).
     fn probe_every_master(&self) {
@@ -1221,6 +1261,22 @@ impl RedisStore {
         )
     }
 
+    /// The error of a single call on a cluster given up, after `stall`
+    /// or more without an answer, because its connection was replaced
+    /// (see [`RedisStore::watched`]).
+    fn single_given_up(&self, stall: Duration) -> StoreError {
+        StoreError::new(
+            StoreErrorKind::Timeout,
+            format!(
+                "Redis at {} did not answer this call for {} ms or more, and its connection, which \
+                 had stopped answering, was replaced meanwhile, so the call was given up; the \
+                 request may or may not have been applied",
+                self.url(),
+                stall.as_millis()
+            ),
+        )
+    }
+
     /// The error of a batch's request that was not sent because the
     /// batch's time ran out before its turn (a key's earlier request, or
     /// sending the batch's other requests, took it): nothing of it was
@@ -1247,8 +1303,10 @@ impl RedisStore {
     /// times) runs out in real time is forgotten while it still counts.
     /// The call never takes longer than `timeout_ms`. On a cluster, one
     /// left without an answer for a quarter of it (at least 100 ms) while
-    /// no other call is answered has every master probed and a new
-    /// connection made for later calls, and waits on.
+    /// no call at all is answered has every master probed and a new
+    /// connection made, and is given up with a
+    /// [`StoreErrorKind::Timeout`] once that is in place (it may have been
+    /// applied); see `docs/redis.md`.
     pub async fn decide(
         &self,
         key: u64,
@@ -1264,8 +1322,12 @@ impl RedisStore {
             .watched(timeout, self.call_one(key, now_ms, cost))
             .await
         {
-            Some(result) => result.map_err(|e| self.call_error(e)),
-            None => Err(self.timed_out()),
+            Watched::Answered(result) => {
+                self.note_answer(&result);
+                result.map_err(|e| self.call_error(e))
+            }
+            Watched::TimedOut => Err(self.timed_out()),
+            Watched::GivenUp(stall) => Err(self.single_given_up(stall)),
         };
         if let Err(e) = &result {
             self.look_for_down_masters(e);
@@ -1273,52 +1335,85 @@ impl RedisStore {
         result
     }
 
-    /// Awaits a single call for at most `timeout`; `None` when it ran out.
+    /// Awaits a single call for at most `timeout`.
     ///
     /// On a cluster, a call left without an answer for a quarter of its
-    /// timeout (at least [`CLUSTER_BATCH_SLOW_CALL`]) while no other call
-    /// was answered either may be on a connection that stopped
-    /// answering every call: redis-rs stops polling its calls while it
-    /// reads the slot map again, and after a failover, or a master killed
-    /// under many calls, that read can wait for ever (see
-    /// [`RedisStore::decide_many`]). Then every master is probed and a new
-    /// connection is made for later calls, as this call's timeout would,
-    /// three quarters of it sooner: a master found down has its later calls
-    /// not sent, and so cannot stall the new connection too, and calls
-    /// begun meanwhile go to a connection that answers. The call itself
-    /// waits on for its whole timeout: a Redis that is only slow may still
-    /// answer it.
+    /// timeout (at least [`CLUSTER_BATCH_SLOW_CALL`]) may be on a
+    /// connection that stopped answering every call: redis-rs stops
+    /// polling its calls while it reads the slot map again, and after a
+    /// failover, or a master killed under many calls, that read can wait
+    /// for ever (see [`RedisStore::decide_many`]). So the call is looked at
+    /// then, and every sixteenth of its timeout after:
+    /// - once no call at all has had an answer from Redis for a quarter of
+    ///   the timeout, every master is probed and a new connection is made,
+    ///   as the call's timeout would, sooner (a master found down has its
+    ///   later calls not sent, and so cannot stall the new connection
+    ///   too), and the call is given up once that connection is in place;
+    /// - once its connection has been replaced (for another call, or a
+    ///   timeout), the call is given up at once: the answers since may be
+    ///   the new connection's.
+    ///
+    /// A cluster connection is taken only when every master answered on it
+    /// as itself or is down, so a call still waiting on the old one when
+    /// it is in place waits on a connection that stopped answering. A
+    /// Redis that is only slow answers the call first: the new
+    /// connection's commands reach each master after it.
     async fn watched<T>(
         &self,
         timeout: Duration,
         call: impl std::future::Future<Output = T>,
-    ) -> Option<T> {
-        let deadline = tokio::time::Instant::now() + timeout;
+    ) -> Watched<T> {
+        let started = tokio::time::Instant::now();
+        let deadline = started + timeout;
         let Backend::Cluster(cluster, _) = &self.inner.backend else {
-            return tokio::time::timeout_at(deadline, call).await.ok();
+            return match tokio::time::timeout_at(deadline, call).await {
+                Ok(out) => Watched::Answered(out),
+                Err(_) => Watched::TimedOut,
+            };
         };
         let stall = (timeout / 4).max(CLUSTER_BATCH_SLOW_CALL);
         // Read before the call takes its connection (see `generation`).
         let generation = cluster.generation();
-        let seen = cluster.answers.load(Ordering::Relaxed);
         let mut call = std::pin::pin!(call);
-        let out = if stall < timeout {
-            match tokio::time::timeout(stall, &mut call).await {
-                Ok(out) => Some(out),
-                Err(_) => {
-                    if cluster.answers.load(Ordering::Relaxed) == seen {
-                        self.probe_every_master();
-                        cluster.stalled(generation);
-                    }
-                    tokio::time::timeout_at(deadline, call).await.ok()
-                }
+        let mut look_at = started + stall;
+        let out = loop {
+            if look_at >= deadline {
+                break match tokio::time::timeout_at(deadline, &mut call).await {
+                    Ok(out) => Watched::Answered(out),
+                    Err(_) => Watched::TimedOut,
+                };
             }
-        } else {
-            tokio::time::timeout_at(deadline, call).await.ok()
+            if let Ok(out) = tokio::time::timeout_at(look_at, &mut call).await {
+                break Watched::Answered(out);
+            }
+            if generation < cluster.generation() {
+                break Watched::GivenUp(stall);
+            }
+            if cluster.quiet_for() < stall {
+                // Other calls are answered: this one is only slow.
+                look_at += stall / 4;
+                continue;
+            }
+            self.probe_every_master();
+            cluster.stalled(generation);
+            let mut swaps = cluster.swaps.subscribe();
+            let replaced = async move {
+                if swaps.wait_for(|&g| generation < g).await.is_err() {
+                    // The sender lives as long as the connection.
+                    std::future::pending::<()>().await;
+                }
+            };
+            break match futures_util::future::select(
+                std::pin::pin!(tokio::time::timeout_at(deadline, &mut call)),
+                std::pin::pin!(replaced),
+            )
+            .await
+            {
+                Either::Left((Ok(out), _)) => Watched::Answered(out),
+                Either::Left((Err(_), _)) => Watched::TimedOut,
+                Either::Right(_) => Watched::GivenUp(stall),
+            };
         };
-        if out.is_some() {
-            cluster.answers.fetch_add(1, Ordering::Relaxed);
-        }
         out
     }
 
@@ -2036,7 +2131,7 @@ impl RedisStore {
                         {
                             Either::Left((Ok(result), _)) => {
                                 answered.fetch_add(1, Ordering::Relaxed);
-                                cluster.answers.fetch_add(1, Ordering::Relaxed);
+                                self.note_answer(&result);
                                 last_answer_ms.store(elapsed_ms(), Ordering::Relaxed);
                                 let result = result.map_err(|e| self.call_error(e));
                                 if let Err(e) = &result {
@@ -2103,6 +2198,14 @@ impl RedisStore {
         }
         every_result(results)
     }
+}
+
+/// How a single call watched by [`RedisStore::watched`] ended.
+enum Watched<T> {
+    Answered(T),
+    TimedOut,
+    /// Given up for a new connection after no answer for this long.
+    GivenUp(Duration),
 }
 
 /// A batch's results, each request's (one left without a result, which
