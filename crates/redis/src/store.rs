@@ -305,9 +305,19 @@ struct Renewing<C> {
     /// still answers others (see [`RedisStore::watched`]).
     last_answer_ms: AtomicU64,
     made: Instant,
-    /// The generation, sent at each replacement: a single call waiting on
-    /// a connection that stopped answering waits for the next one.
-    swaps: tokio::sync::watch::Sender<u64>,
+    /// Each replacement's generation and when making its connection began:
+    /// a single call waiting on a connection that stopped answering waits
+    /// for one begun after the call (see [`RedisStore::watched`]).
+    swaps: tokio::sync::watch::Sender<Swap>,
+}
+
+/// A replacement of a [`Renewing`] connection.
+#[derive(Clone, Copy)]
+struct Swap {
+    /// The generation of the new connection.
+    generation: u64,
+    /// When making it began.
+    begun: tokio::time::Instant,
 }
 
 #[derive(Default)]
@@ -334,7 +344,10 @@ impl<C: Clone + Send + Sync + 'static> Renewing<C> {
             call_timeout,
             last_answer_ms: AtomicU64::new(0),
             made: Instant::now(),
-            swaps: tokio::sync::watch::Sender::new(0),
+            swaps: tokio::sync::watch::Sender::new(Swap {
+                generation: 0,
+                begun: tokio::time::Instant::now(),
+            }),
         }
     }
 
@@ -403,6 +416,7 @@ impl<C: Clone + Send + Sync + 'static> Renewing<C> {
             rebuild.in_flight = true;
             rebuild.last_started = Some(now);
         }
+        let begun = tokio::time::Instant::now();
         /// Ends the rebuild however its task ends (even cancelled, when the
         /// runtime shuts down), so that a later timeout can start another.
         struct Done<C>(Arc<Renewing<C>>);
@@ -432,7 +446,7 @@ impl<C: Clone + Send + Sync + 'static> Renewing<C> {
                 // the new connection.
                 let generation = renewing.generation.fetch_add(1, Ordering::Release) + 1;
                 drop(current);
-                renewing.swaps.send_replace(generation);
+                renewing.swaps.send_replace(Swap { generation, begun });
                 renewing
                     .rebuild
                     .lock()
@@ -1353,11 +1367,14 @@ impl RedisStore {
     ///   timeout), the call is given up at once: the answers since may be
     ///   the new connection's.
     ///
-    /// A cluster connection is taken only when every master answered on it
-    /// as itself or is down, so a call still waiting on the old one when
-    /// it is in place waits on a connection that stopped answering. A
-    /// Redis that is only slow answers the call first: the new
-    /// connection's commands reach each master after it.
+    /// In both, only by a connection whose making began after the call was
+    /// sent. A cluster connection is taken only when every master answered
+    /// on it as itself or is down, and its commands reached each master
+    /// after the call, so a call still waiting on the old one waits on a
+    /// connection that stopped answering: a Redis that is only slow
+    /// answers the call first. (A call sent after the making began, and
+    /// before the new connection was in place, waits on to its timeout:
+    /// the new connection's commands may have reached Redis before it.)
     async fn watched<T>(
         &self,
         timeout: Duration,
@@ -1374,6 +1391,10 @@ impl RedisStore {
         let stall = (timeout / 4).max(CLUSTER_BATCH_SLOW_CALL);
         // Read before the call takes its connection (see `generation`).
         let generation = cluster.generation();
+        // A replacement begun after this call was sent: the new
+        // connection's commands reached every master after this call, and
+        // were answered while this call was not.
+        let replaced = move |swap: &Swap| generation < swap.generation && started <= swap.begun;
         let mut call = std::pin::pin!(call);
         let mut look_at = started + stall;
         let out = loop {
@@ -1386,7 +1407,7 @@ impl RedisStore {
             if let Ok(out) = tokio::time::timeout_at(look_at, &mut call).await {
                 break Watched::Answered(out);
             }
-            if generation < cluster.generation() {
+            if replaced(&cluster.swaps.borrow()) {
                 break Watched::GivenUp(stall);
             }
             if cluster.quiet_for() < stall {
@@ -1397,15 +1418,15 @@ impl RedisStore {
             self.probe_every_master();
             cluster.stalled(generation);
             let mut swaps = cluster.swaps.subscribe();
-            let replaced = async move {
-                if swaps.wait_for(|&g| generation < g).await.is_err() {
+            let swapped = async move {
+                if swaps.wait_for(replaced).await.is_err() {
                     // The sender lives as long as the connection.
                     std::future::pending::<()>().await;
                 }
             };
             break match futures_util::future::select(
                 std::pin::pin!(tokio::time::timeout_at(deadline, &mut call)),
-                std::pin::pin!(replaced),
+                std::pin::pin!(swapped),
             )
             .await
             {
