@@ -102,7 +102,7 @@ pub(crate) struct DownMasters {
 }
 
 /// A master's address, as the slot map names it.
-type Address = (String, u16);
+pub(crate) type Address = (String, u16);
 
 /// Why a master is taken for down.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -267,6 +267,23 @@ impl DownMasters {
     /// A slot map read afresh (by a new connection).
     pub(crate) fn set_map(&self, map: Vec<SlotRange>) {
         self.state().take_map(map);
+    }
+
+    /// Masters that a new connection found refusing connections while it
+    /// checked every master of the map last set (see `no_master_hangs`):
+    /// down, as a probe finds them, before the connection is taken, so
+    /// that no call for their slots reaches it. Many such calls would
+    /// stall it, and a probe started at the same time can end after it is
+    /// in place.
+    pub(crate) fn found_refusing(&self, masters: Vec<Address>) {
+        let mut state = self.state();
+        let State { map, down, .. } = &mut *state;
+        let named: HashSet<&Address> = map.iter().filter_map(|r| r.master.as_ref()).collect();
+        for master in masters {
+            if named.contains(&master) {
+                down.insert(master, Down::Refuses);
+            }
+        }
     }
 
     /// Whether any master is down now: otherwise [`DownMasters::refusing`]

@@ -771,9 +771,10 @@ impl RedisStore {
                             let mut conn = client.get_async_connection().await?;
                             // Taken only once no master hangs for it (see
                             // no_master_hangs).
-                            let map =
+                            let (map, refusing) =
                                 no_master_hangs(&mut conn, node_connect_timeout, &down).await?;
                             down.set_map(map);
+                            down.found_refusing(refusing);
                             Ok(conn)
                         })
                     })
@@ -2484,7 +2485,9 @@ pub(crate) async fn ask_slot_map(
 /// Whether no master of the slot map that `conn` reads hangs for it: each
 /// answers on it as itself (see [`check_master`]; one that answers but is
 /// not `ok` counts), or, when it does not, is down: `down` has found it
-/// so, or it refuses a TCP connection within `probe_timeout`.
+/// so, or it refuses a TCP connection within `probe_timeout`. The map
+/// read, and the masters found refusing here, which the caller marks down
+/// in `down` before it takes the connection.
 ///
 /// A new connection that has no connection to a master tries to make one
 /// for each call of its slots. To a master that is down that fails at
@@ -2505,7 +2508,7 @@ async fn no_master_hangs(
     conn: &mut ClusterConnection,
     probe_timeout: Duration,
     down: &DownMasters,
-) -> RedisResult<Vec<SlotRange>> {
+) -> RedisResult<(Vec<SlotRange>, Vec<crate::down::Address>)> {
     let not_taken =
         |what: String| RedisError::from((ErrorKind::Client, "new connection not taken", what));
     let reply = ask_slot_map(conn, &down.map()).await?;
@@ -2514,15 +2517,17 @@ async fn no_master_hangs(
         let mut conn = conn.clone();
         async move {
             match check_master(&mut conn, range).await {
-                Ok(()) | Err(MasterCheck::NotOk) => Ok(()),
-                Err(_) if range.master.as_ref().is_some_and(|m| down.is_down(m)) => Ok(()),
-                Err(_) if refuses_connections(range.master.as_ref(), probe_timeout).await => Ok(()),
+                Ok(()) | Err(MasterCheck::NotOk) => Ok(None),
+                Err(_) if range.master.as_ref().is_some_and(|m| down.is_down(m)) => Ok(None),
+                Err(_) if refuses_connections(range.master.as_ref(), probe_timeout).await => {
+                    Ok(range.master.clone())
+                }
                 Err(_) => Err(not_taken(format!("the master of {range} does not answer"))),
             }
         }
     });
-    futures_util::future::try_join_all(checks).await?;
-    Ok(slots)
+    let refusing = futures_util::future::try_join_all(checks).await?;
+    Ok((slots, refusing.into_iter().flatten().collect()))
 }
 
 /// The `cluster_state` a `CLUSTER INFO` reply gives (`ok` or `fail`).
