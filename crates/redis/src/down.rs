@@ -559,4 +559,23 @@ mod tests {
         assert!(down.state().down.is_empty());
         assert_eq!(refused_range(0), None);
     }
+
+    /// A master a new connection found refusing is down at once, its keys
+    /// refused as a probe's finding makes them; one the map does not name
+    /// is left out.
+    #[test]
+    fn masters_a_new_connection_found_refusing_are_down_if_the_map_names_them() {
+        let down = down_masters(vec![range(0, 8_191, 1), range(8_192, 16_383, 2)]);
+        assert!(!down.any_down());
+        down.found_refusing(vec![
+            ("127.0.0.1".to_owned(), 2),
+            ("127.0.0.1".to_owned(), 9),
+        ]);
+        assert!(down.any_down());
+        let (range_refused, why) = down.refusing(&name_in(9_000)).expect("refused");
+        assert_eq!(range_refused, range(8_192, 16_383, 2));
+        assert!(why.contains("refuses connections"), "{why}");
+        assert_eq!(down.refusing(&name_in(0)), None);
+        assert!(!down.is_down(&("127.0.0.1".to_owned(), 9)));
+    }
 }
