@@ -733,6 +733,39 @@ fn batch_options(tag: &str, timeout_ms: u64) -> RedisOptions {
     }
 }
 
+/// A store on `cluster` with options `tag` and a timeout of `timeout_ms`.
+fn store_with_timeout(
+    cluster: &RedisCluster,
+    rt: &tokio::runtime::Runtime,
+    tag: &str,
+    timeout_ms: u64,
+) -> RedisStore {
+    rt.block_on(RedisStore::connect(
+        &cluster.url(),
+        REFERENCE,
+        batch_options(tag, timeout_ms),
+    ))
+    .expect("connect")
+}
+
+/// Waits until every one of keys 0 to `keys` is decided (after a restart,
+/// once the cluster has taken the node back), at most 20 s.
+fn until_every_key_decided(
+    store: &RedisStore,
+    rt: &tokio::runtime::Runtime,
+    keys: u64,
+    kill: usize,
+) {
+    let ready = Instant::now();
+    while let Some(e) = rt.block_on(failures_of(store, keys)).into_iter().next() {
+        assert!(
+            ready.elapsed() < Duration::from_secs(20),
+            "kill {kill}: keys still failed 20 s after the restart, one with {e}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// Requests for keys 0 to `keys`, one each.
 fn batch(keys: u64) -> Vec<(u64, u64)> {
     (0..keys).map(|key| (key, 1)).collect()
@@ -953,27 +986,11 @@ fn a_batch_under_way_when_a_master_is_killed_ends_within_its_time() {
     const TIMEOUT_MS: u64 = 4_000;
     let mut cluster = RedisCluster::start();
     let rt = common::runtime();
-    let store = rt.block_on(async {
-        RedisStore::connect(
-            &cluster.url(),
-            REFERENCE,
-            batch_options("killed-long-batch", TIMEOUT_MS),
-        )
-        .await
-        .expect("connect")
-    });
+    let store = store_with_timeout(&cluster, &rt, "killed-long-batch", TIMEOUT_MS);
     let requests = Arc::new(batch(5_000));
     for kill in 0..KILLS {
-        // Every key decided first (after a restart, once the cluster has
-        // taken the node back), so that the batch runs at full speed.
-        let ready = Instant::now();
-        while let Some(e) = rt.block_on(failures_of(&store, 300)).into_iter().next() {
-            assert!(
-                ready.elapsed() < Duration::from_secs(20),
-                "kill {kill}: keys still failed 20 s after the restart, one with {e}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        // Every key decided first, so that the batch runs at full speed.
+        until_every_key_decided(&store, &rt, 300, kill);
         let stop = Arc::new(AtomicBool::new(false));
         let batches = {
             let (store, stop, requests) = (store.clone(), stop.clone(), requests.clone());
@@ -1034,25 +1051,10 @@ fn single_calls_across_a_master_kill_are_held_about_a_quarter_of_their_timeout()
     const CALLERS: u64 = 300;
     let mut cluster = RedisCluster::start();
     let rt = common::runtime();
-    let store = rt.block_on(async {
-        RedisStore::connect(
-            &cluster.url(),
-            REFERENCE,
-            batch_options("killed-single-calls", TIMEOUT_MS),
-        )
-        .await
-        .expect("connect")
-    });
+    let store = store_with_timeout(&cluster, &rt, "killed-single-calls", TIMEOUT_MS);
     let mut stalled_kills = 0;
     for kill in 0..KILLS {
-        let ready = Instant::now();
-        while let Some(e) = rt.block_on(failures_of(&store, CALLERS)).into_iter().next() {
-            assert!(
-                ready.elapsed() < Duration::from_secs(20),
-                "kill {kill}: keys still failed 20 s after the restart, one with {e}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        until_every_key_decided(&store, &rt, CALLERS, kill);
         // The keys node 0 holds: the names it lists end in the key.
         let on_node_0: Arc<std::collections::HashSet<u64>> = Arc::new(
             cluster.nodes()[0]
@@ -1179,15 +1181,7 @@ fn single_calls_across_a_master_kill_are_held_about_a_quarter_of_their_timeout()
 fn a_lone_call_on_a_slow_cluster_is_answered_not_given_up() {
     let cluster = RedisCluster::start();
     let rt = common::runtime();
-    let store = rt.block_on(async {
-        RedisStore::connect(
-            &cluster.url(),
-            REFERENCE,
-            batch_options("slow-lone-call", 2_000),
-        )
-        .await
-        .expect("connect")
-    });
+    let store = store_with_timeout(&cluster, &rt, "slow-lone-call", 2_000);
     // Busy for 800 ms by Redis's clock, then 1.
     let busy = "local s = redis.call('TIME') \
                 local t0 = s[1] * 1000000 + s[2] \
