@@ -1175,6 +1175,13 @@ impl RedisStore {
         let Backend::Cluster(cluster, _) = &self.inner.backend else {
             return;
         };
+        // Only single calls read it, and only those whose timeout is
+        // longer than the stall they watch for: every store on one
+        // connection has the same timeout.
+        let timeout = Duration::from_millis(self.inner.options.timeout_ms);
+        if Self::stall_of(timeout) >= timeout {
+            return;
+        }
         let reached = match result {
             Ok(_) => true,
             Err(e) => !matches!(
@@ -1185,6 +1192,20 @@ impl RedisStore {
         if reached {
             cluster.answered();
         }
+    }
+
+    /// Calls on the cluster connection of `generation` went unanswered for
+    /// a while (a batch's, or a single call's): every master is probed and
+    /// a new connection made (see [`Renewing::stalled`]). Probed first: a
+    /// master killed under the calls can be why, since redis-rs tries its
+    /// calls again instead of failing them, and a slot-map read it starts
+    /// meanwhile can wait for ever, with every other call behind it. No
+    /// call has failed, so no probe has found the master down yet; until
+    /// one does, the new connection would be sent its calls too, and stall
+    /// the same way.
+    fn cluster_stalled(&self, cluster: &Arc<Renewing<ClusterConnection>>, generation: u64) {
+        self.probe_every_master();
+        cluster.stalled(generation);
     }
 
     /// On a cluster, checks in the background which masters are down (see
@@ -1350,6 +1371,13 @@ impl RedisStore {
         result
     }
 
+    /// How long calls with `timeout` go without an answer before the
+    /// connection is taken for stalled: a quarter of it, at least
+    /// [`CLUSTER_BATCH_SLOW_CALL`].
+    fn stall_of(timeout: Duration) -> Duration {
+        (timeout / 4).max(CLUSTER_BATCH_SLOW_CALL)
+    }
+
     /// Awaits a single call for at most `timeout`.
     ///
     /// On a cluster, a call left without an answer for a quarter of its
@@ -1384,12 +1412,9 @@ impl RedisStore {
         let started = tokio::time::Instant::now();
         let deadline = started + timeout;
         let Backend::Cluster(cluster, _) = &self.inner.backend else {
-            return match tokio::time::timeout_at(deadline, call).await {
-                Ok(out) => Watched::Answered(out),
-                Err(_) => Watched::TimedOut,
-            };
+            return Watched::by(deadline, call).await;
         };
-        let stall = (timeout / 4).max(CLUSTER_BATCH_SLOW_CALL);
+        let stall = Self::stall_of(timeout);
         // Read before the call takes its connection (see `generation`).
         let generation = cluster.generation();
         // A replacement begun after this call was sent: the new
@@ -1400,10 +1425,7 @@ impl RedisStore {
         let mut look_at = started + stall;
         let out = loop {
             if look_at >= deadline {
-                break match tokio::time::timeout_at(deadline, &mut call).await {
-                    Ok(out) => Watched::Answered(out),
-                    Err(_) => Watched::TimedOut,
-                };
+                break Watched::by(deadline, &mut call).await;
             }
             if let Ok(out) = tokio::time::timeout_at(look_at, &mut call).await {
                 break Watched::Answered(out);
@@ -1416,8 +1438,7 @@ impl RedisStore {
                 look_at += stall / 4;
                 continue;
             }
-            self.probe_every_master();
-            cluster.stalled(generation);
+            self.cluster_stalled(cluster, generation);
             let mut swaps = cluster.swaps.subscribe();
             let swapped = async move {
                 if swaps.wait_for(replaced).await.is_err() {
@@ -1426,13 +1447,12 @@ impl RedisStore {
                 }
             };
             break match futures_util::future::select(
-                std::pin::pin!(tokio::time::timeout_at(deadline, &mut call)),
+                std::pin::pin!(Watched::by(deadline, &mut call)),
                 std::pin::pin!(swapped),
             )
             .await
             {
-                Either::Left((Ok(out), _)) => Watched::Answered(out),
-                Either::Left((Err(_), _)) => Watched::TimedOut,
+                Either::Left((out, _)) => out,
                 Either::Right(_) => Watched::GivenUp(stall),
             };
         };
@@ -2093,7 +2113,7 @@ impl RedisStore {
         // not answer costs its own keys, not the others' answers.
         let started = tokio::time::Instant::now();
         let deadline = started + timeout;
-        let stall = (timeout / 4).max(CLUSTER_BATCH_SLOW_CALL);
+        let stall = Self::stall_of(timeout);
         // A call is sent once it has a place among the
         // CLUSTER_BATCH_KEYS_IN_FLIGHT (first come, first served), and
         // gives it up when it is slow while others are answered.
@@ -2196,15 +2216,7 @@ impl RedisStore {
                     give_up.send_replace(current);
                     last_answer_ms.store(now_ms, Ordering::Relaxed);
                 } else {
-                    // A master killed under the batch can be why: redis-rs
-                    // tries its calls again instead of failing them, and
-                    // a slot-map read it starts meanwhile can wait for
-                    // ever, with every other call behind it. No call has
-                    // failed, so no probe has found the master down yet;
-                    // until one does, the new connection would be sent
-                    // its calls too, and stall the same way.
-                    self.probe_every_master();
-                    cluster.stalled(current);
+                    self.cluster_stalled(cluster, current);
                 }
             }
         };
@@ -2228,6 +2240,19 @@ enum Watched<T> {
     TimedOut,
     /// Given up for a new connection after no answer for this long.
     GivenUp(Duration),
+}
+
+impl<T> Watched<T> {
+    /// `call`'s answer, or a timeout at `deadline`.
+    async fn by(
+        deadline: tokio::time::Instant,
+        call: impl std::future::Future<Output = T>,
+    ) -> Self {
+        match tokio::time::timeout_at(deadline, call).await {
+            Ok(out) => Watched::Answered(out),
+            Err(_) => Watched::TimedOut,
+        }
+    }
 }
 
 /// A batch's results, each request's (one left without a result, which
