@@ -766,6 +766,15 @@ fn until_every_key_decided(
     }
 }
 
+/// The keys node `index` holds: the names it lists end in the key.
+fn keys_on_node(cluster: &RedisCluster, index: usize) -> std::collections::HashSet<u64> {
+    cluster.nodes()[index]
+        .cli(&["--scan"])
+        .lines()
+        .filter_map(|name| name.rsplit(':').next()?.parse().ok())
+        .collect()
+}
+
 /// Requests for keys 0 to `keys`, one each.
 fn batch(keys: u64) -> Vec<(u64, u64)> {
     (0..keys).map(|key| (key, 1)).collect()
@@ -1055,14 +1064,7 @@ fn single_calls_across_a_master_kill_are_held_about_a_quarter_of_their_timeout()
     let mut stalled_kills = 0;
     for kill in 0..KILLS {
         until_every_key_decided(&store, &rt, CALLERS, kill);
-        // The keys node 0 holds: the names it lists end in the key.
-        let on_node_0: Arc<std::collections::HashSet<u64>> = Arc::new(
-            cluster.nodes()[0]
-                .cli(&["--scan"])
-                .lines()
-                .filter_map(|name| name.rsplit(':').next()?.parse().ok())
-                .collect(),
-        );
+        let on_node_0 = Arc::new(keys_on_node(&cluster, 0));
         assert!(on_node_0.len() > 50, "{} keys on node 0", on_node_0.len());
         let stop = Arc::new(AtomicBool::new(false));
         // Each caller decides its own key again and again; how many of
@@ -1283,12 +1285,7 @@ fn a_master_down_costs_only_its_own_keys(
         }
         (store, batch_store)
     });
-    // The keys node 0 holds: the names it lists end in the key.
-    let on_node_0: std::collections::HashSet<u64> = cluster.nodes()[0]
-        .cli(&["--scan"])
-        .lines()
-        .filter_map(|name| name.rsplit(':').next()?.parse().ok())
-        .collect();
+    let on_node_0 = keys_on_node(&cluster, 0);
     assert!(
         on_node_0.len() > 50 && on_node_0.len() < 150,
         "{} of {KEYS} keys on node 0",
