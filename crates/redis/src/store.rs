@@ -140,7 +140,10 @@ pub struct RedisOptions {
     /// in place of the system's (which are still loaded, and must load).
     /// `None` trusts the system's roots, or the PEM bundle and folder that
     /// the environment variables `SSL_CERT_FILE` and `SSL_CERT_DIR` name.
-    /// A relative path is taken from the working directory.
+    /// A relative path is taken from the working directory. The TLS files
+    /// are read when the store connects and again for each new connection
+    /// it makes, so files replaced on disk take effect at the next one
+    /// (see `docs/redis.md`, "TLS").
     pub tls_ca_file: Option<PathBuf>,
     /// TLS only: a PEM file of this client's certificate chain, for a Redis
     /// that asks clients for one (`tls-auth-clients yes`, Redis's default
@@ -596,6 +599,13 @@ impl RedisStore {
         let tls = crate::tls::is_tls_url(url);
         let cluster_url = crate::is_cluster_url(url);
         let certificates = crate::tls::certificates(&options, url)?;
+        // Read again for each new connection, so that files replaced on
+        // disk take effect.
+        let files = Arc::new(crate::tls::CertificateFiles::new(
+            &options,
+            url,
+            certificates.clone(),
+        ));
         let form = Form {
             cluster: cluster_url,
             tls,
@@ -637,17 +647,13 @@ impl RedisStore {
                 // accepts connections but never answers would otherwise
                 // spend the whole time alone.
                 let node_connect_timeout = Duration::from_millis(connect_timeout_ms.div_ceil(4));
-                let mut builder = ClusterClient::builder(nodes.clone())
-                    .connection_timeout(node_connect_timeout)
-                    .response_timeout(node_response_timeout)
-                    .retries(2)
-                    .min_retry_wait(5)
-                    .max_retry_wait(50)
-                    .tcp_settings(tcp_settings());
-                if let Some(certificates) = certificates {
-                    builder = builder.certs(certificates.clone());
-                }
-                let client = builder.build().map_err(|e| invalid_url(shown, e))?;
+                let client = cluster_client(
+                    &nodes,
+                    node_connect_timeout,
+                    node_response_timeout,
+                    certificates,
+                )
+                .map_err(|e| invalid_url(shown, e))?;
                 let mut conn = match client.get_async_connection().await {
                     Ok(conn) => conn,
                     Err(e) => {
@@ -765,10 +771,15 @@ impl RedisStore {
                 let connect: Connect<ClusterConnection> = {
                     let down = Arc::clone(&down);
                     Box::new(move || {
-                        let client = client.clone();
+                        let client = cluster_client(
+                            &nodes,
+                            node_connect_timeout,
+                            node_response_timeout,
+                            files.read_again().as_ref(),
+                        );
                         let down = Arc::clone(&down);
                         Box::pin(async move {
-                            let mut conn = client.get_async_connection().await?;
+                            let mut conn = client?.get_async_connection().await?;
                             // Taken only once no master hangs for it (see
                             // no_master_hangs).
                             let (map, refusing) =
@@ -819,11 +830,15 @@ impl RedisStore {
                 retry_timeouts!(deadline, node_response_timeout, {
                     check_node(&mut conn, &address, form).await
                 })?;
+                // A new client for each new connection: the one made at
+                // start would reconnect with the certificates read then.
+                let url = url.to_owned();
                 let connect: Connect<ConnectionManager> = Box::new(move || {
-                    Box::pin(ConnectionManager::new_with_config(
-                        client.clone(),
-                        manager_config.clone(),
-                    ))
+                    let client = client_for(&url, files.read_again().as_ref());
+                    let manager_config = manager_config.clone();
+                    Box::pin(async move {
+                        ConnectionManager::new_with_config(client?, manager_config).await
+                    })
                 });
                 Backend::Node(Arc::new(Renewing::new(
                     connect,
@@ -1139,6 +1154,17 @@ impl RedisStore {
                         )
                     })
                     .flatten();
+                // The client reconnects with the certificates it was made
+                // with; a new connection reads the files again, which may
+                // have been replaced since (see `CertificateFiles`). On a
+                // cluster the client says only that it has no connection
+                // to a node, not why.
+                if tls.is_some()
+                    || (crate::tls::is_tls_url(url)
+                        && e.detail().contains("ClusterConnectionNotFound"))
+                {
+                    self.renew_connection();
+                }
                 let detail = tls.unwrap_or_else(|| {
                     // A replica after a failover, an ACL changed, a full
                     // Redis: what was checked at connect no longer holds.
@@ -2969,8 +2995,6 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
     }
 }
 
-/// A one-node client for `url`, with `certificates` when it takes TLS
-/// files of its own.
 /// The TCP settings of every connection to Redis.
 ///
 /// No Nagle delay: the calls of many tasks share one connection, and a
@@ -2996,12 +3020,37 @@ fn tcp_settings() -> TcpSettings {
         .set_keepalive(keepalive)
 }
 
+/// A one-node client for `url`, with `certificates` when it takes TLS
+/// files of its own.
 fn client_for(url: &str, certificates: Option<&TlsCertificates>) -> RedisResult<redis::Client> {
     let info = url.into_connection_info()?.set_tcp_settings(tcp_settings());
     match certificates {
         Some(certificates) => redis::Client::build_with_tls(info, certificates.clone()),
         None => redis::Client::open(info),
     }
+}
+
+/// A cluster client for the seeds `nodes` (their `redis://` or `rediss://`
+/// URLs), each node's connection made within `connect_timeout` and each
+/// call to a node answered within `response_timeout`, with `certificates`
+/// when it takes TLS files of its own.
+fn cluster_client(
+    nodes: &[String],
+    connect_timeout: Duration,
+    response_timeout: Duration,
+    certificates: Option<&TlsCertificates>,
+) -> RedisResult<ClusterClient> {
+    let mut builder = ClusterClient::builder(nodes.to_vec())
+        .connection_timeout(connect_timeout)
+        .response_timeout(response_timeout)
+        .retries(2)
+        .min_retry_wait(5)
+        .max_retry_wait(50)
+        .tcp_settings(tcp_settings());
+    if let Some(certificates) = certificates {
+        builder = builder.certs(certificates.clone());
+    }
+    builder.build()
 }
 
 /// `shown`: the URL without its credentials.

@@ -4,7 +4,7 @@
 //! terms.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use ratewarden_core::{StoreError, StoreErrorKind};
 use redis::{ClientTlsConfig, TlsCertificates};
@@ -102,6 +102,60 @@ pub(crate) fn certificates(
         client_tls,
         root_cert,
     }))
+}
+
+/// The certificates a store's new connections are made with: the files of
+/// its options, read again for each one (a connection replacing one that
+/// timed out or failed its TLS handshake), so that a CA or client
+/// certificate replaced on disk under the same name takes effect without a
+/// restart. Files that cannot be used at that moment (caught while being
+/// rewritten, or a new key beside the old certificate) leave the last
+/// certificates read in use, with a warning: a connection that may still
+/// work is not given up for them.
+pub(crate) struct CertificateFiles {
+    /// The options' TLS files, and nothing else of them.
+    files: RedisOptions,
+    /// The URL, without its credentials: read for its scheme only.
+    url: String,
+    /// The certificates read last that could be used.
+    last: Mutex<Option<TlsCertificates>>,
+}
+
+impl CertificateFiles {
+    /// The files of `options` for `url`, whose certificates were just read
+    /// as `read` (by [`certificates`]).
+    pub(crate) fn new(
+        options: &RedisOptions,
+        url: &str,
+        read: Option<TlsCertificates>,
+    ) -> CertificateFiles {
+        CertificateFiles {
+            files: RedisOptions {
+                tls_ca_file: options.tls_ca_file.clone(),
+                tls_cert_file: options.tls_cert_file.clone(),
+                tls_key_file: options.tls_key_file.clone(),
+                ..RedisOptions::default()
+            },
+            url: crate::redact_url(url),
+            last: Mutex::new(read),
+        }
+    }
+
+    /// The certificates for a new connection, read from the files now; the
+    /// last ones read, with a warning, when the files cannot be used.
+    pub(crate) fn read_again(&self) -> Option<TlsCertificates> {
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        match certificates(&self.files, &self.url) {
+            Ok(now) => *last = now,
+            Err(e) => tracing::warn!(
+                "a new connection to {} is made with the TLS certificates read before: the \
+                 files cannot be used now ({})",
+                self.url,
+                e.detail()
+            ),
+        }
+        last.clone()
+    }
 }
 
 /// The environment variables that replace the platform's roots with
@@ -403,7 +457,9 @@ pub(crate) fn handshake_error(
 
 #[cfg(test)]
 mod tests {
-    use super::handshake_error;
+    use super::{handshake_error, CertificateFiles};
+    use crate::test_support::TestCerts;
+    use crate::RedisOptions;
 
     #[test]
     fn handshake_failures_say_whose_certificate_and_what_to_change() {
@@ -465,5 +521,42 @@ mod tests {
             handshake_error("received fatal alert: NoRenegotiation", at, false, false),
             None
         );
+    }
+
+    /// The client certificate of `read`, as PEM.
+    fn client_certificate(read: Option<redis::TlsCertificates>) -> Vec<u8> {
+        read.and_then(|c| c.client_tls)
+            .expect("a client certificate")
+            .client_cert
+    }
+
+    #[test]
+    fn files_are_read_again_and_the_last_usable_ones_kept() {
+        let first = TestCerts::new();
+        let dir = tempfile::tempdir().unwrap();
+        let options = RedisOptions {
+            tls_cert_file: Some(dir.path().join("client.crt")),
+            tls_key_file: Some(dir.path().join("client.key")),
+            ..RedisOptions::default()
+        };
+        let write = |certs: &TestCerts| {
+            std::fs::copy(certs.client_cert_file(), dir.path().join("client.crt")).unwrap();
+            std::fs::copy(certs.client_key_file(), dir.path().join("client.key")).unwrap();
+        };
+        write(&first);
+        let url = "rediss://127.0.0.1:6380";
+        let files = CertificateFiles::new(&options, url, None);
+        let pem = |certs: &TestCerts| std::fs::read(certs.client_cert_file()).unwrap();
+        assert_eq!(client_certificate(files.read_again()), pem(&first));
+        let second = TestCerts::new();
+        write(&second);
+        assert_eq!(client_certificate(files.read_again()), pem(&second));
+        // Caught while being rewritten: the last certificates read stay.
+        std::fs::write(dir.path().join("client.key"), "half written").unwrap();
+        assert_eq!(client_certificate(files.read_again()), pem(&second));
+        std::fs::remove_file(dir.path().join("client.crt")).unwrap();
+        assert_eq!(client_certificate(files.read_again()), pem(&second));
+        write(&first);
+        assert_eq!(client_certificate(files.read_again()), pem(&first));
     }
 }

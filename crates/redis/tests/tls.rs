@@ -236,6 +236,120 @@ fn a_certificate_replaced_on_redis_s_side_is_named_in_the_call_s_error() {
     );
 }
 
+/// A store's own copies of `certs`' CA, client certificate and key, in a
+/// folder of their own (kept while the returned folder lives), and options
+/// naming them.
+fn own_copies(certs: &TestCerts, prefix: &str) -> (tempfile::TempDir, RedisOptions) {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let mut options = options(prefix, Some(dir.path().join("ca.crt")));
+    options.tls_cert_file = Some(dir.path().join("client.crt"));
+    options.tls_key_file = Some(dir.path().join("client.key"));
+    copy_certificates(certs, &options);
+    (dir, options)
+}
+
+/// Writes `certs`' CA, client certificate and key over the files that
+/// `options` names.
+fn copy_certificates(certs: &TestCerts, options: &RedisOptions) {
+    for (from, to) in [
+        (certs.ca_file(), &options.tls_ca_file),
+        (certs.client_cert_file(), &options.tls_cert_file),
+        (certs.client_key_file(), &options.tls_key_file),
+    ] {
+        std::fs::copy(from, to.as_ref().expect("a file")).expect("copy a PEM file");
+    }
+}
+
+/// Writes `to`'s server files (the CA Redis checks clients with, its
+/// certificate and key) with `from`'s, for Redis to read at its restart.
+fn replace_server_certificates(to: &TestCerts, from: &TestCerts) {
+    for (from, to) in [
+        (from.ca_file(), to.ca_file()),
+        (from.server_cert_file(), to.server_cert_file()),
+        (from.server_key_file(), to.server_key_file()),
+    ] {
+        std::fs::copy(from, to).expect("copy a PEM file");
+    }
+}
+
+/// Decisions on keys 0 to `keys`, tried again every 100 ms for at most
+/// 10 s until one round decides them all; the last error otherwise.
+async fn decided_within_10_s(store: &RedisStore, keys: u64) -> Result<(), StoreError> {
+    let mut last = Ok(());
+    for _ in 0..100 {
+        last = async {
+            for key in 0..keys {
+                store.check(key, 1).await?;
+            }
+            Ok(())
+        }
+        .await;
+        if last.is_ok() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    last
+}
+
+/// A new CA, with new certificates for Redis and the client, replaced on
+/// disk on both sides: once Redis restarts with its new files, the store's
+/// next connection reads its own again and decides, with no restart of
+/// the store (the client used to reconnect with the certificates read at
+/// start, refused for good).
+#[test]
+fn certificates_replaced_on_disk_are_read_by_the_next_connection() {
+    let certs = TestCerts::new();
+    let mut server = RedisServer::start_tls(&certs, true);
+    let (_dir, options) = own_copies(&certs, "rotated-files");
+    let rt = common::runtime();
+    let store = rt
+        .block_on(RedisStore::connect(
+            &server.tls_url().unwrap(),
+            REFERENCE,
+            options.clone(),
+        ))
+        .expect("connect over TLS");
+    rt.block_on(store.check(1, 1)).expect("a decision");
+    let rotated = TestCerts::new();
+    replace_server_certificates(&certs, &rotated);
+    copy_certificates(&rotated, &options);
+    server.restart();
+    rt.block_on(decided_within_10_s(&store, 1))
+        .expect("decided with the certificates on disk");
+}
+
+/// As [`certificates_replaced_on_disk_are_read_by_the_next_connection`],
+/// on a cluster whose nodes all restart with a new CA's certificates.
+#[test]
+fn a_cluster_s_next_connection_reads_certificates_replaced_on_disk() {
+    let certs = TestCerts::new();
+    let mut cluster = RedisCluster::start_tls(&certs);
+    let (_dir, mut options) = own_copies(&certs, "rotated-cluster");
+    // Redis's tls-auth-clients is off here: the CA alone is rotated.
+    options.tls_cert_file = None;
+    options.tls_key_file = None;
+    let rt = common::runtime();
+    let store = rt
+        .block_on(RedisStore::connect(
+            &cluster.tls_url().unwrap(),
+            REFERENCE,
+            options.clone(),
+        ))
+        .expect("connect to the cluster over TLS");
+    // A hundred keys land on every master's slots.
+    rt.block_on(decided_within_10_s(&store, 100))
+        .expect("a healthy cluster decides");
+    let rotated = TestCerts::new();
+    replace_server_certificates(&certs, &rotated);
+    std::fs::copy(rotated.ca_file(), options.tls_ca_file.as_ref().unwrap()).unwrap();
+    for node in 0..3 {
+        cluster.restart_node(node);
+    }
+    rt.block_on(decided_within_10_s(&store, 100))
+        .expect("every master decides with the certificates on disk");
+}
+
 #[test]
 fn tls_and_plain_ports_mixed_up_say_which_to_use() {
     let certs = TestCerts::new();
