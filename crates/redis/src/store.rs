@@ -770,16 +770,19 @@ impl RedisStore {
                 ));
                 let connect: Connect<ClusterConnection> = {
                     let down = Arc::clone(&down);
+                    let nodes = Arc::new(nodes);
                     Box::new(move || {
-                        let client = cluster_client(
-                            &nodes,
-                            node_connect_timeout,
-                            node_response_timeout,
-                            files.read_again().as_ref(),
-                        );
+                        let (nodes, files) = (Arc::clone(&nodes), Arc::clone(&files));
                         let down = Arc::clone(&down);
                         Box::pin(async move {
-                            let mut conn = client?.get_async_connection().await?;
+                            let certificates = read_again(files).await;
+                            let client = cluster_client(
+                                &nodes,
+                                node_connect_timeout,
+                                node_response_timeout,
+                                certificates.as_ref(),
+                            )?;
+                            let mut conn = client.get_async_connection().await?;
                             // Taken only once no master hangs for it (see
                             // no_master_hangs).
                             let (map, refusing) =
@@ -832,12 +835,13 @@ impl RedisStore {
                 })?;
                 // A new client for each new connection: the one made at
                 // start would reconnect with the certificates read then.
-                let url = url.to_owned();
+                let url: Arc<str> = Arc::from(url);
                 let connect: Connect<ConnectionManager> = Box::new(move || {
-                    let client = client_for(&url, files.read_again().as_ref());
+                    let (url, files) = (Arc::clone(&url), Arc::clone(&files));
                     let manager_config = manager_config.clone();
                     Box::pin(async move {
-                        ConnectionManager::new_with_config(client?, manager_config).await
+                        let client = client_for(&url, read_again(files).await.as_ref())?;
+                        ConnectionManager::new_with_config(client, manager_config).await
                     })
                 });
                 Backend::Node(Arc::new(Renewing::new(
@@ -1159,10 +1163,9 @@ impl RedisStore {
                 // have been replaced since (see `CertificateFiles`). On a
                 // cluster the client says only that it has no connection
                 // to a node, not why.
-                if tls.is_some()
-                    || (crate::tls::is_tls_url(url)
-                        && e.detail().contains("ClusterConnectionNotFound"))
-                {
+                let no_tls_node =
+                    crate::tls::is_tls_url(url) && e.detail().contains("ClusterConnectionNotFound");
+                if tls.is_some() || no_tls_node {
                     self.renew_connection();
                 }
                 let detail = tls.unwrap_or_else(|| {
@@ -1172,7 +1175,14 @@ impl RedisStore {
                         .map(|(_, advice)| format!("; {advice}"))
                         .or_else(|| cluster_hint(e.detail()).map(|hint| format!("; {hint}")))
                         .unwrap_or_default();
-                    format!("Redis at {url}: {}{advice}", e.detail())
+                    let certificates = if no_tls_node {
+                        "; or, over TLS, the nodes' certificates and the store's files no \
+                         longer fit (a CA rotated on one side only; the files are read again \
+                         for each new connection)"
+                    } else {
+                        ""
+                    };
+                    format!("Redis at {url}: {}{advice}{certificates}", e.detail())
                 });
                 StoreError::new(e.kind(), detail)
             }
@@ -3018,6 +3028,18 @@ fn tcp_settings() -> TcpSettings {
     TcpSettings::default()
         .set_nodelay(true)
         .set_keepalive(keepalive)
+}
+
+/// The certificates of `files` read again for a new connection, on a
+/// thread that may block: the files, and the system's roots, are read
+/// from disk.
+async fn read_again(files: Arc<crate::tls::CertificateFiles>) -> Option<TlsCertificates> {
+    match tokio::task::spawn_blocking(move || files.read_again()).await {
+        Ok(read) => read,
+        // The runtime is shutting down: no connection is made any more.
+        Err(e) if e.is_cancelled() => std::future::pending().await,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
 }
 
 /// A one-node client for `url`, with `certificates` when it takes TLS

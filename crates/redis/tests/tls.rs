@@ -272,11 +272,11 @@ fn replace_server_certificates(to: &TestCerts, from: &TestCerts) {
     }
 }
 
-/// Decisions on keys 0 to `keys`, tried again every 100 ms for at most
-/// 10 s until one round decides them all; the last error otherwise.
-async fn decided_within_10_s(store: &RedisStore, keys: u64) -> Result<(), StoreError> {
+/// Decisions on keys 0 to `keys`, tried again every 100 ms for about
+/// `seconds` until one round decides them all; the last error otherwise.
+async fn decided_within(store: &RedisStore, keys: u64, seconds: u64) -> Result<(), StoreError> {
     let mut last = Ok(());
-    for _ in 0..100 {
+    for _ in 0..seconds * 10 {
         last = async {
             for key in 0..keys {
                 store.check(key, 1).await?;
@@ -293,8 +293,9 @@ async fn decided_within_10_s(store: &RedisStore, keys: u64) -> Result<(), StoreE
 }
 
 /// A new CA, with new certificates for Redis and the client, replaced on
-/// disk on both sides: once Redis restarts with its new files, the store's
-/// next connection reads its own again and decides, with no restart of
+/// disk on Redis's side first: once Redis restarts with its new files, the
+/// store's calls fail saying why, and once its own files are replaced too
+/// the store's next connection reads them and decides, with no restart of
 /// the store (the client used to reconnect with the certificates read at
 /// start, refused for good).
 #[test]
@@ -313,9 +314,16 @@ fn certificates_replaced_on_disk_are_read_by_the_next_connection() {
     rt.block_on(store.check(1, 1)).expect("a decision");
     let rotated = TestCerts::new();
     replace_server_certificates(&certs, &rotated);
-    copy_certificates(&rotated, &options);
     server.restart();
-    rt.block_on(decided_within_10_s(&store, 1))
+    let e = rt
+        .block_on(decided_within(&store, 1, 2))
+        .expect_err("Redis's new certificate is not trusted yet");
+    assert!(
+        e.detail().contains("not signed by the CA in tls_ca_file"),
+        "{e}"
+    );
+    copy_certificates(&rotated, &options);
+    rt.block_on(decided_within(&store, 1, 10))
         .expect("decided with the certificates on disk");
 }
 
@@ -338,15 +346,23 @@ fn a_cluster_s_next_connection_reads_certificates_replaced_on_disk() {
         ))
         .expect("connect to the cluster over TLS");
     // A hundred keys land on every master's slots.
-    rt.block_on(decided_within_10_s(&store, 100))
+    rt.block_on(decided_within(&store, 100, 10))
         .expect("a healthy cluster decides");
     let rotated = TestCerts::new();
     replace_server_certificates(&certs, &rotated);
-    std::fs::copy(rotated.ca_file(), options.tls_ca_file.as_ref().unwrap()).unwrap();
     for node in 0..3 {
         cluster.restart_node(node);
     }
-    rt.block_on(decided_within_10_s(&store, 100))
+    let e = rt
+        .block_on(decided_within(&store, 100, 2))
+        .expect_err("the nodes' new certificates are not trusted yet");
+    assert!(
+        e.detail()
+            .contains("the nodes' certificates and the store's files"),
+        "{e}"
+    );
+    std::fs::copy(rotated.ca_file(), options.tls_ca_file.as_ref().unwrap()).unwrap();
+    rt.block_on(decided_within(&store, 100, 10))
         .expect("every master decides with the certificates on disk");
 }
 
