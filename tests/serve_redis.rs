@@ -869,6 +869,88 @@ async fn serve_decides_over_tls_with_the_files_its_config_names() {
     }
 }
 
+/// Certificates rotated under a running `serve`: Redis restarts with a new
+/// CA's certificate, and the `[redis]` files are replaced on disk. The
+/// checks get the failure policy and `/readyz` says why until the files
+/// fit, and then decide and report ready again, with no restart or reload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_reads_certificates_rotated_on_disk_at_its_next_connection() {
+    let certs = TestCerts::new();
+    let mut redis = RedisServer::start_tls(&certs, true);
+    let tls_url = redis.tls_url().unwrap();
+    let file = ConfigFile::new(
+        "[server]\nstore_timeout_ms = 5000\n\
+         [redis]\ntls_ca_file = \"ca.crt\"\ntls_cert_file = \"client.crt\"\n\
+         tls_key_file = \"client.key\"\n\
+         [keys]\nlimit = 1000\nwindow_ms = 3600000\n",
+    );
+    let dir = file.dir().to_path_buf();
+    let client_files = |from: &TestCerts| {
+        for (from, to) in [
+            (from.ca_file(), "ca.crt"),
+            (from.client_cert_file(), "client.crt"),
+            (from.client_key_file(), "client.key"),
+        ] {
+            std::fs::copy(from, dir.join(to)).unwrap();
+        }
+    };
+    client_files(&certs);
+    let serve = Serve {
+        server: Server::start(&["--store", &tls_url, "--config", file.path()]),
+        _config: file,
+    };
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    // Decided by Redis: no `failure_policy` in the answer.
+    let (status, body) = check(&client, &serve.url(), "k").await;
+    assert_eq!(
+        (status, &body["failure_policy"]),
+        (200, &Value::Null),
+        "{body}"
+    );
+    assert_eq!(readyz(&client, &serve).await, (200, "ready\n".to_owned()));
+
+    // Redis's side first: its new certificate is not trusted yet.
+    let rotated = TestCerts::new();
+    for (from, to) in [
+        (rotated.ca_file(), certs.ca_file()),
+        (rotated.server_cert_file(), certs.server_cert_file()),
+        (rotated.server_key_file(), certs.server_key_file()),
+    ] {
+        std::fs::copy(from, to).unwrap();
+    }
+    redis.restart();
+    let body = readyz_until(&client, &serve, 503).await;
+    assert!(
+        body.contains("not signed by the CA in tls_ca_file"),
+        "{body}"
+    );
+    let (status, body) = check(&client, &serve.url(), "k").await;
+    assert_eq!(
+        (status, &body["failure_policy"]),
+        (429, &json!(true)),
+        "{body}"
+    );
+
+    // Then the files `serve` reads: decided by Redis, and ready, again.
+    client_files(&rotated);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, body) = check(&client, &serve.url(), "k").await;
+        if status == 200 && body["failure_policy"] == Value::Null {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still {status} after 20 s: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(readyz_until(&client, &serve, 200).await, "ready\n");
+}
+
 /// Mistakes that show in the URL itself are refused while the arguments
 /// are read (exit 2), saying what to write, and a typo with no password in
 /// it is shown whole.

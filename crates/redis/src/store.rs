@@ -1135,6 +1135,23 @@ impl RedisStore {
         }
     }
 
+    /// What a failed TLS handshake in the client's error `text` means, in
+    /// the user's terms, as when connecting; `None` when it is no such
+    /// failure. The client reconnects with the certificates it was made
+    /// with, so such a failure also starts a new connection (at most one a
+    /// second), which reads the files again: they may have been replaced
+    /// since (see `CertificateFiles`).
+    fn tls_failure(&self, text: &str) -> Option<String> {
+        let url = self.url();
+        if !crate::tls::is_tls_url(url) {
+            return None;
+        }
+        let ca_file = self.inner.options.tls_ca_file.is_some();
+        let said = crate::tls::handshake_error(text, url, ca_file, crate::is_cluster_url(url))?;
+        self.renew_connection();
+        Some(said)
+    }
+
     /// A failed call's error, the same for every timeout (the store's own
     /// or the client's): a timeout says that the request may have been
     /// applied.
@@ -1147,25 +1164,13 @@ impl RedisStore {
             // side) is said as when connecting, with what to change.
             StoreErrorKind::ConnectionDropped | StoreErrorKind::Backend => {
                 let url = self.url();
-                let tls = crate::tls::is_tls_url(url)
-                    .then(|| {
-                        let ca_file = self.inner.options.tls_ca_file.is_some();
-                        crate::tls::handshake_error(
-                            e.detail(),
-                            url,
-                            ca_file,
-                            crate::is_cluster_url(url),
-                        )
-                    })
-                    .flatten();
-                // The client reconnects with the certificates it was made
-                // with; a new connection reads the files again, which may
-                // have been replaced since (see `CertificateFiles`). On a
-                // cluster the client says only that it has no connection
-                // to a node, not why.
+                let tls = self.tls_failure(e.detail());
+                // On a cluster the client says only that it has no
+                // connection to a node, not why: a handshake that failed
+                // is one reason, met as `tls_failure` meets it.
                 let no_tls_node =
                     crate::tls::is_tls_url(url) && e.detail().contains("ClusterConnectionNotFound");
-                if tls.is_some() || no_tls_node {
+                if no_tls_node {
                     self.renew_connection();
                 }
                 let detail = tls.unwrap_or_else(|| {
@@ -1543,7 +1548,13 @@ impl RedisStore {
                     Ok(Err(e)) if e.is_timeout() => {
                         return Err(timed_out("Redis did not answer PING"))
                     }
-                    Ok(Err(e)) => return Err(map_error(e)),
+                    Ok(Err(e)) => {
+                        let e = map_error(e);
+                        return Err(match self.tls_failure(e.detail()) {
+                            Some(said) => StoreError::new(e.kind(), said),
+                            None => e,
+                        });
+                    }
                     Err(_) => return Err(timed_out("Redis did not answer PING")),
                 }
                 // A Redis that answers can still refuse every decision.

@@ -312,19 +312,47 @@ fn certificates_replaced_on_disk_are_read_by_the_next_connection() {
         ))
         .expect("connect over TLS");
     rt.block_on(store.check(1, 1)).expect("a decision");
+    // A store that is only pinged, as `serve`'s readiness store is: its
+    // connection is renewed by its pings alone.
+    let pinged = rt
+        .block_on(RedisStore::connect(
+            &server.tls_url().unwrap(),
+            REFERENCE,
+            options.clone(),
+        ))
+        .expect("connect over TLS");
+    rt.block_on(pinged.ping()).expect("ready");
     let rotated = TestCerts::new();
     replace_server_certificates(&certs, &rotated);
     server.restart();
+    let untrusted = "not signed by the CA in tls_ca_file";
     let e = rt
         .block_on(decided_within(&store, 1, 2))
         .expect_err("Redis's new certificate is not trusted yet");
-    assert!(
-        e.detail().contains("not signed by the CA in tls_ca_file"),
-        "{e}"
-    );
+    assert!(e.detail().contains(untrusted), "{e}");
+    let e = rt
+        .block_on(pinged_within(&pinged, 2))
+        .expect_err("Redis's new certificate is not trusted yet");
+    assert!(e.detail().contains(untrusted), "{e}");
     copy_certificates(&rotated, &options);
     rt.block_on(decided_within(&store, 1, 10))
         .expect("decided with the certificates on disk");
+    rt.block_on(pinged_within(&pinged, 10))
+        .expect("ready with the certificates on disk");
+}
+
+/// `store.ping()`, tried again every 100 ms for about `seconds` until it
+/// answers; the last error otherwise.
+async fn pinged_within(store: &RedisStore, seconds: u64) -> Result<(), StoreError> {
+    let mut last = Ok(());
+    for _ in 0..seconds * 10 {
+        last = store.ping().await;
+        if last.is_ok() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    last
 }
 
 /// As [`certificates_replaced_on_disk_are_read_by_the_next_connection`],
