@@ -794,6 +794,30 @@ fn the_password_is_never_logged() {
     }
 }
 
+/// A configuration whose `[redis]` table names `ca.crt`, `client.crt` and
+/// `client.key` beside it, with a long store timeout and one `[keys]` rule
+/// admitting `limit` an hour.
+fn tls_config(limit: u64) -> ConfigFile {
+    ConfigFile::new(&format!(
+        "[server]\nstore_timeout_ms = 5000\n\
+         [redis]\ntls_ca_file = \"ca.crt\"\ntls_cert_file = \"client.crt\"\n\
+         tls_key_file = \"client.key\"\n\
+         [keys]\nlimit = {limit}\nwindow_ms = 3600000\n"
+    ))
+}
+
+/// Writes `certs`' CA, client certificate and key as the files that
+/// [`tls_config`]'s `file` names.
+fn client_files(certs: &TestCerts, file: &ConfigFile) {
+    for (from, to) in [
+        (certs.ca_file(), "ca.crt"),
+        (certs.client_cert_file(), "client.crt"),
+        (certs.client_key_file(), "client.key"),
+    ] {
+        std::fs::copy(from, file.dir().join(to)).unwrap();
+    }
+}
+
 /// `serve` on a Redis that takes TLS and asks for a client certificate:
 /// the `[redis]` files, found from the configuration file's directory,
 /// trust its CA and show the certificate. Without them, `serve` stops at
@@ -803,19 +827,8 @@ async fn serve_decides_over_tls_with_the_files_its_config_names() {
     let certs = TestCerts::new();
     let redis = RedisServer::start_tls(&certs, true);
     let tls_url = redis.tls_url().unwrap();
-    let file = ConfigFile::new(
-        "[server]\nstore_timeout_ms = 5000\n\
-         [redis]\ntls_ca_file = \"ca.crt\"\ntls_cert_file = \"client.crt\"\n\
-         tls_key_file = \"client.key\"\n\
-         [keys]\nlimit = 1\nwindow_ms = 3600000\n",
-    );
-    for (from, to) in [
-        (certs.ca_file(), "ca.crt"),
-        (certs.client_cert_file(), "client.crt"),
-        (certs.client_key_file(), "client.key"),
-    ] {
-        std::fs::copy(from, file.dir().join(to)).unwrap();
-    }
+    let file = tls_config(1);
+    client_files(&certs, &file);
     let serve = Server::start(&["--store", &tls_url, "--config", file.path()]);
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
@@ -878,23 +891,8 @@ async fn serve_reads_certificates_rotated_on_disk_at_its_next_connection() {
     let certs = TestCerts::new();
     let mut redis = RedisServer::start_tls(&certs, true);
     let tls_url = redis.tls_url().unwrap();
-    let file = ConfigFile::new(
-        "[server]\nstore_timeout_ms = 5000\n\
-         [redis]\ntls_ca_file = \"ca.crt\"\ntls_cert_file = \"client.crt\"\n\
-         tls_key_file = \"client.key\"\n\
-         [keys]\nlimit = 1000\nwindow_ms = 3600000\n",
-    );
-    let dir = file.dir().to_path_buf();
-    let client_files = |from: &TestCerts| {
-        for (from, to) in [
-            (from.ca_file(), "ca.crt"),
-            (from.client_cert_file(), "client.crt"),
-            (from.client_key_file(), "client.key"),
-        ] {
-            std::fs::copy(from, dir.join(to)).unwrap();
-        }
-    };
-    client_files(&certs);
+    let file = tls_config(1000);
+    client_files(&certs, &file);
     let serve = Serve {
         server: Server::start(&["--store", &tls_url, "--config", file.path()]),
         _config: file,
@@ -935,7 +933,7 @@ async fn serve_reads_certificates_rotated_on_disk_at_its_next_connection() {
     );
 
     // Then the files `serve` reads: decided by Redis, and ready, again.
-    client_files(&rotated);
+    client_files(&rotated, &serve._config);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let (status, body) = check(&client, &serve.url(), "k").await;

@@ -272,24 +272,33 @@ fn replace_server_certificates(to: &TestCerts, from: &TestCerts) {
     }
 }
 
-/// Decisions on keys 0 to `keys`, tried again every 100 ms for about
-/// `seconds` until one round decides them all; the last error otherwise.
-async fn decided_within(store: &RedisStore, keys: u64, seconds: u64) -> Result<(), StoreError> {
+/// `attempt`, tried again every 100 ms for about `seconds` until it
+/// succeeds; its last error otherwise.
+async fn within<F: std::future::Future<Output = Result<(), StoreError>>>(
+    seconds: u64,
+    mut attempt: impl FnMut() -> F,
+) -> Result<(), StoreError> {
     let mut last = Ok(());
     for _ in 0..seconds * 10 {
-        last = async {
-            for key in 0..keys {
-                store.check(key, 1).await?;
-            }
-            Ok(())
-        }
-        .await;
+        last = attempt().await;
         if last.is_ok() {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     last
+}
+
+/// Decisions on keys 0 to `keys` until one round decides them all, for
+/// about `seconds` (see [`within`]).
+async fn decided_within(store: &RedisStore, keys: u64, seconds: u64) -> Result<(), StoreError> {
+    within(seconds, || async {
+        for key in 0..keys {
+            store.check(key, 1).await?;
+        }
+        Ok(())
+    })
+    .await
 }
 
 /// A new CA, with new certificates for Redis and the client, replaced on
@@ -331,28 +340,14 @@ fn certificates_replaced_on_disk_are_read_by_the_next_connection() {
         .expect_err("Redis's new certificate is not trusted yet");
     assert!(e.detail().contains(untrusted), "{e}");
     let e = rt
-        .block_on(pinged_within(&pinged, 2))
+        .block_on(within(2, || pinged.ping()))
         .expect_err("Redis's new certificate is not trusted yet");
     assert!(e.detail().contains(untrusted), "{e}");
     copy_certificates(&rotated, &options);
     rt.block_on(decided_within(&store, 1, 10))
         .expect("decided with the certificates on disk");
-    rt.block_on(pinged_within(&pinged, 10))
+    rt.block_on(within(10, || pinged.ping()))
         .expect("ready with the certificates on disk");
-}
-
-/// `store.ping()`, tried again every 100 ms for about `seconds` until it
-/// answers; the last error otherwise.
-async fn pinged_within(store: &RedisStore, seconds: u64) -> Result<(), StoreError> {
-    let mut last = Ok(());
-    for _ in 0..seconds * 10 {
-        last = store.ping().await;
-        if last.is_ok() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    last
 }
 
 /// As [`certificates_replaced_on_disk_are_read_by_the_next_connection`],
