@@ -1180,13 +1180,7 @@ impl RedisStore {
                         .map(|(_, advice)| format!("; {advice}"))
                         .or_else(|| cluster_hint(e.detail()).map(|hint| format!("; {hint}")))
                         .unwrap_or_default();
-                    let certificates = if no_tls_node {
-                        "; or, over TLS, the nodes' certificates and the store's files no \
-                         longer fit (a CA rotated on one side only; the files are read again \
-                         for each new connection)"
-                    } else {
-                        ""
-                    };
+                    let certificates = if no_tls_node { NO_TLS_NODE_HINT } else { "" };
                     format!("Redis at {url}: {}{advice}{certificates}", e.detail())
                 });
                 StoreError::new(e.kind(), detail)
@@ -1586,6 +1580,12 @@ impl RedisStore {
                     let e = map_error(e);
                     if e.kind() == StoreErrorKind::ConnectionDropped {
                         self.renew_connection();
+                    }
+                    if crate::tls::is_tls_url(self.url())
+                        && e.detail().contains("ClusterConnectionNotFound")
+                    {
+                        let detail = format!("{}{NO_TLS_NODE_HINT}", e.detail());
+                        return Err(StoreError::new(e.kind(), detail));
                     }
                     return Err(e);
                 }
@@ -3160,6 +3160,12 @@ fn refusal_advice(text: &str) -> Option<(StoreErrorKind, String)> {
     };
     Some(advice)
 }
+
+/// Said after a TLS cluster's `ClusterConnectionNotFound`, which is all
+/// redis-rs says of nodes whose TLS handshakes failed.
+const NO_TLS_NODE_HINT: &str = "; or, over TLS, the nodes' certificates and the store's files \
+     no longer fit (a CA rotated on one side only; the files are read again for each new \
+     connection)";
 
 /// What a cluster client's error means in the cluster's terms, from its
 /// `text`: `None` when it needs no words beyond its own.

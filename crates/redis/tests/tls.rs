@@ -371,22 +371,33 @@ fn a_cluster_s_next_connection_reads_certificates_replaced_on_disk() {
     // A hundred keys land on every master's slots.
     rt.block_on(decided_within(&store, 100, 10))
         .expect("a healthy cluster decides");
+    let pinged = rt
+        .block_on(RedisStore::connect(
+            &cluster.tls_url().unwrap(),
+            REFERENCE,
+            options.clone(),
+        ))
+        .expect("connect to the cluster over TLS");
+    rt.block_on(pinged.ping()).expect("ready");
     let rotated = TestCerts::new();
     replace_server_certificates(&certs, &rotated);
     for node in 0..3 {
         cluster.restart_node(node);
     }
+    let unfit = "the nodes' certificates and the store's files";
     let e = rt
         .block_on(decided_within(&store, 100, 2))
         .expect_err("the nodes' new certificates are not trusted yet");
-    assert!(
-        e.detail()
-            .contains("the nodes' certificates and the store's files"),
-        "{e}"
-    );
+    assert!(e.detail().contains(unfit), "{e}");
+    let e = rt
+        .block_on(within(2, || pinged.ping()))
+        .expect_err("the nodes' new certificates are not trusted yet");
+    assert!(e.detail().contains(unfit), "{e}");
     std::fs::copy(rotated.ca_file(), options.tls_ca_file.as_ref().unwrap()).unwrap();
     rt.block_on(decided_within(&store, 100, 10))
         .expect("every master decides with the certificates on disk");
+    rt.block_on(within(10, || pinged.ping()))
+        .expect("ready with the certificates on disk");
 }
 
 #[test]
