@@ -1581,10 +1581,15 @@ impl RedisStore {
                     if e.kind() == StoreErrorKind::ConnectionDropped {
                         self.renew_connection();
                     }
-                    if crate::tls::is_tls_url(self.url())
-                        && e.detail().contains("ClusterConnectionNotFound")
-                    {
-                        let detail = format!("{}{NO_TLS_NODE_HINT}", e.detail());
+                    // Said as a call's error says it.
+                    if e.detail().contains("ClusterConnectionNotFound") {
+                        let hint = cluster_hint(e.detail()).unwrap_or_default();
+                        let certificates = if crate::tls::is_tls_url(self.url()) {
+                            NO_TLS_NODE_HINT
+                        } else {
+                            ""
+                        };
+                        let detail = format!("{}; {hint}{certificates}", e.detail());
                         return Err(StoreError::new(e.kind(), detail));
                     }
                     return Err(e);

@@ -392,7 +392,13 @@ fn a_cluster_s_next_connection_reads_certificates_replaced_on_disk() {
     let e = rt
         .block_on(within(2, || pinged.ping()))
         .expect_err("the nodes' new certificates are not trusted yet");
-    assert!(e.detail().contains(unfit), "{e}");
+    // As a call's error says it.
+    assert!(
+        e.detail()
+            .contains("no node of the cluster accepts a connection")
+            && e.detail().contains(unfit),
+        "{e}"
+    );
     std::fs::copy(rotated.ca_file(), options.tls_ca_file.as_ref().unwrap()).unwrap();
     rt.block_on(decided_within(&store, 100, 10))
         .expect("every master decides with the certificates on disk");
