@@ -1164,13 +1164,12 @@ impl RedisStore {
             // side) is said as when connecting, with what to change.
             StoreErrorKind::ConnectionDropped | StoreErrorKind::Backend => {
                 let url = self.url();
+                let over_tls = crate::tls::is_tls_url(url);
                 let tls = self.tls_failure(e.detail());
                 // On a cluster the client says only that it has no
                 // connection to a node, not why: a handshake that failed
                 // is one reason, met as `tls_failure` meets it.
-                let no_tls_node =
-                    crate::tls::is_tls_url(url) && e.detail().contains("ClusterConnectionNotFound");
-                if no_tls_node {
+                if over_tls && e.detail().contains("ClusterConnectionNotFound") {
                     self.renew_connection();
                 }
                 let detail = tls.unwrap_or_else(|| {
@@ -1178,10 +1177,11 @@ impl RedisStore {
                     // Redis: what was checked at connect no longer holds.
                     let advice = refusal_advice(e.detail())
                         .map(|(_, advice)| format!("; {advice}"))
-                        .or_else(|| cluster_hint(e.detail()).map(|hint| format!("; {hint}")))
+                        .or_else(|| {
+                            cluster_hint(e.detail(), over_tls).map(|hint| format!("; {hint}"))
+                        })
                         .unwrap_or_default();
-                    let certificates = if no_tls_node { NO_TLS_NODE_HINT } else { "" };
-                    format!("Redis at {url}: {}{advice}{certificates}", e.detail())
+                    format!("Redis at {url}: {}{advice}", e.detail())
                 });
                 StoreError::new(e.kind(), detail)
             }
@@ -1583,13 +1583,9 @@ impl RedisStore {
                     }
                     // Said as a call's error says it.
                     if e.detail().contains("ClusterConnectionNotFound") {
-                        let hint = cluster_hint(e.detail()).unwrap_or_default();
-                        let certificates = if crate::tls::is_tls_url(self.url()) {
-                            NO_TLS_NODE_HINT
-                        } else {
-                            ""
-                        };
-                        let detail = format!("{}; {hint}{certificates}", e.detail());
+                        let tls = crate::tls::is_tls_url(self.url());
+                        let hint = cluster_hint(e.detail(), tls).unwrap_or_default();
+                        let detail = format!("{}; {hint}", e.detail());
                         return Err(StoreError::new(e.kind(), detail));
                     }
                     return Err(e);
@@ -3166,30 +3162,34 @@ fn refusal_advice(text: &str) -> Option<(StoreErrorKind, String)> {
     Some(advice)
 }
 
-/// Said after a TLS cluster's `ClusterConnectionNotFound`, which is all
-/// redis-rs says of nodes whose TLS handshakes failed.
-const NO_TLS_NODE_HINT: &str = "; or, over TLS, the nodes' certificates and the store's files \
-     no longer fit (a CA rotated on one side only; the files are read again for each new \
-     connection)";
-
 /// What a cluster client's error means in the cluster's terms, from its
-/// `text`: `None` when it needs no words beyond its own.
-fn cluster_hint(text: &str) -> Option<&'static str> {
+/// `text`, on a cluster reached over TLS when `tls`: `None` when it needs
+/// no words beyond its own.
+fn cluster_hint(text: &str, tls: bool) -> Option<String> {
     if text.contains("ClusterConnectionNotFound") {
-        Some(
-            "no node of the cluster accepts a connection: its nodes are down, or have moved \
-             from every address the client knows (if the cluster now runs elsewhere, start \
-             again with seeds there)",
-        )
+        // All redis-rs says of nodes whose TLS handshakes failed, too.
+        let certificates = if tls {
+            "; or, over TLS, the nodes' certificates and the store's files no longer fit (a CA \
+             rotated on one side only; the files are read again for each new connection)"
+        } else {
+            ""
+        };
+        Some(format!(
+            "no node of the cluster accepts a connection: its nodes are down, or have moved from \
+             every address the client knows (if the cluster now runs elsewhere, start again \
+             with seeds there){certificates}"
+        ))
     } else if text.contains("Requested connection not found") {
         Some(
             "the client could not use the node the cluster sent it to (while a slot moves, an \
-             ACL user needs +asking there)",
+             ACL user needs +asking there)"
+                .to_owned(),
         )
     } else if text.contains("Moved:") {
         Some(
             "the node the cluster names for that slot cannot be reached (a failover may be \
-             under way)",
+             under way)"
+                .to_owned(),
         )
     } else {
         None

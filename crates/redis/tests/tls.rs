@@ -236,6 +236,13 @@ fn a_certificate_replaced_on_redis_s_side_is_named_in_the_call_s_error() {
     );
 }
 
+/// A store on `url` with `options`, connected on `rt`, on which its
+/// calls are then made.
+fn connect_on(rt: &tokio::runtime::Runtime, url: &str, options: &RedisOptions) -> RedisStore {
+    rt.block_on(RedisStore::connect(url, REFERENCE, options.clone()))
+        .unwrap_or_else(|e| panic!("connect over TLS to {url}: {e}"))
+}
+
 /// A store's own copies of `certs`' CA, client certificate and key, in a
 /// folder of their own (kept while the returned folder lives), and options
 /// naming them.
@@ -313,23 +320,11 @@ fn certificates_replaced_on_disk_are_read_by_the_next_connection() {
     let mut server = RedisServer::start_tls(&certs, true);
     let (_dir, options) = own_copies(&certs, "rotated-files");
     let rt = common::runtime();
-    let store = rt
-        .block_on(RedisStore::connect(
-            &server.tls_url().unwrap(),
-            REFERENCE,
-            options.clone(),
-        ))
-        .expect("connect over TLS");
+    let store = connect_on(&rt, &server.tls_url().unwrap(), &options);
     rt.block_on(store.check(1, 1)).expect("a decision");
     // A store that is only pinged, as `serve`'s readiness store is: its
     // connection is renewed by its pings alone.
-    let pinged = rt
-        .block_on(RedisStore::connect(
-            &server.tls_url().unwrap(),
-            REFERENCE,
-            options.clone(),
-        ))
-        .expect("connect over TLS");
+    let pinged = connect_on(&rt, &server.tls_url().unwrap(), &options);
     rt.block_on(pinged.ping()).expect("ready");
     let rotated = TestCerts::new();
     replace_server_certificates(&certs, &rotated);
@@ -361,23 +356,11 @@ fn a_cluster_s_next_connection_reads_certificates_replaced_on_disk() {
     options.tls_cert_file = None;
     options.tls_key_file = None;
     let rt = common::runtime();
-    let store = rt
-        .block_on(RedisStore::connect(
-            &cluster.tls_url().unwrap(),
-            REFERENCE,
-            options.clone(),
-        ))
-        .expect("connect to the cluster over TLS");
+    let store = connect_on(&rt, &cluster.tls_url().unwrap(), &options);
     // A hundred keys land on every master's slots.
     rt.block_on(decided_within(&store, 100, 10))
         .expect("a healthy cluster decides");
-    let pinged = rt
-        .block_on(RedisStore::connect(
-            &cluster.tls_url().unwrap(),
-            REFERENCE,
-            options.clone(),
-        ))
-        .expect("connect to the cluster over TLS");
+    let pinged = connect_on(&rt, &cluster.tls_url().unwrap(), &options);
     rt.block_on(pinged.ping()).expect("ready");
     let rotated = TestCerts::new();
     replace_server_certificates(&certs, &rotated);
