@@ -779,7 +779,8 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
     assert!(
         stderr.contains(
             "cannot make the limiter of rule \"keys\": Redis at 127.0.0.1:1 cannot be used: \
-             connection refused; start redis-server there or change --store to where it runs"
+             connection refused; start redis-server there or change --store (or RATEWARDEN_STORE) \
+             to where it runs"
         ),
         "{stderr}"
     );
@@ -811,6 +812,28 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
             "invalid value for '--store <STORE>' (from the environment variable \
              RATEWARDEN_STORE): unknown store"
         ),
+        "{stderr}"
+    );
+    // An empty one (a template's empty substitution) is said to be empty,
+    // not hidden as text that may hold a password.
+    let out = Command::new(BIN)
+        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .env("RATEWARDEN_STORE", "")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(
+            "(from the environment variable RATEWARDEN_STORE): the store is empty; use memory \
+             or a Redis URL"
+        ),
+        "{stderr}"
+    );
+    let (ok, stderr) = run(&["--store", "MEMORY"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("unknown store \"MEMORY\"; write memory in lower case, with no spaces"),
         "{stderr}"
     );
     let (ok, stderr) = bare(&["--http", "127.0.0.1:18099", "--grpc", "127.0.0.1:18099"]);

@@ -909,9 +909,11 @@ pub fn run(args: Args) -> ExitCode {
             ));
         }
         eprintln!(
-            "ratewarden bench: unknown store {}; use memory, redis://HOST:PORT or \
-             redis+unix:///PATH",
-            ratewarden_redis::quoted_or_hidden(&ratewarden_redis::redact_url(&args.store), "")
+            "ratewarden bench: {}",
+            ratewarden_server::store::unknown_store(
+                &args.store,
+                "memory, redis://HOST:PORT or redis+unix:///PATH"
+            )
         );
         return ExitCode::from(2);
     }

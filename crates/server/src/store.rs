@@ -275,7 +275,8 @@ impl StoreFactory for RedisFactory {
 fn unreachable_hint(e: ratewarden_core::StoreError) -> anyhow::Error {
     if e.is_connection_dropped() {
         anyhow::anyhow!(
-            "{}; start redis-server there or change --store to where it runs",
+            "{}; start redis-server there or change --store (or RATEWARDEN_STORE) to \
+             where it runs",
             e.detail()
         )
     } else {
@@ -330,12 +331,37 @@ impl std::str::FromStr for StoreUrl {
             // Says what is wrong with the form.
             Err(ratewarden_redis::url_form_error(s))
         } else {
-            Err(format!(
-                "unknown store {}; use memory or a Redis URL: redis://HOST:PORT[/DB], \
-                 redis+unix:///PATH or redis-cluster://HOST:PORT[,HOST:PORT...] (over TLS: \
-                 rediss://... or rediss-cluster://...)",
-                ratewarden_redis::quoted_or_hidden(&ratewarden_redis::redact_url(s), "")
+            Err(unknown_store(
+                s,
+                "memory or a Redis URL: redis://HOST:PORT[/DB], redis+unix:///PATH or \
+                 redis-cluster://HOST:PORT[,HOST:PORT...] (over TLS: rediss://... or \
+                 rediss-cluster://...)",
             ))
         }
+    }
+}
+
+/// The error for a store that is neither `memory` nor a Redis URL, `forms`
+/// naming what the caller takes. An empty value (an environment variable
+/// set to nothing, a template's empty substitution) is said to be empty,
+/// and `memory` in another case or with spaces is named as what it is;
+/// anything else is quoted only as far as it cannot be a password.
+///
+/// ```
+/// use ratewarden_server::store::unknown_store;
+/// assert!(unknown_store("", "memory").starts_with("the store is empty; use memory"));
+/// assert!(unknown_store(" Memory", "memory").contains("write memory in lower case"));
+/// assert!(!unknown_store("Secret pass", "memory").contains("Secret"));
+/// ```
+pub fn unknown_store(s: &str, forms: &str) -> String {
+    if s.trim().is_empty() {
+        format!("the store is empty; use {forms}")
+    } else if s.trim().eq_ignore_ascii_case("memory") {
+        format!("unknown store {s:?}; write memory in lower case, with no spaces")
+    } else {
+        format!(
+            "unknown store {}; use {forms}",
+            ratewarden_redis::quoted_or_hidden(&ratewarden_redis::redact_url(s), "")
+        )
     }
 }
