@@ -1315,7 +1315,10 @@ fn bench_redis_says_what_is_wrong_with_the_url_or_the_server() {
         1,
         &[&format!("Redis at 127.0.0.1:{port} requires a password")],
     );
-    assert!(stderr.starts_with("bench-redis: Redis at"), "{stderr}");
+    assert!(
+        stderr.starts_with("ratewarden bench-redis: Redis at"),
+        "{stderr}"
+    );
 
     // Another protocol on the port.
     let http = TcpListener::bind("127.0.0.1:0").unwrap();

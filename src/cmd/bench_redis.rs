@@ -303,14 +303,14 @@ pub fn run(args: Args) -> ExitCode {
     let (plan, target) = match checked {
         Ok(checked) => checked,
         Err(e) => {
-            eprintln!("bench-redis: {e}");
+            eprintln!("ratewarden bench-redis: {e}");
             return ExitCode::from(2);
         }
     };
     match measure(&args, &plan, &target) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("bench-redis: {e}");
+            eprintln!("ratewarden bench-redis: {e}");
             ExitCode::FAILURE
         }
     }
@@ -463,8 +463,8 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
     // answered (a run that cannot connect never starts it).
     if target.password {
         eprintln!(
-            "bench-redis: the URL's password is passed to redis-benchmark as -a, visible in \
-             this machine's process list while it runs"
+            "ratewarden bench-redis: the URL's password is passed to redis-benchmark as -a, \
+             visible in this machine's process list while it runs"
         );
     }
     let prefix = format!("ratewarden-bench:{}", std::process::id());
