@@ -580,6 +580,30 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
     let r = client.post(&url).body(huge).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 413);
     assert!(r.text().await.unwrap().contains("larger than 65536 bytes"));
+    // A compressed body is said to be one, not read as malformed JSON; a
+    // body said to be in the identity coding is read as it is.
+    for (coding, status) in [("gzip", 415), ("identity", 200), ("identity, br", 415)] {
+        let r = client
+            .post(&url)
+            .header("content-encoding", coding)
+            .body("{\"key\": \"coded\"}")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), status, "{coding}");
+        if status == 415 {
+            assert_eq!(r.headers()["accept-encoding"], "identity");
+            let body = r.json::<Value>().await.unwrap();
+            let text = body["error"].as_str().unwrap();
+            assert!(
+                text.contains(&format!(
+                    "sent with Content-Encoding {coding:?}, which this service does not \
+                     decode; send the JSON uncompressed"
+                )),
+                "{text}"
+            );
+        }
+    }
     // Only the body's size is bounded: a long key within it is a key.
     let long_key = format!("{{\"key\": \"{}\"}}", "x".repeat(60_000));
     let r = client.post(&url).body(long_key).send().await.unwrap();

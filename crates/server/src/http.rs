@@ -588,7 +588,28 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
     // A client that went away mid-body sent nothing wrong: answered (in
     // case it still reads), but not counted as a bad request.
     let mut cut_short = false;
-    let response = if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+    let encoded = content_coding(request.headers());
+    let response = if let Some(coding) = encoded {
+        // A compressed body would read as malformed JSON, which misleads:
+        // say what is wrong. RFC 7694: a 415 for a content coding names
+        // the codings taken in `Accept-Encoding`. Answered before the
+        // body is read, as a body too large is.
+        let mut response = bad(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!(
+                "the request body is sent with Content-Encoding {coding:?}, which this \
+                 service does not decode; send the JSON uncompressed, with no \
+                 Content-Encoding"
+            ),
+        );
+        let headers = response.headers_mut();
+        headers.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        response
+    } else if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
         // Answered before the body is read, so hyper sends no `100
         // Continue` inviting it; the connection closes, since the body
         // may follow all the same.
@@ -629,6 +650,22 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
     }
     service.metrics.latency(Api::Http, started.elapsed());
     response
+}
+
+/// The request's `Content-Encoding`, when it names any coding but
+/// `identity` (which changes nothing); shown as sent, or `None`.
+fn content_coding(headers: &HeaderMap) -> Option<String> {
+    let mut codings = headers.get_all(header::CONTENT_ENCODING).iter().peekable();
+    codings.peek()?;
+    let sent: Vec<String> = codings
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .collect();
+    let all_identity = sent
+        .iter()
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .all(|c| c.is_empty() || c.eq_ignore_ascii_case("identity"));
+    (!all_identity).then(|| sent.join(", "))
 }
 
 /// Whether the body could not be read because the connection ended or
