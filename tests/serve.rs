@@ -2031,6 +2031,59 @@ async fn an_http_descriptor_may_carry_a_limit_override() {
     }
 }
 
+/// Over HTTP a descriptor that reached an `unlimited = true` node says so,
+/// as gRPC's `limit_remaining` 2^32 - 1 does: a client checking its rules
+/// with curl can tell it from a descriptor that matched no rule (a typo).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_descriptor_says_when_an_unlimited_node_matched() {
+    let file = ConfigFile::new(OVERRIDDEN);
+    let server = Server::start(&["--config", file.path()]);
+    let client = client();
+    let ask = |descriptors: Value| {
+        let (client, url) = (client.clone(), server.url());
+        async move {
+            let r = client
+                .post(&url)
+                .json(&json!({"domain": "api", "descriptors": descriptors}))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }
+    };
+    let internal = json!({"entries": [{"key": "internal", "value": "backup"}]});
+    let typo = json!({"entries": [{"key": "internl", "value": "backup"}]});
+    let user = json!({"entries": [{"key": "user", "value": "dee"}]});
+
+    let (status, body) = ask(json!([internal])).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        (&body["unlimited"], &body["descriptors"][0]["unlimited"]),
+        (&json!(true), &json!(true)),
+        "{body}"
+    );
+    assert_eq!(
+        (&body["rule"], &body["limit"]),
+        (&Value::Null, &Value::Null)
+    );
+    // No rule matched: nothing says unlimited.
+    let (status, body) = ask(json!([typo])).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.get("unlimited").is_none(), "{body}");
+    assert!(body["descriptors"][0].get("unlimited").is_none(), "{body}");
+    // Beside a rule, the rule speaks for the request; the list says which
+    // descriptor was unlimited.
+    let (status, body) = ask(json!([internal, user, typo])).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["rule"], "per-user", "{body}");
+    assert!(body.get("unlimited").is_none(), "{body}");
+    let unlimited: Vec<_> = (0..3)
+        .map(|i| body["descriptors"][i].get("unlimited").cloned())
+        .collect();
+    assert_eq!(unlimited, [Some(json!(true)), None, None], "{body}");
+}
+
 /// A descriptor's limit override replaces the configured limit and window,
 /// with counts of its own, as envoyproxy/ratelimit applies it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

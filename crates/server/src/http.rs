@@ -440,6 +440,12 @@ struct DecisionJson {
     /// `corrupt_state` or `backend`.
     #[serde(skip_serializing_if = "Option::is_none")]
     failure: Option<&'static str>,
+    /// Present and `true` for a descriptor that reached an `unlimited =
+    /// true` node: matched, and never limited. gRPC says the same with
+    /// `limit_remaining` 2^32 - 1; without it a client could not tell such
+    /// a descriptor from one that matched no rule.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    unlimited: bool,
 }
 
 #[derive(Serialize)]
@@ -490,6 +496,7 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
             would_allow: (rule.spec.shadow && !o.unanswered).then_some(o.decision.allowed),
             failure_policy: o.by_failure_policy(),
             failure: o.failure.map(StoreErrorKind::name),
+            unlimited: false,
         },
         None => DecisionJson {
             allowed: true,
@@ -504,6 +511,7 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
             would_allow: None,
             failure_policy: false,
             failure: None,
+            unlimited: o.unlimited,
         },
     }
 }
