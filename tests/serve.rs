@@ -1275,11 +1275,12 @@ async fn a_body_cut_short_by_the_client_is_no_bad_request() {
 
 /// A body that trickles in is answered 408 after the body timeout, so it
 /// cannot hold its connection or delay shutdown for long; the listening
-/// socket closes as soon as shutdown begins.
+/// socket closes as soon as shutdown begins, and the log says that the
+/// stop waits.
 #[test]
 fn a_body_that_never_arrives_neither_holds_the_connection_nor_delays_shutdown() {
     use std::io::{Read, Write};
-    let server = Server::start(&[]);
+    let (server, log) = Server::start_logged(&[]);
     let addr = server.http;
     let mut stream = std::net::TcpStream::connect(addr).unwrap();
     stream
@@ -1306,6 +1307,15 @@ fn a_body_that_never_arrives_neither_holds_the_connection_nor_delays_shutdown() 
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    let waiting = log.through_containing("waiting for the requests in flight to finish");
+    assert!(
+        waiting.iter().any(|l| l.contains("SIGTERM: shutting down")),
+        "{waiting:#?}"
+    );
+    assert!(
+        waiting.last().unwrap().contains("(at most 29000 ms more)"),
+        "{waiting:#?}"
+    );
     let answer = reader.join().unwrap();
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     assert!(answer.contains("did not arrive within 10 s"), "{answer}");

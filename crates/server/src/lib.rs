@@ -215,7 +215,20 @@ impl Running {
             self.keeper_task.await.context("a server task panicked")??;
             anyhow::Ok(())
         };
-        match tokio::time::timeout(grace, all).await {
+        let deadline = tokio::time::Instant::now() + grace;
+        let mut all = std::pin::pin!(all);
+        // Most shutdowns end at once; one that waits on a slow client (a
+        // body still arriving, up to its 10 s) says so, rather than
+        // going quiet until it ends.
+        let said_after = Duration::from_secs(1).min(grace);
+        if let Ok(result) = tokio::time::timeout(said_after, &mut all).await {
+            return result;
+        }
+        tracing::info!(
+            "waiting for the requests in flight to finish (at most {} ms more)",
+            grace.saturating_sub(said_after).as_millis()
+        );
+        match tokio::time::timeout_at(deadline, all).await {
             Ok(result) => result,
             Err(_) => anyhow::bail!(
                 "requests still in flight after {} ms; stopping anyway",
