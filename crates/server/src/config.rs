@@ -370,7 +370,9 @@ impl Config {
             std::fs::metadata(path).map_err(|e| whole(format!("cannot read the file: {e}")))?;
         if meta.len() > MAX_FILE_BYTES {
             return Err(whole(format!(
-                "the file has {} bytes, more than the {MAX_FILE_BYTES} allowed; split or shorten it",
+                "the file has {} bytes, more than the {MAX_FILE_BYTES} allowed; shorten it \
+                 (one descriptor with a key alone, or a value ending in `*`, counts many values \
+                 apart)",
                 meta.len()
             )));
         }
@@ -1349,7 +1351,10 @@ impl Validator<'_> {
                 return Err(self.err(
                     span,
                     &field,
-                    format!("more than {MAX_RULE_NODES} descriptors; split the configuration"),
+                    format!(
+                        "more than {MAX_RULE_NODES} descriptors; use fewer (one descriptor with \
+                         a key alone, or a value ending in `*`, counts many values apart)"
+                    ),
                 ));
             }
             let mut node = node.into_inner();
