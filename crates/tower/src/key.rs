@@ -420,9 +420,11 @@ where
 ///
 /// The direct peer comes from axum's `ConnectInfo<SocketAddr>` (serve with
 /// `into_make_service_with_connect_info::<SocketAddr>()`), or from a plain
-/// `SocketAddr` extension for other servers. A request with neither is
-/// answered `500 Internal Server Error` with a generic body, and the log
-/// says what to change: the server is not set up to tell clients apart.
+/// `SocketAddr` extension for other servers. The `ConnectInfo` must be axum
+/// 0.8's: one inserted by another axum version (0.7) is another type, and is
+/// not found. A request with neither is answered `500 Internal Server
+/// Error` with a generic body, and the log says what to change: the server
+/// is not set up to tell clients apart.
 ///
 /// Forwarding headers are ignored unless trust is configured with
 /// [`PeerIp::trust_x_forwarded_for`] or [`PeerIp::trust_forwarded`]: any
@@ -530,8 +532,10 @@ impl KeyExtractor for PeerIp {
             Some(ip) => Ok(RequestKey::Name(format!("ip:{ip}"))),
             None => Err(KeyRejection::generic(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "the peer address is unknown: serve the router with \
-                 into_make_service_with_connect_info::<SocketAddr>()",
+                "the peer address is unknown: serve the router with axum 0.8's \
+                 into_make_service_with_connect_info::<SocketAddr>() (a ConnectInfo \
+                 inserted by another axum version, such as 0.7, is another type and is \
+                 not found)",
             )),
         }
     }
@@ -666,6 +670,9 @@ mod tests {
             .detail()
             .unwrap()
             .contains("into_make_service_with_connect_info"));
+        // An app on axum 0.7 serves with that call too: the log says why its
+        // ConnectInfo is not found.
+        assert!(err.detail().unwrap().contains("axum 0.8"));
     }
 
     #[test]

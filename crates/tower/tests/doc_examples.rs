@@ -15,15 +15,14 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::Request;
-use axum::http::{Response, StatusCode};
+use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::routing::get;
 use axum::Router;
-use bytes::Bytes;
 use pulldown_cmark::{CodeBlockKind, Event, Parser, Tag, TagEnd};
 use ratewarden_core::{Limiter, LocalLimiter, REFERENCE};
 use ratewarden_tower::key::{ExtensionKey, PeerIp, RequestKey};
-use ratewarden_tower::{RateLimitLayer, Refusal};
+use ratewarden_tower::RateLimitLayer;
 use tokio::net::TcpListener;
 use tower::ServiceExt;
 
@@ -135,16 +134,7 @@ axum::serve(listener, app(Arc::new(limiter)).into_make_service_with_connect_info
 }
 
 // docs/middleware.md, "Building a layer": built, then a POST (cost 5)
-// spends a fifth of the burst of 20.
-
-fn my_429_page(refusal: &Refusal<'_>) -> Response<Bytes> {
-    let mut page = Response::new(Bytes::from(format!(
-        "slow down: {} ms",
-        refusal.decision.retry_after_ms.unwrap_or(0)
-    )));
-    *page.status_mut() = StatusCode::TOO_MANY_REQUESTS;
-    page
-}
+// spends a fifth of the burst of 20, and the refusal is the page's JSON.
 
 // The page writes a closure where the function alone would do, to show
 // the argument a closure gets.
@@ -153,9 +143,23 @@ fn my_429_page(refusal: &Refusal<'_>) -> Response<Bytes> {
 fn building_a_layer() -> Result<RateLimitLayer, Error> {
 use std::sync::Arc;
 use std::time::Duration;
-use axum::http::Method; // or the `http` crate's, with `http` as a direct dependency
+use axum::body::Bytes;
+// or the `http` crate's, with `http` as a direct dependency:
+use axum::http::{header::CONTENT_TYPE, HeaderValue, Method, Response, StatusCode};
 use ratewarden_core::{FailurePolicy, KeyHash, LocalLimiter, PolicyConfig, PolicyKind};
-use ratewarden_tower::{key::PeerIp, RateLimitLayer};
+use ratewarden_tower::{key::PeerIp, RateLimitLayer, Refusal};
+
+// A JSON refusal; the layer adds Retry-After and the RateLimit fields to it.
+fn my_429_page(refusal: &Refusal<'_>) -> Response<Bytes> {
+    let body = match refusal.retry_after_secs() {
+        Some(secs) => format!(r#"{{"error":"rate limited","retry_after":{secs}}}"#),
+        None => r#"{"error":"rate limited"}"#.to_owned(), // no wait would admit it
+    };
+    let mut page = Response::new(Bytes::from(body));
+    *page.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+    page.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    page
+}
 
 let config = PolicyConfig::new(PolicyKind::TokenBucket, 10, 1000).with_burst(20);
 let limiter = Arc::new(LocalLimiter::new(config, Default::default())?);
@@ -191,10 +195,11 @@ async fn the_built_layer_charges_posts_five_and_answers_with_its_page() {
     let response = app.clone().oneshot(post()).await.unwrap();
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     assert!(response.headers().contains_key("retry-after"));
+    assert_eq!(response.headers()["content-type"], "application/json");
     let body = axum::body::to_bytes(response.into_body(), 1024)
         .await
         .unwrap();
-    assert!(body.starts_with(b"slow down: "), "{body:?}");
+    assert_eq!(body, r#"{"error":"rate limited","retry_after":1}"#);
 }
 
 // docs/middleware.md, the layer order for an `ExtensionKey`: each user
