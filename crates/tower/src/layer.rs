@@ -241,6 +241,11 @@ impl RateLimitBuilder {
 
     /// The policy's name in the `RateLimit-Policy` and `RateLimit` headers
     /// (default `default`): printable ASCII, at most 64 bytes.
+    ///
+    /// It names the policy in the headers only and does not separate
+    /// budgets: two layers whose limiters share a store and its keys (one
+    /// Redis, one prefix, the same policy) share one budget whatever their
+    /// names (see "Separate budgets per route" in docs/middleware.md).
     pub fn policy_name(mut self, name: impl Into<String>) -> Self {
         self.policy_name = name.into();
         self

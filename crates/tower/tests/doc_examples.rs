@@ -72,7 +72,7 @@ fn every_rust_block_of_the_pages_is_compiled_here() {
         (
             "docs/middleware.md",
             include_str!("../../../docs/middleware.md"),
-            4,
+            5,
         ),
         ("docs/redis.md", include_str!("../../../docs/redis.md"), 2),
     ];
@@ -259,6 +259,36 @@ async fn the_user_is_inserted_before_the_rate_limit_reads_it() {
     assert_eq!(again.status(), StatusCode::TOO_MANY_REQUESTS);
     let other = app.clone().oneshot(get_as("grace")).await.unwrap();
     assert_eq!(other.status(), StatusCode::OK);
+}
+
+// docs/middleware.md, "Separate budgets per route": compiled, not run (it
+// needs a Redis at 6379; the Redis key layout it relies on is tested in
+// crates/redis/tests).
+
+async fn log_in() -> &'static str {
+    "welcome"
+}
+
+async fn list() -> &'static str {
+    "[]"
+}
+
+#[allow(dead_code)]
+#[rustfmt::skip]
+async fn separate_budgets_on_one_redis() -> Result<Router, Error> {
+    use axum::routing::post;
+    use ratewarden_core::{PolicyConfig, PolicyKind};
+    use ratewarden_redis::{RedisOptions, RedisStore};
+let config = PolicyConfig::new(PolicyKind::FixedWindow, 3, 10_000);
+// Keys under `login:` rather than the default `ratewarden:`:
+let options = RedisOptions { prefix: "login".into(), ..RedisOptions::default() };
+let login = RedisStore::connect("redis://127.0.0.1:6379", config, options).await?;
+// Keys under `api:`, on the same connection:
+let api = login.with_config(config, "api").await?;
+let app = Router::new()
+    .route("/login", post(log_in).layer(RateLimitLayer::new(Arc::new(login), PeerIp::new())))
+    .route("/api", get(list).layer(RateLimitLayer::new(Arc::new(api), PeerIp::new())));
+    Ok(app)
 }
 
 // docs/middleware.md, "Proxies and X-Forwarded-For": the ranges parse.

@@ -1345,3 +1345,43 @@ async fn nested_layers_of_one_name_are_logged() {
     }
     assert_eq!(warned(), 1);
 }
+
+/// docs/middleware.md, "Separate budgets per route": the limiter keeps
+/// budgets apart, never the policy name. Two limiters are two budgets; one
+/// limiter given to two layers is one budget, whatever the layers' names.
+#[tokio::test]
+async fn routes_share_a_budget_only_through_one_limiter() {
+    let config = PolicyConfig::new(PolicyKind::FixedWindow, 3, 10_000);
+    let app = |login: Arc<dyn Limiter>, api: Arc<dyn Limiter>| {
+        let layer = |limiter, name| {
+            RateLimitLayer::builder(limiter, PeerIp::new())
+                .policy_name(name)
+                .build()
+                .unwrap()
+        };
+        Router::new()
+            .route("/login", get(echo_decision).layer(layer(login, "login")))
+            .route("/api", get(echo_decision).layer(layer(api, "api")))
+    };
+    let spend_login_then_call_api = |app: Router| async move {
+        for _ in 0..3 {
+            let (response, _) = send(&app, get_from("192.0.2.1:1").uri("/login")).await;
+            assert_eq!(response.status(), StatusCode::OK);
+        }
+        let (response, _) = send(&app, get_from("192.0.2.1:1").uri("/login")).await;
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        let (response, _) = send(&app, get_from("192.0.2.1:1").uri("/api")).await;
+        response.status()
+    };
+    let (login, _clock) = local(config);
+    let (api, _clock) = local(config);
+    let apart = app(Arc::new(login), Arc::new(api));
+    assert_eq!(spend_login_then_call_api(apart).await, StatusCode::OK);
+    let (shared, _clock) = local(config);
+    let shared: Arc<dyn Limiter> = Arc::new(shared);
+    let together = app(shared.clone(), shared);
+    assert_eq!(
+        spend_login_then_call_api(together).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
