@@ -390,4 +390,15 @@ fn cases_of_no_steps_are_named_on_standard_error() {
         "{}",
         stdout(&out)
     );
+    // A file of no cases at all is named too.
+    let path = scratch(&dir, "nothing.json", r#"{"cases": []}"#);
+    let out = ratewarden(&["vectors", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(
+            "nothing.json: note: no cases and no mix32 entries: the file tests nothing\n"
+        ),
+        "{}",
+        stderr(&out)
+    );
 }

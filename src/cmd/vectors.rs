@@ -418,6 +418,14 @@ fn run_file(
             ));
         }
     }
+    // So does a file of no cases (`{"cases": []}`): named for the same
+    // reason. A file of mix32 entries alone tests the hash.
+    if file.cases.is_empty() && file.mix32.is_empty() {
+        eprintln!(
+            "{}: note: no cases and no mix32 entries: the file tests nothing",
+            path.display()
+        );
+    }
     // A case of no steps passes; one a generator wrote empty, or left as
     // a placeholder, would otherwise pass without a sign.
     let mut empty = Vec::new();
