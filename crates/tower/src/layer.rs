@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::request::Parts;
-use http::{HeaderValue, Request, Response, StatusCode};
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use ratewarden_core::{
     BoxFuture, Clock, ConfigError, Decision, FailurePolicy, KeyHash, Limiter, LocalLimiter,
     LogGate, MonotonicClock, PolicyConfig, StoreError, StoreErrorKind,
@@ -52,8 +52,44 @@ impl Refusal<'_> {
     }
 }
 
+/// A response the layer makes that is not a refusal, as the error closure
+/// ([`RateLimitBuilder::on_error`]) sees it.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct LayerError<'a> {
+    /// The status the default response has: the key extractor's for
+    /// [`LayerErrorKind::NoKey`] (`400`, `401`, `500`, ...), `503` for
+    /// [`LayerErrorKind::Unavailable`], `500` for
+    /// [`LayerErrorKind::InvalidCost`].
+    pub status: StatusCode,
+    /// The message the default body carries: what the client may read,
+    /// never the detail the log gives the operator.
+    pub message: &'a str,
+    /// Why the layer answers instead of the service.
+    pub kind: LayerErrorKind,
+    /// The request's head.
+    pub parts: &'a Parts,
+}
+
+/// Why the layer answered a request with an error. New kinds may be
+/// added: match with a catch-all arm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LayerErrorKind {
+    /// The key extractor found no key (a missing header, an anonymous
+    /// user, a server not set up to give the peer address).
+    NoKey,
+    /// The limiter failed under [`FailurePolicy::FailClosed`] (or with a
+    /// corrupt state under `FailOpen`).
+    Unavailable,
+    /// The limiter refused the request's cost as invalid (above 2^53 - 1):
+    /// the cost function's mistake.
+    InvalidCost,
+}
+
 type CostFn = dyn Fn(&Parts) -> u64 + Send + Sync;
 type RefusalFn = dyn for<'a> Fn(&Refusal<'a>) -> Response<Bytes> + Send + Sync;
+type ErrorFn = dyn for<'a> Fn(&LayerError<'a>) -> Response<Bytes> + Send + Sync;
 
 /// Why a layer could not be built. New reasons may be added: match with a
 /// catch-all arm.
@@ -110,6 +146,7 @@ struct Shared {
     key_hash: KeyHash,
     cost: Option<Box<CostFn>>,
     refusal: Option<Box<RefusalFn>>,
+    error: Option<Box<ErrorFn>>,
     failure_policy: FailurePolicy,
     fallback: Option<LocalLimiter>,
     check_timeout: Duration,
@@ -153,6 +190,7 @@ pub struct RateLimitBuilder {
     key_hash: KeyHash,
     cost: Option<Box<CostFn>>,
     refusal: Option<Box<RefusalFn>>,
+    error: Option<Box<ErrorFn>>,
     failure_policy: FailurePolicy,
     fallback: Option<LocalLimiter>,
     check_timeout: Duration,
@@ -205,6 +243,21 @@ impl RateLimitBuilder {
         F: for<'a> Fn(&Refusal<'a>) -> Response<Bytes> + Send + Sync + 'static,
     {
         self.refusal = Some(Box::new(refusal));
+        self
+    }
+
+    /// Builds the layer's other answers: a request with no key, a limiter
+    /// that is unavailable, a cost the limiter refuses as invalid (see
+    /// [`LayerError`]). The default is a one-line `text/plain` body with
+    /// [`LayerError::status`]; an API that answers in JSON gives its own.
+    /// The headers a key extractor's rejection carries (the
+    /// `WWW-Authenticate` challenge of a `401`) are added unless the
+    /// response already has them. What the log says is the same either way.
+    pub fn on_error<F>(mut self, error: F) -> Self
+    where
+        F: for<'a> Fn(&LayerError<'a>) -> Response<Bytes> + Send + Sync + 'static,
+    {
+        self.error = Some(Box::new(error));
         self
     }
 
@@ -282,6 +335,7 @@ impl RateLimitBuilder {
                 key_hash: self.key_hash,
                 cost: self.cost,
                 refusal: self.refusal,
+                error: self.error,
                 failure_policy: self.failure_policy,
                 fallback,
                 check_timeout: self.check_timeout,
@@ -336,6 +390,7 @@ impl RateLimitLayer {
                 key_hash: DEFAULT_KEY_HASH,
                 cost: None,
                 refusal: None,
+                error: None,
                 failure_policy: FailurePolicy::FailClosed,
                 fallback: None,
                 check_timeout: DEFAULT_CHECK_TIMEOUT,
@@ -352,6 +407,7 @@ impl RateLimitLayer {
             key_hash: DEFAULT_KEY_HASH,
             cost: None,
             refusal: None,
+            error: None,
             failure_policy: FailurePolicy::FailClosed,
             fallback: None,
             check_timeout: DEFAULT_CHECK_TIMEOUT,
@@ -577,9 +633,7 @@ where
             let (mut parts, body) = request.into_parts();
             let key = match shared.key.extract(&parts) {
                 Ok(key) => shared.key(key),
-                Err(rejection) => {
-                    return Ok(rejection_response(rejection, &shared.logs).map(ResBody::from))
-                }
+                Err(rejection) => return Ok(shared.rejected(rejection, &parts).map(ResBody::from)),
             };
             let cost = shared.cost.as_ref().map_or(1, |cost| cost(&parts));
             match shared.decide(key, cost).await {
@@ -617,11 +671,14 @@ where
                 Verdict::AdmitUndecided => {
                     ready_call(&mut inner, Request::from_parts(parts, body)).await
                 }
-                Verdict::Unavailable => Ok(text_response(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "the rate limiter is unavailable; try again later\n".to_owned(),
-                )
-                .map(ResBody::from)),
+                Verdict::Unavailable => Ok(shared
+                    .error_page(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "the rate limiter is unavailable; try again later",
+                        LayerErrorKind::Unavailable,
+                        &parts,
+                    )
+                    .map(ResBody::from)),
                 // The cost comes from the operator's cost function, so the
                 // fix is theirs: the log says what is wrong, the client
                 // only that the server failed.
@@ -637,11 +694,14 @@ where
                             "the request cannot be rate-limited"
                         );
                     }
-                    Ok(text_response(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "internal server error\n".to_owned(),
-                    )
-                    .map(ResBody::from))
+                    Ok(shared
+                        .error_page(
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            "internal server error",
+                            LayerErrorKind::InvalidCost,
+                            &parts,
+                        )
+                        .map(ResBody::from))
                 }
             }
         })
@@ -658,7 +718,59 @@ where
     inner.call(request).await
 }
 
-fn rejection_response(rejection: KeyRejection, logs: &FailureLogs) -> Response<Bytes> {
+impl Shared {
+    /// The answer to a request with no key: logged as its status deserves,
+    /// then the error page, with the rejection's headers.
+    fn rejected(&self, rejection: KeyRejection, parts: &Parts) -> Response<Bytes> {
+        log_rejection(&rejection, &self.logs);
+        let mut response = self.error_page(
+            rejection.status(),
+            rejection.message(),
+            LayerErrorKind::NoKey,
+            parts,
+        );
+        // The names a custom page set itself: it keeps its own of those.
+        let own: Vec<HeaderName> = match &self.error {
+            Some(_) => response.headers().keys().cloned().collect(),
+            None => Vec::new(),
+        };
+        let headers = response.headers_mut();
+        for (name, value) in rejection.headers() {
+            if own.contains(name) {
+                continue;
+            }
+            if name == CONTENT_TYPE {
+                // One content type: the rejection's replaces the default
+                // page's.
+                headers.insert(name.clone(), value.clone());
+            } else {
+                headers.append(name.clone(), value.clone());
+            }
+        }
+        response
+    }
+
+    /// The error closure's page, or the default one-line text.
+    fn error_page(
+        &self,
+        status: StatusCode,
+        message: &str,
+        kind: LayerErrorKind,
+        parts: &Parts,
+    ) -> Response<Bytes> {
+        match &self.error {
+            Some(page) => page(&LayerError {
+                status,
+                message,
+                kind,
+                parts,
+            }),
+            None => text_response(status, format!("{message}\n")),
+        }
+    }
+}
+
+fn log_rejection(rejection: &KeyRejection, logs: &FailureLogs) {
     let status = rejection.status();
     let detail = rejection.detail().unwrap_or(rejection.message());
     // A server error is the operator's to fix, so it is logged loudly, but
@@ -676,16 +788,6 @@ fn rejection_response(rejection: KeyRejection, logs: &FailureLogs) -> Response<B
     } else {
         tracing::debug!(%status, "no rate-limit key for the request: {detail}");
     }
-    let mut response = text_response(status, format!("{}\n", rejection.message()));
-    for (name, value) in rejection.headers() {
-        if name == CONTENT_TYPE {
-            // One content type: the rejection's replaces the default.
-            response.headers_mut().insert(name.clone(), value.clone());
-        } else {
-            response.headers_mut().append(name.clone(), value.clone());
-        }
-    }
-    response
 }
 
 #[cfg(test)]
@@ -702,11 +804,66 @@ mod tests {
                 HeaderValue::from_static("Bearer"),
             )
             .with_header(CONTENT_TYPE, HeaderValue::from_static("text/html"));
-        let response = rejection_response(rejection, &FailureLogs::new());
+        let parts = Request::new(()).into_parts().0;
+        let response = layer(RateLimitLayer::builder).rejected(rejection, &parts);
         assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
         assert_eq!(response.headers()[http::header::WWW_AUTHENTICATE], "Bearer");
         let types: Vec<_> = response.headers().get_all(CONTENT_TYPE).iter().collect();
         assert_eq!(types, ["text/html"]);
+    }
+
+    fn layer(
+        builder: fn(Arc<dyn Limiter>, crate::key::GlobalKey) -> RateLimitBuilder,
+    ) -> Arc<Shared> {
+        let limiter = LocalLimiter::new(REFERENCE, Default::default()).unwrap();
+        builder(Arc::new(limiter), crate::key::GlobalKey::new(0))
+            .build()
+            .unwrap()
+            .shared
+    }
+
+    /// A custom error page keeps its own status, content type and any
+    /// header it sets; the rejection's other headers are added, every
+    /// value of them (two challenges stay two).
+    #[test]
+    fn a_custom_error_page_keeps_its_own_and_gets_the_rejection_s_headers() {
+        let custom = |limiter, key| {
+            RateLimitLayer::builder(limiter, key).on_error(|e: &LayerError<'_>| {
+                assert_eq!(e.kind, LayerErrorKind::NoKey);
+                let mut page = Response::new(Bytes::from(format!(
+                    r#"{{"error":{:?},"status":{}}}"#,
+                    e.message,
+                    e.status.as_u16()
+                )));
+                *page.status_mut() = e.status;
+                let headers = page.headers_mut();
+                headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+                headers.insert("x-kept", HeaderValue::from_static("page"));
+                page
+            })
+        };
+        let rejection = KeyRejection::new(StatusCode::UNAUTHORIZED, "who are you?")
+            .with_header(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer"),
+            )
+            .with_header(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("ApiKey"),
+            )
+            .with_header(CONTENT_TYPE, HeaderValue::from_static("text/html"))
+            .with_header(
+                HeaderName::from_static("x-kept"),
+                HeaderValue::from_static("rejection"),
+            );
+        let parts = Request::new(()).into_parts().0;
+        let response = layer(custom).rejected(rejection, &parts);
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        let all = |name| -> Vec<_> { response.headers().get_all(name).iter().collect() };
+        assert_eq!(all("www-authenticate"), ["Bearer", "ApiKey"]);
+        assert_eq!(all("content-type"), ["application/json"]);
+        assert_eq!(all("x-kept"), ["page"]);
+        assert_eq!(response.body(), r#"{"error":"who are you?","status":401}"#);
     }
 
     #[test]

@@ -57,6 +57,6 @@ pub mod key;
 mod layer;
 
 pub use layer::{
-    default_refusal, BuildError, RateLimitBuilder, RateLimitLayer, RateLimitService, Refusal,
-    DEFAULT_CHECK_TIMEOUT, DEFAULT_KEY_HASH,
+    default_refusal, BuildError, LayerError, LayerErrorKind, RateLimitBuilder, RateLimitLayer,
+    RateLimitService, Refusal, DEFAULT_CHECK_TIMEOUT, DEFAULT_KEY_HASH,
 };

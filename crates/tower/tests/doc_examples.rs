@@ -72,7 +72,7 @@ fn every_rust_block_of_the_pages_is_compiled_here() {
         (
             "docs/middleware.md",
             include_str!("../../../docs/middleware.md"),
-            5,
+            6,
         ),
         ("docs/redis.md", include_str!("../../../docs/redis.md"), 2),
     ];
@@ -200,6 +200,49 @@ async fn the_built_layer_charges_posts_five_and_answers_with_its_page() {
         .await
         .unwrap();
     assert_eq!(body, r#"{"error":"rate limited","retry_after":1}"#);
+}
+
+// docs/middleware.md, "Building a layer", `on_error`: a request with no
+// key is answered with the JSON page.
+
+#[rustfmt::skip]
+fn error_page_layer(
+    limiter: Arc<dyn Limiter>,
+    key: ratewarden_tower::key::HeaderKey,
+) -> Result<RateLimitLayer, Error> {
+    use axum::body::Bytes;
+    use axum::http::{header::CONTENT_TYPE, HeaderValue, Response};
+    use ratewarden_tower::LayerError;
+let layer = RateLimitLayer::builder(limiter, key)
+    .on_error(|e: &LayerError<'_>| {
+        let mut page = Response::new(Bytes::from(format!(r#"{{"error":{:?}}}"#, e.message)));
+        *page.status_mut() = e.status;
+        page.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        page
+    })
+    .build()?;
+    Ok(layer)
+}
+
+#[tokio::test]
+async fn the_error_page_answers_a_request_with_no_key() {
+    let limiter = Arc::new(LocalLimiter::new(REFERENCE, Default::default()).unwrap());
+    let key =
+        ratewarden_tower::key::HeaderKey::new(axum::http::HeaderName::from_static("x-api-key"));
+    let app = Router::new()
+        .route("/", get(hello))
+        .layer(error_page_layer(limiter, key).unwrap());
+    let response = app.oneshot(Request::new(Body::empty())).await.unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(response.headers()["content-type"], "application/json");
+    let body = axum::body::to_bytes(response.into_body(), 1024)
+        .await
+        .unwrap();
+    let body = String::from_utf8(body.to_vec()).unwrap();
+    assert!(
+        body.starts_with(r#"{"error":""#) && body.contains("x-api-key"),
+        "{body}"
+    );
 }
 
 // docs/middleware.md, the layer order for an `ExtensionKey`: each user

@@ -978,6 +978,85 @@ async fn fail_closed_answers_503_without_a_retry_claim() {
     assert_eq!(header(&response, &RATELIMIT), None);
 }
 
+/// `on_error` answers each of the layer's other errors with the page the
+/// operator chose (a JSON API's, here), at the status it gives, while the
+/// refusals keep theirs.
+#[tokio::test]
+async fn an_error_page_answers_no_key_an_unavailable_limiter_and_an_invalid_cost() {
+    use ratewarden_tower::{LayerError, LayerErrorKind};
+    let page = |e: &LayerError<'_>| {
+        let kind = match e.kind {
+            LayerErrorKind::NoKey => "no_key",
+            LayerErrorKind::Unavailable => "unavailable",
+            LayerErrorKind::InvalidCost => "invalid_cost",
+            _ => "other",
+        };
+        let mut page = http::Response::new(Bytes::from(format!(
+            r#"{{"error":{:?},"kind":"{kind}"}}"#,
+            e.message
+        )));
+        *page.status_mut() = e.status;
+        page.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        );
+        page
+    };
+    let api_key = || HeaderKey::new(HeaderName::from_static("x-api-key"));
+    let with_key = || Request::builder().uri("/").header("x-api-key", "k1");
+    let json = |response: &Response<Body>| {
+        header(response, &http::header::CONTENT_TYPE).map(str::to_owned)
+    };
+
+    let (limiter, _clock) = local(PolicyConfig::new(PolicyKind::FixedWindow, 1, 1000));
+    let app = router(
+        RateLimitLayer::builder(Arc::new(limiter), api_key())
+            .on_error(page)
+            .build()
+            .unwrap(),
+    );
+    let (response, body) = send(&app, Request::builder().uri("/")).await;
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(json(&response).as_deref(), Some("application/json"));
+    assert!(body.contains(r#""kind":"no_key""#), "{body}");
+    assert!(body.contains("x-api-key"), "{body}");
+    // Refusals are not errors: the default refusal, with its headers.
+    let (response, _) = send(&app, with_key()).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let (response, body) = send(&app, with_key()).await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(body.starts_with("rate limit exceeded"), "{body}");
+
+    let app = router(
+        RateLimitLayer::builder(failing(), api_key())
+            .on_error(page)
+            .build()
+            .unwrap(),
+    );
+    let (response, body) = send(&app, with_key()).await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        body,
+        r#"{"error":"the rate limiter is unavailable; try again later","kind":"unavailable"}"#
+    );
+    assert_eq!(header(&response, &RETRY_AFTER), None);
+
+    let (limiter, _clock) = local(REFERENCE);
+    let app = router(
+        RateLimitLayer::builder(Arc::new(limiter), api_key())
+            .cost(|_| ratewarden_core::MAX_SAFE + 1)
+            .on_error(page)
+            .build()
+            .unwrap(),
+    );
+    let (response, body) = send(&app, with_key()).await;
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        body,
+        r#"{"error":"internal server error","kind":"invalid_cost"}"#
+    );
+}
+
 /// A key whose state the store cannot read fails on every request until
 /// someone deletes it: failing open would lift its limit for good, so the
 /// layer refuses it as it would fail closed (as `ratewarden serve` does).
