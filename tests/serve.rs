@@ -824,13 +824,17 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
         "{stderr}"
     );
     // A store from the environment is said to come from there.
-    let out = Command::new(BIN)
-        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
-        .env("RATEWARDEN_STORE", "mongodb://x")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let from_env = |store: &str| {
+        let out = Command::new(BIN)
+            .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+            .env("RATEWARDEN_STORE", store)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        stderr
+    };
+    let stderr = from_env("mongodb://x");
     assert!(
         stderr.contains(
             "invalid value for '--store <STORE>' (from the environment variable \
@@ -840,13 +844,7 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
     );
     // An empty one (a template's empty substitution) is said to be empty,
     // not hidden as text that may hold a password.
-    let out = Command::new(BIN)
-        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
-        .env("RATEWARDEN_STORE", "")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let stderr = from_env("");
     assert!(
         stderr.contains(
             "(from the environment variable RATEWARDEN_STORE): the store is empty; use memory \
