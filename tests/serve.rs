@@ -561,6 +561,18 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
             "either a key or a domain",
         ),
         ("{\"key\": \"\"}", 400, "key is empty"),
+        // Sent, but no string: said so, not "missing" or a serde type error.
+        (
+            "{\"key\": null}",
+            400,
+            "key is null: it must be a JSON string, such as",
+        ),
+        ("{\"key\": 42}", 400, "key is 42: it must be a JSON string"),
+        (
+            "{\"key\": [\"a\"]}",
+            400,
+            "key is an array: it must be a JSON string",
+        ),
         ("[1]", 400, "malformed JSON: the body must be a JSON object"),
         (
             "{key: \"k\"}",

@@ -301,7 +301,10 @@ async fn metrics(State(service): State<Arc<Service>>) -> Response {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CheckRequest {
-    key: Option<String>,
+    /// Any JSON value, as `cost`: null and a value of another type get
+    /// messages of their own from [`parse_key`].
+    #[serde(default, deserialize_with = "present")]
+    key: Option<serde_json::Value>,
     domain: Option<String>,
     descriptors: Option<Vec<Object<DescriptorJson>>>,
     /// `None` when absent, `Some(Value::Null)` for `null`, which is not
@@ -519,6 +522,19 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
 /// Reads `cost`: a whole number from 0 to 2^53 - 1, 1 when absent. Null is
 /// refused rather than read as absent: a client that sends it most likely
 /// meant some cost, and the API says a cost is a whole number.
+/// Reads `key`: a string when present. Null is refused rather than read
+/// as absent, which would say the key is missing when it was sent.
+fn parse_key(key: Option<serde_json::Value>) -> Result<Option<String>, String> {
+    match key {
+        None => Ok(None),
+        Some(serde_json::Value::String(key)) => Ok(Some(key)),
+        Some(other) => Err(format!(
+            "key is {}: it must be a JSON string, such as {{\"key\": \"user:42\"}}",
+            kind_of(&other)
+        )),
+    }
+}
+
 fn parse_cost(cost: Option<serde_json::Value>) -> Result<u64, String> {
     match cost {
         None => Ok(1),
@@ -748,8 +764,12 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
         Ok(c) => c,
         Err(m) => return bad(StatusCode::BAD_REQUEST, m),
     };
-    let listed = request.key.is_none();
-    let outcomes = match (request.key, request.domain, request.descriptors) {
+    let key = match parse_key(request.key) {
+        Ok(k) => k,
+        Err(m) => return bad(StatusCode::BAD_REQUEST, m),
+    };
+    let listed = key.is_none();
+    let outcomes = match (key, request.domain, request.descriptors) {
         (Some(key), None, None) if key.is_empty() => Err(BadRequest(
             "key is empty; send the key to limit by, such as {\"key\": \"user:42\"} (an empty key \
              would put every such request in one budget)"
