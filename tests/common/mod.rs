@@ -168,6 +168,23 @@ impl Log {
     }
 }
 
+impl Log {
+    /// Every line until the server's standard error closes (it has
+    /// exited), waited for at most 20 s.
+    pub fn to_the_end(&self) -> Vec<String> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut lines = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.0.recv_timeout(left) {
+                Ok(line) => lines.push(line),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return lines,
+                Err(e) => panic!("the log did not end within 20 s: {e}\n{lines:#?}"),
+            }
+        }
+    }
+}
+
 /// The whole number a log line gives its field `name` (`name=N`).
 pub fn log_field(line: &str, name: &str) -> u64 {
     line.split(&format!("{name}="))

@@ -217,10 +217,11 @@ impl Running {
         };
         let deadline = tokio::time::Instant::now() + grace;
         let mut all = std::pin::pin!(all);
-        // Most shutdowns end at once; one that waits on a slow client (a
-        // body still arriving, up to its 10 s) says so, rather than
-        // going quiet until it ends.
-        let said_after = Duration::from_secs(1).min(grace);
+        // Most shutdowns end at once, or once idle gRPC peers have had
+        // their GRPC_GOAWAY_GRACE; one that waits on a slow client (a body
+        // still arriving, up to its 10 s) says so, rather than going quiet
+        // until it ends.
+        let said_after = (3 * GRPC_GOAWAY_GRACE).min(grace);
         if let Ok(result) = tokio::time::timeout(said_after, &mut all).await {
             return result;
         }
