@@ -1599,7 +1599,8 @@ async fn a_descriptor_sent_twice_is_decided_once_at_twice_the_cost() {
 }
 
 /// grpc.health.v1.Health: SERVING for the server and the rate-limit
-/// service while it runs, NOT_SERVING once SIGTERM starts the shutdown.
+/// service (under envoyproxy/ratelimit's name too) while it runs,
+/// NOT_SERVING once SIGTERM starts the shutdown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_health_serves_then_turns_not_serving_on_sigterm() {
     use tonic_health::pb::health_check_response::ServingStatus;
@@ -1616,28 +1617,34 @@ async fn grpc_health_serves_then_turns_not_serving_on_sigterm() {
     let ask = |service: &str| HealthCheckRequest {
         service: service.into(),
     };
-    for service in ["", RLS] {
+    for service in ["", RLS, "ratelimit"] {
         let r = health.check(ask(service)).await.unwrap().into_inner();
         assert_eq!(r.status, ServingStatus::Serving as i32, "{service:?}");
     }
     let unknown = health.check(ask("no.such.Service")).await.unwrap_err();
     assert_eq!(unknown.code(), tonic::Code::NotFound);
 
-    let mut watch = health.watch(ask(RLS)).await.unwrap().into_inner();
-    let first = tokio::time::timeout(Duration::from_secs(10), watch.message())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    assert_eq!(first.status, ServingStatus::Serving as i32);
+    let mut watches = Vec::new();
+    for service in [RLS, "ratelimit"] {
+        let mut watch = health.watch(ask(service)).await.unwrap().into_inner();
+        let first = tokio::time::timeout(Duration::from_secs(10), watch.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(first.status, ServingStatus::Serving as i32, "{service}");
+        watches.push((service, watch));
+    }
     server.signal("TERM");
-    let next = tokio::time::timeout(Duration::from_secs(10), watch.message())
-        .await
-        .expect("a status change within 10 s of SIGTERM")
-        .unwrap()
-        .unwrap();
-    assert_eq!(next.status, ServingStatus::NotServing as i32);
-    drop(watch);
+    for (service, watch) in &mut watches {
+        let next = tokio::time::timeout(Duration::from_secs(10), watch.message())
+            .await
+            .expect("a status change within 10 s of SIGTERM")
+            .unwrap()
+            .unwrap();
+        assert_eq!(next.status, ServingStatus::NotServing as i32, "{service}");
+    }
+    drop(watches);
     drop(health);
     server.stop();
 }

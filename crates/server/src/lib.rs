@@ -239,11 +239,20 @@ impl Running {
     }
 }
 
+/// The service name envoyproxy/ratelimit reports its health under: an
+/// Envoy cluster moved from it checks `grpc_health_check: {service_name:
+/// ratelimit}`, which would otherwise get `NOT_FOUND` and mark every host
+/// unhealthy.
+pub const ENVOYPROXY_RATELIMIT_HEALTH_NAME: &str = "ratelimit";
+
 /// Sets the health status of the whole server (`""`) and of the rate-limit
-/// service.
+/// service, under its own name and envoyproxy/ratelimit's.
 async fn set_health(health: &tonic_health::server::HealthReporter, status: ServingStatus) {
     health.set_service_status("", status).await;
     health.set_service_status(grpc::SERVICE_NAME, status).await;
+    health
+        .set_service_status(ENVOYPROXY_RATELIMIT_HEALTH_NAME, status)
+        .await;
 }
 
 /// Loads the configuration, builds the store and starts both interfaces and
