@@ -88,6 +88,7 @@ pub enum LayerErrorKind {
 }
 
 type CostFn = dyn Fn(&Parts) -> u64 + Send + Sync;
+type SkipFn = dyn Fn(&Parts) -> bool + Send + Sync;
 type RefusalFn = dyn for<'a> Fn(&Refusal<'a>) -> Response<Bytes> + Send + Sync;
 type ErrorFn = dyn for<'a> Fn(&LayerError<'a>) -> Response<Bytes> + Send + Sync;
 
@@ -145,6 +146,7 @@ struct Shared {
     key: Box<dyn KeyExtractor>,
     key_hash: KeyHash,
     cost: Option<Box<CostFn>>,
+    skip: Option<Box<SkipFn>>,
     refusal: Option<Box<RefusalFn>>,
     error: Option<Box<ErrorFn>>,
     failure_policy: FailurePolicy,
@@ -189,6 +191,7 @@ pub struct RateLimitBuilder {
     key: Box<dyn KeyExtractor>,
     key_hash: KeyHash,
     cost: Option<Box<CostFn>>,
+    skip: Option<Box<SkipFn>>,
     refusal: Option<Box<RefusalFn>>,
     error: Option<Box<ErrorFn>>,
     failure_policy: FailurePolicy,
@@ -232,6 +235,19 @@ impl RateLimitBuilder {
         F: Fn(&Parts) -> u64 + Send + Sync + 'static,
     {
         self.cost = Some(Box::new(cost));
+        self
+    }
+
+    /// Requests the layer lets through untouched: for those for which
+    /// `skip` is true, no key is taken, no budget is spent or checked, and
+    /// the response carries no rate-limit headers (health checks, a trusted
+    /// network's callers). Checked first, on the request's head; it should
+    /// be cheap, since it runs for every request.
+    pub fn skip_if<F>(mut self, skip: F) -> Self
+    where
+        F: Fn(&Parts) -> bool + Send + Sync + 'static,
+    {
+        self.skip = Some(Box::new(skip));
         self
     }
 
@@ -334,6 +350,7 @@ impl RateLimitBuilder {
                 key: self.key,
                 key_hash: self.key_hash,
                 cost: self.cost,
+                skip: self.skip,
                 refusal: self.refusal,
                 error: self.error,
                 failure_policy: self.failure_policy,
@@ -389,6 +406,7 @@ impl RateLimitLayer {
                 key: Box::new(key),
                 key_hash: DEFAULT_KEY_HASH,
                 cost: None,
+                skip: None,
                 refusal: None,
                 error: None,
                 failure_policy: FailurePolicy::FailClosed,
@@ -406,6 +424,7 @@ impl RateLimitLayer {
             key: Box::new(key),
             key_hash: DEFAULT_KEY_HASH,
             cost: None,
+            skip: None,
             refusal: None,
             error: None,
             failure_policy: FailurePolicy::FailClosed,
@@ -631,6 +650,9 @@ where
         let shared = Arc::clone(&self.shared);
         Box::pin(async move {
             let (mut parts, body) = request.into_parts();
+            if shared.skip.as_ref().is_some_and(|skip| skip(&parts)) {
+                return ready_call(&mut inner, Request::from_parts(parts, body)).await;
+            }
             let key = match shared.key.extract(&parts) {
                 Ok(key) => shared.key(key),
                 Err(rejection) => return Ok(shared.rejected(rejection, &parts).map(ResBody::from)),

@@ -1057,6 +1057,43 @@ async fn an_error_page_answers_no_key_an_unavailable_limiter_and_an_invalid_cost
     );
 }
 
+/// `skip_if` lets a request through untouched: no key is needed, nothing
+/// is spent, no headers are added; the others are limited as before.
+#[tokio::test]
+async fn skipped_requests_pass_untouched_and_spend_nothing() {
+    let (limiter, _clock) = local(PolicyConfig::new(PolicyKind::FixedWindow, 1, 1000));
+    let api_key = HeaderKey::new(HeaderName::from_static("x-api-key"));
+    let layer = RateLimitLayer::builder(Arc::new(limiter), api_key)
+        .skip_if(|parts| parts.uri.path() == "/healthz")
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", get(echo_decision))
+        .route("/healthz", get(|| async { "ok" }))
+        .layer(layer);
+    let with_key = |path: &str| Request::builder().uri(path).header("x-api-key", "k1");
+    for _ in 0..3 {
+        // No key, and again and again: never refused, nothing counted.
+        let (response, body) = send(&app, Request::builder().uri("/healthz")).await;
+        assert_eq!((response.status(), body.as_str()), (StatusCode::OK, "ok"));
+        assert_eq!(header(&response, &RATELIMIT), None);
+        assert_eq!(header(&response, &RATELIMIT_POLICY), None);
+        let (response, _) = send(&app, with_key("/healthz")).await;
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    // The key's one request is still there to spend.
+    let (response, _) = send(&app, with_key("/")).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(header(&response, &RATELIMIT).is_some());
+    let (response, _) = send(&app, with_key("/")).await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    let (response, _) = send(&app, Request::builder().uri("/")).await;
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    // Skipped even with the budget spent.
+    let (response, _) = send(&app, with_key("/healthz")).await;
+    assert_eq!(response.status(), StatusCode::OK);
+}
+
 /// A key whose state the store cannot read fails on every request until
 /// someone deletes it: failing open would lift its limit for good, so the
 /// layer refuses it as it would fail closed (as `ratewarden serve` does).
