@@ -1094,6 +1094,42 @@ async fn skipped_requests_pass_untouched_and_spend_nothing() {
     assert_eq!(response.status(), StatusCode::OK);
 }
 
+/// docs/middleware.md's tiers: one layer per tier, each skipping the other
+/// tier's requests, so each request meets exactly one tier's limit and
+/// carries only its headers.
+#[tokio::test]
+async fn a_layer_per_tier_limits_each_request_by_its_own_tier() {
+    let is_paid = |parts: &http::request::Parts| parts.headers.contains_key("x-paid");
+    let tier = |limit, name: &str, skip: fn(&http::request::Parts) -> bool| {
+        let (limiter, _clock) = local(PolicyConfig::new(PolicyKind::FixedWindow, limit, 1000));
+        RateLimitLayer::builder(Arc::new(limiter), GlobalKey::new(0))
+            .policy_name(name)
+            .skip_if(skip)
+            .build()
+            .unwrap()
+    };
+    let app = Router::new()
+        .route("/", get(echo_decision))
+        .layer(tier(3, "paid", |parts| {
+            !parts.headers.contains_key("x-paid")
+        }))
+        .layer(tier(1, "free", is_paid));
+    let free = || Request::builder().uri("/");
+    let paid = || Request::builder().uri("/").header("x-paid", "1");
+    let (response, _) = send(&app, free()).await;
+    assert_eq!(header(&response, &RATELIMIT), Some("\"free\";r=0"));
+    let (response, _) = send(&app, free()).await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    for left in [2, 1, 0] {
+        let (response, _) = send(&app, paid()).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        let expected = format!("\"paid\";r={left}");
+        assert_eq!(header(&response, &RATELIMIT), Some(expected.as_str()));
+    }
+    let (response, _) = send(&app, paid()).await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+}
+
 /// A key whose state the store cannot read fails on every request until
 /// someone deletes it: failing open would lift its limit for good, so the
 /// layer refuses it as it would fail closed (as `ratewarden serve` does).
