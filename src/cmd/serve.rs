@@ -30,9 +30,9 @@ pub struct Args {
     /// Address of the Envoy RLS v3 gRPC interface, HOST:PORT (as --http).
     #[arg(long, default_value = "127.0.0.1:8081", value_name = "ADDR", value_parser = parse_addr)]
     pub grpc: SocketAddr,
-    /// Serve GET /metrics (and /healthz, /readyz) on a port of its own,
-    /// HOST:PORT (as --http), and no longer on --http's: a port the
-    /// operator can keep from the clients.
+    /// Serve GET /metrics on a port of its own, HOST:PORT (as --http), and
+    /// no longer on --http's: a port the operator can keep from the
+    /// clients (/healthz and /readyz are served on both).
     #[arg(long, value_name = "ADDR", value_parser = parse_addr)]
     pub metrics: Option<SocketAddr>,
 }

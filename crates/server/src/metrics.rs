@@ -1,8 +1,10 @@
 //! Counters and a latency histogram, rendered in the Prometheus text format.
 //!
 //! Per-rule counters are atomics reached through the rule itself, so the
-//! request path takes no lock; the registry's lock is taken only when a
-//! configuration is (re)loaded and when `/metrics` is scraped.
+//! request path takes no lock, but for the first request to use a limit
+//! override of new numbers (its rule's series are made then); the
+//! registry's lock is otherwise taken only when a configuration is
+//! (re)loaded and when `/metrics` is scraped.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
