@@ -245,11 +245,13 @@ fn read(name: &str, path: &Path) -> Result<Vec<u8>, StoreError> {
 /// words that say what to change; empty when it is nothing recognisable.
 fn instead_of_certificate(name: &str, path: &Path, bytes: &[u8]) -> String {
     let text = String::from_utf8_lossy(bytes);
-    if text.contains("PRIVATE KEY-----") {
+    if text.contains("PRIVATE KEY-----") && name == "tls_cert_file" {
         format!(
             ": it holds a private key (are tls_cert_file and tls_key_file swapped? {name} \
              takes the certificate)"
         )
+    } else if text.contains("PRIVATE KEY-----") {
+        format!(": it holds a private key, where {name} takes a certificate")
     } else if bytes.first() == Some(&0x30) {
         // DER starts with a SEQUENCE's tag.
         format!(

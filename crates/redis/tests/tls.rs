@@ -454,7 +454,10 @@ fn tls_files_that_cannot_be_used_are_refused_before_connecting() {
         (
             tls_url.clone(),
             files(key(), None, None),
-            ["tls_ca_file", "no readable PEM certificate"],
+            [
+                "no readable PEM certificate",
+                "it holds a private key, where tls_ca_file takes a certificate",
+            ],
         ),
         // A home folder written as ~, and a certificate in DER.
         (
