@@ -966,10 +966,17 @@ impl RedisStore {
             self.load_script(&mut self.conn()).await
         })
         .map_err(|e| {
+            // A user refused SCRIPT LOAD is told what to grant, as one
+            // refused a decision's commands is.
+            let (kind, advice) = if refused_permission(e.detail()) {
+                (StoreErrorKind::InvalidInput, format!("; {NOPERM_ADVICE}"))
+            } else {
+                (e.kind(), String::new())
+            };
             StoreError::new(
-                e.kind(),
+                kind,
                 format!(
-                    "Redis at {} cannot load the policy's script: {}",
+                    "Redis at {} cannot load the policy's script: {}{advice}",
                     self.url(),
                     e.detail()
                 ),

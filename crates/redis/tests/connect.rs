@@ -107,9 +107,11 @@ fn a_redis_that_refuses_every_decision_is_refused_at_connect_saying_why() {
     assert!(e.detail().contains("read-only replica"), "{e}");
     assert!(e.detail().contains("point the URL at its master"), "{e}");
 
-    // ACL users: one without EVALSHA, one whose keys are elsewhere.
-    let users: [(&str, &[&str]); 2] = [
+    // ACL users: one without EVALSHA, one without SCRIPT (refused at its
+    // load), one whose keys are elsewhere.
+    let users: [(&str, &[&str]); 3] = [
         ("noeval", &["~*", "+@all", "-evalsha"]),
+        ("noscript", &["~*", "+@all", "-script"]),
         ("elsewhere", &["~other:*", "+@all"]),
     ];
     for (user, rules) in users {
