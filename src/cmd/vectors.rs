@@ -418,7 +418,8 @@ fn run_file(
             ));
         }
     }
-    // So does a file of no cases (`{"cases": []}`): named for the same
+    // A file of no cases (`{"cases": []}`) passes without testing
+    // anything, as a case of no steps does (below): named for the same
     // reason. A file of mix32 entries alone tests the hash.
     if file.cases.is_empty() && file.mix32.is_empty() {
         eprintln!(

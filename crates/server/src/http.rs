@@ -519,9 +519,6 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
     }
 }
 
-/// Reads `cost`: a whole number from 0 to 2^53 - 1, 1 when absent. Null is
-/// refused rather than read as absent: a client that sends it most likely
-/// meant some cost, and the API says a cost is a whole number.
 /// Reads `key`: a string when present. Null is refused rather than read
 /// as absent, which would say the key is missing when it was sent.
 fn parse_key(key: Option<serde_json::Value>) -> Result<Option<String>, String> {
@@ -535,6 +532,9 @@ fn parse_key(key: Option<serde_json::Value>) -> Result<Option<String>, String> {
     }
 }
 
+/// Reads `cost`: a whole number from 0 to 2^53 - 1, 1 when absent. Null is
+/// refused rather than read as absent: a client that sends it most likely
+/// meant some cost, and the API says a cost is a whole number.
 fn parse_cost(cost: Option<serde_json::Value>) -> Result<u64, String> {
     match cost {
         None => Ok(1),
