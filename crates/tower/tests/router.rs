@@ -1099,7 +1099,9 @@ async fn skipped_requests_pass_untouched_and_spend_nothing() {
 /// carries only its headers.
 #[tokio::test]
 async fn a_layer_per_tier_limits_each_request_by_its_own_tier() {
-    let is_paid = |parts: &http::request::Parts| parts.headers.contains_key("x-paid");
+    fn is_paid(parts: &http::request::Parts) -> bool {
+        parts.headers.contains_key("x-paid")
+    }
     let tier = |limit, name: &str, skip: fn(&http::request::Parts) -> bool| {
         let (limiter, _clock) = local(PolicyConfig::new(PolicyKind::FixedWindow, limit, 1000));
         RateLimitLayer::builder(Arc::new(limiter), GlobalKey::new(0))
@@ -1110,9 +1112,7 @@ async fn a_layer_per_tier_limits_each_request_by_its_own_tier() {
     };
     let app = Router::new()
         .route("/", get(echo_decision))
-        .layer(tier(3, "paid", |parts| {
-            !parts.headers.contains_key("x-paid")
-        }))
+        .layer(tier(3, "paid", |parts| !is_paid(parts)))
         .layer(tier(1, "free", is_paid));
     let free = || Request::builder().uri("/");
     let paid = || Request::builder().uri("/").header("x-paid", "1");
