@@ -767,6 +767,9 @@ impl RedisStore {
                     map,
                     node_connect_timeout,
                     node_response_timeout,
+                    // A new connection is started at most once per
+                    // REBUILD_INTERVAL, and given connect_timeout.
+                    REBUILD_INTERVAL + connect_timeout,
                 ));
                 let connect: Connect<ClusterConnection> = {
                     let down = Arc::clone(&down);
@@ -1254,7 +1257,12 @@ impl RedisStore {
     /// [`crate::down`]).
     fn probe_every_master(&self) {
         if let Backend::Cluster(cluster, down) = &self.inner.backend {
-            down.check(Probe::Every, || cluster.conn());
+            let renewing = Arc::clone(cluster);
+            down.check(
+                Probe::Every,
+                || cluster.conn(),
+                move || renewing.renew(false),
+            );
         }
     }
 
@@ -1269,7 +1277,12 @@ impl RedisStore {
             return None;
         }
         let (range, why) = down.refusing(self.key_name(key).as_bytes())?;
-        down.check(Probe::Down, || cluster.conn());
+        let renewing = Arc::clone(cluster);
+        down.check(
+            Probe::Down,
+            || cluster.conn(),
+            move || renewing.renew(false),
+        );
         Some(self.call_error(StoreError::new(
             StoreErrorKind::ConnectionDropped,
             format!(

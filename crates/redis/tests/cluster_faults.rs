@@ -6,8 +6,8 @@ mod common;
 
 use std::net::{Ipv4Addr, TcpListener};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ratewarden_core::{PolicyConfig, PolicyKind, StoreError, StoreErrorKind, REFERENCE};
@@ -902,7 +902,11 @@ fn a_failover_costs_a_batch_at_most_its_calls_in_flight() {
 /// key: the cluster connection can stop answering every call after such
 /// a kill, and a new one must be taken although the dead master does not
 /// answer on it (before, single calls timed out on every key from the
-/// kill until after the promotion in most runs).
+/// kill until after the promotion in most runs). Nor does the promotion
+/// stall every key: the promoted replica's slots go to a new connection
+/// (before, on a busy machine, every caller timed out one to four times
+/// in a row at the promotion in half the runs, when the old connection
+/// was sent them and read its slot map again).
 #[test]
 fn a_killed_master_does_not_time_out_the_other_masters_keys() {
     const CALLERS: u64 = 100;
@@ -925,7 +929,9 @@ fn a_killed_master_does_not_time_out_the_other_masters_keys() {
         (store, batch_store)
     });
     let stop = Arc::new(AtomicBool::new(false));
-    let timeouts = Arc::new(AtomicU64::new(0));
+    let began = Instant::now();
+    // When each call that timed out began, from `began`.
+    let timeouts = Arc::new(Mutex::new(Vec::new()));
     let mut callers = Vec::new();
     for caller in 0..CALLERS {
         let (store, stop, timeouts) = (store.clone(), stop.clone(), timeouts.clone());
@@ -933,9 +939,10 @@ fn a_killed_master_does_not_time_out_the_other_masters_keys() {
             let mut key = caller * 1_000;
             while !stop.load(Ordering::Relaxed) {
                 key += 1;
+                let called = began.elapsed();
                 match store.decide(key, None, 1).await {
                     Err(e) if e.kind() == StoreErrorKind::Timeout => {
-                        timeouts.fetch_add(1, Ordering::Relaxed);
+                        timeouts.lock().expect("timeouts").push(called);
                     }
                     Err(e) => assert_eq!(e.kind(), StoreErrorKind::ConnectionDropped, "{e}"),
                     Ok(_) => {}
@@ -957,6 +964,7 @@ fn a_killed_master_does_not_time_out_the_other_masters_keys() {
         })
     };
     std::thread::sleep(Duration::from_secs(1));
+    let killed = began.elapsed();
     cluster.kill_node(0);
     let promoted = cluster.wait_until_master(replica, Duration::from_secs(20));
     // Past the promotion, for the calls that were failing to recover.
@@ -972,10 +980,23 @@ fn a_killed_master_does_not_time_out_the_other_masters_keys() {
     // Each caller can time out a call or two while the old connection
     // stops answering and a new one is made; before, each timed out about
     // every 200 ms for 2 s or more (about 1,000 in all).
-    let timeouts = timeouts.load(Ordering::Relaxed);
+    let timeouts = timeouts.lock().expect("timeouts");
     assert!(
-        timeouts <= 3 * CALLERS,
-        "{timeouts} single calls timed out across the kill"
+        timeouts.len() as u64 <= 3 * CALLERS,
+        "{} single calls timed out across the kill",
+        timeouts.len()
+    );
+    // That new connection is in place within a second of the kill (in
+    // every run seen, within 200 ms). The promotion, 2 s or more after the
+    // kill, then costs a call here and there; it cost a wave of one
+    // timeout per caller, or up to four.
+    let later = timeouts
+        .iter()
+        .filter(|&&called| called > killed + Duration::from_secs(1))
+        .count() as u64;
+    assert!(
+        later <= CALLERS / 2,
+        "{later} single calls begun a second or more after the kill timed out"
     );
 }
 
