@@ -1186,10 +1186,10 @@ impl RedisStore {
                     // A replica after a failover, an ACL changed, a full
                     // Redis: what was checked at connect no longer holds.
                     let advice = refusal_advice(e.detail())
-                        .map(|(_, advice)| format!("; {advice}"))
-                        .or_else(|| {
-                            cluster_hint(e.detail(), over_tls).map(|hint| format!("; {hint}"))
-                        })
+                        .map(|(_, advice)| advice)
+                        .or_else(|| self.cluster_node_advice(e.detail()))
+                        .or_else(|| cluster_hint(e.detail(), over_tls))
+                        .map(|advice| format!("; {advice}"))
                         .unwrap_or_default();
                     format!("Redis at {url}: {}{advice}", e.detail())
                 });
@@ -1197,6 +1197,21 @@ impl RedisStore {
             }
             _ => e,
         }
+    }
+
+    /// On one node, when an error's `detail` is a redirection to another
+    /// node, which only a cluster node sends (a cluster node behind a
+    /// one-node URL whose user may not run the INFO that connecting reads
+    /// to tell, or a node restarted as a cluster node): what to change.
+    fn cluster_node_advice(&self, detail: &str) -> Option<String> {
+        if !matches!(self.inner.backend, Backend::Node(_)) || !redirected(detail) {
+            return None;
+        }
+        let (_, cluster_scheme) = schemes(crate::tls::is_tls_url(self.url()));
+        Some(format!(
+            "it is a cluster node: use {cluster_scheme}://HOST:PORT[,HOST:PORT...] (any nodes as \
+             seeds)"
+        ))
     }
 
     /// After a failed call, with error `e`: on a cluster, when its master
@@ -1884,7 +1899,13 @@ impl RedisStore {
         checked.map_err(|e| {
             let url = self.url();
             let detail = e.detail();
-            match refusal_advice(detail) {
+            // A cluster node behind a one-node URL, whose user may not run
+            // INFO (which check_node reads to tell): its MOVED says it.
+            let cluster_node = || {
+                self.cluster_node_advice(detail)
+                    .map(|advice| (StoreErrorKind::InvalidInput, advice))
+            };
+            match refusal_advice(detail).or_else(cluster_node) {
                 Some((kind, advice)) => StoreError::new(
                     kind,
                     format!(
@@ -3126,6 +3147,15 @@ fn refused_permission(text: &str) -> bool {
     text.contains("NOPERM") || text.contains("NoPerm:") || text.contains("can't run this command")
 }
 
+/// Whether an error's `text` is a cluster node sending the call to
+/// another node (`MOVED` or `ASK`, as redis-rs words them or as Redis
+/// does), which only a cluster node does.
+fn redirected(text: &str) -> bool {
+    ["Moved:", "Ask:", "MOVED ", "ASK "]
+        .iter()
+        .any(|redirect| text.starts_with(redirect))
+}
+
 /// What to change when Redis refuses the URL's user a command or a key.
 const NOPERM_ADVICE: &str = "the URL's user lacks a command or a key the store needs: grant it \
      (ACL SETUSER) the commands +evalsha +eval +script|load +ping +info (and +cluster +asking \
@@ -3660,6 +3690,28 @@ mod tests {
         assert_eq!(e.kind(), StoreErrorKind::CorruptState, "{e}");
         let timeout = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
         assert_eq!(map_error(timeout).kind(), StoreErrorKind::Timeout);
+    }
+
+    /// A redirection reads as one whether redis-rs words it (as the store
+    /// gets it) or Redis does; other errors that name a slot do not.
+    #[test]
+    fn redirections_are_told_from_other_cluster_errors() {
+        for reply in ["MOVED 3999 127.0.0.1:6381", "ASK 3999 127.0.0.1:6381"] {
+            assert!(redirected(reply), "{reply}");
+            let worded = map_error(server_error(reply));
+            assert!(redirected(worded.detail()), "{reply}: {worded}");
+        }
+        for reply in [
+            "CLUSTERDOWN Hash slot not served",
+            "TRYAGAIN Multiple keys request during rehashing of slot",
+            "ERR Error running script: MOVED elsewhere",
+        ] {
+            assert!(!redirected(reply), "{reply}");
+            assert!(
+                !redirected(map_error(server_error(reply)).detail()),
+                "{reply}"
+            );
+        }
     }
 
     #[test]

@@ -233,6 +233,55 @@ fn a_cluster_node_named_by_redis_url_is_refused_at_connect() {
     connect(&cluster.url()).expect("redis-cluster:// connects");
 }
 
+/// A cluster node behind `redis://` whose user may not run INFO (which
+/// tells a cluster node at connect) is told apart by the MOVED it answers:
+/// at connect, when the check's key is another node's, and at the first
+/// decision of another node's key when it is its own.
+#[test]
+fn a_cluster_node_whose_user_may_not_run_info_is_told_by_its_moved() {
+    let cluster = RedisCluster::start();
+    for node in cluster.nodes() {
+        let granted = node.cli(&[
+            "ACL", "SETUSER", "noinfo", "on", ">pw", "~*", "+@all", "-info",
+        ]);
+        assert_eq!(granted.trim(), "OK");
+    }
+    let rt = common::runtime();
+    let options = options("noinfo");
+    let mut connected = Vec::new();
+    for node in cluster.nodes() {
+        let url = format!("redis://noinfo:pw@127.0.0.1:{}", node.port());
+        match rt.block_on(RedisStore::connect(&url, REFERENCE, options.clone())) {
+            Ok(store) => connected.push(store),
+            Err(e) => {
+                assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+                let text = e.to_string();
+                assert!(
+                    text.contains("cannot decide: it is a cluster node: use redis-cluster://"),
+                    "{text}"
+                );
+                assert!(text.contains("Moved"), "{text}");
+            }
+        }
+    }
+    // The check's one key is one node's: that node alone connects.
+    assert_eq!(connected.len(), 1, "one node serves the check's key");
+    let store = &connected[0];
+    let e = rt
+        .block_on(async {
+            for key in 0..1_000 {
+                store.decide(key, None, 1).await?;
+            }
+            Ok::<(), ratewarden_core::StoreError>(())
+        })
+        .expect_err("a third of the keys are another node's");
+    assert!(
+        e.detail()
+            .contains("; it is a cluster node: use redis-cluster://"),
+        "{e}"
+    );
+}
+
 #[test]
 fn a_server_that_is_not_redis_is_refused_at_connect() {
     // A listener that accepts and closes every connection without a word:
