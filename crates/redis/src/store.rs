@@ -692,10 +692,16 @@ impl RedisStore {
                                     StoreErrorKind::Backend,
                                     "; over TLS, each node's certificate must hold the address \
                                      it announces in CLUSTER SLOTS (its IP, unless \
-                                     cluster-preferred-endpoint-type is hostname)",
+                                     cluster-preferred-endpoint-type is hostname)"
+                                        .to_owned(),
+                                )
+                            } else if refused_permission(e.detail()) {
+                                (
+                                    StoreErrorKind::InvalidInput,
+                                    format!("; {}", permission_advice(e.detail())),
                                 )
                             } else {
-                                (e.kind(), "")
+                                (e.kind(), String::new())
                             };
                             StoreError::new(
                                 kind,
@@ -733,12 +739,17 @@ impl RedisStore {
                         .await
                         .map_err(|e| {
                             let e = map_error(e);
-                            let advice = if refused_permission(e.detail()) {
-                                "; the URL's user may not run ASKING, with which a key \
-                                 moving between masters is decided on its new one: grant it \
-                                 +asking (ACL SETUSER USER +asking, on every node)"
-                            } else {
-                                ""
+                            // The PING beside it can be the one refused.
+                            let advice = match refused_command(e.detail()) {
+                                Some("asking") => "; the URL's user may not run ASKING, with \
+                                                   which a key moving between masters is \
+                                                   decided on its new one: grant it +asking \
+                                                   (ACL SETUSER USER +asking, on every node)"
+                                    .to_owned(),
+                                _ if refused_permission(e.detail()) => {
+                                    format!("; {}", permission_advice(e.detail()))
+                                }
+                                _ => String::new(),
                             };
                             StoreError::new(
                                 if advice.is_empty() {
@@ -972,7 +983,10 @@ impl RedisStore {
             // A user refused SCRIPT LOAD is told what to grant, as one
             // refused a decision's commands is.
             let (kind, advice) = if refused_permission(e.detail()) {
-                (StoreErrorKind::InvalidInput, format!("; {NOPERM_ADVICE}"))
+                (
+                    StoreErrorKind::InvalidInput,
+                    format!("; {}", permission_advice(e.detail())),
+                )
             } else {
                 (e.kind(), String::new())
             };
@@ -2831,6 +2845,16 @@ async fn cluster_connect_error(
         );
     }
     let e = map_error(e);
+    if refused_permission(e.detail()) {
+        return StoreError::new(
+            StoreErrorKind::InvalidInput,
+            format!(
+                "Redis Cluster at {shown} cannot be used: {}; {}",
+                e.detail(),
+                permission_advice(e.detail())
+            ),
+        );
+    }
     let kind = match e.kind() {
         StoreErrorKind::Timeout => StoreErrorKind::Timeout,
         _ => StoreErrorKind::Backend,
@@ -3014,6 +3038,15 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
                  use one below the server's `databases` setting (16 by default), such as {db0}"
             ),
         )
+    } else if refused_permission(&text) {
+        StoreError::new(
+            StoreErrorKind::InvalidInput,
+            format!(
+                "Redis at {address} cannot be used: {}; {}",
+                map_error(e).detail(),
+                permission_advice(&text)
+            ),
+        )
     } else if let Some(why) = form
         .tls
         .then(|| crate::tls::handshake_error(&text, address, form.ca_file, form.cluster))
@@ -3156,11 +3189,38 @@ fn redirected(text: &str) -> bool {
         .any(|redirect| text.starts_with(redirect))
 }
 
-/// What to change when Redis refuses the URL's user a command or a key.
-const NOPERM_ADVICE: &str = "the URL's user lacks a command or a key the store needs: grant it \
-     (ACL SETUSER) the commands +evalsha +eval +script|load +ping +info (and +cluster +asking \
-     on a cluster), +time +get +set +del, which the scripts run, and the keys under the \
+/// What the store needs the URL's user to be granted.
+const NEEDED_GRANTS: &str = "the commands +evalsha +eval +script|load +ping +info (and +cluster \
+     +asking on a cluster), +time +get +set +del, which the scripts run, and the keys under the \
      store's escaped prefix (docs/redis.md, \"Use\")";
+
+/// The command that an error's `text` says the ACL refuses the URL's
+/// user, as Redis names it ("no permissions to run the 'cluster|slots'
+/// command"), if it names one (a refused key names none).
+fn refused_command(text: &str) -> Option<&str> {
+    const BEFORE: &str = "permissions to run the '";
+    let rest = &text[text.find(BEFORE)? + BEFORE.len()..];
+    let command = &rest[..rest.find('\'')?];
+    let plain = |c: char| c.is_ascii_alphanumeric() || c == '|' || c == '-' || c == '_';
+    (!command.is_empty() && command.len() <= 64 && command.chars().all(plain)).then_some(command)
+}
+
+/// What to change when Redis refuses the URL's user a command or a key,
+/// from the error's `text`: the refused command, when it names one, and
+/// what else the store needs.
+fn permission_advice(text: &str) -> String {
+    match refused_command(text) {
+        Some(command) => format!(
+            "the URL's user lacks the command {command}, which the store needs: grant it \
+             +{command} (ACL SETUSER USER +{command}, on every node of a cluster), and whatever \
+             else it lacks of {NEEDED_GRANTS}"
+        ),
+        None => format!(
+            "the URL's user lacks a command or a key the store needs: grant it (ACL SETUSER) \
+             {NEEDED_GRANTS}"
+        ),
+    }
+}
 
 /// What Redis refusing every decision for what it is (not for a passing
 /// fault) means, and what to change, from the error's `text`: the kind of
@@ -3176,7 +3236,7 @@ fn refusal_advice(text: &str) -> Option<(StoreErrorKind, String)> {
                 .to_owned(),
         )
     } else if refused_permission(text) {
-        (StoreErrorKind::InvalidInput, NOPERM_ADVICE.to_owned())
+        (StoreErrorKind::InvalidInput, permission_advice(text))
     } else if text.contains("OOM") && text.contains("maxmemory") {
         (
             StoreErrorKind::Backend,
@@ -3690,6 +3750,41 @@ mod tests {
         assert_eq!(e.kind(), StoreErrorKind::CorruptState, "{e}");
         let timeout = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
         assert_eq!(map_error(timeout).kind(), StoreErrorKind::Timeout);
+    }
+
+    /// The refused command is read from Redis's words (6 and 7) and
+    /// redis-rs's; a refused key, or text that is no command, names none.
+    #[test]
+    fn a_refused_command_is_named_from_the_error() {
+        let named = [
+            (
+                "NoPerm: this user has no permissions to run the 'cluster|slots' command",
+                Some("cluster|slots"),
+            ),
+            (
+                "NOPERM User limiter has no permissions to run the 'ping' command",
+                Some("ping"),
+            ),
+            (
+                "NOPERM this user has no permissions to run the 'script' command or its \
+                 subcommand",
+                Some("script"),
+            ),
+            (
+                "NoPerm: this user has no permissions to access one of the keys used as \
+                 arguments",
+                None,
+            ),
+            ("NOPERM no permissions to run the '' command", None),
+            ("NOPERM no permissions to run the 'a b; rm' command", None),
+            ("NOPERM no permissions to run the 'ping", None),
+        ];
+        for (text, command) in named {
+            assert_eq!(refused_command(text), command, "{text}");
+        }
+        let advice = permission_advice(named[0].0);
+        assert!(advice.contains("grant it +cluster|slots (ACL SETUSER USER +cluster|slots"));
+        assert!(permission_advice(named[3].0).contains("lacks a command or a key"));
     }
 
     /// A redirection reads as one whether redis-rs words it (as the store

@@ -108,21 +108,39 @@ fn a_redis_that_refuses_every_decision_is_refused_at_connect_saying_why() {
     assert!(e.detail().contains("point the URL at its master"), "{e}");
 
     // ACL users: one without EVALSHA, one without SCRIPT (refused at its
-    // load), one whose keys are elsewhere.
-    let users: [(&str, &[&str]); 3] = [
-        ("noeval", &["~*", "+@all", "-evalsha"]),
-        ("noscript", &["~*", "+@all", "-script"]),
-        ("elsewhere", &["~other:*", "+@all"]),
+    // load), one without PING (refused at the first command), one whose
+    // keys are elsewhere. A refused command is named, with what to grant.
+    let users: [(&str, &[&str], &str); 4] = [
+        (
+            "noeval",
+            &["~*", "+@all", "-evalsha"],
+            "lacks the command evalsha, which the store needs: grant it +evalsha",
+        ),
+        (
+            "noscript",
+            &["~*", "+@all", "-script"],
+            "lacks the command script|load, which the store needs: grant it +script|load",
+        ),
+        (
+            "noping",
+            &["~*", "+@all", "-ping"],
+            "lacks the command ping, which the store needs: grant it +ping",
+        ),
+        (
+            "elsewhere",
+            &["~other:*", "+@all"],
+            "lacks a command or a key the store needs",
+        ),
     ];
-    for (user, rules) in users {
+    for (user, rules, says) in users {
         let mut args = vec!["ACL", "SETUSER", user, "on", ">pw"];
         args.extend(rules);
         assert_eq!(master.cli(&args).trim(), "OK");
         let url = format!("redis://{user}:pw@127.0.0.1:{port}");
         let e = connect(&url).expect_err(user);
         assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
-        assert!(e.detail().contains("lacks a command or a key"), "{e}");
-        assert!(e.detail().contains("+evalsha"), "{e}");
+        assert!(e.detail().contains(says), "{e}");
+        assert!(e.detail().contains("+evalsha +eval +script|load"), "{e}");
     }
     // A user without TIME is refused by default, named as such: decisions
     // by Redis's clock (the default, and serve's) need it.
@@ -231,6 +249,37 @@ fn a_cluster_node_named_by_redis_url_is_refused_at_connect() {
     assert!(e.to_string().contains("redis-cluster://"), "{e}");
     // Its own form works.
     connect(&cluster.url()).expect("redis-cluster:// connects");
+}
+
+/// A cluster user refused a command the store sends while connecting is
+/// told which, and what to grant, wherever connecting meets it: the
+/// client's slot map, `CLUSTER INFO`, or the `PING` sent with `ASKING`.
+#[test]
+fn a_cluster_user_refused_a_command_is_told_which_at_connect() {
+    let cluster = RedisCluster::start();
+    let users = [
+        ("noslots", "-cluster|slots", "cluster|slots"),
+        ("noclusterinfo", "-cluster|info", "cluster|info"),
+        ("noping", "-ping", "ping"),
+    ];
+    for (user, rule, _) in users {
+        for node in cluster.nodes() {
+            let granted = node.cli(&["ACL", "SETUSER", user, "on", ">pw", "~*", "+@all", rule]);
+            assert_eq!(granted.trim(), "OK");
+        }
+    }
+    for (user, _, command) in users {
+        let url = cluster.url().replacen("://", &format!("://{user}:pw@"), 1);
+        let e = connect(&url).expect_err(user);
+        assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{user}: {e}");
+        assert!(
+            e.detail().contains(&format!(
+                "lacks the command {command}, which the store needs: grant it +{command} \
+                 (ACL SETUSER USER +{command}, on every node of a cluster)"
+            )),
+            "{user}: {e}"
+        );
+    }
 }
 
 /// A cluster node behind `redis://` whose user may not run INFO (which
