@@ -363,7 +363,8 @@ pub(crate) const FORMS: &str = "redis://[[USER]:PASSWORD@]HOST:PORT[/DB], \
 /// rest without a word, so `redis://HOST:PORT?db=3` would count in
 /// database 0, and `?password=` would send no password. A `rediss://`
 /// URL's fragment is refused too: `#insecure` would ask redis-rs to skip
-/// the certificate checks, which this store never does. `shown`: the URL
+/// the certificate checks, which this store never does; and so is any
+/// other URL's, which redis-rs ignores. `shown`: the URL
 /// without its credentials. A port that is no port is named
 /// ([`port_error`]); any other URL that does not parse is left to
 /// redis-rs's message. So is the path, but for a database that is no number
@@ -384,6 +385,14 @@ pub(crate) fn query_error(url: &str, shown: &str) -> Option<String> {
             "{shown:?}: a rediss:// URL takes no #fragment: the server's certificate is always \
              checked (#insecure is not taken); to trust a private CA, name its PEM file in \
              SSL_CERT_FILE (or tls_ca_file in the store's options)"
+        ));
+    }
+    // redis-rs ignores it, so a part of the address typed after a `#`
+    // (or a comment pasted with it) would go without a word.
+    if parsed.fragment().is_some() {
+        return Some(format!(
+            "{shown:?}: a {scheme}:// URL takes no #fragment, and everything after the # would \
+             be ignored: remove it (a password holding # is written %23)"
         ));
     }
     // A query reads `+` as a space (form encoding), so a base64-made
@@ -525,6 +534,8 @@ pub fn is_cluster_url(url: &str) -> bool {
 /// assert!(url_error("redis://:pw@127.0.0.1:99999").unwrap().contains("1 to 65535"));
 /// assert_eq!(url_error("redis://:pw@127.0.0.1:6379"), None);
 /// assert!(url_error("rediss://127.0.0.1:6380#insecure").unwrap().contains("SSL_CERT_FILE"));
+/// assert!(url_error("redis://127.0.0.1:6379#2").unwrap().contains("takes no #fragment"));
+/// assert!(url_error("redis+unix:///run/r.sock#x").unwrap().contains("takes no #fragment"));
 /// assert!(url_error("http://127.0.0.1:6379").unwrap().contains("not a Redis address"));
 /// ```
 pub fn url_error(url: &str) -> Option<String> {

@@ -501,6 +501,13 @@ fn a_unix_socket_url_connects_and_other_forms_are_checked_saying_so() {
             "redis+unix:///tmp/ratewarden-none.sock?password=s3cret",
             "takes ?db=DB&user=USER&pass=PASSWORD",
         ),
+        // A fragment is ignored by redis-rs too.
+        ("redis://127.0.0.1:1#s3cret", "takes no #fragment"),
+        ("redis://127.0.0.1:1/2#s3cret", "takes no #fragment"),
+        (
+            "redis+unix:///tmp/ratewarden-none.sock#s3cret",
+            "takes no #fragment",
+        ),
     ] {
         let e = connect(url).expect_err(url);
         assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
