@@ -3038,6 +3038,12 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
                  use one below the server's `databases` setting (16 by default), such as {db0}"
             ),
         )
+    } else if let Some((kind, why)) = address
+        .starts_with('/')
+        .then(|| socket_problem(address, &e))
+        .flatten()
+    {
+        StoreError::new(kind, format!("Redis at {address} cannot be used: {why}"))
     } else if refused_permission(&text) {
         StoreError::new(
             StoreErrorKind::InvalidInput,
@@ -3178,6 +3184,60 @@ fn invalid_url(shown: &str, e: RedisError) -> StoreError {
 /// or a key (in a script, "can't run this command").
 fn refused_permission(text: &str) -> bool {
     text.contains("NOPERM") || text.contains("NoPerm:") || text.contains("can't run this command")
+}
+
+/// What kept a connection to the Unix socket at `path` from being made,
+/// when the file system says more than the error `e` does (redis-rs
+/// reports a missing file as a refused connection, and a file that is no
+/// socket is refused too): the kind of error, and what to change.
+fn socket_problem(path: &str, e: &RedisError) -> Option<(StoreErrorKind, String)> {
+    // redis-rs keeps the system's error behind a type of its own, and
+    // shows it as Rust does: "... (os error N)".
+    let text = e.to_string();
+    let code = text
+        .rsplit_once("(os error ")
+        .and_then(|(_, rest)| rest.strip_suffix(')'))
+        .and_then(|code| code.parse::<i32>().ok());
+    let io = code.map(|code| std::io::Error::from_raw_os_error(code).kind());
+    if io == Some(std::io::ErrorKind::PermissionDenied) {
+        return Some((
+            StoreErrorKind::InvalidInput,
+            "this process's user may not open the socket: it needs write permission on it \
+             (redis-server's unixsocketperm, such as 770 with the user in the socket's group) \
+             and search permission on each folder above it"
+                .to_owned(),
+        ));
+    }
+    match std::fs::metadata(path) {
+        Err(missing) if missing.kind() == std::io::ErrorKind::NotFound => Some((
+            StoreErrorKind::ConnectionDropped,
+            "no such file: no redis-server listens there (its unixsocket setting names the \
+             socket it makes)"
+                .to_owned(),
+        )),
+        Ok(meta) if !is_socket(&meta) => Some((
+            StoreErrorKind::InvalidInput,
+            format!(
+                "it is not a socket but a {}: name the socket that redis-server's unixsocket \
+                 setting names",
+                if meta.is_dir() { "folder" } else { "file" }
+            ),
+        )),
+        // A socket that refuses connections was left by a redis-server
+        // that stopped: the generic words say so.
+        _ => None,
+    }
+}
+
+#[cfg(unix)]
+fn is_socket(meta: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    meta.file_type().is_socket()
+}
+
+#[cfg(not(unix))]
+fn is_socket(_: &std::fs::Metadata) -> bool {
+    true
 }
 
 /// Whether an error's `text` is a cluster node sending the call to
@@ -3750,6 +3810,33 @@ mod tests {
         assert_eq!(e.kind(), StoreErrorKind::CorruptState, "{e}");
         let timeout = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
         assert_eq!(map_error(timeout).kind(), StoreErrorKind::Timeout);
+    }
+
+    /// A socket this process may not open is told apart by the system's
+    /// error; a missing file and one that is no socket by the file
+    /// system; a socket that refuses (its Redis stopped) is left to the
+    /// generic words.
+    #[cfg(unix)]
+    #[test]
+    fn a_unix_socket_that_cannot_be_used_says_why() {
+        let denied = RedisError::from(std::io::Error::from_raw_os_error(13));
+        let refused = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        let folder = std::env::temp_dir().display().to_string();
+        let (kind, why) = socket_problem(&folder, &denied).expect("denied");
+        assert_eq!(kind, StoreErrorKind::InvalidInput);
+        assert!(why.contains("may not open the socket"), "{why}");
+        let (kind, why) = socket_problem(&folder, &refused).expect("a folder");
+        assert_eq!(kind, StoreErrorKind::InvalidInput);
+        assert!(why.contains("not a socket but a folder"), "{why}");
+        let missing = format!("{folder}/ratewarden-no-such-{}.sock", std::process::id());
+        let (kind, why) = socket_problem(&missing, &refused).expect("missing");
+        assert_eq!(kind, StoreErrorKind::ConnectionDropped);
+        assert!(why.contains("no such file"), "{why}");
+        let listening = format!("{folder}/ratewarden-stale-{}.sock", std::process::id());
+        let listener = std::os::unix::net::UnixListener::bind(&listening).expect("bind");
+        assert_eq!(socket_problem(&listening, &refused), None);
+        drop(listener);
+        let _ = std::fs::remove_file(&listening);
     }
 
     /// The refused command is read from Redis's words (6 and 7) and

@@ -451,6 +451,28 @@ fn a_unix_socket_url_connects_and_other_forms_are_checked_saying_so() {
     drop(server);
     let _ = std::fs::remove_file(&socket);
 
+    // No file there (redis-rs calls it a refused connection), a file or a
+    // folder that is no socket: each is named for what it is.
+    let e = connect(&format!("redis+unix://{path}")).expect_err("no socket");
+    assert_eq!(e.kind(), StoreErrorKind::ConnectionDropped, "{e}");
+    assert!(
+        e.detail()
+            .contains("no such file: no redis-server listens there"),
+        "{e}"
+    );
+    std::fs::write(&socket, b"").expect("a plain file");
+    let e = connect(&format!("redis+unix://{path}")).expect_err("a plain file");
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(e.detail().contains("it is not a socket but a file"), "{e}");
+    std::fs::remove_file(&socket).expect("remove the file");
+    let folder = std::env::temp_dir().display().to_string();
+    let e = connect(&format!("redis+unix://{folder}")).expect_err("a folder");
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(
+        e.detail().contains("it is not a socket but a folder"),
+        "{e}"
+    );
+
     // A socket whose Redis wants a password: the advice is the socket's
     // form, with the password in the query.
     let server = RedisServer::start_with(&[
