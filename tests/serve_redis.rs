@@ -735,6 +735,43 @@ fn a_user_refused_time_stops_serve_at_start_saying_so() {
     assert!(!stderr.contains(":pw@"), "{stderr}");
 }
 
+/// A user whose key pattern is written from the prefix as given
+/// (`~ratewarden:*`) misses the keys, whose `:` is stored as %3A: serve
+/// stops at start naming the pattern that covers every rule's keys, and
+/// that pattern starts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_refused_the_keys_stops_serve_at_start_naming_the_pattern() {
+    let redis = RedisServer::start();
+    let granted = redis.cli(&[
+        "ACL",
+        "SETUSER",
+        "rw",
+        "on",
+        ">pw",
+        "~ratewarden:*",
+        "+@all",
+    ]);
+    assert_eq!(granted.trim(), "OK");
+    let url = format!("redis://rw:pw@127.0.0.1:{}", redis.port());
+    let (status, stderr) = serve_refused(&url);
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("lacks a command or a key"), "{stderr}");
+    assert!(
+        stderr.contains("for serve, grant ~ratewarden%3A*"),
+        "{stderr}"
+    );
+    let granted = redis.cli(&["ACL", "SETUSER", "rw", "resetkeys", "~ratewarden%3A*"]);
+    assert_eq!(granted.trim(), "OK");
+    let serve = Serve::start(&url, "[keys]\nlimit = 10\nwindow_ms = 60000\n");
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let (status, body) = check(&client, &serve.url(), "k").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["remaining"], 9, "{body}");
+}
+
 #[test]
 fn the_password_is_never_logged() {
     use std::io::BufRead;

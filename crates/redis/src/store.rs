@@ -1919,7 +1919,25 @@ impl RedisStore {
                 self.cluster_node_advice(detail)
                     .map(|advice| (StoreErrorKind::InvalidInput, advice))
             };
-            match refusal_advice(detail).or_else(cluster_node) {
+            // A refused key: its prefix is stored escaped (`:` as %3A),
+            // which a pattern written from the prefix as given misses.
+            let refusal = refusal_advice(detail).map(|(kind, advice)| {
+                if refused_key(detail) {
+                    let prefix = &self.inner.options.prefix;
+                    let escaped = escape_key_part(prefix);
+                    (
+                        kind,
+                        format!(
+                            "{advice}; a key pattern must match the prefix as stored, escaped \
+                             (each : written %3A): this store's prefix {prefix:?} is stored as \
+                             {escaped}:, matched by ~{escaped}:*"
+                        ),
+                    )
+                } else {
+                    (kind, advice)
+                }
+            });
+            match refusal.or_else(cluster_node) {
                 Some((kind, advice)) => StoreError::new(
                     kind,
                     format!(
@@ -3263,6 +3281,19 @@ fn refused_command(text: &str) -> Option<&str> {
     let command = &rest[..rest.find('\'')?];
     let plain = |c: char| c.is_ascii_alphanumeric() || c == '|' || c == '-' || c == '_';
     (!command.is_empty() && command.len() <= 64 && command.chars().all(plain)).then_some(command)
+}
+
+/// Whether an error's `text` is the ACL refusing the URL's user a key
+/// (not a command).
+fn refused_key(text: &str) -> bool {
+    refused_permission(text) && refused_command(text).is_none()
+}
+
+/// Whether `e` is the store refused at connect because the ACL refuses
+/// the URL's user its keys, not a command: a caller that chose the
+/// store's prefix can name the key pattern its own keys need.
+pub fn is_refused_key(e: &StoreError) -> bool {
+    e.kind() == StoreErrorKind::InvalidInput && refused_key(e.detail())
 }
 
 /// What to change when Redis refuses the URL's user a command or a key,

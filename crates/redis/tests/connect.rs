@@ -141,6 +141,13 @@ fn a_redis_that_refuses_every_decision_is_refused_at_connect_saying_why() {
         assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
         assert!(e.detail().contains(says), "{e}");
         assert!(e.detail().contains("+evalsha +eval +script|load"), "{e}");
+        // A refused key is told how the prefix is stored, escaped.
+        assert_eq!(
+            e.detail()
+                .contains("a key pattern must match the prefix as stored, escaped"),
+            user == "elsewhere",
+            "{e}"
+        );
     }
     // A user without TIME is refused by default, named as such: decisions
     // by Redis's clock (the default, and serve's) need it.

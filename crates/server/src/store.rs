@@ -146,6 +146,22 @@ impl RedisFactory {
         &self.url
     }
 
+    /// A connect error, with the key pattern every rule's keys need when
+    /// the ACL refused the URL's user the check's key: the store names
+    /// only its own (the check's) prefix, and the rules' keys are under
+    /// `key_prefix` too.
+    fn keys_hint(&self, e: ratewarden_core::StoreError) -> anyhow::Error {
+        if !ratewarden_redis::is_refused_key(&e) {
+            return unreachable_hint(e);
+        }
+        let escaped = ratewarden_redis::escape_key_part(&self.key_prefix);
+        anyhow::anyhow!(
+            "{e}; for serve, grant ~{escaped}%3A*: every rule's keys, and the check's, are \
+             under [server] key_prefix {:?} and a :",
+            self.key_prefix
+        )
+    }
+
     /// The longest one call may take, in ms.
     pub fn timeout_ms(&self) -> u64 {
         self.timeout_ms
@@ -212,7 +228,7 @@ impl StoreFactory for RedisFactory {
                     )
                 })
                 .await
-                .map_err(unreachable_hint)?;
+                .map_err(|e| self.keys_hint(e))?;
             // Each rule gets its own key space: its identity, hashed to
             // keep key names short, is part of every key name.
             let prefix = format!(
