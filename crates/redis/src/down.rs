@@ -330,6 +330,12 @@ impl DownMasters {
         self.state().map.clone()
     }
 
+    /// Whether the master at `address` is down now: found so when last
+    /// probed, or refusing a TCP connection within the probe's time.
+    pub(crate) async fn refuses(&self, address: &Address) -> bool {
+        self.is_down(address) || refuses_connections(Some(address), self.probe_timeout).await
+    }
+
     /// Whether the master at `address` was found down when last probed.
     pub(crate) fn is_down(&self, address: &Address) -> bool {
         self.any_down() && self.state().down.contains_key(address)

@@ -1712,6 +1712,23 @@ impl RedisStore {
                     // seen) is mended only by a new connection: nothing
                     // else tells redis-rs, since its fallback node answered.
                     self.renew_connection();
+                    // redis-rs sends a dead master's calls to another node
+                    // (which answers as itself): said as what it is.
+                    let down = match (&self.inner.backend, range.master.as_ref()) {
+                        (Backend::Cluster(_, down), Some(address)) => {
+                            tokio::time::timeout_at(deadline, down.refuses(address))
+                                .await
+                                .unwrap_or(false)
+                        }
+                        _ => false,
+                    };
+                    if down {
+                        return failed(format!(
+                            "{master} refuses connections (it is down): its keys cannot be \
+                             decided until it is back, or until a replica that took over its \
+                             slots is found (a new connection reads the slot map again)"
+                        ));
+                    }
                     return failed(format!(
                         "{master}: node {id} answered in its place (the client cannot reach \
                          it, or its slot map is out of date)"

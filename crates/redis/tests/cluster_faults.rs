@@ -293,6 +293,26 @@ fn a_failed_cluster_stops_connecting_saying_so() {
     assert!(e.to_string().contains("redis-cli --cluster check"), "{e}");
 }
 
+/// A master killed with no replica to take over, before the cluster
+/// flags it failed (Redis's default node timeout is 15 s): `ping` names it
+/// as down, not the node that redis-rs sent its check to instead.
+#[test]
+fn ping_names_a_killed_master_as_down() {
+    let mut cluster = RedisCluster::start();
+    let port = cluster.nodes()[2].port();
+    let rt = common::runtime();
+    let store = ready_store(&cluster, &rt, "killed-ping");
+    cluster.kill_node(2);
+    let e = rt.block_on(store.ping()).expect_err("a master is down");
+    assert!(
+        e.detail().contains(&format!(
+            "(127.0.0.1:{port}) refuses connections (it is down)"
+        )),
+        "{e}"
+    );
+    assert!(!e.detail().contains("answered in its place"), "{e}");
+}
+
 /// While a killed node is down, a node that a concurrent test starts
 /// cannot take its ports (were one to, the killed node's peers would drop
 /// its address at the newcomer's first answer and never flag it failed),
