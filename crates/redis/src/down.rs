@@ -336,6 +336,17 @@ impl DownMasters {
         self.is_down(address) || refuses_connections(Some(address), self.probe_timeout).await
     }
 
+    /// When the master of the Redis key `name`, as the slot map last read
+    /// names it, is down now (see [`DownMasters::refuses`]): the master,
+    /// and that it refuses connections, for an error.
+    pub(crate) async fn down_master_of(&self, name: &[u8]) -> Option<String> {
+        let range = self.state().range_of(key_slot(name))?.clone();
+        let address = range.master.as_ref()?;
+        self.refuses(address)
+            .await
+            .then(|| format!("the master of slots {range} refuses connections (it is down)"))
+    }
+
     /// Whether the master at `address` was found down when last probed.
     pub(crate) fn is_down(&self, address: &Address) -> bool {
         self.any_down() && self.state().down.contains_key(address)

@@ -1927,9 +1927,30 @@ impl RedisStore {
                 ));
             }
         }
+        // A master that died before the cluster noticed: redis-rs sends
+        // its calls elsewhere and gives up on the MOVED back, or on the
+        // connection it cannot make. Said as what it is.
+        let master_down = match (&checked, &self.inner.backend) {
+            (Err(e), Backend::Cluster(_, down))
+                if e.kind() == StoreErrorKind::ConnectionDropped =>
+            {
+                down.down_master_of(name.as_bytes()).await
+            }
+            _ => None,
+        };
         checked.map_err(|e| {
             let url = self.url();
             let detail = e.detail();
+            if let Some(master) = &master_down {
+                return StoreError::new(
+                    e.kind(),
+                    format!(
+                        "Redis at {url} cannot decide: the check on the key {name} failed, \
+                         since {master}; its keys cannot be decided until it is back or a \
+                         replica takes over its slots ({detail})"
+                    ),
+                );
+            }
             // A cluster node behind a one-node URL, whose user may not run
             // INFO (which check_node reads to tell): its MOVED says it.
             let cluster_node = || {

@@ -313,6 +313,35 @@ fn ping_names_a_killed_master_as_down() {
     assert!(!e.detail().contains("answered in its place"), "{e}");
 }
 
+/// Connecting just after a master died, before the cluster flags it
+/// failed: a check whose key is that master's fails naming the master as
+/// down (it read "Moved: SLOT HOST:PORT" alone, redis-rs having sent the
+/// check elsewhere). Prefixes are tried until one's check key is there.
+#[test]
+fn connecting_just_after_a_master_died_names_it_as_down() {
+    let mut cluster = RedisCluster::start();
+    let port = cluster.nodes()[0].port();
+    cluster.kill_node(0);
+    let rt = common::runtime();
+    let e = (0..20)
+        .find_map(|i| {
+            rt.block_on(RedisStore::connect(
+                &cluster.url(),
+                REFERENCE,
+                options(&format!("died-at-connect-{i}")),
+            ))
+            .err()
+        })
+        .expect("one of 20 prefixes has its check key on the dead master");
+    assert_eq!(e.kind(), StoreErrorKind::ConnectionDropped, "{e}");
+    assert!(
+        e.detail().contains(&format!(
+            "(127.0.0.1:{port}) refuses connections (it is down); its keys cannot be decided"
+        )),
+        "{e}"
+    );
+}
+
 /// While a killed node is down, a node that a concurrent test starts
 /// cannot take its ports (were one to, the killed node's peers would drop
 /// its address at the newcomer's first answer and never flag it failed),
