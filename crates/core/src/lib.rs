@@ -21,6 +21,11 @@
 //! // carried undecayed).
 //! assert_eq!(refused.retry_after_ms, Some(971));
 //! ```
+//!
+//! The feature `vectors` adds the reader of conformance vector files
+//! (`vectors`). It is off by default since it turns on serde_json's
+//! `arbitrary_precision` for the whole build, which changes how serde_json
+//! reads numbers in the embedding program too.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -39,6 +44,7 @@ pub mod policy;
 pub mod registry;
 #[deny(clippy::float_arithmetic)]
 pub mod store;
+#[cfg(feature = "vectors")]
 pub mod vectors;
 
 pub use clock::{Clock, ManualClock, MonotonicClock, SystemClock};
