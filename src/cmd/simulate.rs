@@ -5,14 +5,16 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use ratewarden_core::{PolicyConfig, PolicyKind};
 
 use crate::measure::accuracy::{decisions, series, Point};
 use crate::measure::contender_policy;
-use crate::measure::shapes::{Request, Shape, ShapeParams, MAX_REQUESTS};
+use crate::measure::shapes::{
+    Request, Shape, ShapeParams, TooManyRequests, MAX_GENERATED, MAX_REQUESTS,
+};
 
 /// The longest traffic a simulation generates: one hour.
 const MAX_DURATION_MS: u64 = 3_600_000;
@@ -144,7 +146,17 @@ fn prepare(args: &Args) -> Result<Prepared<'_>> {
         args.window_ms,
         args.duration_ms
     );
-    let requests = shape.generate(&params);
+    let requests = shape.generate(&params).map_err(|TooManyRequests| {
+        anyhow!(
+            "{shape} at --limit {} per --window-ms {} for --duration-ms {} with --seed {} drew \
+             more than {MAX_GENERATED} requests, far above its mean of about {expected:.0} \
+             (a burst holds about 0.6 times the limit, however rare bursts are); lower --limit",
+            args.limit,
+            args.window_ms,
+            args.duration_ms,
+            args.seed
+        )
+    })?;
     if requests.is_empty() {
         // Advice the bounds let the user follow.
         if shape == Shape::BoundaryAttack {

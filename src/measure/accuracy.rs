@@ -238,7 +238,7 @@ mod tests {
             duration_ms: 20_000,
             seed: 11,
         };
-        let requests = shape.generate(&p);
+        let requests = shape.generate(&p).unwrap();
         let exact = decisions(PolicyKind::SlidingLog, 100, 1000, &requests).unwrap();
         let mine = decisions(kind, 100, 1000, &requests).unwrap();
         compare(&requests, &mine, &exact, 100, 1000)

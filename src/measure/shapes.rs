@@ -63,6 +63,36 @@ pub const HEAVY_TAIL_KEYS: u64 = 10_000;
 /// decision per request and decides them all.
 pub const MAX_REQUESTS: u64 = 20_000_000;
 
+/// The most requests one draw may generate, whatever its seed: callers
+/// bound the expected count by [`MAX_REQUESTS`], but a draw can land far
+/// above its mean (a `poisson-bursts` burst holds 0.6 times the limit
+/// however rare bursts are, so one early burst of a large limit can hold
+/// more than the whole run's mean), and memory must stay bounded. A
+/// quarter above the bound on the mean, so that a draw near that bound
+/// (whose count strays from its mean by a few thousand) is not stopped.
+pub const MAX_GENERATED: usize = MAX_REQUESTS as usize / 4 * 5;
+
+/// A draw went past [`MAX_GENERATED`] requests, and was stopped there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TooManyRequests;
+
+/// The requests of a draw, at most `cap` of them.
+struct Sink {
+    requests: Vec<Request>,
+    cap: usize,
+}
+
+impl Sink {
+    /// Adds `request`, unless `cap` are held already.
+    fn push(&mut self, request: Request) -> Result<(), TooManyRequests> {
+        if self.requests.len() >= self.cap {
+            return Err(TooManyRequests);
+        }
+        self.requests.push(request);
+        Ok(())
+    }
+}
+
 /// Each key's rate in [`Shape::HeavyTailKeys`] is Pareto-distributed with
 /// this shape and a scale of [`HEAVY_TAIL_SCALE`] times the limit's rate.
 const HEAVY_TAIL_SHAPE: f64 = 1.16;
@@ -127,20 +157,39 @@ impl Shape {
     }
 
     /// Generates the shape's requests, sorted by time (ties keep the order
-    /// they were generated in, so the list is fully determined by the seed).
-    pub fn generate(self, p: &ShapeParams) -> Vec<Request> {
+    /// they were generated in, so the list is fully determined by the seed);
+    /// stopped past [`MAX_GENERATED`].
+    pub fn generate(self, p: &ShapeParams) -> Result<Vec<Request>, TooManyRequests> {
+        self.generate_at_most(p, MAX_GENERATED)
+    }
+
+    /// [`Shape::generate`], stopped past `cap` requests.
+    fn generate_at_most(
+        self,
+        p: &ShapeParams,
+        cap: usize,
+    ) -> Result<Vec<Request>, TooManyRequests> {
         let mut rng = StdRng::seed_from_u64(p.seed);
         // Rates are in requests per millisecond.
         let limit_rate = p.limit as f64 / p.window_ms as f64;
-        let mut out = match self {
-            Shape::Steady08 => poisson_process(&mut rng, 0, 0.8 * limit_rate, 0, p.duration_ms),
-            Shape::Steady2 => poisson_process(&mut rng, 0, 2.0 * limit_rate, 0, p.duration_ms),
-            Shape::BoundaryAttack => boundary_attack(p),
-            Shape::PoissonBursts => poisson_bursts(&mut rng, p, limit_rate),
-            Shape::HeavyTailKeys => heavy_tail_keys(&mut rng, p, limit_rate),
+        let mut out = Sink {
+            requests: Vec::new(),
+            cap,
         };
+        match self {
+            Shape::Steady08 => {
+                poisson_process(&mut rng, 0, 0.8 * limit_rate, p.duration_ms, &mut out)?
+            }
+            Shape::Steady2 => {
+                poisson_process(&mut rng, 0, 2.0 * limit_rate, p.duration_ms, &mut out)?
+            }
+            Shape::BoundaryAttack => boundary_attack(p, &mut out)?,
+            Shape::PoissonBursts => poisson_bursts(&mut rng, p, limit_rate, &mut out)?,
+            Shape::HeavyTailKeys => heavy_tail_keys(&mut rng, p, limit_rate, &mut out)?,
+        }
+        let mut out = out.requests;
         out.sort_by_key(|r| r.at_ms);
-        out
+        Ok(out)
     }
 }
 
@@ -167,29 +216,29 @@ impl FromStr for Shape {
     }
 }
 
-/// Poisson arrivals for `key` at `rate_per_ms` in `start_ms..end_ms`.
+/// Poisson arrivals for `key` at `rate_per_ms` in `0..end_ms`, added to
+/// `out`.
 fn poisson_process(
     rng: &mut StdRng,
     key: u64,
     rate_per_ms: f64,
-    start_ms: u64,
     end_ms: u64,
-) -> Vec<Request> {
-    let mut out = Vec::new();
+    out: &mut Sink,
+) -> Result<(), TooManyRequests> {
     if rate_per_ms <= 0.0 || !rate_per_ms.is_finite() {
-        return out;
+        return Ok(());
     }
     let gap = Exp::new(rate_per_ms).expect("a positive, finite rate");
-    let mut t = start_ms as f64;
+    let mut t = 0.0;
     loop {
         t += gap.sample(rng);
         if t >= end_ms as f64 {
-            return out;
+            return Ok(());
         }
         out.push(Request {
             key,
             at_ms: t as u64,
-        });
+        })?;
     }
 }
 
@@ -197,53 +246,72 @@ fn poisson_process(
 /// 1, 5, 9, ... and `limit` more at the edge itself: a fixed window admits
 /// both, twice the limit within two milliseconds. Four windows between
 /// attacks let every policy recover fully before the next one.
-fn boundary_attack(p: &ShapeParams) -> Vec<Request> {
-    let mut out = Vec::new();
+fn boundary_attack(p: &ShapeParams, out: &mut Sink) -> Result<(), TooManyRequests> {
     let period = p.window_ms.saturating_mul(4);
     let mut edge = p.window_ms;
     while edge < p.duration_ms {
         for at_ms in [edge - 1, edge] {
-            out.extend((0..p.limit).map(|_| Request { key: 0, at_ms }));
+            for _ in 0..p.limit {
+                out.push(Request { key: 0, at_ms })?;
+            }
         }
         edge = edge.saturating_add(period);
     }
-    out
+    Ok(())
 }
 
 /// Bursts start as a Poisson process, one per window on average; a burst
 /// holds a Poisson-distributed number of requests (mean 0.6 times the
 /// limit) placed uniformly over a twentieth of the window.
-fn poisson_bursts(rng: &mut StdRng, p: &ShapeParams, limit_rate: f64) -> Vec<Request> {
-    let starts = poisson_process(rng, 0, limit_rate / p.limit.max(1) as f64, 0, p.duration_ms);
+fn poisson_bursts(
+    rng: &mut StdRng,
+    p: &ShapeParams,
+    limit_rate: f64,
+    out: &mut Sink,
+) -> Result<(), TooManyRequests> {
+    let mut starts = Sink {
+        requests: Vec::new(),
+        cap: out.cap,
+    };
+    poisson_process(
+        rng,
+        0,
+        limit_rate / p.limit.max(1) as f64,
+        p.duration_ms,
+        &mut starts,
+    )?;
     let size = Poisson::new((0.6 * p.limit as f64).max(0.1)).expect("a positive mean");
     let spread_ms = (p.window_ms / 20).max(1);
-    let mut out = Vec::new();
-    for start in starts {
+    for start in starts.requests {
         let n = size.sample(rng) as u64;
         for _ in 0..n {
             let at_ms = start.at_ms + rng.random_range(0..spread_ms);
             if at_ms < p.duration_ms {
-                out.push(Request { key: 0, at_ms });
+                out.push(Request { key: 0, at_ms })?;
             }
         }
     }
-    out
+    Ok(())
 }
 
 /// Each key's rate is Pareto-distributed with shape 1.16 (the "80/20"
 /// shape) and scale a hundredth of the limit's rate, capped at five times
 /// the limit so one key cannot dominate the run's length.
-fn heavy_tail_keys(rng: &mut StdRng, p: &ShapeParams, limit_rate: f64) -> Vec<Request> {
+fn heavy_tail_keys(
+    rng: &mut StdRng,
+    p: &ShapeParams,
+    limit_rate: f64,
+    out: &mut Sink,
+) -> Result<(), TooManyRequests> {
     let Ok(rates) = Pareto::new(HEAVY_TAIL_SCALE * limit_rate, HEAVY_TAIL_SHAPE) else {
         // A limit of 0 (a zero rate): no key offers anything.
-        return Vec::new();
+        return Ok(());
     };
-    let mut out = Vec::new();
     for key in 0..HEAVY_TAIL_KEYS {
         let rate = rates.sample(rng).min(5.0 * limit_rate);
-        out.extend(poisson_process(rng, key, rate, 0, p.duration_ms));
+        poisson_process(rng, key, rate, p.duration_ms, out)?;
     }
-    out
+    Ok(())
 }
 
 #[cfg(test)]
@@ -259,13 +327,48 @@ mod tests {
         }
     }
 
+    /// A draw far above its mean is stopped at the cap, not held whole:
+    /// one burst holds about 0.6 times the limit however rare bursts are.
+    /// The same draw under a cap it fits is whole.
+    #[test]
+    fn a_draw_past_the_cap_is_stopped() {
+        let p = ShapeParams {
+            limit: 10_000,
+            window_ms: 20_000,
+            duration_ms: 1_000,
+            seed: 0,
+        };
+        // A seed whose draw has a burst well within the run: most have
+        // none in a twentieth of a window (the mean is 300 requests).
+        let (seed, whole) = (0..200)
+            .find_map(|seed| {
+                let p = ShapeParams { seed, ..p };
+                let drawn = Shape::PoissonBursts.generate(&p).unwrap();
+                (drawn.len() > 500).then_some((seed, drawn))
+            })
+            .expect("a seed with a burst");
+        let p = ShapeParams { seed, ..p };
+        assert!(
+            Shape::PoissonBursts.expected_requests(&p) < 500.0,
+            "the mean is below the cap"
+        );
+        assert_eq!(
+            Shape::PoissonBursts.generate_at_most(&p, 500),
+            Err(TooManyRequests)
+        );
+        assert_eq!(
+            Shape::PoissonBursts.generate_at_most(&p, whole.len()),
+            Ok(whole)
+        );
+    }
+
     #[test]
     fn shapes_are_reproducible_from_the_seed_and_differ_between_seeds() {
         for shape in Shape::ALL {
-            let a = shape.generate(&params(7));
-            assert_eq!(a, shape.generate(&params(7)), "{shape}");
+            let a = shape.generate(&params(7)).unwrap();
+            assert_eq!(a, shape.generate(&params(7)).unwrap(), "{shape}");
             if shape != Shape::BoundaryAttack {
-                assert_ne!(a, shape.generate(&params(8)), "{shape}");
+                assert_ne!(a, shape.generate(&params(8)).unwrap(), "{shape}");
             }
         }
     }
@@ -273,7 +376,7 @@ mod tests {
     #[test]
     fn shapes_are_sorted_and_inside_the_duration() {
         for shape in Shape::ALL {
-            let requests = shape.generate(&params(1));
+            let requests = shape.generate(&params(1)).unwrap();
             assert!(!requests.is_empty(), "{shape}");
             assert!(
                 requests.windows(2).all(|w| w[0].at_ms <= w[1].at_ms),
@@ -287,15 +390,15 @@ mod tests {
     fn steady_rates_are_near_their_multiple_of_the_limit() {
         // 20 windows of 100: 1600 and 4000 expected; a Poisson count's
         // standard deviation is its square root (40 and 63).
-        let slow = Shape::Steady08.generate(&params(3)).len();
-        let fast = Shape::Steady2.generate(&params(3)).len();
+        let slow = Shape::Steady08.generate(&params(3)).unwrap().len();
+        let fast = Shape::Steady2.generate(&params(3)).unwrap().len();
         assert!((1400..1800).contains(&slow), "{slow}");
         assert!((3700..4300).contains(&fast), "{fast}");
     }
 
     #[test]
     fn boundary_attack_puts_a_full_budget_either_side_of_an_edge() {
-        let requests = Shape::BoundaryAttack.generate(&params(0));
+        let requests = Shape::BoundaryAttack.generate(&params(0)).unwrap();
         let at = |t| requests.iter().filter(|r| r.at_ms == t).count();
         assert_eq!((at(999), at(1000)), (100, 100));
         assert_eq!((at(4999), at(5000)), (100, 100));
@@ -304,7 +407,7 @@ mod tests {
 
     #[test]
     fn heavy_tail_keys_spread_over_many_keys_with_a_heavy_tail() {
-        let requests = Shape::HeavyTailKeys.generate(&params(5));
+        let requests = Shape::HeavyTailKeys.generate(&params(5)).unwrap();
         let mut per_key = std::collections::HashMap::new();
         for r in &requests {
             *per_key.entry(r.key).or_insert(0u64) += 1;
@@ -333,7 +436,7 @@ mod tests {
         };
         for shape in Shape::ALL {
             let expected = shape.expected_requests(&p);
-            let got = shape.generate(&p).len() as f64;
+            let got = shape.generate(&p).unwrap().len() as f64;
             match shape {
                 Shape::BoundaryAttack => assert_eq!(got, expected),
                 Shape::HeavyTailKeys => {
@@ -367,7 +470,7 @@ mod tests {
             ..params(1)
         };
         for shape in Shape::ALL {
-            assert!(shape.generate(&p).is_empty(), "{shape}");
+            assert!(shape.generate(&p).unwrap().is_empty(), "{shape}");
             assert_eq!(shape.expected_requests(&p), 0.0, "{shape}");
         }
     }
