@@ -1239,7 +1239,8 @@ fn bench_redis_names_the_flag_out_of_its_bounds() {
         ("--connections", "257", "between 1 and 256"),
         ("--pipeline", "10001", "between 1 and 10000"),
         ("--round-trips", "1000001", "between 0 and 1000000"),
-        ("--requests", "100000001", "between 1 and 100000000"),
+        ("--requests", "100000001", "between 4000 and 100000000"),
+        ("--requests", "3999", "between 4000 and 100000000"),
         ("--rounds", "51", "between 1 and 50"),
         ("--rounds", "0", "between 1 and 50"),
     ] {
@@ -1264,7 +1265,7 @@ fn bench_redis_names_the_flag_out_of_its_bounds() {
     let help = ratewarden(&["bench-redis", "--help"]);
     let help = String::from_utf8_lossy(&help.stdout);
     for bound in [
-        "1 to 100,000,000",
+        "4,000 to 100,000,000 (40,000 with --quick",
         "1 to 10,000",
         "1 to 256",
         "0 to 1,000,000",

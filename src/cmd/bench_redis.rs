@@ -50,6 +50,11 @@ const SLICES: u64 = 4;
 /// The most `--requests`: a run of this many per measurement already
 /// takes hours.
 const MAX_REQUESTS: u64 = 100_000_000;
+/// The fewest requests a measurement may take, `--quick` applied: a slice
+/// of fewer than about a thousand can end within `redis-benchmark`'s
+/// clock's millisecond, which then gives no rate, and the run fails
+/// halfway.
+const MIN_PLANNED_REQUESTS: u64 = 1_000 * SLICES;
 /// The most `--connections`.
 const MAX_CONNECTIONS: usize = 256;
 /// The most `--round-trips`.
@@ -75,7 +80,8 @@ pub struct Args {
     #[arg(long)]
     pub store: String,
     /// Decisions per pipelined measurement (per policy, and per script in
-    /// each round), 1 to 100,000,000.
+    /// each round), 4,000 to 100,000,000 (40,000 with --quick, which takes
+    /// a tenth).
     #[arg(long, default_value_t = 200_000, value_parser = crate::cmd::whole::<u64>)]
     pub requests: u64,
     /// Requests per pipelined batch, 1 to 10,000.
@@ -136,7 +142,24 @@ impl Args {
 
     /// The sizes of this run, each flag checked against its own bounds.
     fn checked_plan(&self) -> Result<Plan, String> {
-        bound("--requests", self.requests, 1, MAX_REQUESTS)?;
+        let scale = if self.quick { 10 } else { 1 };
+        bound(
+            "--requests",
+            self.requests,
+            MIN_PLANNED_REQUESTS * scale,
+            MAX_REQUESTS,
+        )
+        .map_err(|e| {
+            format!(
+                "{e} (a measurement of fewer can end within redis-benchmark's millisecond \
+                 clock, which then gives no rate{})",
+                if self.quick {
+                    "; --quick takes a tenth"
+                } else {
+                    ""
+                }
+            )
+        })?;
         bound(
             "--pipeline",
             self.pipeline as u64,
@@ -1488,14 +1511,21 @@ mod tests {
         assert_eq!(none.checked_plan().unwrap().round_trips, 0);
         // One past each, and below each: the flag, its range and the value.
         type Change = fn(&mut Args);
-        let cases: [(Change, &str); 11] = [
+        let cases: [(Change, &str); 12] = [
             (
                 |a| a.requests = 100_000_001,
-                "--requests must be between 1 and 100000000, not 100000001",
+                "--requests must be between 4000 and 100000000, not 100000001",
             ),
             (
-                |a| a.requests = 0,
-                "--requests must be between 1 and 100000000, not 0",
+                |a| a.requests = 3_999,
+                "--requests must be between 4000 and 100000000, not 3999",
+            ),
+            (
+                |a| {
+                    a.quick = true;
+                    a.requests = 39_999;
+                },
+                "--requests must be between 40000 and 100000000, not 39999",
             ),
             (
                 |a| a.pipeline = 10_001,
