@@ -459,6 +459,18 @@ fn simulate_checks_its_output_paths_before_the_run() {
         );
         assert!(!charts.join("later").exists());
 
+        // A link named .svg to a file that is not: the file's name is
+        // the one to change, not the link's, which ends in .svg already.
+        let png = scratch(&dir, "picture.png");
+        std::fs::write(&png, "not a chart").unwrap();
+        let to_png = scratch(&dir, "to-png.svg");
+        std::os::unix::fs::symlink(&png, &to_png).unwrap();
+        refused(
+            run(to_png.to_str().unwrap(), nowhere.to_str().unwrap()),
+            "picture.png, which does not end in .svg",
+        );
+        assert_eq!(std::fs::read_to_string(&png).unwrap(), "not a chart");
+
         // Two hard links to one file are one file.
         let hard = scratch(&dir, "hard.csv");
         std::fs::hard_link(&svg, &hard).unwrap();
@@ -617,6 +629,31 @@ fn simulate_rates_a_short_last_bucket_over_its_length() {
     // 100 requests in the 1 ms from 1000 to 1001: 100,000 per second
     // offered, none admitted (the log is full from the 100 at 999).
     assert_eq!(&last[..4], ["sliding-log", "1000", "100000", "0"]);
+    assert!(std::fs::read_to_string(&svg)
+        .unwrap()
+        .contains("rates in 500 ms buckets"));
+
+    // A bucket longer than the run is the run: the caption says so, not
+    // a bucket length the rates were not taken over.
+    let out = ratewarden(&[
+        "simulate",
+        "--policy",
+        "sliding-log",
+        "--shape",
+        "boundary-attack",
+        "--duration-ms",
+        "1001",
+        "--bucket-ms",
+        "20000",
+        "--out",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    let chart = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        chart.contains("rates over the whole run (1001 ms)"),
+        "{chart}"
+    );
 }
 
 fn fails_with(args: &[&str], words: &[&str]) {

@@ -318,11 +318,20 @@ impl<'a> Output<'a> {
         // The chart is SVG text: a name that says otherwise would mislead
         // whatever opens the file by its extension.
         if flag == "--out" {
-            let svg = target
-                .extension()
-                .is_some_and(|e| e.eq_ignore_ascii_case("svg"));
+            let is_svg = |path: &Path| {
+                path.extension()
+                    .is_some_and(|e| e.eq_ignore_ascii_case("svg"))
+            };
+            // A link named .svg to another file: the name to change is the
+            // file's it leads to.
             ensure!(
-                svg,
+                is_svg(&target) || !is_svg(given),
+                "{flag} {shown} is a link to {}, which does not end in .svg; the chart is SVG: \
+                 give a path to a .svg file",
+                target.display()
+            );
+            ensure!(
+                is_svg(&target),
                 "{flag} {shown}: the chart is SVG; give a path ending in .svg, such as {}",
                 given.with_extension("svg").display()
             );
@@ -533,9 +542,16 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
         } else {
             String::new()
         };
+        // A bucket as long as the run or longer is the run: its rate is
+        // taken over the run's length.
+        let buckets = if bucket_ms >= args.duration_ms {
+            format!("rates over the whole run ({} ms)", args.duration_ms)
+        } else {
+            format!("rates in {bucket_ms} ms buckets")
+        };
         let caption = format!(
-            "{}: limit {} per {} ms{seed}; rates in {} ms buckets",
-            shape, args.limit, args.window_ms, bucket_ms
+            "{}: limit {} per {} ms{seed}; {buckets}",
+            shape, args.limit, args.window_ms
         );
         let mut chart = ChartBuilder::on(&root)
             .caption(caption, ("sans-serif", 22))
