@@ -873,8 +873,14 @@ fn bench(args: &Args, plan: &Plan) -> Result<()> {
 /// command that measures Redis with sizes of its own. The URL is shown
 /// without its password, which the user must put back: the message says
 /// so rather than print a line that cannot be pasted as it stands.
-fn memory_only_message(flags: &[&str], store: &str) -> String {
+fn memory_only_message(flags: &[&str], store: &str, quick: bool, json: bool) -> String {
     let shown = ratewarden_redis::redact_url(store);
+    // The flags bench-redis takes too, as the user gave them.
+    let kept = format!(
+        "{}{}",
+        if quick { " --quick" } else { "" },
+        if json { " --json" } else { "" }
+    );
     let hidden = if shown == store {
         String::new()
     } else {
@@ -882,7 +888,7 @@ fn memory_only_message(flags: &[&str], store: &str) -> String {
     };
     format!(
         "{} {} of the in-memory bench only; for Redis, run `ratewarden bench-redis \
-         --store {shown}`{hidden}, which takes sizes of its own (--requests, --keys, \
+         --store {shown}{kept}`{hidden}, which takes sizes of its own (--requests, --keys, \
          --pipeline, --connections, --round-trips, --rounds)",
         flags.join(", "),
         if flags.len() == 1 {
@@ -903,7 +909,7 @@ pub fn run(args: Args) -> ExitCode {
             if !ignored.is_empty() {
                 eprintln!(
                     "ratewarden bench: {}",
-                    memory_only_message(&ignored, &args.store)
+                    memory_only_message(&ignored, &args.store, args.quick, args.json)
                 );
                 return ExitCode::from(2);
             }
@@ -971,7 +977,7 @@ mod tests {
 
     #[test]
     fn memory_only_flags_with_redis_point_at_bench_redis() {
-        let m = memory_only_message(&["--seed"], "redis://127.0.0.1:6379");
+        let m = memory_only_message(&["--seed"], "redis://127.0.0.1:6379", false, false);
         assert!(
             m.starts_with("--seed is an option of the in-memory bench only"),
             "{m}"
@@ -980,7 +986,13 @@ mod tests {
             m.contains("`ratewarden bench-redis --store redis://127.0.0.1:6379`,"),
             "{m}"
         );
-        let m = memory_only_message(&["--keys", "--seed"], "redis://:s3cret@h:1");
+        // --quick and --json, which bench-redis takes too, are kept.
+        let m = memory_only_message(&["--seed"], "redis://127.0.0.1:6379", true, true);
+        assert!(
+            m.contains("`ratewarden bench-redis --store redis://127.0.0.1:6379 --quick --json`,"),
+            "{m}"
+        );
+        let m = memory_only_message(&["--keys", "--seed"], "redis://:s3cret@h:1", false, false);
         assert!(m.starts_with("--keys, --seed are options"), "{m}");
         assert!(!m.contains("s3cret"), "{m}");
         assert!(m.contains("redis://:***@h:1"), "{m}");
