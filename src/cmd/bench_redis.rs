@@ -1076,6 +1076,7 @@ fn connect_error(e: &RedisError, address: &str, waited: Duration) -> String {
         "redis://:PASSWORD@HOST:PORT (or redis://USER:PASSWORD@HOST:PORT for an ACL user)"
     };
     let text = e.to_string();
+    let socket = address.strip_prefix("unix:");
     // With a /DB, connecting sends SELECT first, whose refusal wraps the
     // NOAUTH in its own words.
     if e.code() == Some("NOAUTH") || text.contains("Authentication required") {
@@ -1086,10 +1087,21 @@ fn connect_error(e: &RedisError, address: &str, waited: Duration) -> String {
              {with_password}"
         )
     } else if text.contains("DB index is out of range") {
+        let (db, db0) = if socket.is_some() {
+            ("?db=", "?db=0")
+        } else {
+            ("/DB", "/0")
+        };
         format!(
-            "Redis at {address} has no database of the number the URL's /DB names: use one \
-             below the server's `databases` setting (16 by default), such as /0"
+            "Redis at {address} has no database of the number the URL's {db} names: use one \
+             below the server's `databases` setting (16 by default), such as {db0}"
         )
+    } else if let Some(why) =
+        socket.and_then(|path| ratewarden_redis::unix_socket_problem(path, &text))
+    {
+        // The store's words: a missing file, one that is no socket, or
+        // one this process may not open.
+        format!("Redis at {address} cannot be used: {why}")
     } else if e.is_connection_refusal() {
         format!(
             "nothing accepts connections at {address} (connection refused): start \
@@ -1626,6 +1638,40 @@ mod tests {
         );
         assert!(e.contains("connection refused"), "{e}");
         assert!(e.contains("start redis-server there"), "{e}");
+        // A Unix socket is said as the store says it: a missing file, one
+        // that is no socket, and its database in the query.
+        let missing = format!("unix:/ratewarden-none-{}.sock", std::process::id());
+        let e = connect_error(
+            &RedisError::from(std::io::Error::from(std::io::ErrorKind::NotFound)),
+            &missing,
+            CONNECT_TIMEOUT,
+        );
+        assert!(
+            e.contains("no such file: no redis-server listens there"),
+            "{e}"
+        );
+        let folder = format!("unix:{}", std::env::temp_dir().display());
+        let e = connect_error(
+            &io(std::io::ErrorKind::ConnectionRefused),
+            &folder,
+            CONNECT_TIMEOUT,
+        );
+        assert!(e.contains("it is not a socket but a folder"), "{e}");
+        let no_db = RedisError::from((
+            ErrorKind::Server(redis::ServerErrorKind::ResponseError),
+            "An error was signalled by the server",
+            "DB index is out of range".to_owned(),
+        ));
+        let e = connect_error(&no_db, &folder, CONNECT_TIMEOUT);
+        assert!(
+            e.contains("the URL's ?db= names") && e.contains("such as ?db=0"),
+            "{e}"
+        );
+        let e = connect_error(&no_db, "h:1", CONNECT_TIMEOUT);
+        assert!(
+            e.contains("the URL's /DB names") && e.contains("such as /0"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -37,7 +37,8 @@ mod url;
 
 pub use limiter::{Checked, FailureCounts, RedisLimiter, RedisTime};
 pub use store::{
-    cluster_enabled, escape_key_part, is_refused_key, RedisOptions, RedisStore, MAX_BATCH,
+    cluster_enabled, escape_key_part, is_refused_key, unix_socket_problem, RedisOptions,
+    RedisStore, MAX_BATCH,
 };
 pub use url::{
     is_cluster_url, is_redis_like_url, is_store_url, quoted_or_hidden, redact_url, url_error,

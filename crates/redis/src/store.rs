@@ -3096,7 +3096,7 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
         )
     } else if let Some((kind, why)) = address
         .starts_with('/')
-        .then(|| socket_problem(address, &e))
+        .then(|| socket_problem(address, &text))
         .flatten()
     {
         StoreError::new(kind, format!("Redis at {address} cannot be used: {why}"))
@@ -3243,13 +3243,19 @@ fn refused_permission(text: &str) -> bool {
 }
 
 /// What kept a connection to the Unix socket at `path` from being made,
-/// when the file system says more than the error `e` does (redis-rs
-/// reports a missing file as a refused connection, and a file that is no
-/// socket is refused too): the kind of error, and what to change.
-fn socket_problem(path: &str, e: &RedisError) -> Option<(StoreErrorKind, String)> {
+/// when the file system or the system's error says more than the text of
+/// the client's error, `error_text`, does (redis-rs reports a missing file
+/// as a refused connection, and a file that is no socket is refused too),
+/// and what to change; `None` when they do not (a socket left by a
+/// redis-server that stopped refuses connections: so it reads).
+pub fn unix_socket_problem(path: &str, error_text: &str) -> Option<String> {
+    socket_problem(path, error_text).map(|(_, why)| why)
+}
+
+/// [`unix_socket_problem`], with the kind of error it is.
+fn socket_problem(path: &str, text: &str) -> Option<(StoreErrorKind, String)> {
     // redis-rs keeps the system's error behind a type of its own, and
     // shows it as Rust does: "... (os error N)".
-    let text = e.to_string();
     let code = text
         .rsplit_once("(os error ")
         .and_then(|(_, rest)| rest.strip_suffix(')'))
@@ -3888,8 +3894,9 @@ mod tests {
     #[cfg(unix)]
     #[test]
     fn a_unix_socket_that_cannot_be_used_says_why() {
-        let denied = RedisError::from(std::io::Error::from_raw_os_error(13));
-        let refused = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        let denied = RedisError::from(std::io::Error::from_raw_os_error(13)).to_string();
+        let refused = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused))
+            .to_string();
         let folder = std::env::temp_dir().display().to_string();
         let (kind, why) = socket_problem(&folder, &denied).expect("denied");
         assert_eq!(kind, StoreErrorKind::InvalidInput);
