@@ -192,9 +192,15 @@ impl StoreError {
         self.kind == StoreErrorKind::InvalidInput
     }
 
-    /// Worth retrying later: the store may answer once it is reachable
-    /// again. Corrupt state and invalid input stay wrong however often they
-    /// are retried.
+    /// Worth retrying soon: the store did not answer (a timeout, a dropped
+    /// connection, a failure of its own) and may once it is reachable
+    /// again. Not a full in-memory store ([`is_capacity_exhausted`]),
+    /// which has room again only as keys fall idle and are forgotten
+    /// (`MemoryStore::forget_idle`), so a prompt retry meets the same
+    /// error; nor corrupt state or invalid input, which stay wrong however
+    /// often they are retried.
+    ///
+    /// [`is_capacity_exhausted`]: StoreError::is_capacity_exhausted
     pub fn is_transient(&self) -> bool {
         matches!(
             self.kind,
