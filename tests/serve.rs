@@ -2711,3 +2711,40 @@ async fn a_full_store_episode_ends_with_a_line_that_counts_its_failures() {
     let series = "ratewarden_store_errors_total{rule=\"keys\",kind=\"capacity_exhausted\"}";
     assert_eq!(common::metric(&client, server.http, series).await, 5);
 }
+
+/// A `RUST_LOG` that does not parse is said at start, not dropped without
+/// a word; the server logs at `info` and runs. A valid one gets no word.
+#[test]
+fn a_rust_log_that_does_not_parse_is_warned_about() {
+    use std::io::{BufRead, BufReader};
+    for (filter, warned) in [("warn,ratewarden_server=loud", true), ("info", false)] {
+        let mut child = Command::new(common::BIN)
+            .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+            .env("RUST_LOG", filter)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("the ratewarden binary starts");
+        common::first_line(&mut child).expect("serve prints where it listens");
+        let _ = child.kill();
+        let _ = child.wait();
+        let stderr = child.stderr.take().expect("piped");
+        let lines: Vec<String> = BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .collect();
+        let warning = lines.iter().any(|l| {
+            l.contains(&format!(
+                "RUST_LOG={filter:?} is not a filter tracing reads"
+            ))
+        });
+        assert_eq!(warning, warned, "{filter}: {lines:#?}");
+        // Logged at info either way: the line that says it listens.
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains("ratewarden serve is listening")),
+            "{filter}: {lines:#?}"
+        );
+    }
+}

@@ -56,14 +56,32 @@ fn parse_addr(s: &str) -> Result<SocketAddr, String> {
 
 /// Runs the service until SIGTERM or SIGINT.
 pub fn run(args: Args) -> ExitCode {
+    // A RUST_LOG that does not parse is said, not dropped without a word:
+    // whoever set it expects its lines.
+    let (filter, bad_filter) = match tracing_subscriber::EnvFilter::try_from_default_env() {
+        Ok(filter) => (filter, None),
+        Err(e) => {
+            let given = std::env::var("RUST_LOG")
+                .ok()
+                .filter(|v| !v.trim().is_empty());
+            (
+                tracing_subscriber::EnvFilter::new("info"),
+                given.map(|v| (v, e)),
+            )
+        }
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
+    if let Some((given, e)) = bad_filter {
+        eprintln!(
+            "ratewarden serve: warning: RUST_LOG={given:?} is not a filter tracing reads \
+             ({e}), so it is ignored and info and above are logged; write directives such as \
+             warn or info,ratewarden_server=debug"
+        );
+    }
     let mut given = vec![("--http", args.http), ("--grpc", args.grpc)];
     given.extend(args.metrics.map(|a| ("--metrics", a)));
     for (i, (flag, addr)) in given.iter().enumerate() {
