@@ -376,8 +376,25 @@ impl Config {
                 meta.len()
             )));
         }
-        let text = std::fs::read_to_string(path)
+        // Read through the bound too: a file that grows after the check,
+        // or one whose size says nothing (/dev/zero, a pipe, a file under
+        // /proc), stops at it instead of filling memory.
+        let mut bytes = Vec::new();
+        std::fs::File::open(path)
+            .and_then(|f| {
+                use std::io::Read;
+                f.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes)
+            })
             .map_err(|e| whole(format!("cannot read the file: {e}")))?;
+        if bytes.len() as u64 > MAX_FILE_BYTES {
+            return Err(whole(format!(
+                "the file holds more than the {MAX_FILE_BYTES} bytes allowed (its size as read, \
+                 past what the file system said: it grew, or is no regular file); give a \
+                 regular file of at most that"
+            )));
+        }
+        let text = String::from_utf8(bytes)
+            .map_err(|e| whole(format!("cannot read the file: it is not UTF-8 text ({e})")))?;
         let mut config = Self::parse(&text, &file)?;
         // The `[redis]` files are found from the file's directory, not
         // from wherever the server was started.
@@ -2115,6 +2132,24 @@ shadow = true
                 .starts_with("/nonexistent/ratewarden.toml: cannot read the file"),
             "{e}"
         );
+    }
+
+    /// A file whose size says nothing (an endless device, here) is read
+    /// only up to the bound, and refused; one that is not UTF-8 says so.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn reading_stops_at_the_bound_whatever_the_size_says() {
+        let e = Config::load(Path::new("/dev/zero")).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("holds more than the 16777216 bytes allowed"),
+            "{e}"
+        );
+        let file = std::env::temp_dir().join(format!("ratewarden-utf8-{}", std::process::id()));
+        std::fs::write(&file, b"[keys]\nlimit = 1\xff\n").unwrap();
+        let e = Config::load(&file).unwrap_err();
+        let _ = std::fs::remove_file(&file);
+        assert!(e.to_string().contains("it is not UTF-8 text"), "{e}");
     }
 
     #[test]
