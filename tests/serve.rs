@@ -2748,3 +2748,60 @@ fn a_rust_log_that_does_not_parse_is_warned_about() {
         );
     }
 }
+
+/// Makes `path` a named pipe that no one writes to: reading it blocks, as
+/// a file on a hung network mount would.
+fn blocking_pipe(path: &str) {
+    let _ = std::fs::remove_file(path);
+    let made = Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success(), "mkfifo {path}");
+}
+
+/// A configuration file whose read blocks holds up neither a stop at
+/// start nor one while a reload waits on it; requests are answered on
+/// the rules in force meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configuration_read_that_blocks_does_not_keep_serve_from_stopping() {
+    // At start: nothing listens yet, and SIGTERM stops it.
+    let file = ConfigFile::new("");
+    blocking_pipe(file.path());
+    let mut child = Command::new(common::BIN)
+        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .args(["--config", file.path()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the ratewarden binary starts");
+    std::thread::sleep(Duration::from_millis(300));
+    let sent = Command::new("kill")
+        .args(["-s", "TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("serve did not stop within 10 s of SIGTERM while its file blocked");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+
+    // On reload: the rules in force answer, and SIGTERM stops it.
+    let file = ConfigFile::new("[keys]\nlimit = 5\nwindow_ms = 60000\n");
+    let (server, log) = Server::start_logged(&["--config", file.path()]);
+    blocking_pipe(file.path());
+    server.signal("HUP");
+    log.next_containing("SIGHUP: reloading the configuration");
+    let (status, _, body) = post(&client(), &server.url(), json!({"key": "k"})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["remaining"], 4, "{body}");
+    server.stop();
+}

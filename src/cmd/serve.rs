@@ -131,6 +131,10 @@ pub fn run(args: Args) -> ExitCode {
         })
         .await
     });
+    // A configuration read that still blocks (see ConfigSource::
+    // load_in_background) must not keep the process from exiting, as
+    // dropping the runtime would: it waits for every blocking thread.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(100));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

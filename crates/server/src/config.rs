@@ -1519,6 +1519,28 @@ impl ConfigSource {
             None => Ok(Config::reference()),
         }
     }
+
+    /// [`ConfigSource::load`] on a thread of its own, so that a read that
+    /// blocks (a pipe no one writes to, a hung network mount) holds up
+    /// no task of the caller's runtime: a server stays able to stop
+    /// meanwhile.
+    pub async fn load_in_background(&self) -> Result<Config, ConfigFileError> {
+        let source = self.clone();
+        tokio::task::spawn_blocking(move || source.load())
+            .await
+            .unwrap_or_else(|e| {
+                Err(ConfigFileError {
+                    file: self
+                        .path
+                        .as_ref()
+                        .map_or_else(String::new, |p| p.display().to_string()),
+                    line: None,
+                    column: None,
+                    field: String::new(),
+                    message: format!("reading the file failed: {e}"),
+                })
+            })
+    }
 }
 
 #[cfg(test)]

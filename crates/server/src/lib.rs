@@ -258,7 +258,7 @@ async fn set_health(health: &tonic_health::server::HealthReporter, status: Servi
 /// Loads the configuration, builds the store and starts both interfaces and
 /// the housekeeping timer.
 pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
-    let config = options.config.load()?;
+    let config = options.config.load_in_background().await?;
     let factory = factory_for(&options.store, &config.server)?;
     let service = Arc::new(Service::with_config(config, options.config.clone(), factory).await?);
     let http_listener = TcpListener::bind(options.http)
@@ -465,14 +465,32 @@ pub async fn serve_until_signal(
     let mut hangup = signal(SignalKind::hangup())?;
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
-    let running = start(options).await?;
+    // A start held up (its configuration file read blocks, or the store
+    // does not answer) still stops when told to.
+    let running = tokio::select! {
+        started = start(options) => started?,
+        _ = terminate.recv() => {
+            tracing::info!("SIGTERM before the server started: stopping");
+            return Ok(());
+        }
+        _ = interrupt.recv() => {
+            tracing::info!("SIGINT before the server started: stopping");
+            return Ok(());
+        }
+    };
     on_listening(&running);
     loop {
         tokio::select! {
             _ = hangup.recv() => {
                 tracing::info!("SIGHUP: reloading the configuration");
-                // The outcome is logged and counted by `reload` itself.
-                let _ = running.service.reload().await;
+                // Apart from this loop, so that a reload held up (a file
+                // whose read blocks, a store that does not answer) keeps
+                // no signal from being handled; reloads run one at a
+                // time. The outcome is logged and counted by `reload`.
+                let service = Arc::clone(&running.service);
+                tokio::spawn(async move {
+                    let _ = service.reload().await;
+                });
             }
             _ = terminate.recv() => {
                 tracing::info!("SIGTERM: shutting down");

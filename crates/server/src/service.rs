@@ -202,7 +202,11 @@ impl Service {
     pub async fn reload(&self) -> Result<(), String> {
         let _one_at_a_time = self.reload_lock.lock().await;
         let result = async {
-            let mut config = self.source.load().map_err(|e| e.to_string())?;
+            let mut config = self
+                .source
+                .load_in_background()
+                .await
+                .map_err(|e| e.to_string())?;
             if config.server != self.settings {
                 // The running server keeps its settings (limiters are built
                 // with them too); the file's apply at the next start.
