@@ -883,13 +883,17 @@ async fn serve_decides_over_tls_with_the_files_its_config_names() {
     serve.stop();
 
     // The same files with a plain URL: refused at start, as the link
-    // would stay plain.
+    // would stay plain, as the [redis] table's mistake (not a rule's).
     let (status, stderr) = serve_refused_with_config(&redis.url(), file.path());
     assert!(!status.success(), "{stderr}");
     assert!(
-        stderr.contains("tls_ca_file is given, but the URL does not use TLS"),
+        stderr.contains(
+            "the configuration's [redis] table: tls_ca_file is given, but the URL does not \
+             use TLS"
+        ),
         "{stderr}"
     );
+    assert!(!stderr.contains("rule"), "{stderr}");
     // The system's roots do not trust the test CA.
     let (status, stderr) = serve_refused(&tls_url);
     assert!(!status.success(), "{stderr}");

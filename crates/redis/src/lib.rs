@@ -40,6 +40,7 @@ pub use store::{
     cluster_enabled, escape_key_part, is_refused_key, unix_socket_problem, RedisOptions,
     RedisStore, MAX_BATCH,
 };
+pub use tls::check_tls_files;
 pub use url::{
     is_cluster_url, is_redis_like_url, is_store_url, quoted_or_hidden, redact_url, url_error,
     url_form_error,

@@ -23,6 +23,14 @@ fn invalid(what: String) -> StoreError {
     StoreError::new(StoreErrorKind::InvalidInput, what)
 }
 
+/// Checks the TLS files of `options` for a connection to `url` as
+/// connecting does (see [`RedisStore::connect`](crate::RedisStore::connect)),
+/// without connecting: a caller that takes the files from a setting of its
+/// own can name that setting in the error.
+pub fn check_tls_files(url: &str, options: &RedisOptions) -> Result<(), StoreError> {
+    certificates(options, url).map(|_| ())
+}
+
 /// The certificates a connection to `url` is made with: `None` for the
 /// client's defaults (the system's roots, no client certificate), and
 /// always `None` without TLS.

@@ -131,6 +131,18 @@ pub fn factory_for(
             }))
         }
         StoreUrl::Redis(url) | StoreUrl::RedisCluster(url) => {
+            // The [redis] files are checked here, so that a mistake in
+            // them is told as the table's, not as the first rule's.
+            let tls = &settings.redis_tls;
+            let options = ratewarden_redis::RedisOptions {
+                tls_ca_file: tls.tls_ca_file.clone(),
+                tls_cert_file: tls.tls_cert_file.clone(),
+                tls_key_file: tls.tls_key_file.clone(),
+                ..Default::default()
+            };
+            ratewarden_redis::check_tls_files(url, &options).map_err(|e| {
+                anyhow::anyhow!("the configuration's [redis] table: {}", e.detail())
+            })?;
             Ok(Arc::new(store::RedisFactory::new(
                 url.clone(),
                 settings.store_timeout_ms,
