@@ -2455,7 +2455,12 @@ async fn every_refused_connection_is_logged_within_a_second_or_so() {
     }
     let mut logged = 0;
     while logged < 5 {
-        logged += common::log_field(&log.next_containing("closed unserved"), "refused");
+        let line = log.next_containing("closed unserved");
+        assert!(
+            line.contains("1 connection is open on this interface"),
+            "{line}"
+        );
+        logged += common::log_field(&line, "refused");
     }
     assert_eq!(logged, 5);
     drop(held);

@@ -146,12 +146,15 @@ impl Acceptor {
             );
         }
         if self.refused > 0 {
+            let open = match self.max_connections {
+                1 => "1 connection is".to_owned(),
+                n => format!("{n} connections are"),
+            };
             tracing::warn!(
                 api,
                 refused = self.refused,
-                "{} connections are open on this interface, server.max_connections: further \
-                 ones are closed unserved",
-                self.max_connections
+                "{open} open on this interface, server.max_connections: further ones are \
+                 closed unserved"
             );
         }
         self.refused = 0;
