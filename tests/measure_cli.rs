@@ -604,52 +604,41 @@ fn simulate_refuses_what_would_draw_a_misleading_chart() {
 fn simulate_rates_a_short_last_bucket_over_its_length() {
     let dir = tempfile::tempdir().unwrap();
     let (svg, csv) = (scratch(&dir, "s.svg"), scratch(&dir, "s.csv"));
-    let out = ratewarden(&[
-        "simulate",
-        "--policy",
-        "sliding-log",
-        "--shape",
-        "boundary-attack",
-        "--duration-ms",
-        "1001",
-        "--bucket-ms",
-        "500",
-        "--out",
-        svg.to_str().unwrap(),
-        "--csv",
-        csv.to_str().unwrap(),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // The boundary attack for 1001 ms, in buckets of `bucket_ms`.
+    let run = |bucket_ms: &str| {
+        let out = ratewarden(&[
+            "simulate",
+            "--policy",
+            "sliding-log",
+            "--shape",
+            "boundary-attack",
+            "--duration-ms",
+            "1001",
+            "--bucket-ms",
+            bucket_ms,
+            "--out",
+            svg.to_str().unwrap(),
+            "--csv",
+            csv.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::read_to_string(&svg).unwrap()
+    };
+    let chart = run("500");
     let series = std::fs::read_to_string(&csv).unwrap();
     let last: Vec<&str> = series.lines().last().unwrap().split(',').collect();
     // 100 requests in the 1 ms from 1000 to 1001: 100,000 per second
     // offered, none admitted (the log is full from the 100 at 999).
     assert_eq!(&last[..4], ["sliding-log", "1000", "100000", "0"]);
-    assert!(std::fs::read_to_string(&svg)
-        .unwrap()
-        .contains("rates in 500 ms buckets"));
+    assert!(chart.contains("rates in 500 ms buckets"), "{chart}");
 
     // A bucket longer than the run is the run: the caption says so, not
     // a bucket length the rates were not taken over.
-    let out = ratewarden(&[
-        "simulate",
-        "--policy",
-        "sliding-log",
-        "--shape",
-        "boundary-attack",
-        "--duration-ms",
-        "1001",
-        "--bucket-ms",
-        "20000",
-        "--out",
-        svg.to_str().unwrap(),
-    ]);
-    assert!(out.status.success());
-    let chart = std::fs::read_to_string(&svg).unwrap();
+    let chart = run("20000");
     assert!(
         chart.contains("rates over the whole run (1001 ms)"),
         "{chart}"
