@@ -15,9 +15,13 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use ratewarden_core::{FailurePolicy, StoreErrorKind};
 
-/// Upper bounds of the latency histogram's buckets, in microseconds.
-const LATENCY_BUCKETS_US: [u64; 14] = [
-    25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
+/// Upper bounds of the latency histogram's buckets, in microseconds: up
+/// to 10 s, the longest `store_timeout_ms`, so that a slow tail (a store
+/// that times out, a gRPC call that waits its deadline) is told apart
+/// from +Inf.
+const LATENCY_BUCKETS_US: [u64; 17] = [
+    25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000,
+    1_000_000, 2_500_000, 5_000_000, 10_000_000,
 ];
 
 const STORE_ERROR_KINDS: &[StoreErrorKind] = StoreErrorKind::ALL;
@@ -466,6 +470,10 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("{api=\"http\",le=\"0.00005\"} 1\n"), "{text}");
+        // 2 s: past 1 s, within 2.5 s, and the last bound is 10 s.
+        assert!(text.contains("{api=\"http\",le=\"1\"} 1\n"), "{text}");
+        assert!(text.contains("{api=\"http\",le=\"2.5\"} 2\n"), "{text}");
+        assert!(text.contains("{api=\"http\",le=\"10\"} 2\n"), "{text}");
         assert!(text.contains("{api=\"http\",le=\"+Inf\"} 2\n"), "{text}");
         assert!(
             text.contains("ratewarden_keys_tracked{rule=\"keys\"} 3\n"),
