@@ -301,7 +301,9 @@ fn ping_names_a_killed_master_as_down() {
     let mut cluster = RedisCluster::start();
     let port = cluster.nodes()[2].port();
     let rt = common::runtime();
-    let store = ready_store(&cluster, &rt, "killed-ping");
+    // A timeout a busy machine cannot miss: the ping's checks and the
+    // probe of the dead master all fit in it.
+    let store = store_with_timeout(&cluster, &rt, "killed-ping", 5_000);
     cluster.kill_node(2);
     let e = rt.block_on(store.ping()).expect_err("a master is down");
     assert!(
