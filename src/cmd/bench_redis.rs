@@ -724,13 +724,21 @@ fn show(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"))
 }
 
+/// `n` rounds, in words: "1 round", "3 rounds".
+fn rounds(n: usize) -> String {
+    match n {
+        1 => "1 round".to_owned(),
+        n => format!("{n} rounds"),
+    }
+}
+
 fn print_table(args: &Args, plan: &Plan, m: &Measured) -> String {
     let mut out = String::new();
     outln!(out, "machine: {}", super::bench::machine(&m.load_at_start));
     outln!(
         out,
         "Redis at {}: {} requests per measurement, pipeline {}, {} connections, {} keys, \
-         {} round trips per policy; reference numbers ({} per {} ms); {} rounds; keys under {}",
+         {} round trips per policy; reference numbers ({} per {} ms); {}; keys under {}",
         m.shown,
         plan.requests,
         args.pipeline,
@@ -739,7 +747,7 @@ fn print_table(args: &Args, plan: &Plan, m: &Measured) -> String {
         plan.round_trips,
         REFERENCE.limit,
         REFERENCE.window_ms,
-        plan.rounds,
+        rounds(plan.rounds),
         m.key_prefix
     );
     outln!(
@@ -807,17 +815,17 @@ fn print_table(args: &Args, plan: &Plan, m: &Measured) -> String {
     let verdict = &m.verdict;
     outln!(
         out,
-        "server CPU per call, sliding-window-counter / minimal, median of {} rounds: {:.2}x \
+        "server CPU per call, sliding-window-counter / minimal, median of {}: {:.2}x \
          (target at most {CPU_RATIO_AT_MOST}x: {})",
-        m.rounds.len(),
+        rounds(m.rounds.len()),
         verdict.cpu_ratio_median,
         met(verdict.cpu_met())
     );
     outln!(
         out,
         "pipelined sliding-window-counter through this client / redis-benchmark EVALSHA \
-         minimal, median of {} rounds: {:.0}% (target at least {:.0}%: {})",
-        m.rounds.len(),
+         minimal, median of {}: {:.0}% (target at least {:.0}%: {})",
+        rounds(m.rounds.len()),
         verdict.throughput_share_median * 100.0,
         THROUGHPUT_SHARE_AT_LEAST * 100.0,
         met(verdict.throughput_met())
@@ -1595,6 +1603,12 @@ mod tests {
         }
         // The help names this bound of --pipeline.
         assert_eq!(ratewarden_redis::MAX_BATCH, 10_000);
+    }
+
+    #[test]
+    fn rounds_are_counted_in_words() {
+        assert_eq!(rounds(1), "1 round");
+        assert_eq!(rounds(3), "3 rounds");
     }
 
     #[test]
