@@ -602,6 +602,15 @@ impl<P: Policy> MemoryStore<P> {
     /// exhausted). A request on a new key that admits nothing (a peek, or
     /// a cost above the limit or burst) is answered as a new key's even
     /// then, and nothing is kept.
+    ///
+    /// `now_ms` is every key's clock, not this key's alone: a new key on a
+    /// full shard has the shard swept at `now_ms` (SPEC, "Memory"), so a
+    /// time far ahead of the others' forgets keys that are not idle by
+    /// theirs, whose next requests then start afresh. Give every call of
+    /// one store times from one clock (as [`LocalLimiter`] does); a time
+    /// taken from a client is no such clock.
+    ///
+    /// [`LocalLimiter`]: crate::LocalLimiter
     #[inline(always)]
     pub fn decide(&self, key: u64, now_ms: u64, cost: u64) -> Result<Decision, StoreError> {
         // The range check inline, its error (which formats a message) out
