@@ -131,24 +131,19 @@ pub fn factory_for(
             }))
         }
         StoreUrl::Redis(url) | StoreUrl::RedisCluster(url) => {
-            // The [redis] files are checked here, so that a mistake in
-            // them is told as the table's, not as the first rule's.
-            let tls = &settings.redis_tls;
-            let options = ratewarden_redis::RedisOptions {
-                tls_ca_file: tls.tls_ca_file.clone(),
-                tls_cert_file: tls.tls_cert_file.clone(),
-                tls_key_file: tls.tls_key_file.clone(),
-                ..Default::default()
-            };
-            ratewarden_redis::check_tls_files(url, &options).map_err(|e| {
-                anyhow::anyhow!("the configuration's [redis] table: {}", e.detail())
-            })?;
-            Ok(Arc::new(store::RedisFactory::new(
+            let factory = store::RedisFactory::new(
                 url.clone(),
                 settings.store_timeout_ms,
                 settings.key_prefix.clone(),
                 settings.redis_tls.clone(),
-            )))
+            );
+            // The [redis] files are checked here, with the options every
+            // connection is made with, so that a mistake in them is told
+            // as the table's, not as the first rule's.
+            ratewarden_redis::check_tls_files(url, &factory.options()).map_err(|e| {
+                anyhow::anyhow!("the configuration's [redis] table: {}", e.detail())
+            })?;
+            Ok(Arc::new(factory))
         }
     }
 }

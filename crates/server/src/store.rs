@@ -129,7 +129,7 @@ impl RedisFactory {
     /// prefix names only the key the store's own checks use (see
     /// `RedisStore::ping`): under `key_prefix` and its `:`, as every rule's
     /// keys are, so that an ACL key pattern for the rules covers it.
-    fn options(&self) -> ratewarden_redis::RedisOptions {
+    pub(crate) fn options(&self) -> ratewarden_redis::RedisOptions {
         ratewarden_redis::RedisOptions {
             prefix: format!("{}:probe", self.key_prefix),
             timeout_ms: self.timeout_ms,
