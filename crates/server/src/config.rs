@@ -12,7 +12,7 @@
 //! `unlimited = true`) and nested descriptors. See `docs/serve.md` and
 //! `examples/ratewarden.toml`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -393,8 +393,27 @@ impl Config {
                  regular file of at most that"
             )));
         }
-        let text = String::from_utf8(bytes)
-            .map_err(|e| whole(format!("cannot read the file: it is not UTF-8 text ({e})")))?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            // Where the first bad byte is, as the parser's errors say it:
+            // the line, and the column in characters, the bad byte counted.
+            let bytes = e.as_bytes();
+            let at = e.utf8_error().valid_up_to();
+            let line_start = bytes[..at]
+                .iter()
+                .rposition(|&b| b == b'\n')
+                .map_or(0, |i| i + 1);
+            // Everything before `at` is valid UTF-8.
+            let column = std::str::from_utf8(&bytes[line_start..at])
+                .map_or(1, |before| before.chars().count() + 1);
+            ConfigFileError {
+                line: Some(bytes[..at].iter().filter(|&&b| b == b'\n').count() + 1),
+                column: Some(column),
+                ..whole(format!(
+                    "cannot read the file: it is not UTF-8 text (the first byte that is not \
+                     is here, byte {at} of the file); save it as UTF-8"
+                ))
+            }
+        })?;
         let mut config = Self::parse(&text, &file)?;
         // The `[redis]` files are found from the file's directory, not
         // from wherever the server was started.
@@ -846,15 +865,23 @@ fn field_at(text: &str, offset: usize) -> String {
     let offset = offset.min(text.len());
     let line_start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
     let line = text[line_start..].lines().next().unwrap_or("");
+    if line.trim_start().starts_with('[') {
+        // A header: the table it opens (`[keys.extra]` is `keys.extra`).
+        let line_end = line_start + line.len();
+        return table_at(&text[..line_end]).unwrap_or_default();
+    }
     let Some((key, _)) = line.split_once('=') else {
         return String::new();
     };
-    let key = key.trim();
-    if key.is_empty()
-        || !key
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-    {
+    // A dotted key (`keys.limit = 5` under `[keys]`) names a field of
+    // nested tables: `keys.keys.limit`.
+    let key: String = key.split('.').map(str::trim).collect::<Vec<_>>().join(".");
+    if key.split('.').any(|part| {
+        part.is_empty()
+            || !part
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    }) {
         return String::new();
     }
     match table_at(&text[..line_start]) {
@@ -1063,6 +1090,9 @@ impl Validator<'_> {
             .map(|r| self.rule(r, "fallback", "fallback"))
             .transpose()?;
         let mut domains: Vec<DomainSpec> = Vec::with_capacity(raw.domains.len());
+        // Each domain's index and where its table starts, to name the first
+        // of two with one name.
+        let mut seen: HashMap<String, (usize, usize)> = HashMap::with_capacity(raw.domains.len());
         for (i, raw_domain) in raw.domains.into_iter().enumerate() {
             let field = format!("domains[{i}]");
             let span = raw_domain.span();
@@ -1076,13 +1106,18 @@ impl Validator<'_> {
                     "the domain is empty; name it",
                 ));
             }
-            if domains.iter().any(|d| d.domain == name) {
+            if let Some(&(first, at)) = seen.get(&name) {
+                let (line, _) = self.lines.position(at);
                 return Err(self.err(
                     span,
                     &format!("{field}.domain"),
-                    format!("domain {name:?} is configured twice; merge the two into one"),
+                    format!(
+                        "domain {name:?} is configured twice (first as domains[{first}], at \
+                         line {line}); merge the two into one"
+                    ),
                 ));
             }
+            seen.insert(name.clone(), (i, span.start));
             if raw_domain.descriptors.is_empty() {
                 // A domain with no descriptors limits nothing: most likely a
                 // file cut short after its header while being rewritten.
@@ -1352,7 +1387,10 @@ impl Validator<'_> {
         // The (key, value) pairs seen at this level: a set, since a level
         // may hold up to MAX_RULE_NODES nodes, and comparing each with all
         // before it took a minute at that size.
-        let mut seen: HashSet<(String, Option<String>)> = HashSet::with_capacity(raw.len());
+        // Each pair's index, and where its table starts, to name the first
+        // of two.
+        let mut seen: HashMap<(String, Option<String>), (usize, usize)> =
+            HashMap::with_capacity(raw.len());
         for (i, node) in raw.into_iter().enumerate() {
             let field = format!("{parent_field}.descriptors[{i}]");
             let span = node.span();
@@ -1392,32 +1430,39 @@ impl Validator<'_> {
                 }
             }
             let value = value.map(Spanned::into_inner);
-            if !seen.insert((key.clone(), value.clone())) {
+            if let Some(&(first, at)) = seen.get(&(key.clone(), value.clone())) {
                 let what = match &value {
                     Some(v) => format!("key {key:?} with value {v:?}"),
                     None => format!("key {key:?} with any value"),
                 };
+                let (line, _) = self.lines.position(at);
                 return Err(self.err(
                     span,
                     &field,
-                    format!("{what} appears twice at this level; merge the two"),
+                    format!(
+                        "{what} appears twice at this level (first as \
+                         {parent_field}.descriptors[{first}], at line {line}); merge the two"
+                    ),
                 ));
             }
+            seen.insert((key.clone(), value.clone()), (i, span.start));
             // `*` matches every value, the empty one too, before a node of
             // the key alone is looked at: that node would never be reached.
             let star = Some("*".to_owned());
             let shadowed = match &value {
-                None => seen.contains(&(key.clone(), star)),
-                Some(v) if *v == "*" => seen.contains(&(key.clone(), None)),
-                Some(_) => false,
+                None => seen.get(&(key.clone(), star)),
+                Some(v) if *v == "*" => seen.get(&(key.clone(), None)),
+                Some(_) => None,
             };
-            if shadowed {
+            if let Some(&(other, at)) = shadowed {
+                let (line, _) = self.lines.position(at);
                 return Err(self.err(
                     span,
                     &field,
                     format!(
                         "key {key:?} has a node with value \"*\" and a node with any value at \
-                         this level: \"*\" matches every value first, so the other is never \
+                         this level (the other is {parent_field}.descriptors[{other}], at line \
+                         {line}): \"*\" matches every value first, so the other is never \
                          reached; keep one (both count each value on its own)"
                     ),
                 ));
@@ -2168,10 +2213,82 @@ shadow = true
             "{e}"
         );
         let file = std::env::temp_dir().join(format!("ratewarden-utf8-{}", std::process::id()));
-        std::fs::write(&file, b"[keys]\nlimit = 1\xff\n").unwrap();
+        // The bad byte follows two characters of two bytes each.
+        std::fs::write(
+            &file,
+            "[keys]\n# \u{e9}\u{e9}"
+                .bytes()
+                .chain(*b"\xff\n")
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
         let e = Config::load(&file).unwrap_err();
         let _ = std::fs::remove_file(&file);
         assert!(e.to_string().contains("it is not UTF-8 text"), "{e}");
+        assert_eq!((e.line, e.column), (Some(2), Some(5)), "{e}");
+    }
+
+    /// A second domain, or descriptor, of one name says where the first
+    /// is: in a long file, the line of the second alone leaves the user
+    /// searching for the first.
+    #[test]
+    fn a_repeated_domain_or_descriptor_names_the_first() {
+        let rule = "limit = 1\nwindow_ms = 10\n";
+        let e = parse_err(&format!(
+            "[[domains]]\ndomain = \"a\"\n[[domains.descriptors]]\nkey = \"k\"\n{rule}\
+             [[domains]]\ndomain = \"b\"\n[[domains.descriptors]]\nkey = \"k\"\n{rule}\
+             [[domains]]\ndomain = \"a\"\n[[domains.descriptors]]\nkey = \"k\"\n{rule}"
+        ));
+        assert_eq!((e.line, e.field.as_str()), (Some(13), "domains[2].domain"));
+        assert!(
+            e.message.contains("(first as domains[0], at line 1)"),
+            "{e}"
+        );
+
+        let e = parse_err(&format!(
+            "[[domains]]\ndomain = \"a\"\n[[domains.descriptors]]\nkey = \"j\"\n{rule}\
+             [[domains.descriptors]]\nkey = \"k\"\nvalue = \"v\"\n{rule}\
+             [[domains.descriptors]]\nkey = \"k\"\nvalue = \"v\"\n{rule}"
+        ));
+        assert_eq!(e.field, "domains[0].descriptors[2]", "{e}");
+        assert!(
+            e.message
+                .contains("(first as domains[0].descriptors[1], at line 7)"),
+            "{e}"
+        );
+
+        let e = parse_err(&format!(
+            "[[domains]]\ndomain = \"a\"\n[[domains.descriptors]]\nkey = \"k\"\n{rule}\
+             [[domains.descriptors]]\nkey = \"k\"\nvalue = \"*\"\n{rule}"
+        ));
+        assert!(
+            e.message
+                .contains("(the other is domains[0].descriptors[0], at line 3)"),
+            "{e}"
+        );
+    }
+
+    /// A parser error on a table header, or on a dotted key, names the
+    /// table or field, as one on a plain `key = value` line does.
+    #[test]
+    fn an_unknown_table_or_dotted_key_is_named_in_full() {
+        let e = parse_err("[keys]\nlimit = 1\nwindow_ms = 10\n[keys.extra]\nx = 1\n");
+        assert_eq!((e.line, e.field.as_str()), (Some(4), "keys.extra"), "{e}");
+        assert!(e.message.contains("unknown field `extra`"), "{e}");
+
+        let e = parse_err("[keys]\nwindow_ms = 10\nkeys.limit = 1\n");
+        assert_eq!(
+            (e.line, e.field.as_str()),
+            (Some(3), "keys.keys.limit"),
+            "{e}"
+        );
+
+        let e = parse_err("server . max_keys = \"x\"\n");
+        assert_eq!(e.field, "server.max_keys", "{e}");
+
+        let e = parse_err("[domains]\ndomain = \"a\"\n");
+        assert_eq!(e.field, "domains", "{e}");
+        assert!(e.message.contains("double brackets"), "{e}");
     }
 
     #[test]
