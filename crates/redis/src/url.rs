@@ -26,7 +26,8 @@
 /// word given as the whole URL); an all-digit password with no host after
 /// it (`redis://user:12345` reads as HOST:PORT, and so does `user:12345`
 /// given as the whole URL; digits past 65535 or with a leading zero are no
-/// port, and are hidden); and, in a URL with no
+/// port, and are hidden, except after an IP address, which names no
+/// user); and, in a URL with no
 /// host after its password, what follows an `@` inside that password
 /// (it reads as USER:PASSWORD@HOST).
 ///
@@ -66,6 +67,11 @@
 /// assert_eq!(redact_url("S3cr/3tPw+x"), "***");
 /// assert_eq!(redact_url("redis://:pw%40127.0.0.1:6379"), "redis://***");
 /// assert_eq!(redact_url("redis://localhost/1"), "redis://localhost/1");
+/// // Digits after an IP address are a port, even one out of range: no
+/// // user is named like an address.
+/// assert_eq!(redact_url("redis://127.0.0.1:99999"), "redis://127.0.0.1:99999");
+/// assert_eq!(redact_url("redis://[::1]:0"), "redis://[::1]:0");
+/// assert_eq!(redact_url("redis://app:99999"), "redis://***");
 /// ```
 pub fn redact_url(url: &str) -> String {
     // A scheme is a letter, then letters, digits, `+`, `-` or `.`: a `://`
@@ -308,8 +314,25 @@ fn is_host_port(s: &str) -> bool {
 
 /// [`is_host_port`], each host one `host` accepts.
 fn host_port_with(s: &str, host: fn(&str) -> bool) -> bool {
-    s.rsplit_once(':')
-        .is_some_and(|(name, port)| host(name) && is_port(port))
+    s.rsplit_once(':').is_some_and(|(name, port)| {
+        host(name) && (is_port(port) || (is_ip_literal(name) && is_mistyped_port(port)))
+    })
+}
+
+/// An IPv4 address, or an IPv6 address in brackets: no user name, so what
+/// follows its `:` is a port, however mistyped.
+fn is_ip_literal(host: &str) -> bool {
+    let v6 = host.strip_prefix('[').and_then(|h| h.strip_suffix(']'));
+    match v6 {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => host.parse::<std::net::Ipv4Addr>().is_ok(),
+    }
+}
+
+/// Digits that are no port (`0`, `99999`, `06379`) but read as one typed
+/// wrong, to be shown in the message that says so.
+fn is_mistyped_port(port: &str) -> bool {
+    (1..=10).contains(&port.len()) && port.bytes().all(|b| b.is_ascii_digit())
 }
 
 /// A port from 1 to 65535, written without a leading zero.
