@@ -51,14 +51,18 @@ fn a_failing_case_is_named_and_exits_1() {
             {"description": "right", "policy": "fixed-window", "limit": 1, "window_ms": 10,
              "steps": [{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}]},
             {"description": "wrong wait", "policy": "fixed-window", "limit": 1, "window_ms": 10,
-             "steps": [{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0},
-                       {"key": 1, "now_ms": 3, "cost": 1, "allowed": false, "retry_after_ms": 6, "remaining": 0}]}]}"#,
+             "steps": [{"key": "user:42", "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0},
+                       {"key": "user:42", "now_ms": 3, "cost": 1, "allowed": false, "retry_after_ms": 6, "remaining": 0}]}]}"#,
     );
     let out = ratewarden(&["vectors", path.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     let text = stdout(&out);
     assert!(text.contains("wrong.json case 1 (\"wrong wait\""), "{text}");
-    assert!(text.contains("step 1"), "{text}");
+    // A string key is shown as written, with the number the store saw.
+    assert!(
+        text.contains("step 1 (key \"user:42\" = mix32 3349586805, now_ms 3, cost 1)"),
+        "{text}"
+    );
     assert!(
         text.contains("expected allowed=false retry_after_ms=6 remaining=0"),
         "{text}"

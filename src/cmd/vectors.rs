@@ -10,7 +10,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use ratewarden_core::vectors::{self, Case, CaseOutcome, EachCase, Expected};
+use ratewarden_core::vectors::{self, Case, CaseOutcome, EachCase, Expected, VectorKey};
 use ratewarden_core::{mix32, Decision, MemoryOptions, MemoryStore};
 // The parser `serve --store` uses: one set of forms and messages for both.
 use ratewarden_server::StoreUrl;
@@ -456,7 +456,7 @@ fn run_file(
                     path.display(),
                     case.description,
                     case.config,
-                    s.key.resolve(),
+                    show_key(&s.key),
                     s.now_ms,
                     s.cost,
                     show_expected(&expected),
@@ -479,6 +479,15 @@ fn run_file(
         "cases with no steps, which pass without testing anything",
         &empty,
     );
+}
+
+/// A step's key as the file writes it: a string with the number the store
+/// saw, so a failure can be found in the file and in the store.
+fn show_key(key: &VectorKey) -> String {
+    match key {
+        VectorKey::Int(k) => k.to_string(),
+        VectorKey::Str(s) => format!("{s:?} = mix32 {}", key.resolve()),
+    }
 }
 
 fn show_expected(e: &Expected) -> String {
