@@ -331,8 +331,16 @@ pub fn parse_each(text: &str) -> Result<EachCase, VectorError> {
     // A byte-order mark, which some editors write, says nothing of the
     // JSON after it (RFC 8259 lets a parser skip it).
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-    let root: Value =
-        serde_json::from_str(text).map_err(|e| err("", format!("not valid JSON: {e}")))?;
+    let root: Value = serde_json::from_str(text).map_err(|e| {
+        // serde_json reads a lone surrogate escape as a cut-short one.
+        let advice = if e.to_string().contains("hex escape") {
+            "; a \\u escape from \\uD800 to \\uDFFF is half of a pair (\\uD83D\\uDE00 \
+             is one character), and a string cannot hold one alone"
+        } else {
+            ""
+        };
+        err("", format!("not valid JSON: {e}{advice}"))
+    })?;
     let root = root.as_object().ok_or_else(|| {
         err(
             "",
@@ -848,6 +856,10 @@ mod tests {
         let fw = r#""policy": "fixed-window", "limit": 1, "window_ms": 10"#;
         let cases = [
             ("{".to_owned(), "not valid JSON"),
+            (
+                r#"{"mix32": [{"input": "\ud800", "output": 0}], "cases": []}"#.to_owned(),
+                "and a string cannot hold one alone",
+            ),
             ("[]".to_owned(), "JSON object"),
             ("{}".to_owned(), "missing field \"cases\""),
             (r#"{"mix32": 3}"#.to_owned(), "mix32: must be an array"),
