@@ -248,8 +248,9 @@ async fn not_found(State(state): State<AppState>, method: Method, uri: Uri) -> R
     bad(
         StatusCode::NOT_FOUND,
         format!(
-            "there is no endpoint {method} {}; the endpoints are {}",
-            uri.path(),
+            "there is no endpoint {} {}; the endpoints are {}",
+            cut_short(method.as_str()),
+            cut_short(uri.path()),
             state.port.endpoints()
         ),
     )
@@ -261,8 +262,9 @@ async fn method_not_allowed(State(state): State<AppState>, method: Method, uri: 
     bad(
         StatusCode::METHOD_NOT_ALLOWED,
         format!(
-            "{} does not take {method}; the endpoints are {}",
-            uri.path(),
+            "{} does not take {}; the endpoints are {}",
+            cut_short(uri.path()),
+            cut_short(method.as_str()),
             state.port.endpoints()
         ),
     )
@@ -564,7 +566,7 @@ fn kind_of(value: &serde_json::Value) -> String {
 /// characters, so that a long one is not echoed back whole.
 fn cut_short(text: &str) -> String {
     match text.char_indices().nth(24) {
-        Some((cut, _)) => format!("{}... ({} characters)", &text[..cut], text.len()),
+        Some((cut, _)) => format!("{}... ({} characters)", &text[..cut], text.chars().count()),
         None => text.to_owned(),
     }
 }
@@ -611,7 +613,7 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     // A client that went away mid-body sent nothing wrong: answered (in
     // case it still reads), but not counted as a bad request.
-    let mut cut_short = false;
+    let mut client_cut = false;
     let encoded = content_coding(request.headers());
     let response = if let Some(coding) = encoded {
         // A compressed body would read as malformed JSON, which misleads:
@@ -621,9 +623,10 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
         let mut response = bad(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             format!(
-                "the request body is sent with Content-Encoding {coding:?}, which this \
+                "the request body is sent with Content-Encoding {:?}, which this \
                  service does not decode; send the JSON uncompressed, with no \
-                 Content-Encoding"
+                 Content-Encoding",
+                cut_short(&coding)
             ),
         );
         let headers = response.headers_mut();
@@ -645,7 +648,7 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
     } else {
         match tokio::time::timeout(BODY_READ_TIMEOUT, Bytes::from_request(request, &())).await {
             Ok(body) => {
-                cut_short = body.as_ref().is_err_and(cut_short_by_the_client);
+                client_cut = body.as_ref().is_err_and(cut_short_by_the_client);
                 decide(&service, body).await
             }
             Err(_) => {
@@ -668,7 +671,7 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
     // A refusal (429) is an answer, not a bad request.
     if response.status().is_client_error()
         && response.status() != StatusCode::TOO_MANY_REQUESTS
-        && !cut_short
+        && !client_cut
     {
         service.metrics.bad_request(Api::Http);
     }
