@@ -2373,6 +2373,46 @@ async fn an_override_without_a_unit_is_ignored_and_counted() {
     server.stop();
 }
 
+/// With `limit_overrides = false` a caller cannot choose its own limit:
+/// an override, over gRPC or HTTP, is ignored, the configured rule
+/// applies, and the override is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overrides_can_be_turned_off() {
+    let file = ConfigFile::new(&format!("[server]\nlimit_overrides = false\n{OVERRIDDEN}"));
+    let server = Server::start(&["--config", file.path()]);
+    let mut grpc = server.grpc().await;
+    let d = with_override(&[("user", "cy")], 1_000_000, Unit::Second);
+    let r = should(&mut grpc, "api", vec![d], 1).await;
+    let limit = r.statuses[0].current_limit.as_ref().unwrap();
+    assert_eq!(
+        (limit.name.as_str(), limit.requests_per_unit),
+        ("per-user", 3)
+    );
+    assert_eq!(r.statuses[0].limit_remaining, 2);
+    let body: Value = client()
+        .post(server.url())
+        .json(&json!({"domain": "api", "descriptors": [{
+            "entries": [{"key": "user", "value": "cy"}],
+            "limit": {"requests_per_unit": 1_000_000, "unit": "second"}}]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (&body["rule"], &body["limit"], &body["remaining"]),
+        (&json!("per-user"), &json!(3), &json!(1)),
+        "{body}"
+    );
+    let metrics = common::metrics(&client(), server.http).await;
+    assert!(
+        metrics.contains("\nratewarden_limit_overrides_ignored_total 2\n"),
+        "{metrics}"
+    );
+    server.stop();
+}
+
 /// A rule that a reload renames leaves `/metrics` with its old name; the
 /// new name's series start there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

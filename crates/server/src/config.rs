@@ -140,6 +140,10 @@ pub struct ServerSettings {
     /// deployments with different prefixes share one Redis without sharing
     /// a count.
     pub key_prefix: String,
+    /// Whether a descriptor's `limit` override is applied (as Envoy's
+    /// per-descriptor override is) or ignored, the configured rule
+    /// applying: a caller that sends one chooses its own limit.
+    pub limit_overrides: bool,
     /// The TLS files of a `rediss://` or `rediss-cluster://` store (the
     /// `[redis]` table).
     pub redis_tls: RedisTlsFiles,
@@ -207,6 +211,7 @@ impl ServerSettings {
             max_connections,
             grpc_max_streams_per_connection,
             key_prefix,
+            limit_overrides,
             redis_tls,
         } = self;
         [
@@ -231,6 +236,7 @@ impl ServerSettings {
                 *grpc_max_streams_per_connection != other.grpc_max_streams_per_connection,
             ),
             ("key_prefix", *key_prefix != other.key_prefix),
+            ("limit_overrides", *limit_overrides != other.limit_overrides),
             (
                 "redis.tls_ca_file",
                 redis_tls.tls_ca_file != other.redis_tls.tls_ca_file,
@@ -276,6 +282,8 @@ impl Default for ServerSettings {
             // 3 KB until its connection closes (see docs/serve.md).
             grpc_max_streams_per_connection: 1024,
             key_prefix: ratewarden_redis::RedisOptions::default().prefix,
+            // As envoyproxy/ratelimit: Envoy's overrides are applied.
+            limit_overrides: true,
             redis_tls: RedisTlsFiles::default(),
         }
     }
@@ -641,7 +649,8 @@ impl Home {
             | "housekeeping_max_scanned"
             | "max_connections"
             | "grpc_max_streams_per_connection"
-            | "key_prefix" => Home::Server,
+            | "key_prefix"
+            | "limit_overrides" => Home::Server,
             "tls_ca_file" | "tls_cert_file" | "tls_key_file" => Home::Redis,
             "name" | "policy" | "limit" | "window_ms" | "unit" | "burst" | "shadow" => Home::Rule,
             "key" | "value" | "unlimited" => Home::Descriptor,
@@ -957,6 +966,7 @@ struct RawServer {
     max_connections: Option<Spanned<i64>>,
     grpc_max_streams_per_connection: Option<Spanned<i64>>,
     key_prefix: Option<Spanned<String>>,
+    limit_overrides: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -1212,6 +1222,9 @@ impl Validator<'_> {
                 ));
             }
             s.key_prefix = prefix.clone();
+        }
+        if let Some(v) = raw.limit_overrides {
+            s.limit_overrides = v;
         }
         Ok(s)
     }

@@ -385,6 +385,13 @@ impl Service {
                 matches.push(rules.match_descriptor(domain, &d.entries));
                 continue;
             };
+            if !self.settings.limit_overrides {
+                self.limit_override_ignored(
+                    "limit_overrides = false in [server]: this server takes no caller's limit",
+                );
+                matches.push(rules.match_descriptor(domain, &d.entries));
+                continue;
+            }
             let m = rules
                 .match_override(
                     domain,
