@@ -469,6 +469,20 @@ async fn shadow_rules_count_but_never_refuse() {
             .contains("ratewarden_decisions_total{rule=\"trial\",outcome=\"shadow_refused\"} 5\n"),
         "{metrics}"
     );
+    // The shadow rule speaks for the request wherever it stands: the top
+    // level is `null` only when no descriptor had a rule.
+    let trial = json!({"entries": [{"key": "plan", "value": "trial"}]});
+    let unmatched = json!({"entries": [{"key": "nothing", "value": "here"}]});
+    for descriptors in [json!([trial, unmatched]), json!([unmatched, trial])] {
+        let body = json!({"domain": "edge", "descriptors": descriptors});
+        let (status, _, body) = post(&client, &server.url(), body).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            (&body["rule"], &body["shadow"]),
+            (&json!("trial"), &json!(true)),
+            "{body}"
+        );
+    }
     server.stop();
 }
 

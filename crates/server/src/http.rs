@@ -816,7 +816,8 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
 
 /// The descriptor that speaks for the request: the refusal with the
 /// longest wait (a refusal that no wait admits first), else the enforcing
-/// descriptor with the least remaining, else the first.
+/// descriptor with the least remaining, else the first with a rule (a
+/// shadow rule's), else the first.
 ///
 /// The longest wait is the request's: it is admitted once every refusing
 /// descriptor admits, and with no other traffic a descriptor that admits
@@ -836,7 +837,12 @@ fn deciding(outcomes: &[DescriptorOutcome]) -> usize {
                 best
             }
         })
-        .map_or(0, |(i, _)| i)
+        .map_or_else(
+            // `null` at the top level says no descriptor had a rule: a
+            // shadow rule's, wherever it stands, speaks before it.
+            || outcomes.iter().position(|o| o.rule.is_some()).unwrap_or(0),
+            |(i, _)| i,
+        )
 }
 
 /// Whether `a` binds the request more than `b`: a refusal before an
