@@ -1422,6 +1422,24 @@ fn a_body_over_the_bound_is_refused_whether_declared_or_chunked() {
     chunked.extend_from_slice(b"0\r\n\r\n");
     let chunked = answer(&chunked);
     assert!(chunked.starts_with("HTTP/1.1 413"), "{chunked}");
+    // The connection closes, and says so, however long the body.
+    assert!(
+        chunked
+            .to_ascii_lowercase()
+            .contains("\r\nconnection: close\r\n"),
+        "{chunked}"
+    );
+    // A transfer coding beside `chunked` is refused as one, not passed on
+    // still coded to be read as malformed JSON.
+    let gzipped = answer(
+        b"POST /v1/check HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n\
+          5\r\nhello\r\n0\r\n\r\n",
+    );
+    assert!(gzipped.starts_with("HTTP/1.1 501"), "{gzipped}");
+    assert!(
+        gzipped.contains("sent with Transfer-Encoding \\\"gzip, chunked\\\", which this service"),
+        "{gzipped}"
+    );
     server.stop();
 }
 

@@ -597,12 +597,18 @@ fn whole_number(field: &str, value: serde_json::Value) -> Result<u64, String> {
     }
 }
 
-/// The answer to a body over [`MAX_BODY_BYTES`].
+/// The answer to a body over [`MAX_BODY_BYTES`]. The connection closes:
+/// the rest of the body may still come, and whether hyper reads it away
+/// to keep the connection depends on its length, so the client is told.
 fn too_large() -> Response {
-    bad(
+    let mut response = bad(
         StatusCode::PAYLOAD_TOO_LARGE,
         format!("the request body is larger than {MAX_BODY_BYTES} bytes; send a shorter key, or fewer or shorter descriptors"),
-    )
+    );
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
 }
 
 async fn check(State(service): State<Arc<Service>>, request: Request) -> Response {
@@ -615,7 +621,24 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
     // case it still reads), but not counted as a bad request.
     let mut client_cut = false;
     let encoded = content_coding(request.headers());
-    let response = if let Some(coding) = encoded {
+    let response = if let Some(coding) = transfer_coding(request.headers()) {
+        // hyper undoes `chunked` only, and would hand on the rest still
+        // coded, to be read as malformed JSON: RFC 9112 (section 6.1)
+        // answers a transfer coding the server does not know with a 501.
+        let mut response = bad(
+            StatusCode::NOT_IMPLEMENTED,
+            format!(
+                "the request body is sent with Transfer-Encoding {:?}, which this service \
+                 does not decode; send the JSON with Content-Length, or with \
+                 Transfer-Encoding: chunked alone",
+                cut_short(&coding)
+            ),
+        );
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        response
+    } else if let Some(coding) = encoded {
         // A compressed body would read as malformed JSON, which misleads:
         // say what is wrong. RFC 7694: a 415 for a content coding names
         // the codings taken in `Accept-Encoding`. Answered before the
@@ -640,11 +663,7 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
         // Answered before the body is read, so hyper sends no `100
         // Continue` inviting it; the connection closes, since the body
         // may follow all the same.
-        let mut response = too_large();
-        response
-            .headers_mut()
-            .insert(header::CONNECTION, HeaderValue::from_static("close"));
-        response
+        too_large()
     } else {
         match tokio::time::timeout(BODY_READ_TIMEOUT, Bytes::from_request(request, &())).await {
             Ok(body) => {
@@ -668,8 +687,9 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
             }
         }
     };
-    // A refusal (429) is an answer, not a bad request.
-    if response.status().is_client_error()
+    // A refusal (429) is an answer, not a bad request; a transfer coding
+    // not taken (501) is the client's.
+    if (response.status().is_client_error() || response.status() == StatusCode::NOT_IMPLEMENTED)
         && response.status() != StatusCode::TOO_MANY_REQUESTS
         && !client_cut
     {
@@ -693,6 +713,21 @@ fn content_coding(headers: &HeaderMap) -> Option<String> {
         .map(str::trim)
         .all(|c| c.is_empty() || c.eq_ignore_ascii_case("identity"));
     (!all_identity).then(|| sent.join(", "))
+}
+
+/// The request's `Transfer-Encoding`, when it names any coding but
+/// `chunked`; shown as sent, or `None`.
+fn transfer_coding(headers: &HeaderMap) -> Option<String> {
+    let sent: Vec<String> = headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .collect();
+    sent.iter()
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case("chunked"))
+        .then(|| sent.join(", "))
 }
 
 /// Whether the body could not be read because the connection ended or
