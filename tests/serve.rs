@@ -588,6 +588,32 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
             "key is an array: it must be a JSON string",
         ),
         ("[1]", 400, "malformed JSON: the body must be a JSON object"),
+        // A wrong type is named by its place, not only its line and column.
+        (
+            "{\"domain\": 5, \"descriptors\": []}",
+            400,
+            "malformed JSON: domain: invalid type: integer `5`, expected a string",
+        ),
+        (
+            "{\"domain\": \"edge\", \"descriptors\": [{\"entries\": [{\"key\": \"k\", \"value\": 7}]}]}",
+            400,
+            "malformed JSON: descriptors[0].entries[0].value: invalid type: integer `7`",
+        ),
+        (
+            "{\"domain\": \"edge\", \"descriptors\": [{\"entries\": [{\"key\": \"k\"}], \"limit\": {\"requests_per_unit\": 5, \"unit\": 5}}]}",
+            400,
+            "descriptors[0].limit.unit: invalid type: number, expected a string",
+        ),
+        // Envoy's name for the cost is pointed to its HTTP one.
+        (
+            "{\"domain\": \"edge\", \"descriptors\": [{\"hits_addend\": 2, \"entries\": [{\"key\": \"k\"}]}]}",
+            400,
+            "descriptors[0]: unknown field `hits_addend`, expected `entries` or `limit` at line 1 \
+             column 49; over HTTP a request's cost is \\\"cost\\\"",
+        ),
+        // An empty body is said to be one, not JSON ending early.
+        ("", 400, "the request body is empty; send"),
+        (" \n", 400, "the request body is empty; send"),
         (
             "{key: \"k\"}",
             400,

@@ -365,8 +365,14 @@ impl LimitJson {
                 kind_of(&value)
             ));
         }
-        let limit: LimitJson =
-            serde_json::from_value(value).map_err(|e| format!("{at}.limit: {e}"))?;
+        let limit: LimitJson = serde_path_to_error::deserialize(value).map_err(|e| {
+            // An unknown field's message names it; a wrong type's does not.
+            if e.inner().to_string().starts_with("unknown field") {
+                format!("{at}.limit: {}", e.inner())
+            } else {
+                format!("{at}.limit.{}: {}", e.path(), e.inner())
+            }
+        })?;
         let (Some(n), Some(unit)) = (limit.requests_per_unit, limit.unit) else {
             return Err(format!(
                 "{at}.limit needs both requests_per_unit and unit, {example}"
@@ -751,6 +757,55 @@ fn cut_short_by_the_client(rejection: &BytesRejection) -> bool {
     false
 }
 
+/// A request's JSON as serde_json reads it, with the place of a field of
+/// the wrong type or name put before serde's message
+/// (`descriptors[0].entries[1].value: invalid type: ...`); the error keeps
+/// serde_json's line and column.
+fn from_slice_at(body: &[u8]) -> Result<CheckRequest, JsonError> {
+    let mut reader = serde_json::Deserializer::from_slice(body);
+    let request = serde_path_to_error::deserialize(&mut reader).map_err(|e| {
+        let path = e.path().to_string();
+        let error = e.into_inner();
+        // An unknown field's message names it: its place is its table's.
+        let place = if error.to_string().starts_with("unknown field") {
+            path.rsplit_once('.').map(|(table, _)| table.to_owned())
+        } else {
+            (path != ".").then_some(path)
+        };
+        JsonError { place, error }
+    })?;
+    // Trailing characters, as serde_json::from_slice refuses them.
+    reader
+        .end()
+        .map_err(|error| JsonError { place: None, error })?;
+    Ok(request)
+}
+
+/// serde_json's error, and the field it is in.
+struct JsonError {
+    place: Option<String>,
+    error: serde_json::Error,
+}
+
+impl JsonError {
+    fn line(&self) -> usize {
+        self.error.line()
+    }
+
+    fn column(&self) -> usize {
+        self.error.column()
+    }
+}
+
+impl std::fmt::Display for JsonError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.place {
+            Some(place) => write!(f, "{place}: {}", self.error),
+            None => write!(f, "{}", self.error),
+        }
+    }
+}
+
 async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Response {
     let body = match body {
         Ok(b) => b,
@@ -765,7 +820,14 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
     // RFC 8259 lets a reader ignore a byte order mark, which some clients
     // (PowerShell, Windows editors) put before the JSON.
     let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&body);
-    let request: CheckRequest = match serde_json::from_slice(body) {
+    if body.trim_ascii().is_empty() {
+        return bad(
+            StatusCode::BAD_REQUEST,
+            "the request body is empty; send {\"key\": \"user:42\", \"cost\": 1} or \
+             {\"domain\": \"...\", \"descriptors\": [...]}, with Content-Length or chunked",
+        );
+    }
+    let request: CheckRequest = match from_slice_at(body) {
         Ok(r) => r,
         // serde reads a struct from an array too, and then names a field's
         // type, which misleads: say what the body must be.
@@ -777,7 +839,7 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
         }
         // serde_json's "key must be a string" means an unquoted member
         // name, which reads as if the "key" field were meant.
-        Err(e) if e.to_string().starts_with("key must be a string") => {
+        Err(e) if e.error.to_string().starts_with("key must be a string") => {
             return bad(
                 StatusCode::BAD_REQUEST,
                 format!(
@@ -785,6 +847,15 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
                      double quotes, as in {{\"key\": \"user:42\"}}",
                     e.line(),
                     e.column()
+                ),
+            )
+        }
+        Err(e) if e.to_string().contains("unknown field `hits_addend`") => {
+            return bad(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "malformed JSON: {e}; over HTTP a request's cost is \"cost\", at the top \
+                     level, for every descriptor"
                 ),
             )
         }
