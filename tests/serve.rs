@@ -1511,6 +1511,10 @@ async fn requests_need_one_valid_host_as_rfc_9112_says() {
             "POST /v1/check HTTP/1.1\r\nHost: user@a",
             "has a Host header that is no host[:port]",
         ),
+        (
+            "POST /v1/check HTTP/1.1\r\nHost: a:99999",
+            "has a Host header that is no host[:port]",
+        ),
     ];
     for (head, says) in refused {
         let got = answer(head).await.unwrap();
@@ -1520,7 +1524,7 @@ async fn requests_need_one_valid_host_as_rfc_9112_says() {
             "{head}: {got}"
         );
     }
-    assert_eq!(common::metric(&client, server.http, bad).await, 6);
+    assert_eq!(common::metric(&client, server.http, bad).await, 7);
     // None was decided: the key's first decision is still to come.
     let admitted = [
         ("POST /v1/check HTTP/1.1\r\nHost: [::1]:8080", 99),
@@ -1535,7 +1539,7 @@ async fn requests_need_one_valid_host_as_rfc_9112_says() {
             "{head}: {got}"
         );
     }
-    assert_eq!(common::metric(&client, server.http, bad).await, 6);
+    assert_eq!(common::metric(&client, server.http, bad).await, 7);
     server.stop();
 }
 

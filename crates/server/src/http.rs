@@ -221,9 +221,20 @@ async fn one_host(State(state): State<AppState>, request: Request, next: Next) -
         )),
         (Some(host), None) => {
             let value = host.as_bytes();
-            // An authority without a user part: `userinfo@` is no host.
+            // An authority without a user part: `userinfo@` is no host,
+            // and with a port that is one (the parser takes any digits).
             let valid = value.is_empty()
-                || (!value.contains(&b'@') && axum::http::uri::Authority::try_from(value).is_ok());
+                || (!value.contains(&b'@')
+                    && axum::http::uri::Authority::try_from(value).is_ok_and(|a| {
+                        // After the host (an IPv6 one ends at `]`), digits
+                        // after a `:` must be a port: `port()` reads an
+                        // out-of-range one as none.
+                        let text = a.as_str();
+                        let after_host = &text[text.rfind(']').map_or(0, |i| i + 1)..];
+                        after_host
+                            .split_once(':')
+                            .is_none_or(|(_, port)| port.is_empty() || a.port_u16().is_some())
+                    }));
             (!valid).then(|| {
                 "has a Host header that is no host[:port]; send the server's name or address, \
                  with its port if not the default"
