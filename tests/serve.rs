@@ -2857,6 +2857,36 @@ async fn a_full_store_episode_ends_with_a_line_that_counts_its_failures() {
     assert_eq!(common::metric(&client, server.http, series).await, 5);
 }
 
+/// Under `ratewarden_server=debug` a request answered with an error is
+/// logged with the message its client got.
+#[test]
+fn bad_requests_are_logged_under_debug() {
+    use std::io::{BufRead, BufReader};
+    let mut server = Server::start_with_env(
+        &[],
+        &[("RUST_LOG", "info,ratewarden_server=debug")],
+        std::process::Stdio::piped(),
+    );
+    let answer = exchange(
+        server.http,
+        b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\nConnection: close\r\n\r\n{\"key\": 5",
+        Duration::from_secs(5),
+    );
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    let stderr = server.child.stderr.take().expect("piped");
+    server.stop();
+    let lines: Vec<String> = BufReader::new(stderr)
+        .lines()
+        .map_while(Result::ok)
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("HTTP request answered 400 Bad Request: malformed JSON")),
+        "{lines:#?}"
+    );
+}
+
 /// A `RUST_LOG` that does not parse is said at start, not dropped without
 /// a word; the server logs at `info` and runs. A valid one gets no word.
 #[test]

@@ -47,10 +47,16 @@ impl Server {
     /// As [`Server::start`], with the server's log (standard error) going
     /// to `stderr`.
     pub fn start_with_stderr(args: &[&str], stderr: Stdio) -> Server {
+        Self::start_with_env(args, &[], stderr)
+    }
+
+    /// As [`Server::start_with_stderr`], with `env` set for the server.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)], stderr: Stdio) -> Server {
         let mut child = Command::new(BIN)
             .arg("serve")
             .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(stderr)
             .spawn()

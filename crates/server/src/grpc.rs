@@ -307,7 +307,10 @@ impl Rls {
             .service
             .check_descriptors(&request.domain, &descriptors)
             .await
-            .map_err(|e| Status::invalid_argument(e.0))?;
+            .map_err(|e| {
+                tracing::debug!("gRPC call answered INVALID_ARGUMENT: {}", e.0);
+                Status::invalid_argument(e.0)
+            })?;
         // Envoy applies its own failure_mode_deny to an error, as to
         // envoyproxy/ratelimit's.
         if let Some(m) = unanswered(&outcomes, true) {

@@ -484,13 +484,10 @@ struct ErrorJson {
 }
 
 fn bad(status: StatusCode, message: impl Into<String>) -> Response {
-    (
-        status,
-        axum::Json(ErrorJson {
-            error: message.into(),
-        }),
-    )
-        .into_response()
+    let error = message.into();
+    // The client is told; the operator, under `ratewarden_server=debug`.
+    tracing::debug!("HTTP request answered {status}: {error}");
+    (status, axum::Json(ErrorJson { error })).into_response()
 }
 
 fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
