@@ -197,13 +197,13 @@ impl PolicyConfig {
     ///
     /// ```
     /// use ratewarden_core::{PolicyConfig, PolicyKind, REFERENCE};
-    /// assert_eq!(REFERENCE.idle_ms_until_forgettable(), Some(2_000));
+    /// assert_eq!(REFERENCE.idle_until_forgettable_ms(), Some(2_000));
     /// let bucket = PolicyConfig::new(PolicyKind::TokenBucket, 10, 1000).with_burst(25);
-    /// assert_eq!(bucket.idle_ms_until_forgettable(), Some(2_500));
+    /// assert_eq!(bucket.idle_until_forgettable_ms(), Some(2_500));
     /// let closed = PolicyConfig::new(PolicyKind::Gcra, 0, 1000).with_burst(5);
-    /// assert_eq!(closed.idle_ms_until_forgettable(), None);
+    /// assert_eq!(closed.idle_until_forgettable_ms(), None);
     /// ```
-    pub fn idle_ms_until_forgettable(&self) -> Option<u64> {
+    pub fn idle_until_forgettable_ms(&self) -> Option<u64> {
         let window_ms = self.window_ms;
         match self.policy {
             PolicyKind::FixedWindow | PolicyKind::SlidingLog => Some(window_ms),

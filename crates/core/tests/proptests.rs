@@ -188,7 +188,7 @@ proptest! {
         }
     }
 
-    /// Once `idle_ms_until_forgettable` has passed since the latest time a
+    /// Once `idle_until_forgettable_ms` has passed since the latest time a
     /// key was decided at, it is forgettable, whatever it saw before; a
     /// bound one millisecond short is not always enough.
     #[test]
@@ -204,7 +204,7 @@ proptest! {
             policy.decide(&mut state, *now, req.cost);
         }
         let latest = *ts.iter().max().unwrap();
-        if let Some(idle_ms) = config.idle_ms_until_forgettable() {
+        if let Some(idle_ms) = config.idle_until_forgettable_ms() {
             // Times past 2^53 - 1 are outside the contract.
             prop_assume!(latest.saturating_add(idle_ms) <= MAX_SAFE);
             prop_assert!(

@@ -785,7 +785,7 @@ impl Service {
             // speaks of. Housekeeping more often would not help: a full
             // store looks through itself every few new keys anyway.
             let hint = if e.is_capacity_exhausted() {
-                match rule.spec.policy.idle_ms_until_forgettable() {
+                match rule.spec.policy.idle_until_forgettable_ms() {
                     Some(ms) => format!(
                         " (in ratewarden serve: [server] max_keys; a key of this rule still \
                          counts up to {ms} ms after its last request)"
