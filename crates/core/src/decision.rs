@@ -116,6 +116,46 @@ impl std::fmt::Debug for Decision {
     }
 }
 
+/// One line for logs and messages: `allowed, 99 remaining`, `refused,
+/// retry after 250 ms, 0 remaining`, or `refused, no wait admits it, 0
+/// remaining`. The wait is exact, however long.
+///
+/// ```
+/// use ratewarden_core::Decision;
+/// assert_eq!(Decision::admitted(99).to_string(), "allowed, 99 remaining");
+/// assert_eq!(
+///     Decision::refused(Some(250), 0).to_string(),
+///     "refused, retry after 250 ms, 0 remaining"
+/// );
+/// assert_eq!(
+///     Decision::refused(None, 3).to_string(),
+///     "refused, no wait admits it, 3 remaining"
+/// );
+/// assert_eq!(
+///     Decision::refused_exact(Some(1 << 70), 0).to_string(),
+///     "refused, retry after 1180591620717411303424 ms, 0 remaining"
+/// );
+/// ```
+impl std::fmt::Display for Decision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.allowed {
+            return write!(f, "allowed, {} remaining", self.remaining);
+        }
+        match self.retry_after_ms_exact() {
+            Some(ms) => write!(
+                f,
+                "refused, retry after {ms} ms, {} remaining",
+                self.remaining
+            ),
+            None => write!(
+                f,
+                "refused, no wait admits it, {} remaining",
+                self.remaining
+            ),
+        }
+    }
+}
+
 impl From<Decision> for DecisionFields {
     fn from(d: Decision) -> Self {
         DecisionFields {
