@@ -112,7 +112,34 @@ impl Clock for ManualClock {
     }
 }
 
+/// A shared clock, a boxed one (`Box<dyn Clock>`, chosen at run time) and
+/// a borrowed one are clocks too.
+///
+/// ```
+/// use ratewarden_core::{Clock, ManualClock, SystemClock};
+/// fn read(clock: impl Clock) -> u64 {
+///     clock.now_ms()
+/// }
+/// let manual = ManualClock::new(5);
+/// assert_eq!(read(&manual), 5);
+/// let chosen: Box<dyn Clock> = Box::new(SystemClock);
+/// assert!(read(&chosen) > 0);
+/// let boxed: Box<dyn Clock> = Box::new(ManualClock::new(7));
+/// assert_eq!(read(boxed), 7);
+/// ```
 impl<C: Clock + ?Sized> Clock for Arc<C> {
+    fn now_ms(&self) -> u64 {
+        (**self).now_ms()
+    }
+}
+
+impl<C: Clock + ?Sized> Clock for Box<C> {
+    fn now_ms(&self) -> u64 {
+        (**self).now_ms()
+    }
+}
+
+impl<C: Clock + ?Sized> Clock for &C {
     fn now_ms(&self) -> u64 {
         (**self).now_ms()
     }
