@@ -54,7 +54,7 @@ pub use key::{mix32, xxh3_64, KeyHash};
 pub use limiter::{BoxFuture, FailurePolicy, Limiter, LocalLimiter};
 pub use log_gate::LogGate;
 pub use policy::{FixedWindow, Gcra, Policy, SlidingLog, SlidingWindowCounter, TokenBucket};
-pub use registry::{AnyPolicy, PolicyConfig, PolicyKind, REFERENCE};
+pub use registry::{AnyPolicy, AnyState, PolicyConfig, PolicyKind, REFERENCE};
 pub use store::memory::{Housekeeping, MemoryOptions, MemoryStore};
 
 /// The largest integer every input may take: `2^53 - 1`.
