@@ -82,8 +82,11 @@ pub enum LayerErrorKind {
     /// The limiter failed under [`FailurePolicy::FailClosed`] (or with a
     /// corrupt state under `FailOpen`).
     Unavailable,
-    /// The limiter refused the request's cost as invalid (above 2^53 - 1):
-    /// the cost function's mistake.
+    /// The limiter refused the request as invalid input
+    /// ([`StoreErrorKind::InvalidInput`](ratewarden_core::StoreErrorKind::InvalidInput)):
+    /// a cost above 2^53 - 1, the cost function's mistake, or, from a
+    /// limiter of your own, whatever input it refuses (the log gives its
+    /// error).
     InvalidCost,
 }
 

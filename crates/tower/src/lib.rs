@@ -25,7 +25,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use axum::{body::Body, routing::get, Router};
-//! use http::{Request, StatusCode};
+//! use axum::http::{Request, StatusCode};
 //! use ratewarden_core::{LocalLimiter, ManualClock, PolicyConfig, PolicyKind};
 //! use ratewarden_tower::{key::GlobalKey, RateLimitLayer};
 //! use tower::ServiceExt;
