@@ -1673,13 +1673,38 @@ impl RedisStore {
             let mut conn = cluster.clone();
             async move {
                 let checked = async {
-                    check_master(&mut conn, range).await?;
                     // A master that answers can still refuse every
                     // decision (out of memory, say), as a node can.
                     let name = self.probe_key_in(range);
-                    self.check_writes(&mut Conn::Cluster(conn), &name)
-                        .await
-                        .map_err(MasterCheck::Refused)
+                    match check_master(&mut conn, range).await {
+                        Ok(()) => self
+                            .check_writes(&mut Conn::Cluster(conn), &name)
+                            .await
+                            .map_err(MasterCheck::Refused),
+                        Err(MasterCheck::Another(id)) => {
+                            // redis-rs sends a dead master's calls to
+                            // another node (which answers as itself).
+                            let down = match (&self.inner.backend, range.master.as_ref()) {
+                                (Backend::Cluster(_, down), Some(address)) => {
+                                    down.refuses(address).await
+                                }
+                                _ => false,
+                            };
+                            if down {
+                                return Err(MasterCheck::Down);
+                            }
+                            // Or the client's slot map is behind the
+                            // cluster's, as it is through every slot
+                            // migration: a decision, redirected by MOVED
+                            // or ASK, still reaches the master, and then
+                            // nothing is wrong but the map.
+                            match self.check_writes(&mut Conn::Cluster(conn), &name).await {
+                                Ok(()) => Err(MasterCheck::MapBehind),
+                                Err(_) => Err(MasterCheck::Another(id)),
+                            }
+                        }
+                        Err(e) => Err(e),
+                    }
                 };
                 (range, tokio::time::timeout_at(deadline, checked).await)
             }
@@ -1707,28 +1732,21 @@ impl RedisStore {
                 |detail: String| Err(StoreError::new(StoreErrorKind::ConnectionDropped, detail));
             match answer {
                 Ok(Ok(())) => {}
-                Ok(Err(MasterCheck::Another(id))) => {
-                    // A slot map out of date (a failover the client has not
-                    // seen) is mended only by a new connection: nothing
-                    // else tells redis-rs, since its fallback node answered.
+                // A slot map out of date (a failover or a slot migration
+                // the client has not seen) is mended only by a new
+                // connection: nothing else tells redis-rs, since its
+                // fallback node answered, or MOVED was followed.
+                Ok(Err(MasterCheck::MapBehind)) => self.renew_connection(),
+                Ok(Err(MasterCheck::Down)) => {
                     self.renew_connection();
-                    // redis-rs sends a dead master's calls to another node
-                    // (which answers as itself): said as what it is.
-                    let down = match (&self.inner.backend, range.master.as_ref()) {
-                        (Backend::Cluster(_, down), Some(address)) => {
-                            tokio::time::timeout_at(deadline, down.refuses(address))
-                                .await
-                                .unwrap_or(false)
-                        }
-                        _ => false,
-                    };
-                    if down {
-                        return failed(format!(
-                            "{master} refuses connections (it is down): its keys cannot be \
-                             decided until it is back, or until a replica that took over its \
-                             slots is found (a new connection reads the slot map again)"
-                        ));
-                    }
+                    return failed(format!(
+                        "{master} refuses connections (it is down): its keys cannot be \
+                         decided until it is back, or until a replica that took over its \
+                         slots is found (a new connection reads the slot map again)"
+                    ));
+                }
+                Ok(Err(MasterCheck::Another(id))) => {
+                    self.renew_connection();
                     return failed(format!(
                         "{master}: node {id} answered in its place (the client cannot reach \
                          it, or its slot map is out of date)"
@@ -2555,8 +2573,15 @@ pub(crate) fn slot_ranges(reply: &Value) -> Result<Vec<SlotRange>, StoreError> {
 enum MasterCheck {
     /// The call failed.
     Redis(RedisError),
-    /// Another node, of this id, answered in its place.
+    /// Another node, of this id, answered in its place, and a decision on
+    /// the master's slots failed.
     Another(String),
+    /// Another node answered in its place, but a decision on its slots
+    /// reached it: only the client's slot map is behind the cluster's.
+    MapBehind,
+    /// Another node answered in its place, and the master refuses
+    /// connections.
+    Down,
     /// It answered, without `cluster_state:ok`.
     NotOk,
     /// It refused, or failed, the decision on the check's key.

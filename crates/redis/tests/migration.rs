@@ -186,3 +186,55 @@ fn a_key_moving_to_a_node_that_serves_no_slot_yet_is_decided() {
         }
     });
 }
+
+/// The index of the node that owns `slot`, by its own `CLUSTER NODES`.
+fn owner_of(cluster: &RedisCluster, slot: u16) -> usize {
+    cluster
+        .nodes()
+        .iter()
+        .position(|n| {
+            n.cli(&["CLUSTER", "NODES"])
+                .lines()
+                .find(|l| l.contains("myself"))
+                .is_some_and(|l| {
+                    l.split_whitespace().skip(8).any(|r| {
+                        let (first, last) = r.split_once('-').unwrap_or((r, r));
+                        matches!((first.parse::<u16>(), last.parse::<u16>()),
+                            (Ok(f), Ok(l)) if f <= slot && slot <= l)
+                    })
+                })
+        })
+        .expect("a node owns the slot")
+}
+
+/// Readiness through a slot migration: once a slot has moved, the
+/// client's slot map is behind the cluster's until it reads it again, so
+/// a check routed by that map reaches the old owner. Decisions still reach
+/// the new one (redirected by `MOVED`), so the store is ready: a
+/// resharding, which operators run under load, must not turn `/readyz` off.
+#[test]
+fn readiness_holds_when_a_slot_has_moved_to_another_master() {
+    let cluster = RedisCluster::start();
+    let rt = common::runtime();
+    let store = rt.block_on(async {
+        RedisStore::connect(&cluster.url(), REFERENCE, common::exact_options("moved"))
+            .await
+            .unwrap()
+    });
+    rt.block_on(async { store.ping().await.unwrap() });
+    // Slot 0 moves to the master after its owner: it becomes that
+    // master's first range, the one its readiness check is routed by.
+    let nodes = cluster.nodes();
+    let source = owner_of(&cluster, 0);
+    let target = (source + 1) % nodes.len();
+    let target_id = nodes[target].cli(&["CLUSTER", "MYID"]).trim().to_owned();
+    for node in nodes {
+        assert_eq!(
+            node.cli(&["CLUSTER", "SETSLOT", "0", "NODE", &target_id])
+                .trim(),
+            "OK"
+        );
+    }
+    assert_eq!(owner_of(&cluster, 0), target);
+    rt.block_on(async { store.ping().await }).unwrap();
+}
