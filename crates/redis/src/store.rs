@@ -685,14 +685,25 @@ impl RedisStore {
                             // The seeds answered, so it is no Redis to
                             // start (Backend, not ConnectionDropped, for
                             // which callers say to start one).
-                            let certificates =
-                                tls && e.detail().contains("ClusterConnectionNotFound");
-                            let (kind, hint) = if certificates {
+                            let no_node = e.detail().contains("ClusterConnectionNotFound");
+                            let (kind, hint) = if tls && no_node {
                                 (
                                     StoreErrorKind::Backend,
                                     "; over TLS, each node's certificate must hold the address \
                                      it announces in CLUSTER SLOTS (its IP, unless \
                                      cluster-preferred-endpoint-type is hostname)"
+                                        .to_owned(),
+                                )
+                            } else if no_node {
+                                // Without TLS, a slot map naming no node:
+                                // seeds that serve no slot.
+                                (
+                                    StoreErrorKind::Backend,
+                                    "; the seeds answered, but their slot map names no node \
+                                     (redis-cli -p PORT CLUSTER SLOTS on a seed shows it): give \
+                                     seeds that are members of the cluster, which a node not yet \
+                                     joined (CLUSTER MEET), or removed with redis-cli --cluster \
+                                     del-node (it runs on as an empty cluster of its own), is not"
                                         .to_owned(),
                                 )
                             } else if refused_permission(e.detail()) {
@@ -3447,7 +3458,8 @@ fn cluster_hint(text: &str, tls: bool) -> Option<String> {
         Some(format!(
             "no node of the cluster accepts a connection: its nodes are down, or have moved from \
              every address the client knows (if the cluster now runs elsewhere, start again \
-             with seeds there){certificates}"
+             with seeds there), or the seeds a new connection starts from have left the \
+             cluster (keep one seed a member){certificates}"
         ))
     } else if text.contains("Requested connection not found") {
         Some(

@@ -613,6 +613,28 @@ fn a_single_node_behind_a_cluster_url_is_refused_saying_so() {
     );
 }
 
+/// A seed that answers but serves no slot (never joined, or removed with
+/// `del-node`, which leaves it an empty cluster of its own) is said to be
+/// one: it is no Redis to start.
+#[test]
+fn a_cluster_seed_that_serves_no_slot_is_refused_saying_so() {
+    let server = RedisServer::start_with(&[
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+    ]);
+    let e = connect_by_default(&format!("redis-cluster://127.0.0.1:{}", server.port()));
+    assert_eq!(e.kind(), StoreErrorKind::Backend, "{e}");
+    assert!(
+        e.to_string().contains(
+            "the seeds answered, but their slot map names no node (redis-cli -p PORT CLUSTER \
+             SLOTS on a seed shows it): give seeds that are members of the cluster"
+        ),
+        "{e}"
+    );
+}
+
 #[test]
 fn a_cluster_url_where_nothing_listens_says_which_nodes_refused() {
     let (a, b) = (free_port(false), free_port(false));
