@@ -694,6 +694,25 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
     assert!(text.len() < 1_000, "{} bytes", text.len());
     assert!(text.contains("(20000 characters)"), "{text}");
 
+    // A long string of the wrong type is not echoed whole either.
+    let r = client
+        .post(&url)
+        .body(format!(
+            "{{\"domain\": \"edge\", \"descriptors\": [{{\"entries\": \"{}\"}}]}}",
+            "\\\"".repeat(10_000)
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    let text = r.text().await.unwrap();
+    assert!(text.len() < 1_000, "{} bytes", text.len());
+    assert!(
+        text.contains("malformed JSON: descriptors[0].entries: invalid type: string"),
+        "{text}"
+    );
+    assert!(text.contains("characters) at line 1 column"), "{text}");
+
     // Only the body's size is bounded: a long key within it is a key.
     let long_key = format!("{{\"key\": \"{}\"}}", "x".repeat(60_000));
     let r = client.post(&url).body(long_key).send().await.unwrap();

@@ -806,10 +806,25 @@ impl JsonError {
 }
 
 impl std::fmt::Display for JsonError {
+    /// serde's message quotes a string of the wrong type whole (`invalid
+    /// type: string "..."`): it is cut, as other client text is, keeping
+    /// the line and column after it.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.place {
-            Some(place) => write!(f, "{place}: {}", self.error),
-            None => write!(f, "{}", self.error),
+        const MAX_CHARS: usize = 200;
+        if let Some(place) = &self.place {
+            write!(f, "{place}: ")?;
+        }
+        let message = self.error.to_string();
+        let at = format!(" at line {} column {}", self.line(), self.column());
+        let text = message.strip_suffix(&at).unwrap_or(&message);
+        match text.char_indices().nth(MAX_CHARS) {
+            Some((cut, _)) => write!(
+                f,
+                "{}... ({} characters){at}",
+                &text[..cut],
+                text.chars().count()
+            ),
+            None => write!(f, "{message}"),
         }
     }
 }
