@@ -80,6 +80,25 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+/// A configuration refused where a store is built is the caller's input
+/// refused: `?` carries it into a function that returns [`StoreError`].
+///
+/// ```
+/// use ratewarden_core::{PolicyConfig, PolicyKind, StoreError, StoreErrorKind};
+/// fn build() -> Result<(), StoreError> {
+///     PolicyConfig::new(PolicyKind::FixedWindow, 10, 0).build()?;
+///     Ok(())
+/// }
+/// let e = build().unwrap_err();
+/// assert_eq!(e.kind(), StoreErrorKind::InvalidInput);
+/// assert!(e.detail().contains("window_ms is 0"));
+/// ```
+impl From<ConfigError> for StoreError {
+    fn from(e: ConfigError) -> Self {
+        StoreError::new(StoreErrorKind::InvalidInput, e.to_string())
+    }
+}
+
 /// What kind of failure a [`StoreError`] is, so that a caller can choose to
 /// fail open, fail closed or fall back without parsing messages.
 ///

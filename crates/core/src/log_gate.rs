@@ -28,6 +28,21 @@ pub struct LogGate {
     held: AtomicU64,
 }
 
+/// One event a second, the interval every gate of this project uses.
+///
+/// ```
+/// use ratewarden_core::LogGate;
+/// let gate = LogGate::default();
+/// assert_eq!(gate.pass(0), Some(0));
+/// assert_eq!(gate.pass(999), None);
+/// assert_eq!(gate.pass(1_000), Some(1));
+/// ```
+impl Default for LogGate {
+    fn default() -> Self {
+        LogGate::new(1000)
+    }
+}
+
 impl LogGate {
     /// A gate letting one event through per `interval_ms`.
     pub const fn new(interval_ms: u64) -> Self {
