@@ -535,7 +535,8 @@ impl KeyExtractor for PeerIp {
                 "the peer address is unknown: serve the router with axum 0.8's \
                  into_make_service_with_connect_info::<SocketAddr>() (a ConnectInfo \
                  inserted by another axum version, such as 0.7, is another type and is \
-                 not found)",
+                 not found), or, under plain hyper or tower, insert the peer's SocketAddr \
+                 as a request extension",
             )),
         }
     }
@@ -673,6 +674,11 @@ mod tests {
         // An app on axum 0.7 serves with that call too: the log says why its
         // ConnectInfo is not found.
         assert!(err.detail().unwrap().contains("axum 0.8"));
+        // Without axum, the extension PeerIp also reads.
+        assert!(err
+            .detail()
+            .unwrap()
+            .contains("insert the peer's SocketAddr as a request extension"));
     }
 
     #[test]
