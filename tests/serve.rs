@@ -659,54 +659,33 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
     // A long coding, path or method is not echoed whole: the answer to a
     // client's mistake stays short (a 400 KB header came back 1.6 MB, in
     // memory per connection until read).
+    let short_answer = |request: reqwest::RequestBuilder, status: u16| async move {
+        let r = request.send().await.unwrap();
+        assert_eq!(r.status().as_u16(), status);
+        let text = r.text().await.unwrap();
+        assert!(text.len() < 1_000, "{} bytes", text.len());
+        text
+    };
     let long = "\"".repeat(20_000);
-    let r = client
+    let coding = client
         .post(&url)
         .header("content-encoding", format!("x{long}"))
-        .body("{}")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 415);
-    let text = r.text().await.unwrap();
-    assert!(text.len() < 1_000, "{} bytes", text.len());
+        .body("{}");
+    let text = short_answer(coding, 415).await;
     assert!(text.contains("(20001 characters)"), "{text}");
-    let r = client
-        .get(format!(
-            "{}/{}",
-            url.trim_end_matches("/v1/check"),
-            "p".repeat(20_000)
-        ))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 404);
-    let text = r.text().await.unwrap();
-    assert!(text.len() < 1_000, "{} bytes", text.len());
+    let base = url.trim_end_matches("/v1/check");
+    let path = client.get(format!("{base}/{}", "p".repeat(20_000)));
+    let text = short_answer(path, 404).await;
     assert!(text.contains("(20001 characters)"), "{text}");
-    let r = client
-        .request(reqwest::Method::from_bytes(&[b'M'; 20_000]).unwrap(), &url)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 405);
-    let text = r.text().await.unwrap();
-    assert!(text.len() < 1_000, "{} bytes", text.len());
+    let method = reqwest::Method::from_bytes(&[b'M'; 20_000]).unwrap();
+    let text = short_answer(client.request(method, &url), 405).await;
     assert!(text.contains("(20000 characters)"), "{text}");
-
     // A long string of the wrong type is not echoed whole either.
-    let r = client
-        .post(&url)
-        .body(format!(
-            "{{\"domain\": \"edge\", \"descriptors\": [{{\"entries\": \"{}\"}}]}}",
-            "\\\"".repeat(10_000)
-        ))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 400);
-    let text = r.text().await.unwrap();
-    assert!(text.len() < 1_000, "{} bytes", text.len());
+    let body = format!(
+        "{{\"domain\": \"edge\", \"descriptors\": [{{\"entries\": \"{}\"}}]}}",
+        "\\\"".repeat(10_000)
+    );
+    let text = short_answer(client.post(&url).body(body), 400).await;
     assert!(
         text.contains("malformed JSON: descriptors[0].entries: invalid type: string"),
         "{text}"
@@ -719,7 +698,6 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
     assert_eq!(r.status().as_u16(), 200);
 
     // Wrong paths and methods are answered in JSON too, naming the endpoints.
-    let base = url.trim_end_matches("/v1/check");
     let r = client
         .post(format!("{base}/v1/chek"))
         .body("{}")
