@@ -2421,9 +2421,20 @@ async fn an_override_without_a_unit_is_ignored_and_counted() {
     let server = Server::start(&["--config", file.path()]);
     let mut grpc = server.grpc().await;
     let d = with_override(&[("path", "/login")], 1000, Unit::Unknown);
-    let r = should(&mut grpc, "edge", vec![d], 1).await;
+    let r = should(&mut grpc, "edge", vec![d.clone()], 1).await;
     let limit = r.statuses[0].current_limit.as_ref().unwrap();
     assert_eq!((limit.name.as_str(), limit.requests_per_unit), ("login", 2));
+    // A request refused as invalid applied no rule in its place: not
+    // counted.
+    let refused = grpc
+        .should_rate_limit(RateLimitRequest {
+            domain: String::new(),
+            descriptors: vec![d],
+            hits_addend: 1,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused}");
     let metrics = common::metrics(&client(), server.http).await;
     assert!(
         metrics.contains("\nratewarden_limit_overrides_ignored_total 1\n"),

@@ -299,10 +299,6 @@ impl Rls {
                 }),
             })
             .collect();
-        for _ in 0..unknown_units {
-            self.service
-                .limit_override_ignored("an UNKNOWN (or unrecognised) unit");
-        }
         let outcomes = self
             .service
             .check_descriptors(&request.domain, &descriptors)
@@ -311,6 +307,12 @@ impl Rls {
                 tracing::debug!("gRPC call answered INVALID_ARGUMENT: {}", e.0);
                 Status::invalid_argument(e.0)
             })?;
+        // Counted once the request is known to be decided: a request
+        // refused as invalid applied no rule in an override's place.
+        for _ in 0..unknown_units {
+            self.service
+                .limit_override_ignored("an UNKNOWN (or unrecognised) unit");
+        }
         // Envoy applies its own failure_mode_deny to an error, as to
         // envoyproxy/ratelimit's.
         if let Some(m) = unanswered(&outcomes, true) {
