@@ -28,7 +28,7 @@ pub struct LogGate {
     held: AtomicU64,
 }
 
-/// One event a second, the interval every gate of this project uses.
+/// One event a second, the interval of most gates in this project.
 ///
 /// ```
 /// use ratewarden_core::LogGate;
