@@ -179,11 +179,19 @@ fn grpc_timeout(headers: &http::HeaderMap) -> Result<Option<Duration>, tonic::St
         return Ok(None);
     };
     let bad = || {
-        // Only printable ASCII is shown, and only so much of it.
+        // Only printable ASCII is shown, and only so much of it; a space
+        // or tab, often the very mistake, shows as itself (the tab
+        // escaped), not as `?`.
         let shown: String = String::from_utf8_lossy(value.as_bytes())
             .chars()
             .take(32)
-            .map(|c| if c.is_ascii_graphic() { c } else { '?' })
+            .map(|c| {
+                if c.is_ascii_graphic() || c == ' ' || c == '\t' {
+                    c
+                } else {
+                    '?'
+                }
+            })
             .collect();
         tonic::Status::invalid_argument(format!(
             "the grpc-timeout header {shown:?} is not a gRPC timeout: write 1 to 8 digits \
@@ -262,5 +270,8 @@ mod tests {
         headers.insert("grpc-timeout", not_ascii);
         let e = grpc_timeout(&headers).unwrap_err();
         assert!(e.message().contains("\"2?m\""), "{e}");
+        // A stray space or tab is shown as one.
+        assert!(read(" 20m").unwrap_err().message().contains("\" 20m\""));
+        assert!(read("20\tm").unwrap_err().message().contains("\"20\\tm\""));
     }
 }
