@@ -376,14 +376,11 @@ impl LimitJson {
                 kind_of(&value)
             ));
         }
-        let limit: LimitJson = serde_path_to_error::deserialize(value).map_err(|e| {
-            // An unknown field's message names it; a wrong type's does not.
-            if e.inner().to_string().starts_with("unknown field") {
-                format!("{at}.limit: {}", e.inner())
-            } else {
-                format!("{at}.limit.{}: {}", e.path(), e.inner())
-            }
-        })?;
+        let limit: LimitJson =
+            serde_path_to_error::deserialize(value).map_err(|e| match place_of(&e) {
+                Some(place) => format!("{at}.limit.{place}: {}", e.inner()),
+                None => format!("{at}.limit: {}", e.inner()),
+            })?;
         let (Some(n), Some(unit)) = (limit.requests_per_unit, limit.unit) else {
             return Err(format!(
                 "{at}.limit needs both requests_per_unit and unit, {example}"
@@ -634,8 +631,10 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
     // A client that went away mid-body sent nothing wrong: answered (in
     // case it still reads), but not counted as a bad request.
     let mut client_cut = false;
-    let encoded = content_coding(request.headers());
-    let response = if let Some(coding) = transfer_coding(request.headers()) {
+    let headers = request.headers();
+    let encoded = codings_besides(headers, header::CONTENT_ENCODING, "identity");
+    let transferred = codings_besides(headers, header::TRANSFER_ENCODING, "chunked");
+    let response = if let Some(coding) = transferred {
         // hyper undoes `chunked` only, and would hand on the rest still
         // coded, to be read as malformed JSON: RFC 9112 (section 6.1)
         // answers a transfer coding the server does not know with a 501.
@@ -713,34 +712,23 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
     response
 }
 
-/// The request's `Content-Encoding`, when it names any coding but
-/// `identity` (which changes nothing); shown as sent, or `None`.
-fn content_coding(headers: &HeaderMap) -> Option<String> {
-    let mut codings = headers.get_all(header::CONTENT_ENCODING).iter().peekable();
-    codings.peek()?;
-    let sent: Vec<String> = codings
-        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
-        .collect();
-    let all_identity = sent
-        .iter()
-        .flat_map(|v| v.split(','))
-        .map(str::trim)
-        .all(|c| c.is_empty() || c.eq_ignore_ascii_case("identity"));
-    (!all_identity).then(|| sent.join(", "))
-}
-
-/// The request's `Transfer-Encoding`, when it names any coding but
-/// `chunked`; shown as sent, or `None`.
-fn transfer_coding(headers: &HeaderMap) -> Option<String> {
+/// The request's `name` header (`Content-Encoding`, `Transfer-Encoding`),
+/// when it names any coding but `harmless` (`identity`, which changes
+/// nothing; `chunked`, which hyper undoes); shown as sent, or `None`.
+fn codings_besides(
+    headers: &HeaderMap,
+    name: header::HeaderName,
+    harmless: &str,
+) -> Option<String> {
     let sent: Vec<String> = headers
-        .get_all(header::TRANSFER_ENCODING)
+        .get_all(name)
         .iter()
         .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
         .collect();
     sent.iter()
         .flat_map(|v| v.split(','))
         .map(str::trim)
-        .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case("chunked"))
+        .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(harmless))
         .then(|| sent.join(", "))
 }
 
@@ -771,22 +759,27 @@ fn cut_short_by_the_client(rejection: &BytesRejection) -> bool {
 /// serde_json's line and column.
 fn from_slice_at(body: &[u8]) -> Result<CheckRequest, JsonError> {
     let mut reader = serde_json::Deserializer::from_slice(body);
-    let request = serde_path_to_error::deserialize(&mut reader).map_err(|e| {
-        let path = e.path().to_string();
-        let error = e.into_inner();
-        // An unknown field's message names it: its place is its table's.
-        let place = if error.to_string().starts_with("unknown field") {
-            path.rsplit_once('.').map(|(table, _)| table.to_owned())
-        } else {
-            (path != ".").then_some(path)
-        };
-        JsonError { place, error }
+    let request = serde_path_to_error::deserialize(&mut reader).map_err(|e| JsonError {
+        place: place_of(&e),
+        error: e.into_inner(),
     })?;
     // Trailing characters, as serde_json::from_slice refuses them.
     reader
         .end()
         .map_err(|error| JsonError { place: None, error })?;
     Ok(request)
+}
+
+/// Where a serde error is, from the value read: the field of a wrong type,
+/// the table of an unknown field (whose message names the field itself);
+/// `None` at the value itself.
+fn place_of(e: &serde_path_to_error::Error<serde_json::Error>) -> Option<String> {
+    let path = e.path().to_string();
+    if e.inner().to_string().starts_with("unknown field") {
+        path.rsplit_once('.').map(|(table, _)| table.to_owned())
+    } else {
+        (path != ".").then_some(path)
+    }
 }
 
 /// serde_json's error, and the field it is in.
