@@ -801,20 +801,28 @@ impl RedisStore {
                         let down = Arc::clone(&down);
                         Box::pin(async move {
                             let certificates = read_again(files).await;
-                            let client = cluster_client(
-                                &nodes,
-                                node_connect_timeout,
-                                node_response_timeout,
-                                certificates.as_ref(),
-                            )?;
-                            let mut conn = client.get_async_connection().await?;
-                            // Taken only once no master hangs for it (see
-                            // no_master_hangs).
-                            let (map, refusing) =
-                                no_master_hangs(&mut conn, node_connect_timeout, &down).await?;
-                            down.set_map(map);
-                            down.found_refusing(refusing);
-                            Ok(conn)
+                            let connect = |seeds: Vec<String>| {
+                                new_cluster_connection(
+                                    seeds,
+                                    node_connect_timeout,
+                                    node_response_timeout,
+                                    certificates.clone(),
+                                    Arc::clone(&down),
+                                )
+                            };
+                            // From the masters last known first: the URL's
+                            // seeds may have left the cluster since. One
+                            // removed with del-node runs on as an empty
+                            // cluster of its own, whose slot map names no
+                            // node, and redis-rs takes the map of whichever
+                            // seed answers first.
+                            let known = known_master_urls(&down, &nodes);
+                            if !known.is_empty() {
+                                if let Ok(conn) = connect(known).await {
+                                    return Ok(conn);
+                                }
+                            }
+                            connect(nodes.to_vec()).await
                         })
                     })
                 };
@@ -2700,6 +2708,62 @@ pub(crate) async fn ask_slot_map(
     futures_util::future::select_ok(calls)
         .await
         .map(|(answer, _)| answer)
+}
+
+/// A new cluster connection from `seeds` (`redis://` or `rediss://` URLs),
+/// taken only once no master hangs for it (see [`no_master_hangs`]), which
+/// also refuses a connection whose slot map names no slot; `down` is given
+/// its slot map and the masters found refusing connections.
+async fn new_cluster_connection(
+    seeds: Vec<String>,
+    node_connect_timeout: Duration,
+    node_response_timeout: Duration,
+    certificates: Option<TlsCertificates>,
+    down: Arc<DownMasters>,
+) -> RedisResult<ClusterConnection> {
+    let client = cluster_client(
+        &seeds,
+        node_connect_timeout,
+        node_response_timeout,
+        certificates.as_ref(),
+    )?;
+    let mut conn = client.get_async_connection().await?;
+    let (map, refusing) = no_master_hangs(&mut conn, node_connect_timeout, &down).await?;
+    down.set_map(map);
+    down.found_refusing(refusing);
+    Ok(conn)
+}
+
+/// The URLs of the masters of the slot map that `down` last read, each
+/// once, but for those it has found down, written as the URL's `seeds`
+/// are (scheme, and the credentials of the first seed, which every seed
+/// without its own is connected with).
+fn known_master_urls(down: &DownMasters, seeds: &[String]) -> Vec<String> {
+    let Some(first) = seeds.first() else {
+        return Vec::new();
+    };
+    let (scheme, rest) = first.split_once("://").unwrap_or(("redis", first));
+    let credentials = rest
+        .rsplit_once('@')
+        .map_or(String::new(), |(userinfo, _)| format!("{userinfo}@"));
+    let mut masters: Vec<crate::down::Address> = Vec::new();
+    for range in down.map() {
+        if let Some(master) = range.master {
+            if !masters.contains(&master) && !down.is_down(&master) {
+                masters.push(master);
+            }
+        }
+    }
+    masters
+        .into_iter()
+        .map(|(host, port)| {
+            if host.contains(':') {
+                format!("{scheme}://{credentials}[{host}]:{port}")
+            } else {
+                format!("{scheme}://{credentials}{host}:{port}")
+            }
+        })
+        .collect()
 }
 
 /// Whether no master of the slot map that `conn` reads hangs for it: each

@@ -775,6 +775,39 @@ impl RedisCluster {
         known - 1
     }
 
+    /// Removes the node at `index`, which must serve no slot, with
+    /// `redis-cli --cluster del-node`: every other node forgets it, and it
+    /// runs on as an empty cluster of its own (the tool resets it). Waits
+    /// (at most 30 s) until no other node lists it. It keeps its index.
+    pub fn remove_node(&mut self, index: usize) {
+        let id = self.node_id(index);
+        let other = self
+            .nodes
+            .iter()
+            .enumerate()
+            .find(|&(i, _)| i != index)
+            .map(|(_, n)| format!("127.0.0.1:{}", n.port))
+            .expect("another node");
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "del-node", &other, &id])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run redis-cli --cluster del-node");
+        assert!(
+            out.status.success(),
+            "del-node failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let deadline = Instant::now() + CLUSTER_START_TIMEOUT;
+        for (i, node) in self.nodes.iter().enumerate() {
+            if i == index {
+                continue;
+            }
+            let forgotten = poll_until(deadline, || !node.cli(&["CLUSTER", "NODES"]).contains(&id));
+            assert!(forgotten, "node {i} still lists the removed node");
+        }
+    }
+
     /// The longest TTL of any key on any node, in ms, as
     /// [`RedisServer::longest_ttl_ms`] gives it.
     pub fn longest_ttl_ms(&self) -> Option<i64> {

@@ -143,6 +143,46 @@ fn a_killed_master_costs_its_slots_only_until_its_replica_takes_over() {
     decided_again(&store, &rt, promoted_at);
 }
 
+/// A store whose URL named one seed, since removed from the cluster
+/// (`redis-cli --cluster del-node`: it runs on, an empty cluster of its
+/// own, whose slot map names no node): a failover afterwards is still
+/// followed, since a new connection starts from the nodes the store last
+/// knew, and the seed's empty slot map is never taken.
+#[test]
+fn a_failover_is_followed_after_the_only_seed_was_removed() {
+    let mut cluster = RedisCluster::start_with_replicas(1000);
+    let replica = cluster
+        .replica_of(0, 1)
+        .expect("the first master has a replica");
+    let seed = cluster.add_empty_master();
+    let url = format!("redis-cluster://127.0.0.1:{}", cluster.nodes()[seed].port());
+    let rt = common::runtime();
+    let store = rt.block_on(async {
+        let store = RedisStore::connect(&url, REFERENCE, options("removed-seed"))
+            .await
+            .expect("connect");
+        every_key_decided(&store, "a healthy cluster decides every key").await;
+        store
+    });
+    cluster.remove_node(seed);
+    cluster.kill_node(0);
+    let promoted_at = decide_until_master(&cluster, &store, &rt, replica);
+    decided_again(&store, &rt, promoted_at);
+    rt.block_on(async {
+        let deadline = promoted_at + Duration::from_secs(10);
+        loop {
+            match store.ping().await {
+                Ok(()) => break,
+                Err(e) => assert!(
+                    Instant::now() < deadline,
+                    "still not ready 10 s after the replica took over: {e}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+}
+
 /// Decides every key, again and again, until the node at `replica` is a
 /// master (at most 20 s); checks that every failure meanwhile is a
 /// timeout or a dropped connection. Returns when the promotion was seen.
