@@ -183,6 +183,46 @@ fn a_failover_is_followed_after_the_only_seed_was_removed() {
     });
 }
 
+/// As above, with every connection of the store closed by the nodes
+/// (`CLIENT KILL`) instead of a failover, three times: each time every key
+/// is decided again within 10 s.
+#[test]
+fn dropped_connections_are_mended_after_the_only_seed_was_removed() {
+    let mut cluster = RedisCluster::start_with_replicas(1000);
+    let seed = cluster.add_empty_master();
+    let url = format!("redis-cluster://127.0.0.1:{}", cluster.nodes()[seed].port());
+    let rt = common::runtime();
+    let store = rt.block_on(async {
+        let store = RedisStore::connect(&url, REFERENCE, options("removed-seed-killed"))
+            .await
+            .expect("connect");
+        every_key_decided(&store, "a healthy cluster decides every key").await;
+        store
+    });
+    cluster.remove_node(seed);
+    for round_no in 0..3 {
+        for (i, node) in cluster.nodes().iter().enumerate() {
+            if i != seed {
+                node.cli(&["CLIENT", "KILL", "TYPE", "normal"]);
+            }
+        }
+        let started = Instant::now();
+        rt.block_on(async {
+            loop {
+                let failed = failures(&store).await;
+                let Some(e) = failed.first() else { break };
+                assert!(
+                    started.elapsed() < Duration::from_secs(10),
+                    "round {round_no}: {} of {KEYS} decisions still failed after 10 s, one \
+                     with {e}",
+                    failed.len()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+    }
+}
+
 /// Decides every key, again and again, until the node at `replica` is a
 /// master (at most 20 s); checks that every failure meanwhile is a
 /// timeout or a dropped connection. Returns when the promotion was seen.
