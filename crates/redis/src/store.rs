@@ -1847,6 +1847,20 @@ impl RedisStore {
             && !e.is_timeout()
     }
 
+    /// After a failed call on one node: when its error is that of a
+    /// reconnection refused in its set-up (the URL's password or database
+    /// no longer accepted), starts a new connection (at most one a
+    /// second). redis-rs's connection manager reconnects only after an
+    /// I/O error; a reconnection that failed for another reason is kept,
+    /// and its error returned to every call after, for good, though Redis
+    /// would take the connection again once the password or database is
+    /// set back.
+    fn renew_if_reconnection_refused(&self, e: &RedisError) {
+        if matches!(self.inner.backend, Backend::Node(_)) && reconnection_refused(e) {
+            self.renew_connection();
+        }
+    }
+
     /// A script call that a migrating slot's node answered `ASK`, sent to
     /// the node the key moved to, as one pipeline `ASKING` + the call.
     ///
@@ -1896,6 +1910,9 @@ impl RedisStore {
                 .req_packed_command(cmd)
                 .await
                 .and_then(Value::extract_error);
+        }
+        if let Err(e) = &result {
+            self.renew_if_reconnection_refused(e);
         }
         match (result, conn) {
             (Err(e), Conn::Cluster(cluster))
@@ -2112,6 +2129,9 @@ impl RedisStore {
         if matches!(&loaded, Err(e) if self.retry_on_new_connection(e)) {
             loaded = self.load_script_once(conn).await;
         }
+        if let Err(e) = &loaded {
+            self.renew_if_reconnection_refused(e);
+        }
         loaded.map_err(map_error)
     }
 
@@ -2234,6 +2254,9 @@ impl RedisStore {
                     // As for one call: the connection was gone, and the
                     // batch goes once more on the new one.
                     sent = conn.req_packed_commands(&pipe, 0, todo.len()).await;
+                }
+                if let Err(e) = &sent {
+                    self.renew_if_reconnection_refused(e);
                 }
                 let values = sent.map_err(|e| self.call_error(map_error(e)))?;
                 if values.len() != todo.len() {
@@ -3321,6 +3344,16 @@ fn cluster_client(
         builder = builder.certs(certificates.clone());
     }
     builder.build()
+}
+
+/// Whether `e` is the error of a connection's set-up refused by Redis:
+/// the URL's user or password (`AUTH`), or its database (`SELECT`).
+fn reconnection_refused(e: &RedisError) -> bool {
+    let text = e.to_string();
+    e.kind() == ErrorKind::AuthenticationFailed
+        || e.code() == Some("WRONGPASS")
+        || text.contains("DB index is out of range")
+        || (text.contains("refused to switch database") && text.contains("out of range"))
 }
 
 /// `shown`: the URL without its credentials.

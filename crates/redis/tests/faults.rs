@@ -709,6 +709,49 @@ fn a_refusing_redis_fails_calls_as_connection_errors_and_the_first_call_back_suc
     }
 }
 
+/// A reconnection refused (the URL's password no longer accepted) is tried
+/// again: once the password is accepted again, decisions are made again,
+/// within a few seconds, though no call timed out. A connection whose
+/// reconnection failed that way kept returning its error for good.
+#[test]
+fn a_reconnection_refused_its_password_is_tried_again() {
+    let rt = common::runtime();
+    let server = RedisServer::start();
+    let acl = |args: &[&str]| {
+        let said = server.cli(args);
+        assert!(
+            said.trim() == "OK" || said.trim().parse::<u64>().is_ok(),
+            "{said}"
+        );
+    };
+    acl(&["ACL", "SETUSER", "limiter", "on", ">first", "~*", "+@all"]);
+    let url = server
+        .url()
+        .replacen("redis://", "redis://limiter:first@", 1);
+    let store = rt
+        .block_on(RedisStore::connect(&url, REFERENCE, options("reauth")))
+        .expect("connect");
+    assert!(rt.block_on(store.decide(1, None, 1)).is_ok());
+    acl(&["ACL", "SETUSER", "limiter", "resetpass", ">second"]);
+    acl(&["CLIENT", "KILL", "USER", "limiter"]);
+    let e = (0..5)
+        .find_map(|i| rt.block_on(store.decide(i, None, 1)).err())
+        .expect("a refused password fails decisions");
+    assert!(e.detail().contains("password"), "{e}");
+    acl(&["ACL", "SETUSER", "limiter", "resetpass", ">first"]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match rt.block_on(store.decide(2, None, 1)) {
+            Ok(_) => break,
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "still failing 5 s after the password was accepted again: {e}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// An error Redis answers (here out of memory) names the Redis, from one
 /// call and from each request of a batch alike: Redis's own words do not
 /// say which one answered.
