@@ -2108,12 +2108,30 @@ impl RedisStore {
                 // No call sent the text since this one's EVALSHA set out:
                 // this one does. (Cancelled by its timeout, it counts
                 // nothing, and the next call in line sends it.)
-                let called = self.try_call(conn, &call(true)).await;
+                let called = self.call_with_text(conn, &call).await;
                 inner.scripts_sent.fetch_add(1, Ordering::Release);
                 return called.map_err(map_error);
             }
         }
-        self.try_call(conn, &call(true)).await.map_err(map_error)
+        self.call_with_text(conn, &call).await.map_err(map_error)
+    }
+
+    /// The call with the script's text (`EVAL`, `call(true)`); where Redis
+    /// refuses `EVAL` (renamed away, or not granted to the URL's user),
+    /// the script loaded with `SCRIPT LOAD` and the call made again by
+    /// `EVALSHA`, one round trip more. The refused `EVAL` ran nothing.
+    async fn call_with_text(
+        &self,
+        conn: &mut Conn,
+        call: &impl Fn(bool) -> Cmd,
+    ) -> RedisResult<Value> {
+        match self.try_call(conn, &call(true)).await {
+            Err(e) if eval_refused(&e) => {
+                self.load_script_once(conn).await?;
+                self.try_call(conn, &call(false)).await
+            }
+            called => called,
+        }
     }
 
     /// Loads the policy's script into the script cache: of the one node,
@@ -3458,6 +3476,15 @@ fn refused_command(text: &str) -> Option<&str> {
     let command = &rest[..rest.find('\'')?];
     let plain = |c: char| c.is_ascii_alphanumeric() || c == '|' || c == '-' || c == '_';
     (!command.is_empty() && command.len() <= 64 && command.chars().all(plain)).then_some(command)
+}
+
+/// Whether `e` is Redis refusing `EVAL` itself: not granted to the URL's
+/// user, or renamed away (`rename-command EVAL ""`).
+fn eval_refused(e: &RedisError) -> bool {
+    let text = e.to_string();
+    refused_command(&text).is_some_and(|c| c.eq_ignore_ascii_case("eval"))
+        || text.contains("unknown command 'EVAL'")
+        || text.contains("unknown command 'eval'")
 }
 
 /// Whether an error's `text` is the ACL refusing the URL's user a key

@@ -752,6 +752,39 @@ fn a_reconnection_refused_its_password_is_tried_again() {
     }
 }
 
+/// A Redis that refuses `EVAL` (renamed away, or an ACL user without it)
+/// still decides after its script cache is flushed: the script is loaded
+/// again with `SCRIPT LOAD` and called by `EVALSHA`. Every decision failed
+/// for good, since `EVAL` of the text was the only way back.
+#[test]
+fn a_flushed_script_comes_back_without_eval() {
+    let rt = common::runtime();
+    let renamed = RedisServer::start_with(&["--rename-command", "EVAL", ""]);
+    let with_acl = RedisServer::start();
+    let said = with_acl.cli(&[
+        "ACL", "SETUSER", "noeval", "on", ">pw", "~*", "+@all", "-eval",
+    ]);
+    assert_eq!(said.trim(), "OK");
+    let acl_url = with_acl.url().replacen("redis://", "redis://noeval:pw@", 1);
+    for (server, url) in [(&renamed, renamed.url()), (&with_acl, acl_url)] {
+        let store = rt
+            .block_on(RedisStore::connect(&url, REFERENCE, options("no-eval")))
+            .expect("connect");
+        assert!(rt.block_on(store.decide(1, None, 1)).is_ok());
+        assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+        if let Err(e) = rt.block_on(store.decide(1, None, 1)) {
+            panic!("{url}: a call after the flush failed: {e}");
+        }
+        assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+        let batch = rt.block_on(store.decide_many(&[(2, 1), (3, 1)], None));
+        for decided in batch.expect("a batch after the flush") {
+            if let Err(e) = decided {
+                panic!("{url}: a batch's call after the flush failed: {e}");
+            }
+        }
+    }
+}
+
 /// An error Redis answers (here out of memory) names the Redis, from one
 /// call and from each request of a batch alike: Redis's own words do not
 /// say which one answered.
