@@ -772,6 +772,41 @@ async fn a_user_refused_the_keys_stops_serve_at_start_naming_the_pattern() {
     assert_eq!(body["remaining"], 9, "{body}");
 }
 
+/// A key pattern covering only the check's keys (`~ratewarden%3Aprobe:*`,
+/// which the store's own message names) stops serve at start naming the
+/// pattern for every rule's keys too; and when the ACL takes the keys away
+/// while serving, `/readyz` names that pattern, not the check's alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_keys_are_answered_with_the_pattern_for_every_rule() {
+    let redis = RedisServer::start();
+    let acl = |args: &[&str]| {
+        let mut all = vec!["ACL", "SETUSER", "rw"];
+        all.extend_from_slice(args);
+        assert_eq!(redis.cli(&all).trim(), "OK");
+    };
+    acl(&["on", ">pw", "~ratewarden%3Aprobe:*", "+@all"]);
+    let url = format!("redis://rw:pw@127.0.0.1:{}", redis.port());
+    let (status, stderr) = serve_refused(&url);
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("for serve, grant ~ratewarden%3A* instead"),
+        "{stderr}"
+    );
+    acl(&["resetkeys", "~ratewarden%3A*"]);
+    let serve = Serve::start(&url, "[keys]\nlimit = 10\nwindow_ms = 60000\n");
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    assert_eq!(readyz(&client, &serve).await, (200, "ready\n".to_owned()));
+    acl(&["resetkeys", "~other*"]);
+    let body = readyz_until(&client, &serve, 503).await;
+    assert!(
+        body.contains("for serve, grant ~ratewarden%3A* instead"),
+        "{body}"
+    );
+}
+
 #[test]
 fn the_password_is_never_logged() {
     use std::io::BufRead;

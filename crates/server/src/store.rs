@@ -151,15 +151,34 @@ impl RedisFactory {
     /// only its own (the check's) prefix, and the rules' keys are under
     /// `key_prefix` too.
     fn keys_hint(&self, e: ratewarden_core::StoreError) -> anyhow::Error {
-        if !ratewarden_redis::is_refused_key(&e) {
-            return unreachable_hint(e);
+        match self.key_pattern(&e) {
+            Some(pattern) => anyhow::anyhow!("{e}; {pattern}"),
+            None => unreachable_hint(e),
+        }
+    }
+
+    /// When `e` is the ACL refusing the URL's user a key: the pattern that
+    /// covers every rule's keys and the check's. The store's own error
+    /// names the pattern for its prefix alone (one rule's, or the
+    /// check's), which, granted, leaves the others refused.
+    fn key_pattern(&self, e: &ratewarden_core::StoreError) -> Option<String> {
+        if !ratewarden_redis::is_refused_key(e) {
+            return None;
         }
         let escaped = ratewarden_redis::escape_key_part(&self.key_prefix);
-        anyhow::anyhow!(
-            "{e}; for serve, grant ~{escaped}%3A*: every rule's keys, and the check's, are \
+        Some(format!(
+            "for serve, grant ~{escaped}%3A* instead: every rule's keys, and the check's, are \
              under [server] key_prefix {:?} and a :",
             self.key_prefix
-        )
+        ))
+    }
+
+    /// `e`'s detail, with [`RedisFactory::key_pattern`] when it applies.
+    fn detail_with_pattern(&self, e: &ratewarden_core::StoreError) -> String {
+        match self.key_pattern(e) {
+            Some(pattern) => format!("{}; {pattern}", e.detail()),
+            None => e.detail().to_owned(),
+        }
     }
 
     /// The longest one call may take, in ms.
@@ -239,7 +258,7 @@ impl StoreFactory for RedisFactory {
             let store = shared
                 .with_config(*config, prefix)
                 .await
-                .map_err(unreachable_hint)?;
+                .map_err(|e| self.keys_hint(e))?;
             Ok(BuiltLimiter {
                 limiter: Arc::new(RedisRuleLimiter { store }),
                 local: None,
@@ -268,11 +287,13 @@ impl StoreFactory for RedisFactory {
                         )
                     })
                     .await
-                    .map_err(|e| anyhow::anyhow!("cannot connect to {url}: {}", e.detail()))?;
+                    .map_err(|e| {
+                        anyhow::anyhow!("cannot connect to {url}: {}", self.detail_with_pattern(&e))
+                    })?;
                 store
                     .ping()
                     .await
-                    .map_err(|e| anyhow::anyhow!("{url}: {}", e.detail()))
+                    .map_err(|e| anyhow::anyhow!("{url}: {}", self.detail_with_pattern(&e)))
             };
             tokio::time::timeout(bound, probe)
                 .await
