@@ -3114,6 +3114,30 @@ async fn check_node<C: ConnectionLike>(
         .await
         .and_then(Value::extract_error)
         .map_err(|e| connect_error(e, address, form))?;
+    // A replica that takes writes (replica-read-only no) would count apart
+    // from its master and every other replica, and one that does not
+    // refuses every decision: either way the URL should name its master.
+    // A seed of a cluster URL may be a replica. Like INFO cluster below,
+    // only a clear answer refuses.
+    if !form.cluster {
+        if let Ok(info) = redis::cmd("INFO")
+            .arg("replication")
+            .query_async::<String>(conn)
+            .await
+        {
+            if let Some(master) = replica_of(&info) {
+                return Err(StoreError::new(
+                    StoreErrorKind::InvalidInput,
+                    format!(
+                        "Redis at {address} is a replica of {master} (INFO replication): a \
+                         read-only replica refuses every decision, and a writable one \
+                         counts apart from its master and the other replicas; point the URL \
+                         at its master"
+                    ),
+                ));
+            }
+        }
+    }
     // INFO may be renamed away on some servers: PING proved the node
     // answers, so only a clear "cluster_enabled" line refuses.
     let Ok(info) = redis::cmd("INFO")
@@ -3136,6 +3160,27 @@ async fn check_node<C: ConnectionLike>(
         _ => return Ok(()),
     };
     Err(StoreError::new(StoreErrorKind::InvalidInput, advice))
+}
+
+/// The master (`HOST:PORT`) of a server that its `INFO replication`
+/// reply says is a replica (`role:slave`); `None` when it is not, or the
+/// reply does not say.
+fn replica_of(info_replication: &str) -> Option<String> {
+    let field = |name: &str| {
+        info_replication
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(name))
+    };
+    if field("role:")? != "slave" {
+        return None;
+    }
+    let host = field("master_host:").unwrap_or("?");
+    let port = field("master_port:").unwrap_or("?");
+    Some(if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    })
 }
 
 /// Whether a server is a cluster node, as its `INFO cluster` reply says

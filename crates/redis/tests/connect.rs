@@ -106,6 +106,19 @@ fn a_redis_that_refuses_every_decision_is_refused_at_connect_saying_why() {
     assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
     assert!(e.detail().contains("read-only replica"), "{e}");
     assert!(e.detail().contains("point the URL at its master"), "{e}");
+    // A writable replica takes the decisions, but counts apart from its
+    // master and every other replica.
+    let writable = RedisServer::start_with(&[
+        "--replicaof",
+        "127.0.0.1",
+        &port,
+        "--replica-read-only",
+        "no",
+    ]);
+    let e = connect(&writable.url()).expect_err("a writable replica");
+    assert_eq!(e.kind(), StoreErrorKind::InvalidInput, "{e}");
+    assert!(e.detail().contains("is a replica"), "{e}");
+    assert!(e.detail().contains("point the URL at its master"), "{e}");
 
     // ACL users: one without EVALSHA, one without SCRIPT (refused at its
     // load), one without PING (refused at the first command), one whose
