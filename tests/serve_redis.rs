@@ -807,6 +807,27 @@ async fn refused_keys_are_answered_with_the_pattern_for_every_rule() {
     );
 }
 
+/// A Redis that evicts keys once full would let an evicted key's count
+/// start again from empty: serve says so at start, once, and serves.
+#[test]
+fn an_evicting_redis_is_named_in_a_warning_at_start() {
+    let redis =
+        RedisServer::start_with(&["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"]);
+    let config = ConfigFile::new("[keys]\nlimit = 10\nwindow_ms = 60000\n");
+    let (server, log) = Server::start_logged(&["--store", &redis.url(), "--config", config.path()]);
+    let lines = log.through_containing("listening");
+    let warned: Vec<&String> = lines.iter().filter(|l| l.contains("evicts keys")).collect();
+    assert_eq!(warned.len(), 1, "{lines:#?}");
+    assert!(warned[0].contains("WARN"), "{}", warned[0]);
+    assert!(
+        warned[0].contains("maxmemory-policy allkeys-lru")
+            && warned[0].contains("set maxmemory-policy noeviction"),
+        "{}",
+        warned[0]
+    );
+    server.stop();
+}
+
 #[test]
 fn the_password_is_never_logged() {
     use std::io::BufRead;

@@ -886,6 +886,7 @@ impl RedisStore {
             };
             let store = Self::with_connection(backend, crate::redact_url(url), config, options);
             store.prepare(deadline, node_response_timeout).await?;
+            let _ = tokio::time::timeout(node_response_timeout, store.warn_if_evicting()).await;
             Ok(store)
         };
         // A TLS handshake sent to a plain port gets no answer: the time
@@ -1021,6 +1022,47 @@ impl RedisStore {
         retry_timeouts!(deadline, per_try, {
             self.check_writes(&mut self.conn(), &self.probe_key()).await
         })
+    }
+
+    /// Logs a warning, once per Redis (by URL) in the process, when a
+    /// Redis (on a cluster, any master) evicts keys once full: a key
+    /// evicted starts its count again from empty, and admits again within
+    /// its window, with nothing to show for it. Said, not refused: a Redis
+    /// shared with a cache may have reasons, and a user that may not run
+    /// `INFO` is not told.
+    async fn warn_if_evicting(&self) {
+        static WARNED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+        let mut cmd = redis::cmd("INFO");
+        cmd.arg("memory");
+        let answers = match self.conn() {
+            Conn::Cluster(cluster) => {
+                let known = self.known_slot_map();
+                let calls = every_master(&cluster, &cmd, &known, ResponsePolicy::AllSucceeded);
+                futures_util::future::join_all(calls).await
+            }
+            mut node => vec![cmd.query_async::<Value>(&mut node).await],
+        };
+        let evicting = answers.iter().find_map(|answer| {
+            let info = redis::from_redis_value_ref::<String>(answer.as_ref().ok()?).ok()?;
+            evicting_policy(&info)
+        });
+        let Some((policy, maxmemory)) = evicting else {
+            return;
+        };
+        let url = self.url();
+        {
+            let mut warned = WARNED.lock().unwrap_or_else(PoisonError::into_inner);
+            if warned.iter().any(|u| u == url) {
+                return;
+            }
+            warned.push(url.to_owned());
+        }
+        tracing::warn!(
+            "Redis at {url} evicts keys once full (maxmemory-policy {policy}, maxmemory \
+             {maxmemory} bytes): a rate-limit key evicted starts its count again from empty, and \
+             admits again within its window; set maxmemory-policy noeviction, under which a full \
+             Redis refuses writes and the failure policy answers (docs/redis.md, \"Failures\")"
+        );
     }
 
     fn with_connection(
@@ -3160,6 +3202,20 @@ async fn check_node<C: ConnectionLike>(
         _ => return Ok(()),
     };
     Err(StoreError::new(StoreErrorKind::InvalidInput, advice))
+}
+
+/// The `maxmemory-policy` and `maxmemory` an `INFO memory` reply gives,
+/// when Redis evicts keys once full: a limit is set, and the policy is not
+/// `noeviction`.
+fn evicting_policy(info_memory: &str) -> Option<(String, u64)> {
+    let field = |name: &str| {
+        info_memory
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(name))
+    };
+    let maxmemory: u64 = field("maxmemory:")?.parse().ok()?;
+    let policy = field("maxmemory_policy:")?;
+    (maxmemory > 0 && policy != "noeviction").then(|| (policy.to_owned(), maxmemory))
 }
 
 /// The master (`HOST:PORT`) of a server that its `INFO replication`
