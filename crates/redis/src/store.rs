@@ -3300,7 +3300,17 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
     let text = e.to_string();
     // With a /DB, connecting sends SELECT first, whose refusal wraps the
     // NOAUTH in its own words.
-    if e.code() == Some("NOAUTH") || text.contains("Authentication required") {
+    if e.kind() == ErrorKind::Server(ServerErrorKind::BusyLoading) || e.code() == Some("LOADING") {
+        // Met when a service starts beside a Redis restarted with much
+        // data: the wait is Redis's, not the URL's fault.
+        StoreError::new(
+            StoreErrorKind::Backend,
+            format!(
+                "Redis at {address} is still loading its data set into memory ({e}): start \
+                 again once it has (redis-cli INFO persistence then shows loading:0)"
+            ),
+        )
+    } else if e.code() == Some("NOAUTH") || text.contains("Authentication required") {
         StoreError::new(
             StoreErrorKind::InvalidInput,
             format!(

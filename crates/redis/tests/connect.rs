@@ -666,3 +666,64 @@ fn a_cluster_url_where_nothing_listens_says_which_nodes_refused() {
     }
     assert!(!text.contains("pw-not-shown"), "{text}");
 }
+
+/// A Redis still loading its data at start (a service started beside a
+/// Redis restarted with much data) is refused saying so, and what to do:
+/// start again once it has loaded.
+#[test]
+fn a_redis_still_loading_is_refused_saying_to_start_again_once_loaded() {
+    let dir = tempfile::tempdir().expect("a folder");
+    let dir_arg = dir.path().display().to_string();
+    let port = free_port(false);
+    let port_arg = port.to_string();
+    let start = |slow: bool| {
+        let mut cmd = std::process::Command::new("redis-server");
+        cmd.args(["--port", &port_arg, "--bind", "127.0.0.1", "--save", ""])
+            .args(["--dir", &dir_arg])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        if slow {
+            // 2 ms a key, and clients answered (LOADING) between keys:
+            // some 6 s of loading for the 3,000 keys below.
+            cmd.args(["--key-load-delay", "2000"])
+                .args(["--loading-process-events-interval-bytes", "1024"]);
+        }
+        cmd.spawn().expect("start redis-server")
+    };
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new("redis-cli")
+            .args(["-p", &port_arg])
+            .args(args)
+            .output()
+            .expect("run redis-cli");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let until = |answer: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while !cli(&["PING"]).contains(answer) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no {answer} within 20 s"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    let mut first = start(false);
+    until("PONG");
+    let fill = "for i = 1, 3000 do redis.call('SET', 'k' .. i, string.rep('x', 2000)) end";
+    cli(&["EVAL", fill, "0"]);
+    assert_eq!(cli(&["SAVE"]).trim(), "OK");
+    let _ = first.kill();
+    let _ = first.wait();
+    let mut loading = start(true);
+    until("LOADING");
+    let url = format!("redis://127.0.0.1:{port}");
+    let e = connect(&url).expect_err("a Redis still loading");
+    let _ = loading.kill();
+    let _ = loading.wait();
+    assert!(
+        e.detail().contains("still loading its data set")
+            && e.detail().contains("start again once it has"),
+        "{e}"
+    );
+}
