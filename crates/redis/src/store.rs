@@ -855,17 +855,24 @@ impl RedisStore {
                     .set_response_timeout(Some(response_timeout))
                     .set_number_of_retries(0);
                 let address = address_of(client.get_connection_info().addr());
-                let mut conn =
+                let connected =
                     ConnectionManager::new_with_config(client.clone(), manager_config.clone())
                         .await
-                        .map_err(|e| connect_error(e, &address, form))?;
+                        .map_err(|e| connect_error(e, &address, form));
+                let mut conn = match connected {
+                    Ok(conn) => conn,
+                    Err(e) => return Err(said_at_accept(e, &address, node_response_timeout).await),
+                };
                 // Connecting sends nothing when the URL has no password, so
                 // a Redis that wants one, a cluster node, or a server that
                 // is not Redis would only show at the first decision: ask
                 // now, so that an unusable store stops the caller at start.
-                retry_timeouts!(deadline, node_response_timeout, {
+                let checked = retry_timeouts!(deadline, node_response_timeout, {
                     check_node(&mut conn, &address, form).await
-                })?;
+                });
+                if let Err(e) = checked {
+                    return Err(said_at_accept(e, &address, node_response_timeout).await);
+                }
                 // A new client for each new connection: the one made at
                 // start would reconnect with the certificates read then.
                 let url: Arc<str> = Arc::from(url);
@@ -3216,6 +3223,41 @@ fn evicting_policy(info_memory: &str) -> Option<(String, u64)> {
     let maxmemory: u64 = field("maxmemory:")?.parse().ok()?;
     let policy = field("maxmemory_policy:")?;
     (maxmemory > 0 && policy != "noeviction").then(|| (policy.to_owned(), maxmemory))
+}
+
+/// `e`, a connection to the node at `address` found closed, or what
+/// Redis said as it closed it: a Redis at its `maxclients` answers a new
+/// connection with an error and closes it at once, which the client
+/// reports as a broken pipe or a reset, and which a new connection, read
+/// before anything is sent, shows (within `wait`).
+async fn said_at_accept(e: StoreError, address: &str, wait: Duration) -> StoreError {
+    if e.kind() != StoreErrorKind::ConnectionDropped || address.starts_with('/') {
+        return e;
+    }
+    let greeting = async {
+        let mut stream = tokio::net::TcpStream::connect(address).await.ok()?;
+        let mut said = [0u8; 128];
+        let n = tokio::io::AsyncReadExt::read(&mut stream, &mut said)
+            .await
+            .ok()?;
+        Some(String::from_utf8_lossy(&said[..n]).into_owned())
+    };
+    let Ok(Some(said)) = tokio::time::timeout(wait, greeting).await else {
+        return e;
+    };
+    let said = said.trim_end();
+    if !said.starts_with("-ERR max number of clients reached") {
+        return e;
+    }
+    StoreError::new(
+        StoreErrorKind::Backend,
+        format!(
+            "Redis at {address} takes no more connections: it answers new ones {:?} (its \
+             maxclients): close some of its clients, or raise maxclients (CONFIG SET \
+             maxclients N)",
+            &said[1..]
+        ),
+    )
 }
 
 /// The master (`HOST:PORT`) of a server that its `INFO replication`

@@ -727,3 +727,20 @@ fn a_redis_still_loading_is_refused_saying_to_start_again_once_loaded() {
         "{e}"
     );
 }
+
+/// A Redis at its `maxclients` answers a new connection with an error and
+/// closes it, which the client reports as a broken pipe: the store says
+/// what Redis said, and what to change, not to start a Redis there.
+#[test]
+fn a_redis_at_maxclients_is_refused_saying_so() {
+    let server = RedisServer::start_with(&["--maxclients", "1"]);
+    let held =
+        std::net::TcpStream::connect((Ipv4Addr::LOCALHOST, server.port())).expect("one client");
+    let e = connect(&server.url()).expect_err("no connection left");
+    drop(held);
+    assert!(
+        e.detail().contains("max number of clients reached") && e.detail().contains("maxclients"),
+        "{e}"
+    );
+    assert!(!e.detail().contains("start redis-server"), "{e}");
+}
