@@ -732,6 +732,8 @@ fn a_user_refused_time_stops_serve_at_start_saying_so() {
     assert!(!status.success(), "{stderr}");
     assert!(stderr.contains("the command TIME"), "{stderr}");
     assert!(stderr.contains("grant it +time"), "{stderr}");
+    // Not a key refused: no key pattern is asked for.
+    assert!(!stderr.contains("for serve, grant"), "{stderr}");
     assert!(!stderr.contains(":pw@"), "{stderr}");
 }
 

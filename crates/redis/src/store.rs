@@ -2019,7 +2019,7 @@ impl RedisStore {
                 return Err(StoreError::new(
                     StoreErrorKind::InvalidInput,
                     format!(
-                        "Redis at {} refuses the URL's user the command TIME, which decisions \
+                        "Redis at {} {TIME_REFUSED}, which decisions \
                          by Redis's clock (no now_ms: serve's, RedisTime::Server) read: grant \
                          it +time (ACL SETUSER); a caller that passes now_ms to every decision \
                          can instead connect with RedisOptions::checks_by_redis_time false \
@@ -3650,8 +3650,15 @@ fn refused_key(text: &str) -> bool {
 /// the URL's user its keys, not a command: a caller that chose the
 /// store's prefix can name the key pattern its own keys need.
 pub fn is_refused_key(e: &StoreError) -> bool {
-    e.kind() == StoreErrorKind::InvalidInput && refused_key(e.detail())
+    // A script refused TIME says only that it "can't run this command",
+    // as for a key; the store's error then names TIME.
+    e.kind() == StoreErrorKind::InvalidInput
+        && refused_key(e.detail())
+        && !e.detail().contains(TIME_REFUSED)
 }
+
+/// What the store's error says of a user refused `TIME`.
+const TIME_REFUSED: &str = "refuses the URL's user the command TIME";
 
 /// What to change when Redis refuses the URL's user a command or a key,
 /// from the error's `text`: the refused command, when it names one, and
