@@ -1014,6 +1014,8 @@ impl RedisStore {
                     StoreErrorKind::InvalidInput,
                     format!("; {}", permission_advice(e.detail())),
                 )
+            } else if let Some((kind, advice)) = refusal_advice(e.detail()) {
+                (kind, format!("; {advice}"))
             } else {
                 (e.kind(), String::new())
             };
@@ -3721,10 +3723,35 @@ fn refusal_advice(text: &str) -> Option<(StoreErrorKind, String)> {
             StoreErrorKind::Backend,
             "it takes no writes until enough replicas answer (min-replicas-to-write)".to_owned(),
         )
+    } else if let Some(command) = unknown_command(text) {
+        (
+            StoreErrorKind::InvalidInput,
+            format!(
+                "it knows no {command} (disabled or renamed on this server with \
+                 rename-command), which the store needs: give it back its own name"
+            ),
+        )
+    } else if text.contains("Unknown Redis command called from script") {
+        (
+            StoreErrorKind::InvalidInput,
+            "a command its scripts run (TIME, GET, SET or DEL) is disabled or renamed on this \
+             server (rename-command), and the scripts need it: give it back its own name"
+                .to_owned(),
+        )
     } else {
         return None;
     };
     Some(advice)
+}
+
+/// The command an "unknown command 'X'" error names, as "the command x".
+fn unknown_command(text: &str) -> Option<String> {
+    const BEFORE: &str = "unknown command '";
+    let rest = &text[text.find(BEFORE)? + BEFORE.len()..];
+    let command = &rest[..rest.find('\'')?];
+    let plain = |c: char| c.is_ascii_alphanumeric() || c == '|' || c == '-' || c == '_';
+    (!command.is_empty() && command.len() <= 64 && command.chars().all(plain))
+        .then(|| format!("the command {}", command.to_ascii_lowercase()))
 }
 
 /// What a cluster client's error means in the cluster's terms, from its

@@ -744,3 +744,22 @@ fn a_redis_at_maxclients_is_refused_saying_so() {
     );
     assert!(!e.detail().contains("start redis-server"), "{e}");
 }
+
+/// A command the store needs, disabled on the server (`rename-command X
+/// ""`), is named at connect with what to change, as a command the ACL
+/// refuses is: Redis's "unknown command" alone does not say why.
+#[test]
+fn a_command_renamed_away_is_named_at_connect() {
+    for (command, named) in [
+        ("EVALSHA", "the command evalsha"),
+        ("SCRIPT", "the command script"),
+        ("TIME", "a command its scripts run"),
+    ] {
+        let server = RedisServer::start_with(&["--rename-command", command, ""]);
+        let e = connect(&server.url()).expect_err("a command the store needs is disabled");
+        assert!(
+            e.detail().contains(named) && e.detail().contains("rename-command"),
+            "{command}: {e}"
+        );
+    }
+}
