@@ -152,7 +152,7 @@ impl RedisFactory {
     /// `key_prefix` too.
     fn keys_hint(&self, e: ratewarden_core::StoreError) -> anyhow::Error {
         match self.key_pattern(&e) {
-            Some(pattern) => anyhow::anyhow!("{e}; {pattern}"),
+            Some(pattern) => anyhow::anyhow!("{}; {pattern}", e.detail()),
             None => unreachable_hint(e),
         }
     }
@@ -317,7 +317,7 @@ fn unreachable_hint(e: ratewarden_core::StoreError) -> anyhow::Error {
             e.detail()
         )
     } else {
-        e.into()
+        anyhow::anyhow!("{}", e.detail())
     }
 }
 
