@@ -52,13 +52,22 @@
 //! grows (a sweep can leave it down to a quarter of 7/8 before it shrinks,
 //! to room for twice the keys left), and decides under its lock. A state
 //! is 16 bytes for `fixed-window` and `gcra`, 24 for
-//! `sliding-window-counter` and `token-bucket`, and 40 plus 16 per log
-//! entry for `sliding-log` (which never packs), in a store of one policy
+//! `sliding-window-counter` and `token-bucket`, and 40 for `sliding-log`
+//! (which never packs) plus its log's buffer, 16 bytes for each entry it
+//! has room for, room for at least 4 once it holds one (a key of one entry
+//! measured some 160 bytes in all, the allocator's share included), in a
+//! store of one policy
 //! (`MemoryStore<FixedWindow>`); in a store built from a [`PolicyConfig`]
 //! ([`MemoryStore::for_config`], `LocalLimiter`), whose state is
 //! [`AnyState`](crate::registry::AnyState), every wide state takes the
 //! largest, 40 bytes: about 98 bytes a key in a full wide store.
-//! `ratewarden bench` measures the bytes per key.
+//! `ratewarden bench` measures the bytes per key. While more than one
+//! thread decides, each keeps its own handle on the arrays it decided in
+//! (so that a decision writes no shared memory): an array a sweep or a
+//! growth replaced is freed once every such thread has decided on the
+//! store again (or through another store's handles, for a store dropped),
+//! or exited, so a pool whose threads fall idle after a busy spell holds
+//! the arrays it last used, even after `forget_idle`, until they do.
 //!
 //! The store holds at most [`MemoryOptions::max_keys`] keys, rounded up to
 //! a multiple of its shard count ([`MemoryStore::max_keys`]). It forgets
@@ -953,11 +962,16 @@ impl<P: Policy> MemoryStore<P> {
     /// no longer holds whose request is stamped up to a second before
     /// `now_ms` (a request in flight across the forgetting) is decided as at
     /// `now_ms`, where the forgotten state decided as a new key's, so what
-    /// it admits counts from there. Looks at whole shards in turn until at least
-    /// `max_scanned` keys have been looked at (or every shard once). Each
-    /// call resumes where the last one stopped, so a timer calling it with a
-    /// small bound sweeps the whole store over several calls without ever
-    /// holding a lock for long. It also takes the count of keys that full
+    /// it admits counts from there (a key never seen included: the store
+    /// does not keep which keys it forgot). Looks at whole shards in turn
+    /// until at least `max_scanned` keys have been looked at (or every
+    /// shard once). Each call resumes where the last one stopped, so a
+    /// timer calling it with a small bound sweeps the whole store over
+    /// several calls, holding one shard's lock at a time: for as long as
+    /// that shard takes to scan, whatever the bound (a shard of 235,000
+    /// keys, as a store of 16 shards near its default `max_keys` has,
+    /// took some 5 ms on a 2-core machine). More shards
+    /// ([`MemoryOptions::shards`]) make each hold shorter. It also takes the count of keys that full
     /// shards forgot on their own since the previous call
     /// ([`Housekeeping::forgotten_for_new_keys`]), so that a caller can
     /// count all forgetting.

@@ -20,10 +20,17 @@
 //! ([`StoreViews::enabled`]).
 //!
 //! What a view keeps alive: the arrays it holds, until the thread next
-//! decides through it (a new epoch drops them), decides on any store after
-//! the store is dropped (`STORES_DROPPED` tells every thread to look), or
-//! has used [`MAX_VIEWS`] other stores since. A thread that never decides
-//! through its view again holds them until it exits.
+//! decides through it (a new epoch drops them), decides through the views
+//! of any store after the store is dropped (`STORES_DROPPED` tells every
+//! thread to look; a decision on a store whose views are off does not
+//! look), or has used [`MAX_VIEWS`] other stores since. A thread that
+//! never decides through a view again holds them until it exits: arrays
+//! retired by a sweep or a growth, and those of a store dropped since
+//! (measured: 41 MB of two threads' views of 2,097,152 keys stayed after
+//! `forget_idle` forgot them all and the store was dropped, until the
+//! threads exited). Reaching another thread's views, or holding the
+//! arrays weakly, would write shared memory on every decision, which is
+//! what the views are for avoiding.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
