@@ -610,6 +610,7 @@ impl RedisStore {
             cluster: cluster_url,
             tls,
             ca_file: options.tls_ca_file.is_some(),
+            user_without_password: user_without_password(url),
         };
         if tls {
             // rustls takes its crypto from the process's provider: ring,
@@ -3122,6 +3123,9 @@ struct Form {
     tls: bool,
     /// With a `tls_ca_file` of its own.
     ca_file: bool,
+    /// The URL names a user without a password (`USER@` or `USER:@`), for
+    /// which the redis crate sends no `AUTH`.
+    user_without_password: bool,
 }
 
 impl Form {
@@ -3262,6 +3266,22 @@ async fn said_at_accept(e: StoreError, address: &str, wait: Duration) -> StoreEr
     )
 }
 
+/// Whether a TCP URL (one node's, or a cluster's first seed's) names a
+/// user without a password (`USER@HOST` or `USER:@HOST`).
+fn user_without_password(url: &str) -> bool {
+    let Some((_, rest)) = url.split_once("://") else {
+        return false;
+    };
+    let authority = rest.split(['/', ',', '?', '#']).next().unwrap_or("");
+    let Some((userinfo, _)) = authority.rsplit_once('@') else {
+        return false;
+    };
+    match userinfo.split_once(':') {
+        None => !userinfo.is_empty(),
+        Some((user, password)) => !user.is_empty() && password.is_empty(),
+    }
+}
+
 /// The master (`HOST:PORT`) of a server that its `INFO replication`
 /// reply says is a replica (`role:slave`); `None` when it is not, or the
 /// reply does not say.
@@ -3352,6 +3372,17 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
             format!(
                 "Redis at {address} is still loading its data set into memory ({e}): start \
                  again once it has (redis-cli INFO persistence then shows loading:0)"
+            ),
+        )
+    } else if (e.code() == Some("NOAUTH") || text.contains("Authentication required"))
+        && form.user_without_password
+    {
+        StoreError::new(
+            StoreErrorKind::InvalidInput,
+            format!(
+                "Redis at {address} requires a password, and the URL names the user but no \
+                 password, with which no AUTH is sent: write {with_user} (for a user with \
+                 nopass, any password)"
             ),
         )
     } else if e.code() == Some("NOAUTH") || text.contains("Authentication required") {

@@ -763,3 +763,31 @@ fn a_command_renamed_away_is_named_at_connect() {
         );
     }
 }
+
+/// A URL that names a user but no password (for a user with `nopass`,
+/// say) sends no `AUTH` at all: the redis crate authenticates only with a
+/// password. Refused saying so, and how to write it, not only that Redis
+/// "requires a password".
+#[test]
+fn a_user_without_a_password_is_told_to_write_one() {
+    let server = RedisServer::start();
+    let nopass = server.cli(&["ACL", "SETUSER", "np", "on", "nopass", "~*", "+@all"]);
+    assert_eq!(nopass.trim(), "OK");
+    assert_eq!(
+        server.cli(&["ACL", "SETUSER", "default", "off"]).trim(),
+        "OK"
+    );
+    for url in [
+        format!("redis://np@127.0.0.1:{}", server.port()),
+        format!("redis://np:@127.0.0.1:{}", server.port()),
+    ] {
+        let e = connect(&url).expect_err("no AUTH is sent");
+        assert!(
+            e.detail().contains("names the user but no password")
+                && e.detail().contains("redis://USER:PASSWORD@"),
+            "{url}: {e}"
+        );
+    }
+    let url = format!("redis://np:anything@127.0.0.1:{}", server.port());
+    connect(&url).expect("a nopass user takes any password");
+}
