@@ -862,7 +862,9 @@ impl RedisStore {
                         .map_err(|e| connect_error(e, &address, form));
                 let mut conn = match connected {
                     Ok(conn) => conn,
-                    Err(e) => return Err(said_at_accept(e, &address, node_response_timeout).await),
+                    Err(e) => {
+                        return Err(said_at_accept(e, &address, form, node_response_timeout).await)
+                    }
                 };
                 // Connecting sends nothing when the URL has no password, so
                 // a Redis that wants one, a cluster node, or a server that
@@ -872,7 +874,7 @@ impl RedisStore {
                     check_node(&mut conn, &address, form).await
                 });
                 if let Err(e) = checked {
-                    return Err(said_at_accept(e, &address, node_response_timeout).await);
+                    return Err(said_at_accept(e, &address, form, node_response_timeout).await);
                 }
                 // A new client for each new connection: the one made at
                 // start would reconnect with the certificates read then.
@@ -1065,7 +1067,11 @@ impl RedisStore {
             if warned.iter().any(|u| u == url) {
                 return;
             }
-            warned.push(url.to_owned());
+            // A bound on what is kept: past it, a Redis may be warned of
+            // again.
+            if warned.len() < 64 {
+                warned.push(url.to_owned());
+            }
         }
         tracing::warn!(
             "Redis at {url} evicts keys once full (maxmemory-policy {policy}, maxmemory \
@@ -3235,9 +3241,10 @@ fn evicting_policy(info_memory: &str) -> Option<(String, u64)> {
 /// Redis said as it closed it: a Redis at its `maxclients` answers a new
 /// connection with an error and closes it at once, which the client
 /// reports as a broken pipe or a reset, and which a new connection, read
-/// before anything is sent, shows (within `wait`).
-async fn said_at_accept(e: StoreError, address: &str, wait: Duration) -> StoreError {
-    if e.kind() != StoreErrorKind::ConnectionDropped || address.starts_with('/') {
+/// before anything is sent, shows (within `wait`). Over TLS, Redis says it
+/// only after a handshake, so it is not asked.
+async fn said_at_accept(e: StoreError, address: &str, form: Form, wait: Duration) -> StoreError {
+    if e.kind() != StoreErrorKind::ConnectionDropped || address.starts_with('/') || form.tls {
         return e;
     }
     let greeting = async {
