@@ -3227,13 +3227,8 @@ async fn check_node<C: ConnectionLike>(
 /// when Redis evicts keys once full: a limit is set, and the policy is not
 /// `noeviction`.
 fn evicting_policy(info_memory: &str) -> Option<(String, u64)> {
-    let field = |name: &str| {
-        info_memory
-            .lines()
-            .find_map(|l| l.trim().strip_prefix(name))
-    };
-    let maxmemory: u64 = field("maxmemory:")?.parse().ok()?;
-    let policy = field("maxmemory_policy:")?;
+    let maxmemory: u64 = info_field(info_memory, "maxmemory")?.parse().ok()?;
+    let policy = info_field(info_memory, "maxmemory_policy")?;
     (maxmemory > 0 && policy != "noeviction").then(|| (policy.to_owned(), maxmemory))
 }
 
@@ -3293,20 +3288,23 @@ fn user_without_password(url: &str) -> bool {
 /// reply says is a replica (`role:slave`); `None` when it is not, or the
 /// reply does not say.
 fn replica_of(info_replication: &str) -> Option<String> {
-    let field = |name: &str| {
-        info_replication
-            .lines()
-            .find_map(|l| l.trim().strip_prefix(name))
-    };
-    if field("role:")? != "slave" {
+    if info_field(info_replication, "role")? != "slave" {
         return None;
     }
-    let host = field("master_host:").unwrap_or("?");
-    let port = field("master_port:").unwrap_or("?");
+    let host = info_field(info_replication, "master_host").unwrap_or("?");
+    let port = info_field(info_replication, "master_port").unwrap_or("?");
     Some(if host.contains(':') {
         format!("[{host}]:{port}")
     } else {
         format!("{host}:{port}")
+    })
+}
+
+/// The value of the field `name` (`name:value`) of an `INFO` reply.
+fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines().find_map(|l| {
+        let (field, value) = l.trim().split_once(':')?;
+        (field == name).then_some(value)
     })
 }
 
@@ -3664,8 +3662,13 @@ const NEEDED_GRANTS: &str = "the commands +evalsha +eval +script|load +ping +inf
 /// user, as Redis names it ("no permissions to run the 'cluster|slots'
 /// command"), if it names one (a refused key names none).
 fn refused_command(text: &str) -> Option<&str> {
-    const BEFORE: &str = "permissions to run the '";
-    let rest = &text[text.find(BEFORE)? + BEFORE.len()..];
+    quoted_command(text, "permissions to run the '")
+}
+
+/// The command name quoted in `text` right after `before` (up to the
+/// closing `'`), when it reads as one.
+fn quoted_command<'a>(text: &'a str, before: &str) -> Option<&'a str> {
+    let rest = &text[text.find(before)? + before.len()..];
     let command = &rest[..rest.find('\'')?];
     let plain = |c: char| c.is_ascii_alphanumeric() || c == '|' || c == '-' || c == '_';
     (!command.is_empty() && command.len() <= 64 && command.chars().all(plain)).then_some(command)
@@ -3675,9 +3678,9 @@ fn refused_command(text: &str) -> Option<&str> {
 /// user, or renamed away (`rename-command EVAL ""`).
 fn eval_refused(e: &RedisError) -> bool {
     let text = e.to_string();
-    refused_command(&text).is_some_and(|c| c.eq_ignore_ascii_case("eval"))
-        || text.contains("unknown command 'EVAL'")
-        || text.contains("unknown command 'eval'")
+    refused_command(&text)
+        .or_else(|| quoted_command(&text, "unknown command '"))
+        .is_some_and(|c| c.eq_ignore_ascii_case("eval"))
 }
 
 /// Whether an error's `text` is the ACL refusing the URL's user a key
@@ -3784,12 +3787,8 @@ fn refusal_advice(text: &str) -> Option<(StoreErrorKind, String)> {
 
 /// The command an "unknown command 'X'" error names, as "the command x".
 fn unknown_command(text: &str) -> Option<String> {
-    const BEFORE: &str = "unknown command '";
-    let rest = &text[text.find(BEFORE)? + BEFORE.len()..];
-    let command = &rest[..rest.find('\'')?];
-    let plain = |c: char| c.is_ascii_alphanumeric() || c == '|' || c == '-' || c == '_';
-    (!command.is_empty() && command.len() <= 64 && command.chars().all(plain))
-        .then(|| format!("the command {}", command.to_ascii_lowercase()))
+    quoted_command(text, "unknown command '")
+        .map(|command| format!("the command {}", command.to_ascii_lowercase()))
 }
 
 /// What a cluster client's error means in the cluster's terms, from its
