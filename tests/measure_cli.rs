@@ -478,6 +478,70 @@ fn simulate_checks_its_output_paths_before_the_run() {
     }
 }
 
+/// A series file that cannot be replaced (immutable, set with `chattr
+/// +i`) fails the run after the chart's move, which is then undone: the
+/// old chart stays. The flag needs root and a file system that keeps it;
+/// without them the test says so and passes (the move's undoing is also
+/// tested in the binary's own unit tests, with no such needs).
+#[cfg(target_os = "linux")]
+#[test]
+fn simulate_puts_the_old_chart_back_when_the_series_cannot_be_replaced() {
+    /// Clears the flag however the test ends, so the folder can be removed.
+    struct Immutable<'a>(&'a Path);
+    impl Drop for Immutable<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("chattr").arg("-i").arg(self.0).status();
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let svg = scratch(&dir, "keep.svg");
+    let csv = scratch(&dir, "keep.csv");
+    std::fs::write(&svg, "OLDCHART\n").unwrap();
+    std::fs::write(&csv, "OLDCSV\n").unwrap();
+    let flagged = Command::new("chattr")
+        .arg("+i")
+        .arg(&csv)
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success());
+    let _guard = Immutable(&csv);
+    if !flagged || std::fs::write(&csv, "x").is_ok() {
+        eprintln!("note: chattr +i is not available here (it needs root); test skipped");
+        return;
+    }
+    let out = ratewarden(&[
+        "simulate",
+        "--shape",
+        "boundary-attack",
+        "--policy",
+        "fixed-window",
+        "--duration-ms",
+        "3000",
+        "--out",
+        svg.to_str().unwrap(),
+        "--csv",
+        csv.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("moving the new file into place"),
+        "{stderr}"
+    );
+    // Compared whole, shown short: a new chart is tens of kilobytes.
+    for (path, old) in [(&svg, "OLDCHART\n"), (&csv, "OLDCSV\n")] {
+        let text = std::fs::read_to_string(path).unwrap();
+        let start: String = text.chars().take(60).collect();
+        assert!(text == old, "{} was replaced: {start}...", path.display());
+    }
+    let mut names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["keep.csv", "keep.svg"]);
+}
+
 #[test]
 fn simulate_refuses_what_would_draw_a_misleading_chart() {
     let dir = tempfile::tempdir().unwrap();

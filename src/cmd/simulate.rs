@@ -433,9 +433,16 @@ fn dangling_link_target(flag: &str, given: &Path) -> Result<Option<PathBuf>> {
 }
 
 /// Writes each file's text to a temporary file beside its target and,
-/// once every one is written, moves each into place. A run that fails to
-/// write any file leaves every path as it was; the targets were checked
-/// before the run, so a move fails only if one changed since.
+/// once every one is written, moves each into place. The targets were
+/// checked before the run, so a move fails only if one changed since (or
+/// cannot be replaced, as an immutable file): then the files already moved are put back as
+/// they were, from their old content kept aside beside them.
+///
+/// What this guarantees: a run that fails leaves every path as it was,
+/// unless putting one back fails too, which the error says, naming where
+/// the old file is kept. What it cannot: a kill between two moves leaves
+/// the first file new and the second old, and the old first kept aside
+/// as a `.ratewarden-` file beside it; no file is ever half written.
 fn publish(files: &[(Output, String)]) -> Result<()> {
     let mut written = Vec::with_capacity(files.len());
     for (output, text) in files {
@@ -458,18 +465,91 @@ fn publish(files: &[(Output, String)]) -> Result<()> {
             })?;
         written.push((temp, output));
     }
-    for (temp, output) in written {
-        temp.persist(&output.target)
-            .map_err(|e| e.error)
-            .with_context(|| {
+    // Every file but the last may have to be put back: its old content
+    // is kept aside first (the last's is replaced by the last move, which
+    // has nothing after it to fail).
+    let mut asides = Vec::with_capacity(written.len());
+    for (i, (_, output)) in written.iter().enumerate() {
+        let aside = if i + 1 < written.len() {
+            keep_aside(&output.target).with_context(|| {
                 format!(
-                    "{} {}: moving the new file into place",
+                    "{} {}: keeping the old file aside until the new ones are in place",
                     output.flag,
                     output.given.display()
                 )
-            })?;
+            })?
+        } else {
+            None
+        };
+        asides.push(aside);
     }
+    let mut placed: Vec<(&Output, Option<tempfile::TempPath>)> = Vec::new();
+    for ((temp, output), aside) in written.into_iter().zip(asides) {
+        if let Err(e) = temp.persist(&output.target) {
+            let mut message = format!(
+                "{} {}: moving the new file into place: {}",
+                output.flag,
+                output.given.display(),
+                e.error
+            );
+            for (earlier, aside) in placed.into_iter().rev() {
+                if let Err(undo) = put_back(earlier, aside) {
+                    message.push_str(&format!("; {undo}"));
+                }
+            }
+            bail!(message);
+        }
+        placed.push((output, aside));
+    }
+    // The old files kept aside are removed as their paths drop.
     Ok(())
+}
+
+/// A hard link to the file at `target` beside it (a copy where the file
+/// system refuses the link), removed when dropped; `None` when there is
+/// no file there yet.
+fn keep_aside(target: &Path) -> std::io::Result<Option<tempfile::TempPath>> {
+    if let Err(e) = std::fs::symlink_metadata(target) {
+        return match e.kind() {
+            std::io::ErrorKind::NotFound => Ok(None),
+            _ => Err(e),
+        };
+    }
+    let dir = target.parent().unwrap_or(Path::new("."));
+    let linked = tempfile::Builder::new()
+        .prefix(".ratewarden-old-")
+        .make_in(dir, |path| std::fs::hard_link(target, path));
+    let aside = match linked {
+        Ok(link) => link.into_temp_path(),
+        Err(_) => {
+            let copy = temp_beside(dir)?.into_temp_path();
+            std::fs::copy(target, &copy)?;
+            copy
+        }
+    };
+    Ok(Some(aside))
+}
+
+/// Puts `output`'s old file back from where it was kept aside, or removes
+/// the new one when there was none; the error says where the old file
+/// is kept when it could not be put back.
+fn put_back(output: &Output, aside: Option<tempfile::TempPath>) -> Result<(), String> {
+    let shown = format!("{} {}", output.flag, output.given.display());
+    match aside {
+        Some(aside) => aside.persist(&output.target).map_err(|e| {
+            let error = e.error;
+            match e.path.keep() {
+                Ok(kept) => format!(
+                    "{shown} is new, and its old file could not be put back ({error}); \
+                     it is kept as {}",
+                    kept.display()
+                ),
+                Err(_) => format!("{shown} is new, and its old file is lost: {error}"),
+            }
+        }),
+        None => std::fs::remove_file(&output.target)
+            .map_err(|e| format!("{shown} is new and could not be removed: {e}")),
+    }
 }
 
 const PALETTE: [RGBColor; 5] = [
@@ -685,5 +765,64 @@ pub fn run(args: Args) -> ExitCode {
             eprintln!("ratewarden simulate: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The names in `dir`, sorted.
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// A second file that cannot be moved into place (a folder has taken
+    /// its name since the check) leaves the first as it was: its old
+    /// content put back, or, when it was new, no file.
+    #[test]
+    fn a_failed_second_move_puts_the_first_file_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let chart = dir.path().join("chart.svg");
+        std::fs::write(&chart, "old chart").unwrap();
+        let series = dir.path().join("series.csv");
+        std::fs::create_dir(&series).unwrap();
+        std::fs::write(series.join("in-the-way"), "").unwrap();
+        let files = [
+            (
+                Output {
+                    flag: "--out",
+                    given: &chart,
+                    target: chart.clone(),
+                },
+                "new chart".to_owned(),
+            ),
+            (
+                Output {
+                    flag: "--csv",
+                    given: &series,
+                    target: series.clone(),
+                },
+                "new series".to_owned(),
+            ),
+        ];
+        let e = format!("{:#}", publish(&files).unwrap_err());
+        assert!(
+            e.contains("--csv") && e.contains("moving the new file into place"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read_to_string(&chart).unwrap(), "old chart");
+        // Neither a new file nor the old one kept aside is left behind.
+        assert_eq!(names(dir.path()), ["chart.svg", "series.csv"]);
+
+        std::fs::remove_file(&chart).unwrap();
+        let e = format!("{:#}", publish(&files).unwrap_err());
+        assert!(e.contains("--csv"), "{e}");
+        assert_eq!(names(dir.path()), ["series.csv"]);
     }
 }
