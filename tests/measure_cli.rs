@@ -478,6 +478,49 @@ fn simulate_checks_its_output_paths_before_the_run() {
     }
 }
 
+/// A file replaced keeps its mode: a chart and series kept private stay
+/// private, though the new files are made with the usual mode.
+#[cfg(unix)]
+#[test]
+fn simulate_keeps_the_mode_of_the_files_it_replaces() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let svg = scratch(&dir, "private.svg");
+    let csv = scratch(&dir, "private.csv");
+    for (path, mode) in [(&svg, 0o600), (&csv, 0o640)] {
+        std::fs::write(path, "old").unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    let out = ratewarden(&[
+        "simulate",
+        "--policy",
+        "gcra",
+        "--shape",
+        "steady-2x",
+        "--duration-ms",
+        "2000",
+        "--out",
+        svg.to_str().unwrap(),
+        "--csv",
+        csv.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for (path, mode) in [(&svg, 0o600), (&csv, 0o640)] {
+        let meta = std::fs::metadata(path).unwrap();
+        assert_eq!(
+            meta.permissions().mode() & 0o7777,
+            mode,
+            "{}",
+            path.display()
+        );
+        assert!(meta.len() > 3, "{} was not replaced", path.display());
+    }
+}
+
 /// A series file that cannot be replaced (immutable, set with `chattr
 /// +i`) fails the run after the chart's move, which is then undone: the
 /// old chart stays. The flag needs root and a file system that keeps it;

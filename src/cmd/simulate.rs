@@ -433,7 +433,8 @@ fn dangling_link_target(flag: &str, given: &Path) -> Result<Option<PathBuf>> {
 }
 
 /// Writes each file's text to a temporary file beside its target and,
-/// once every one is written, moves each into place. The targets were
+/// once every one is written, moves each into place, each new file with
+/// the mode of the one it replaces. The targets were
 /// checked before the run, so a move fails only if one changed since (or
 /// cannot be replaced, as an immutable file): then the files already moved are put back as
 /// they were, from their old content kept aside beside them.
@@ -449,6 +450,13 @@ fn publish(files: &[(Output, String)]) -> Result<()> {
         let dir = output.target.parent().unwrap_or(Path::new("."));
         let temp = temp_beside(dir)
             .and_then(|mut temp| {
+                // A file that is replaced keeps its mode: a chart kept
+                // private stays private.
+                match std::fs::metadata(&output.target) {
+                    Ok(old) => temp.as_file().set_permissions(old.permissions())?,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e),
+                }
                 temp.write_all(text.as_bytes())?;
                 temp.flush()?;
                 Ok(temp)
