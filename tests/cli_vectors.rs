@@ -406,3 +406,95 @@ fn cases_of_no_steps_are_named_on_standard_error() {
         stderr(&out)
     );
 }
+
+/// One case that passes.
+const PASSING: &str = r#"{"cases": [
+    {"description": "right", "policy": "fixed-window", "limit": 1, "window_ms": 10,
+     "steps": [{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}]}]}"#;
+
+/// Runs `ratewarden` with `args` and nothing to read on standard input,
+/// killed if it has not ended within two minutes. These runs take well
+/// under a second; the bound is there only so that a run waiting for ever
+/// fails the test rather than hanging it.
+#[cfg(unix)]
+fn ratewarden_bounded(args: &[&str]) -> Output {
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("ratewarden {args:?} was still running after two minutes");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// A pipe or a device is no vector file: one in a folder, however it is
+/// reached, is named with what it is (exit 2) and not waited on or read
+/// without end, while the folder's files still run; one given directly is
+/// named so too, not taken for a directory.
+#[cfg(unix)]
+#[test]
+fn pipes_and_devices_are_named_and_never_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifos = dir.path().join("fifos");
+    std::fs::create_dir(&fifos).unwrap();
+    let fifo = fifos.join("p.json");
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    std::fs::write(fifos.join("ok.json"), PASSING).unwrap();
+    let devices = dir.path().join("devices");
+    std::fs::create_dir(&devices).unwrap();
+    std::os::unix::fs::symlink("/dev/null", devices.join("null.json")).unwrap();
+    std::fs::write(devices.join("ok.json"), PASSING).unwrap();
+    for (folder, entry, kind) in [
+        (&fifos, "p.json", "a pipe (FIFO)"),
+        (&devices, "null.json", "a character device"),
+    ] {
+        let out = ratewarden_bounded(&["vectors", folder.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!("{entry}: not read: {kind}, not a regular file")),
+            "{err}"
+        );
+        assert_eq!(stdout(&out).lines().last(), Some("1 passed, 0 failed"));
+    }
+    for path in [fifo.to_str().unwrap(), "/dev/stdin"] {
+        let out = ratewarden_bounded(&["vectors", path]);
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!("{path}: not read: a pipe (FIFO)")),
+            "{err}"
+        );
+        assert!(!err.contains("directory"), "{err}");
+    }
+}
+
+/// A file past the bound is refused before it is read, saying the bound.
+#[test]
+fn a_file_larger_than_256_mib_is_refused_unread() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("huge.json");
+    // Sparse: no disk space is taken.
+    let file = std::fs::File::create(&path).unwrap();
+    file.set_len((256 << 20) + 1).unwrap();
+    let out = ratewarden(&["vectors", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains(
+            "huge.json: not read: 268435457 bytes, more than the 268435456 bytes (256 MiB)"
+        ),
+        "{err}"
+    );
+}

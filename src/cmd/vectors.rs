@@ -2,7 +2,8 @@
 //! against a store and reports every case that differs.
 //!
 //! Exit status: 0 when every case passes, 1 when a case fails, 2 when a file
-//! cannot be read or is malformed, or a case in it is (each is named, with
+//! cannot be read (a pipe, a device or a file over 256 MiB is not read) or
+//! is malformed, or a case in it is (each is named, with
 //! the problem, and a file's other cases still run), a directory holds no
 //! `*.json` file, or the store cannot be used.
 
@@ -192,10 +193,10 @@ pub fn run(args: Args) -> ExitCode {
     let mut out = Out::new();
     let mut tally = Tally::default();
     for path in &files {
-        let text = match std::fs::read_to_string(path) {
+        let text = match read_vector_file(path) {
             Ok(text) => text,
             Err(e) => {
-                eprintln!("{}: cannot read: {e}", path.display());
+                eprintln!("{}: {e}", path.display());
                 malformed += 1;
                 continue;
             }
@@ -294,7 +295,10 @@ fn collect(
     let meta = std::fs::metadata(path).map_err(|e| format!("cannot read: {e}"))?;
     // A path that cannot be resolved stays itself: reading it reports why.
     let canonical = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned());
-    if meta.is_file() {
+    // Neither file nor directory (a pipe, a device, a socket): added as a
+    // file, so that reading it refuses it by name, in its folder's order,
+    // rather than listing it as a directory or waiting on it.
+    if meta.is_file() || !meta.is_dir() {
         if seen.insert(canonical) {
             out.push(path.to_owned());
         }
@@ -334,6 +338,67 @@ fn collect(
     walk.within.pop();
     walk.done.insert(canonical, found);
     Ok(found)
+}
+
+/// The most bytes read from one vector file: far above any written by hand
+/// or generated here (the project's largest is under 100 KiB), and a
+/// bound on the memory one path can take.
+const MAX_FILE_BYTES: u64 = 256 << 20;
+
+/// The text of the vector file at `path`, which must be a regular file
+/// (links followed) of at most [`MAX_FILE_BYTES`]: a pipe would wait for a
+/// writer and a device such as `/dev/zero` never ends, so neither is read.
+fn read_vector_file(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!(
+            "not read: {}, not a regular file; save the vectors to a file and give its path",
+            file_kind(&meta.file_type())
+        ));
+    }
+    let too_large = |size: &str| {
+        format!(
+            "not read: {size}, more than the {MAX_FILE_BYTES} bytes (256 MiB) a vector file \
+             may hold; split its cases over several files"
+        )
+    };
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(too_large(&format!("{} bytes", meta.len())));
+    }
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read: {e}"))?;
+    // The bound holds for a file that grows while it is read, too.
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(too_large("it grew while it was read"));
+    }
+    String::from_utf8(bytes).map_err(|_| "cannot read: stream did not contain valid UTF-8".into())
+}
+
+/// What a file that is neither a regular file nor a directory is, as a
+/// user would name it.
+fn file_kind(kind: &std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if kind.is_fifo() {
+            return "a pipe (FIFO)";
+        }
+        if kind.is_char_device() {
+            return "a character device";
+        }
+        if kind.is_block_device() {
+            return "a block device";
+        }
+        if kind.is_socket() {
+            return "a socket";
+        }
+    }
+    let _ = kind;
+    "a special file"
 }
 
 /// Standard output that goes quiet once it cannot be written: a reader
