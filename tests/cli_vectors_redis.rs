@@ -158,3 +158,82 @@ fn the_documented_url_forms_are_taken_tls_with_ssl_cert_file() {
     );
     assert!(stderr.contains("SSL_CERT_FILE"), "{stderr}");
 }
+
+/// Resumes a frozen server when the test ends, however it ends.
+struct Resume<'a>(&'a RedisServer);
+
+impl Drop for Resume<'_> {
+    fn drop(&mut self) {
+        self.0.resume();
+    }
+}
+
+/// A Redis that stops answering mid-run (frozen with SIGSTOP) stops the run
+/// at the first case whose call times out, as a store that cannot be used
+/// (exit 2), rather than failing each case left after a timeout of its own.
+#[test]
+fn a_redis_that_stops_answering_stops_the_run() {
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    let server = RedisServer::start();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+        .args([
+            "vectors",
+            "--store",
+            &server.url(),
+            root.join("vectors").to_str().unwrap(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _resume = Resume(&server);
+    // Frozen once some cases have written their keys: the run takes
+    // seconds, so hundreds of cases are left.
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client
+        .get_connection_with_timeout(Duration::from_secs(2))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let keys: usize = redis::cmd("DBSIZE").query(&mut conn).unwrap();
+        if keys >= 20 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the run wrote no keys");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    server.pause();
+    // One call's timeout (10 s), then the run ends; the bound, far above
+    // it, only catches a run that waits out a timeout for each case left.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("the run was still going two minutes after Redis stopped answering");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stdout}{stderr}");
+    assert!(stderr.contains("store error at "), "{stderr}");
+    assert!(
+        stderr.contains("did not answer within 10000 ms"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("the run stops here, the cases left not run"),
+        "{stderr}"
+    );
+    // The case the store failed is no conformance failure.
+    assert!(!stdout.contains("FAIL"), "{stdout}");
+    let last = stdout.lines().last().unwrap_or_default();
+    assert!(
+        last.ends_with(" failed; stopped at a store error, the cases left not run"),
+        "{last}"
+    );
+}

@@ -5,7 +5,10 @@
 //! cannot be read (a pipe, a device or a file over 256 MiB is not read) or
 //! is malformed, or a case in it is (each is named, with
 //! the problem, and a file's other cases still run), a directory holds no
-//! `*.json` file, or the store cannot be used.
+//! `*.json` file, or the store cannot be used: it cannot be reached, or a
+//! case's call to it fails (a timeout, a dropped connection, an error of its
+//! own), which stops the run there, since the cases left would only wait on
+//! it in turn.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -112,6 +115,11 @@ impl CaseRunner for RedisRunner {
 
 /// Runs the command.
 pub fn run(args: Args) -> ExitCode {
+    // The store as a message names it, without a password.
+    let store = match &args.store {
+        StoreUrl::Memory => "the memory store".to_owned(),
+        StoreUrl::Redis(url) | StoreUrl::RedisCluster(url) => ratewarden_redis::redact_url(url),
+    };
     let mut runner: Box<dyn CaseRunner> = match args.store {
         StoreUrl::Memory => Box::new(MemoryRunner),
         StoreUrl::Redis(url) | StoreUrl::RedisCluster(url) => {
@@ -192,6 +200,7 @@ pub fn run(args: Args) -> ExitCode {
     }
     let mut out = Out::new();
     let mut tally = Tally::default();
+    let mut stopped = None;
     for path in &files {
         let text = match read_vector_file(path) {
             Ok(text) => text,
@@ -229,7 +238,18 @@ pub fn run(args: Args) -> ExitCode {
              and gcra take one)",
             &file.ignored_bursts,
         );
-        run_file(path, &file, runner.as_mut(), &mut tally, &mut out);
+        if let Err(at) = run_file(path, &file, runner.as_mut(), &mut tally, &mut out) {
+            stopped = Some(at);
+            break;
+        }
+    }
+    if let Some(at) = &stopped {
+        eprintln!(
+            "{store}: {at}; the run stops here, the cases left not run: a store that fails \
+             a call (one that stopped answering, say) cannot check them, and each would \
+             wait its timeout; {} passed and {} failed before it",
+            tally.passed, tally.failed
+        );
     }
     if tally.malformed_cases > 0 {
         let noun = if tally.malformed_cases == 1 {
@@ -257,11 +277,16 @@ pub fn run(args: Args) -> ExitCode {
         1 => ", and 1 mix32 value differs".to_owned(),
         n => format!(", and {n} mix32 values differ"),
     };
+    let stop = if stopped.is_some() {
+        "; stopped at a store error, the cases left not run"
+    } else {
+        ""
+    };
     out.line(format_args!(
-        "{} passed, {} failed{mix32}",
+        "{} passed, {} failed{mix32}{stop}",
         tally.passed, tally.failed
     ));
-    if malformed > 0 {
+    if malformed > 0 || stopped.is_some() {
         ExitCode::from(2)
     } else if tally.failed > 0 || tally.mix32_differ > 0 {
         ExitCode::from(1)
@@ -461,14 +486,16 @@ fn note(path: &Path, what: &str, places: &[String]) {
     eprintln!("{}: note: {what}: {shown}{more}", path.display());
 }
 
-/// Runs every mix32 value and case of one file, printing each failure.
+/// Runs every mix32 value and case of one file, printing each failure;
+/// stops at the first case whose store call fails, returning where and
+/// why.
 fn run_file(
     path: &Path,
     file: &EachCase,
     runner: &mut dyn CaseRunner,
     tally: &mut Tally,
     out: &mut Out,
-) {
+) -> Result<(), String> {
     for (i, m) in file.mix32.iter().enumerate() {
         let actual = mix32(&m.input);
         if actual == m.output {
@@ -528,10 +555,10 @@ fn run_file(
                     show_actual(&actual)
                 ));
             }
+            // No decision to judge: the case neither passed nor failed.
             CaseOutcome::StoreFailed { step, error } => {
-                tally.failed += 1;
-                out.line(format_args!(
-                    "FAIL {} case {i} ({:?}, {}): step {step}: store error: {error}",
+                return Err(format!(
+                    "store error at {} case {i} ({:?}, {}), step {step}: {error}",
                     path.display(),
                     case.description,
                     case.config
@@ -544,6 +571,7 @@ fn run_file(
         "cases with no steps, which pass without testing anything",
         &empty,
     );
+    Ok(())
 }
 
 /// A step's key as the file writes it: a string with the number the store
