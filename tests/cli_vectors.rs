@@ -498,3 +498,27 @@ fn a_file_larger_than_256_mib_is_refused_unread() {
         "{err}"
     );
 }
+
+/// A report that cannot be written (to a full disk, here /dev/full) is a
+/// run whose outcome nobody sees: it exits 2, not 0, saying why.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_report_that_cannot_be_written_exits_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = scratch(&dir, "ok.json", PASSING);
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+        .args(["vectors", path.to_str().unwrap()])
+        .stdout(full)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("cannot write to standard output: No space left on device"),
+        "{}",
+        stderr(&out)
+    );
+}

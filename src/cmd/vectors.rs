@@ -1,7 +1,9 @@
 //! `ratewarden vectors`: runs conformance vector files (SPEC "Vector files")
 //! against a store and reports every case that differs.
 //!
-//! Exit status: 0 when every case passes, 1 when a case fails, 2 when a file
+//! Exit status: 0 when every case passes, 1 when a case fails, 2 when the
+//! report cannot be written (a full disk; a reader that stopped early is
+//! no failure), when a file
 //! cannot be read (a pipe, a device or a file over 256 MiB is not read) or
 //! is malformed, or a case in it is (each is named, with
 //! the problem, and a file's other cases still run), a directory holds no
@@ -286,7 +288,8 @@ pub fn run(args: Args) -> ExitCode {
         "{} passed, {} failed{mix32}{stop}",
         tally.passed, tally.failed
     ));
-    if malformed > 0 || stopped.is_some() {
+    let written = out.finish();
+    if malformed > 0 || stopped.is_some() || !written {
         ExitCode::from(2)
     } else if tally.failed > 0 || tally.mix32_differ > 0 {
         ExitCode::from(1)
@@ -429,10 +432,13 @@ fn file_kind(kind: &std::fs::FileType) -> &'static str {
 /// Standard output that goes quiet once it cannot be written: a reader
 /// that stopped early (`ratewarden vectors DIR | head`) is no failure of the
 /// vectors, so the run goes on and exits with the status its cases give,
-/// where `println!` would panic on the broken pipe.
+/// where `println!` would panic on the broken pipe. Any other error (a
+/// full disk) loses the report, which the exit status must then say.
 struct Out {
     stdout: std::io::StdoutLock<'static>,
     closed: bool,
+    /// A line was lost to an error other than a reader gone.
+    lost: bool,
 }
 
 impl Out {
@@ -440,6 +446,26 @@ impl Out {
         Out {
             stdout: std::io::stdout().lock(),
             closed: false,
+            lost: false,
+        }
+    }
+
+    /// Writes out what is buffered; true when the whole report was
+    /// written, or its reader stopped reading.
+    fn finish(&mut self) -> bool {
+        if !self.closed {
+            if let Err(e) = self.stdout.flush() {
+                self.failed(e);
+            }
+        }
+        !self.lost
+    }
+
+    fn failed(&mut self, e: std::io::Error) {
+        self.closed = true;
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            self.lost = true;
+            eprintln!("cannot write to standard output: {e}");
         }
     }
 
@@ -449,10 +475,7 @@ impl Out {
             return;
         }
         if let Err(e) = writeln!(self.stdout, "{args}") {
-            self.closed = true;
-            if e.kind() != std::io::ErrorKind::BrokenPipe {
-                eprintln!("cannot write to standard output: {e}");
-            }
+            self.failed(e);
         }
     }
 }
