@@ -12,7 +12,7 @@ use std::str::FromStr;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rand_distr::{Distribution, Exp, Pareto, Poisson};
+use rand_distr::{Binomial, Distribution, Exp, Pareto, Poisson};
 
 /// The traffic shapes, by their names on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -284,12 +284,55 @@ fn poisson_bursts(
     let spread_ms = (p.window_ms / 20).max(1);
     for start in starts.requests {
         let n = size.sample(rng) as u64;
+        burst(rng, start.at_ms, n, spread_ms, p.duration_ms, out)?;
+    }
+    Ok(())
+}
+
+/// Adds the requests of one burst of `n`, placed uniformly in
+/// `start_ms..start_ms + spread_ms`, that fall before `end_ms`.
+///
+/// A burst of at most [`MAX_GENERATED`] (any that a draw could hold
+/// whole) is drawn request by request, as it always was, so every draw
+/// that succeeded before gives the same requests, whatever its cap. A
+/// larger one that crosses the end draws only the requests kept: their
+/// count binomial (each of the `n` falls before the end with the share of
+/// the spread that does) and their times uniform over that share, so that
+/// the work is bounded by what is kept, not by a burst of billions most of
+/// which fall past the end. A burst wholly before the end that the cap
+/// cannot hold is refused before any draw.
+fn burst<R: Rng + ?Sized>(
+    rng: &mut R,
+    start_ms: u64,
+    n: u64,
+    spread_ms: u64,
+    end_ms: u64,
+    out: &mut Sink,
+) -> Result<(), TooManyRequests> {
+    let room = (out.cap - out.requests.len()) as u64;
+    let inside_ms = end_ms.saturating_sub(start_ms).min(spread_ms);
+    if inside_ms == spread_ms && n > room {
+        return Err(TooManyRequests);
+    }
+    if n <= MAX_GENERATED as u64 || inside_ms == spread_ms {
         for _ in 0..n {
-            let at_ms = start.at_ms + rng.random_range(0..spread_ms);
-            if at_ms < p.duration_ms {
+            let at_ms = start_ms + rng.random_range(0..spread_ms);
+            if at_ms < end_ms {
                 out.push(Request { key: 0, at_ms })?;
             }
         }
+        return Ok(());
+    }
+    let share = inside_ms as f64 / spread_ms as f64;
+    let kept = Binomial::new(n, share)
+        .expect("a share between 0 and 1")
+        .sample(rng);
+    if kept > room {
+        return Err(TooManyRequests);
+    }
+    for _ in 0..kept {
+        let at_ms = start_ms + rng.random_range(0..inside_ms);
+        out.push(Request { key: 0, at_ms })?;
     }
     Ok(())
 }
@@ -360,6 +403,61 @@ mod tests {
             Shape::PoissonBursts.generate_at_most(&p, whole.len()),
             Ok(whole)
         );
+    }
+
+    /// A seeded generator that counts the words drawn from it.
+    struct Counting {
+        inner: StdRng,
+        words: u64,
+    }
+
+    impl rand::RngCore for Counting {
+        fn next_u32(&mut self) -> u32 {
+            self.words += 1;
+            self.inner.next_u32()
+        }
+        fn next_u64(&mut self) -> u64 {
+            self.words += 1;
+            self.inner.next_u64()
+        }
+        fn fill_bytes(&mut self, dst: &mut [u8]) {
+            self.words += dst.len().div_ceil(8) as u64;
+            self.inner.fill_bytes(dst)
+        }
+    }
+
+    /// A burst far above the cap that mostly falls past the end draws
+    /// only what it keeps (a limit of 33 billion made a burst of about 20
+    /// billion, drawn one by one for minutes, to keep a few percent); one
+    /// wholly before the end is refused without a draw.
+    #[test]
+    fn a_burst_past_the_cap_draws_only_what_it_keeps() {
+        let mut rng = Counting {
+            inner: StdRng::seed_from_u64(86),
+            words: 0,
+        };
+        let mut out = Sink {
+            requests: Vec::new(),
+            cap: 10_000,
+        };
+        // 100 million requests over 100 million ms, of which those in the
+        // first 1,000 ms are kept: about 1,000.
+        burst(&mut rng, 0, 100_000_000, 100_000_000, 1_000, &mut out).unwrap();
+        let kept = out.requests.len() as u64;
+        assert!((800..1_200).contains(&kept), "{kept}");
+        assert!(out.requests.iter().all(|r| r.at_ms < 1_000));
+        assert!(rng.words < 10 * kept, "{} words for {kept}", rng.words);
+
+        rng.words = 0;
+        let mut out = Sink {
+            requests: Vec::new(),
+            cap: 10_000,
+        };
+        assert_eq!(
+            burst(&mut rng, 0, 100_000_000, 100, 1_000, &mut out),
+            Err(TooManyRequests)
+        );
+        assert_eq!(rng.words, 0);
     }
 
     #[test]
