@@ -1364,6 +1364,42 @@ fn bench_redis_exit_status_tells_a_bad_command_line_from_a_failed_run() {
     }
 }
 
+/// Flags each within its bounds whose batches in flight outnumber one
+/// redis-benchmark run's requests are refused before anything starts (the
+/// run would send far more than asked, and outlast its deadline), naming
+/// both flags and what would do.
+#[test]
+fn bench_redis_refuses_more_requests_in_flight_than_a_run_sends() {
+    let out = ratewarden(&[
+        "bench-redis",
+        "--store",
+        "redis://127.0.0.1:1",
+        "--requests",
+        "4000",
+        "--connections",
+        "256",
+        "--pipeline",
+        "10000",
+        "--rounds",
+        "1",
+        "--round-trips",
+        "0",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(
+            "--connections 256 and --pipeline 10000 send 2560000 requests at once, more than \
+             the 1000 of each redis-benchmark run"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("lower --connections or --pipeline, or give --requests 10240000 or more"),
+        "{stderr}"
+    );
+}
+
 /// Each flag out of its bounds is named alone, with its range and the
 /// value given; the help says the bounds.
 #[test]

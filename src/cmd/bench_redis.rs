@@ -87,7 +87,10 @@ pub struct Args {
     /// Requests per pipelined batch, 1 to 10,000.
     #[arg(long, default_value_t = 16, value_parser = crate::cmd::whole::<usize>)]
     pub pipeline: usize,
-    /// Connections used at once, each with its own batches, 1 to 256.
+    /// Connections used at once, each with its own batches, 1 to 256;
+    /// connections times --pipeline at most a quarter of the requests
+    /// (redis-benchmark measures a quarter at a time, and sends a whole
+    /// batch on every connection).
     #[arg(long, default_value_t = 4, value_parser = crate::cmd::whole::<usize>)]
     pub connections: usize,
     /// Distinct keys the requests spread over, 1 to 2,147,483,647
@@ -186,6 +189,33 @@ impl Args {
         )?;
         let plan = self.plan();
         bound("--rounds", plan.rounds as u64, 1, MAX_ROUNDS as u64)?;
+        // redis-benchmark sends a whole pipeline on every connection before
+        // it counts: `-c 256 -P 10000 -n 1000` sends some two million
+        // calls, not a thousand, and outlasts the time given to a run of a
+        // thousand. Its smallest run is one slice of a measurement.
+        let in_flight = self.connections as u64 * self.pipeline as u64;
+        let slice = plan.requests / SLICES;
+        if in_flight > slice {
+            let needed = in_flight * SLICES * scale;
+            let raise = if needed <= MAX_REQUESTS {
+                format!(", or give --requests {needed} or more")
+            } else {
+                String::new()
+            };
+            return Err(format!(
+                "--connections {} and --pipeline {} send {in_flight} requests at once, more \
+                 than the {slice} of each redis-benchmark run (--requests{} in {SLICES} slices), \
+                 which would send far more than asked and measure nothing: lower \
+                 --connections or --pipeline{raise}",
+                self.connections,
+                self.pipeline,
+                if self.quick {
+                    ", after --quick's tenth"
+                } else {
+                    ""
+                }
+            ));
+        }
         Ok(plan)
     }
 }
@@ -1526,6 +1556,27 @@ mod tests {
             (100_000_000, 10_000, 256, 2_147_483_647);
         (at.round_trips, at.rounds) = (1_000_000, Some(50));
         assert!(at.checked_plan().is_ok());
+        // Every connection's pipeline at once within one slice of a
+        // measurement: at most, accepted; past it, refused naming both.
+        let mut full = args();
+        (full.requests, full.connections, full.pipeline) = (4_000, 10, 100);
+        assert!(full.checked_plan().is_ok());
+        full.pipeline = 101;
+        let e = refused(full);
+        assert!(
+            e.starts_with(
+                "--connections 10 and --pipeline 101 send 1010 requests at once, more than \
+                 the 1000 of each redis-benchmark run"
+            ),
+            "{e}"
+        );
+        assert!(e.ends_with("or give --requests 4040 or more"), "{e}");
+        let mut audit = args();
+        (audit.requests, audit.connections, audit.pipeline) = (4_000, 256, 10_000);
+        (audit.quick, audit.requests) = (true, 100_000_000);
+        let e = refused(audit);
+        assert!(e.contains("after --quick's tenth"), "{e}");
+        assert!(e.ends_with("lower --connections or --pipeline"), "{e}");
         let mut none = args();
         (none.round_trips, none.rounds) = (0, Some(1));
         assert_eq!(none.checked_plan().unwrap().round_trips, 0);
