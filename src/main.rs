@@ -32,23 +32,41 @@ enum Command {
     /// Draw how policies answer a traffic shape (SVG chart, CSV series).
     #[command(allow_negative_numbers = true)]
     Simulate(cmd::simulate::Args),
-    /// Measure one contender's memory in a fresh process (used by `bench`).
-    #[command(hide = true)]
-    BenchMemory(cmd::bench::MemoryArgs),
     /// Measure the Redis store: pipelined decisions/s, round trips and
     /// server CPU per policy, beside redis-benchmark on the same server.
     #[command(allow_negative_numbers = true)]
     BenchRedis(cmd::bench_redis::Args),
 }
 
+// `bench`'s own child, `ratewarden bench-memory ...`, is parsed apart from
+// the subcommands: clap names even a hidden subcommand when it suggests one
+// for a misspelt name (`benhc`), and `help bench-memory` documents it.
+#[derive(Parser)]
+#[command(
+    name = "ratewarden bench-memory",
+    bin_name = "ratewarden bench-memory",
+    about = "Measure one contender's memory in a fresh process (used by `bench`)."
+)]
+struct BenchMemory {
+    #[command(flatten)]
+    args: cmd::bench::MemoryArgs,
+}
+
 fn main() -> ExitCode {
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|arg| arg == "bench-memory")
+    {
+        // The subcommand's name stands as the program's.
+        let memory = BenchMemory::parse_from(std::env::args_os().skip(1));
+        return cmd::bench::run_memory(memory.args);
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Vectors(args) => cmd::vectors::run(args),
         Command::Serve(args) => cmd::serve::run(args),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Simulate(args) => cmd::simulate::run(args),
-        Command::BenchMemory(args) => cmd::bench::run_memory(args),
         Command::BenchRedis(args) => cmd::bench_redis::run(args),
     }
 }

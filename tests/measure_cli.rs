@@ -1364,6 +1364,27 @@ fn bench_redis_exit_status_tells_a_bad_command_line_from_a_failed_run() {
     }
 }
 
+/// `bench`'s child process, `bench-memory`, is no command for users:
+/// neither the help nor a misspelt command's suggestions name it, while
+/// `bench` can still start it.
+#[test]
+fn bench_memory_is_named_by_no_help_or_suggestion() {
+    let misspelt = ratewarden(&["benhc"]);
+    let stderr = String::from_utf8_lossy(&misspelt.stderr);
+    assert_eq!(misspelt.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("'bench'"), "{stderr}");
+    assert!(!stderr.contains("bench-memory"), "{stderr}");
+    let help = ratewarden(&["help", "bench-memory"]);
+    assert!(!help.status.success());
+    assert!(!String::from_utf8_lossy(&help.stdout).contains("memory"));
+    let help = ratewarden(&["--help"]);
+    assert!(!String::from_utf8_lossy(&help.stdout).contains("bench-memory"));
+    let child = ratewarden(&["bench-memory", "--contender", "gcra", "--keys", "1000"]);
+    let stdout = String::from_utf8_lossy(&child.stdout);
+    assert!(child.status.success(), "{stdout}");
+    assert!(stdout.contains("\"entries_tracked\":1000"), "{stdout}");
+}
+
 /// Flags each within its bounds whose batches in flight outnumber one
 /// redis-benchmark run's requests are refused before anything starts (the
 /// run would send far more than asked, and outlast its deadline), naming
