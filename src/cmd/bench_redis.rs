@@ -153,6 +153,10 @@ impl Args {
             MAX_REQUESTS,
         )
         .map_err(|e| {
+            // The reason for the bound that was crossed, not the other's.
+            if self.requests > MAX_REQUESTS {
+                return format!("{e} (a run of more per measurement takes hours)");
+            }
             format!(
                 "{e} (a measurement of fewer can end within redis-benchmark's millisecond \
                  clock, which then gives no rate{})",
@@ -1638,8 +1642,14 @@ mod tests {
         for (change, message) in cases {
             let mut a = args();
             change(&mut a);
+            let too_many = a.requests > 100_000_000;
             let e = refused(a);
             assert!(e.starts_with(message), "{e}");
+            // Each bound of --requests gives its own reason.
+            if message.starts_with("--requests") {
+                assert_eq!(e.contains("takes hours"), too_many, "{e}");
+                assert_eq!(e.contains("millisecond clock"), !too_many, "{e}");
+            }
             let flag = message.split(' ').next().unwrap();
             for other in [
                 "--requests",
