@@ -779,11 +779,11 @@ fn negative_counts_name_their_flag() {
     ];
     for flag in ["--limit", "--window-ms", "--duration-ms", "--bucket-ms"] {
         let args: Vec<&str> = simulate.iter().copied().chain([flag, "-1"]).collect();
-        fails_with(&args, &[flag, "not a negative one"]);
+        fails_with(&args, &[flag, "must not be negative"]);
     }
     fails_with(
         &["bench", "--keys", "-5"],
-        &["--keys", "not a negative one"],
+        &["--keys", "must not be negative"],
     );
     fails_with(
         &["bench", "--accuracy-duration-ms", "999"],
@@ -802,7 +802,7 @@ fn negative_counts_name_their_flag() {
     );
     fails_with(
         &["bench", "--accuracy-duration-ms", "-1000"],
-        &["--accuracy-duration-ms", "not a negative one"],
+        &["--accuracy-duration-ms", "must not be negative"],
     );
     fails_with(
         &[
@@ -812,7 +812,7 @@ fn negative_counts_name_their_flag() {
             "--pipeline",
             "-2",
         ],
-        &["--pipeline", "not a negative one"],
+        &["--pipeline", "must not be negative"],
     );
 }
 

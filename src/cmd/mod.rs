@@ -37,25 +37,45 @@ pub fn print_out(text: &str) -> std::io::Result<()> {
     }
 }
 
+/// A type of whole numbers a flag takes, with its largest value, which
+/// is the only upper bound some flags have (`--seed`).
+pub trait Whole: std::str::FromStr + std::fmt::Display + Default {
+    const MAX: Self;
+}
+
+impl Whole for u64 {
+    const MAX: Self = u64::MAX;
+}
+
+impl Whole for usize {
+    const MAX: Self = usize::MAX;
+}
+
 /// Parses a count or a duration flag. The subcommands with such flags take
 /// negative numbers as values (rather than as unknown flags, clap's default)
 /// so that `--limit -1` is answered here, naming the flag, instead of with
 /// "unexpected argument '-1' found".
-pub fn whole<T: std::str::FromStr>(s: &str) -> Result<T, String> {
-    if s.starts_with('-') && s[1..].parse::<u128>().is_ok() {
-        // No lower bound is named here: some flags start at 0, others at
-        // 1, and each says its own when the value is below it.
-        return Err(
-            "must be a whole number, not a negative one (see --help for the bounds)".into(),
-        );
+pub fn whole<T: Whole>(s: &str) -> Result<T, String> {
+    if let Some(digits) = s.strip_prefix('-') {
+        if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+            // `-0` is 0, however written.
+            if digits.bytes().all(|b| b == b'0') {
+                return Ok(T::default());
+            }
+            // No lower bound is named here: some flags start at 0, others
+            // at 1, and each says its own when the value is below it.
+            return Err(format!("must not be negative, not `{s}`"));
+        }
     }
     s.parse().map_err(|_| {
         let digits = s.strip_prefix('+').unwrap_or(s);
         if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
-            // Digits alone that do not parse are too many of them.
-            format!("`{s}` is too large; give a smaller whole number (see --help for the bounds)")
+            // Digits alone that do not parse are too many of them. The
+            // type's bound is the one every such flag has; --help gives a
+            // lower one where the flag has its own.
+            format!("`{s}` is too large; give at most {}", T::MAX)
         } else {
-            format!("must be a whole number, not `{s}` (see --help for the bounds)")
+            format!("must be a whole number, written in digits alone, not `{s}`")
         }
     })
 }
@@ -106,7 +126,10 @@ mod tests {
     fn negative_and_malformed_counts_are_named() {
         assert_eq!(super::whole::<u64>("12"), Ok(12));
         let e = super::whole::<usize>("-5").unwrap_err();
-        assert!(e.contains("not a negative one"), "{e}");
+        assert_eq!(e, "must not be negative, not `-5`");
+        // Zero with a sign is zero.
+        assert_eq!(super::whole::<u64>("-0"), Ok(0));
+        assert_eq!(super::whole::<usize>("-00"), Ok(0));
         let e = super::whole::<u64>("1.5").unwrap_err();
         assert!(e.contains("not `1.5`"), "{e}");
     }
@@ -115,14 +138,27 @@ mod tests {
     fn whole_says_why_a_number_is_refused() {
         assert_eq!(super::whole::<u64>("42"), Ok(42));
         assert_eq!(super::whole::<u64>("+42"), Ok(42));
+        // The bound is given, not left to --help, which has none for
+        // some flags (--seed).
         let too_large = super::whole::<u64>("18446744073709551616").unwrap_err();
-        assert!(too_large.contains("is too large"), "{too_large}");
+        assert_eq!(
+            too_large,
+            "`18446744073709551616` is too large; give at most 18446744073709551615"
+        );
         assert!(super::whole::<usize>("99999999999999999999999")
             .unwrap_err()
             .contains("is too large"));
         assert!(super::whole::<u64>("-1")
             .unwrap_err()
-            .contains("not a negative one"));
+            .contains("must not be negative"));
+        for refused in ["-1", "-5", "1.5", "ten", "18446744073709551616"] {
+            let why = super::whole::<u64>(refused).unwrap_err();
+            assert!(!why.contains("see --help"), "{refused}: {why}");
+            // A negative number is a whole number: not called otherwise.
+            if refused.starts_with('-') {
+                assert!(!why.contains("whole number"), "{refused}: {why}");
+            }
+        }
         for bad in ["1.5", "", "+", "ten", "1e3"] {
             let why = super::whole::<u64>(bad).unwrap_err();
             assert!(why.contains("must be a whole number"), "{bad}: {why}");
