@@ -406,6 +406,21 @@ fn simulate_checks_its_output_paths_before_the_run() {
         assert!(stderr.contains("give a path ending in .svg"), "{stderr}");
         assert!(!path.exists() && !scratch(&dir, "s.csv").exists());
     }
+    // A series named as a chart is refused (the two paths swapped, most
+    // likely), and neither file is made.
+    let swapped = scratch(&dir, "b.svg");
+    let out = run(
+        scratch(&dir, "a.svg").to_str().unwrap(),
+        swapped.to_str().unwrap(),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("the series is CSV, not a chart"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("were --out and --csv swapped?"), "{stderr}");
+    assert!(!swapped.exists() && !scratch(&dir, "a.svg").exists());
     // A folder that takes no new file is found before the run (a mistake
     // in the command line, exit 2), saying so.
     #[cfg(target_os = "linux")]

@@ -129,6 +129,15 @@ fn prepare(args: &Args) -> Result<Prepared<'_>> {
             csv.given.display(),
             out.given.display()
         );
+        // A series named .svg is most likely the chart's path given to
+        // --csv: written, it would put CSV where a chart is looked for.
+        ensure!(
+            !is_svg(csv.given) && !is_svg(&csv.target),
+            "--csv {}: the series is CSV, not a chart; give a path ending in .csv, such as {} \
+             (were --out and --csv swapped?)",
+            csv.given.display(),
+            csv.given.with_extension("csv").display()
+        );
     }
     let params = ShapeParams {
         limit: args.limit,
@@ -318,10 +327,6 @@ impl<'a> Output<'a> {
         // The chart is SVG text: a name that says otherwise would mislead
         // whatever opens the file by its extension.
         if flag == "--out" {
-            let is_svg = |path: &Path| {
-                path.extension()
-                    .is_some_and(|e| e.eq_ignore_ascii_case("svg"))
-            };
             // A link named .svg to another file: the name to change is the
             // file's it leads to.
             ensure!(
@@ -352,6 +357,12 @@ impl<'a> Output<'a> {
             target,
         })
     }
+}
+
+/// Whether `path`'s name ends in `.svg`, in any case.
+fn is_svg(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("svg"))
 }
 
 /// Why a file cannot be made in a folder, saying what to do.
