@@ -1375,6 +1375,9 @@ fn bench_redis_exit_status_tells_a_bad_command_line_from_a_failed_run() {
         let (code, stderr) = status(&args);
         assert_eq!(code, Some(1), "{args:?}: {stderr}");
         assert!(stderr.contains("connection refused"), "{stderr}");
+        // Named as the command typed.
+        let typed = format!("ratewarden {}: ", args[0]);
+        assert!(stderr.starts_with(&typed), "{stderr}");
         assert!(stderr.contains("start redis-server there"), "{stderr}");
     }
 }

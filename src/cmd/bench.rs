@@ -913,9 +913,10 @@ pub fn run(args: Args) -> ExitCode {
                 );
                 return ExitCode::from(2);
             }
-            return super::bench_redis::run(super::bench_redis::Args::defaults(
-                args.store, args.quick, args.json,
-            ));
+            return super::bench_redis::run(super::bench_redis::Args {
+                command: "bench",
+                ..super::bench_redis::Args::defaults(args.store, args.quick, args.json)
+            });
         }
         eprintln!(
             "ratewarden bench: {}",

@@ -113,6 +113,10 @@ pub struct Args {
     /// One JSON object per line on standard output instead of the tables.
     #[arg(long)]
     pub json: bool,
+    /// The command the user typed, which messages name: `bench --store
+    /// redis://...` runs this one too.
+    #[arg(skip = "bench-redis")]
+    pub command: &'static str,
 }
 
 impl Args {
@@ -130,6 +134,7 @@ impl Args {
             rounds: None,
             quick,
             json,
+            command: "bench-redis",
         }
     }
 
@@ -360,14 +365,14 @@ pub fn run(args: Args) -> ExitCode {
     let (plan, target) = match checked {
         Ok(checked) => checked,
         Err(e) => {
-            eprintln!("ratewarden bench-redis: {e}");
+            eprintln!("ratewarden {}: {e}", args.command);
             return ExitCode::from(2);
         }
     };
     match measure(&args, &plan, &target) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ratewarden bench-redis: {e}");
+            eprintln!("ratewarden {}: {e}", args.command);
             ExitCode::FAILURE
         }
     }
@@ -520,8 +525,9 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
     // answered (a run that cannot connect never starts it).
     if target.password {
         eprintln!(
-            "ratewarden bench-redis: the URL's password is passed to redis-benchmark as -a, \
-             visible in this machine's process list while it runs"
+            "ratewarden {}: the URL's password is passed to redis-benchmark as -a, visible in \
+             this machine's process list while it runs",
+            args.command
         );
     }
     let prefix = format!("ratewarden-bench:{}", std::process::id());
