@@ -1382,6 +1382,51 @@ fn bench_redis_exit_status_tells_a_bad_command_line_from_a_failed_run() {
     }
 }
 
+/// `bench` measures memory in a fresh copy of the program it runs, not of
+/// the file at its path: a program removed (or rebuilt) while it runs,
+/// here removed before its memory step, still gives every row.
+#[cfg(target_os = "linux")]
+#[test]
+fn bench_measures_memory_in_its_own_program_when_its_file_is_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let copy = scratch(&dir, "ratewarden");
+    std::fs::copy(env!("CARGO_BIN_EXE_ratewarden"), &copy).unwrap();
+    let child = Command::new(&copy)
+        .args([
+            "bench",
+            "--json",
+            "--keys",
+            "100000",
+            "--decisions",
+            "4000",
+            "--reps",
+            "1",
+            "--threads",
+            "2",
+            "--accuracy-duration-ms",
+            "5000",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Gone long before the memory step, which follows the key sequences
+    // and the speed workloads.
+    std::fs::remove_file(&copy).unwrap();
+    let out = finish_within(child, Duration::from_secs(600), &["bench"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let measured = json_rows(&out)
+        .iter()
+        .filter(|row| row["bytes_per_key"].is_number())
+        .count();
+    assert!(
+        measured >= 6,
+        "{measured} rows with bytes_per_key; {stderr}"
+    );
+}
+
 /// `bench`'s child process, `bench-memory`, is no command for users:
 /// neither the help nor a misspelt command's suggestions name it, while
 /// `bench` can still start it.

@@ -98,6 +98,12 @@ pub fn measure_here(contender: &str, keys: usize) -> Result<Footprint> {
 
 /// Measures `contender` in a fresh copy of this program.
 pub fn measure_in_child(contender: &str, keys: usize) -> Result<Footprint> {
+    // On Linux, this process's own program, even once its path holds
+    // another file or none (`cargo build` replacing it mid-run), where
+    // current_exe's path would start that other file, or nothing.
+    #[cfg(target_os = "linux")]
+    let exe = std::path::PathBuf::from("/proc/self/exe");
+    #[cfg(not(target_os = "linux"))]
     let exe = std::env::current_exe()
         .context("finding this program to measure memory in a fresh process")?;
     let output = Command::new(exe)
