@@ -237,3 +237,42 @@ fn a_redis_that_stops_answering_stops_the_run() {
         "{last}"
     );
 }
+
+/// A store error of a case's own (here the ACL refusing the keys the
+/// cases decide on, while the stores' own checks, on keys ending in
+/// `:probe`, pass) fails that case, and the run goes on to the others:
+/// only a store that stops answering, or loses its connection, stops the
+/// run.
+#[test]
+fn a_case_refused_by_the_store_fails_and_the_run_goes_on() {
+    let server = RedisServer::start();
+    let granted = server.cli(&[
+        "ACL",
+        "SETUSER",
+        "checks",
+        "on",
+        ">pw",
+        "~ratewarden-vectors%3A*:probe",
+        "+@all",
+    ]);
+    assert_eq!(granted.trim(), "OK");
+    let url = format!("redis://checks:pw@127.0.0.1:{}", server.port());
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+        .args([
+            "vectors",
+            "--store",
+            &url,
+            root.join("vectors/seed-cases.json").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    let failed = stdout.lines().filter(|l| l.starts_with("FAIL ")).count();
+    assert!(failed > 1, "every case is run: {stdout}");
+    assert!(stdout.contains("store error: "), "{stdout}");
+    let last = stdout.lines().last().unwrap_or_default();
+    assert_eq!(last, format!("0 passed, {failed} failed"), "{stdout}");
+}

@@ -8,16 +8,16 @@
 //! is malformed, or a case in it is (each is named, with
 //! the problem, and a file's other cases still run), a directory holds no
 //! `*.json` file, or the store cannot be used: it cannot be reached, or a
-//! case's call to it fails (a timeout, a dropped connection, an error of its
-//! own), which stops the run there, since the cases left would only wait on
-//! it in turn.
+//! case's call to it times out or loses its connection, which stops the
+//! run there, since the cases left would only wait on it in turn (any other
+//! error of a store's call fails that case, and the run goes on).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use ratewarden_core::vectors::{self, Case, CaseOutcome, EachCase, Expected, VectorKey};
-use ratewarden_core::{mix32, Decision, MemoryOptions, MemoryStore};
+use ratewarden_core::{mix32, Decision, MemoryOptions, MemoryStore, StoreErrorKind};
 // The parser `serve --store` uses: one set of forms and messages for both.
 use ratewarden_server::StoreUrl;
 
@@ -56,7 +56,7 @@ impl CaseRunner for MemoryRunner {
             Err(e) => CaseOutcome::StoreFailed {
                 step: 0,
                 error: ratewarden_core::StoreError::new(
-                    ratewarden_core::StoreErrorKind::InvalidInput,
+                    StoreErrorKind::InvalidInput,
                     e.to_string(),
                 ),
             },
@@ -578,10 +578,28 @@ fn run_file(
                     show_actual(&actual)
                 ));
             }
-            // No decision to judge: the case neither passed nor failed.
-            CaseOutcome::StoreFailed { step, error } => {
+            // A store that stopped answering, or lost its connection: no
+            // decision to judge, and each case left would wait on it in
+            // turn, so the run stops.
+            CaseOutcome::StoreFailed { step, error }
+                if matches!(
+                    error.kind(),
+                    StoreErrorKind::Timeout | StoreErrorKind::ConnectionDropped
+                ) =>
+            {
                 return Err(format!(
                     "store error at {} case {i} ({:?}, {}), step {step}: {error}",
+                    path.display(),
+                    case.description,
+                    case.config
+                ));
+            }
+            // Any other error is this case's own (a value the store refuses,
+            // a full store): a failure, and the run goes on.
+            CaseOutcome::StoreFailed { step, error } => {
+                tally.failed += 1;
+                out.line(format_args!(
+                    "FAIL {} case {i} ({:?}, {}): step {step}: store error: {error}",
                     path.display(),
                     case.description,
                     case.config
