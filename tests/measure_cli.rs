@@ -31,23 +31,26 @@ const SPEED_WORKLOADS: [&str; 5] = [
     "uniform-1m-threads",
 ];
 
+/// A short `bench --json` run that still measures every column: enough
+/// keys for `bytes_per_key`, and two threads for the threads row.
+const SMALL_BENCH_JSON: [&str; 12] = [
+    "bench",
+    "--json",
+    "--keys",
+    "100000",
+    "--decisions",
+    "4000",
+    "--reps",
+    "1",
+    "--threads",
+    "2",
+    "--accuracy-duration-ms",
+    "5000",
+];
+
 #[test]
 fn bench_json_rows_parse_with_the_named_fields() {
-    let out = ratewarden(&[
-        "bench",
-        "--json",
-        // Enough keys for bytes_per_key to be measured.
-        "--keys",
-        "100000",
-        "--decisions",
-        "4000",
-        "--reps",
-        "1",
-        "--threads",
-        "2",
-        "--accuracy-duration-ms",
-        "5000",
-    ]);
+    let out = ratewarden(&SMALL_BENCH_JSON);
     assert!(
         out.status.success(),
         "{}",
@@ -1392,20 +1395,7 @@ fn bench_measures_memory_in_its_own_program_when_its_file_is_gone() {
     let copy = scratch(&dir, "ratewarden");
     std::fs::copy(env!("CARGO_BIN_EXE_ratewarden"), &copy).unwrap();
     let child = Command::new(&copy)
-        .args([
-            "bench",
-            "--json",
-            "--keys",
-            "100000",
-            "--decisions",
-            "4000",
-            "--reps",
-            "1",
-            "--threads",
-            "2",
-            "--accuracy-duration-ms",
-            "5000",
-        ])
+        .args(SMALL_BENCH_JSON)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
