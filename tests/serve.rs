@@ -2443,6 +2443,49 @@ async fn an_override_without_a_unit_is_ignored_and_counted() {
     server.stop();
 }
 
+/// An override of a `sliding-log` rule whose key's log could hold more
+/// than 10,000 entries is ignored and counted, the configured rule
+/// applying: a caller choosing 2^53 a year grew one key's log without
+/// bound, every decision on it reading and writing it whole. An override
+/// within the bound is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sliding_log_override_past_the_log_bound_is_ignored() {
+    let file = ConfigFile::new(OVERRIDDEN);
+    let server = Server::start(&["--config", file.path()]);
+    let ask = |limit: u64, unit: &str| {
+        let (client, url) = (client(), server.url());
+        let d = json!({"entries": [{"key": "user", "value": "cy"}],
+                       "limit": {"requests_per_unit": limit, "unit": unit}});
+        async move {
+            let r = client
+                .post(&url)
+                .json(&json!({"domain": "api", "descriptors": [d]}))
+                .send()
+                .await
+                .unwrap();
+            r.json::<Value>().await.unwrap()
+        }
+    };
+    let body = ask(9_007_199_254_740_991, "year").await;
+    assert_eq!(
+        (&body["rule"], &body["limit"]),
+        (&json!("per-user"), &json!(3)),
+        "{body}"
+    );
+    let body = ask(10_000, "hour").await;
+    assert_eq!(
+        (&body["rule"], &body["limit"]),
+        (&json!("per-user.override"), &json!(10_000)),
+        "{body}"
+    );
+    let metrics = common::metrics(&client(), server.http).await;
+    assert!(
+        metrics.contains("\nratewarden_limit_overrides_ignored_total 1\n"),
+        "{metrics}"
+    );
+    server.stop();
+}
+
 /// With `limit_overrides = false` a caller cannot choose its own limit:
 /// an override, over gRPC or HTTP, is ignored, the configured rule
 /// applies, and the override is counted.

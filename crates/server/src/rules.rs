@@ -356,6 +356,14 @@ impl RuleSet {
 /// applies.
 pub const MAX_OVERRIDES: usize = 256;
 
+/// The most entries a key's log may hold under a `sliding-log` rule's
+/// override, `min(limit, window_ms)`, unless the rule's own may hold more:
+/// a log is read and written whole by every decision, so a caller free to
+/// choose a limit of 2^53 for a year grew one key by up to 16 bytes a
+/// millisecond, held for a year, and every call on it slowed Redis for
+/// every rule. 10,000 entries are about 160 KB a key.
+pub const MAX_OVERRIDE_LOG_ENTRIES: u64 = 10_000;
+
 /// A descriptor's own limit: Envoy's `RateLimitDescriptor.limit`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LimitOverride {
@@ -576,6 +584,23 @@ impl RuleSet {
                         PolicyConfig::new(base.spec.policy.policy, over.limit, over.window_ms);
                     if policy.build().is_err() {
                         return Some(OverrideMatch::Ignored("an override no policy accepts"));
+                    }
+                    let log_entries = |c: &PolicyConfig| {
+                        (c.policy == ratewarden_core::PolicyKind::SlidingLog)
+                            .then(|| c.limit.min(c.window_ms))
+                    };
+                    if log_entries(&policy).is_some_and(|entries| {
+                        entries > MAX_OVERRIDE_LOG_ENTRIES
+                            && entries > log_entries(&base.spec.policy).unwrap_or(0)
+                    }) {
+                        // The text names the bound.
+                        const _: () = assert!(MAX_OVERRIDE_LOG_ENTRIES == 10_000);
+                        return Some(OverrideMatch::Ignored(
+                            "a sliding-log override whose key's log could hold more than 10,000 \
+                             entries (min(limit, window_ms)), past the rule's own: every decision \
+                             reads and writes the whole log; configure such limits as rules of \
+                             their own, or with sliding-window-counter",
+                        ));
                     }
                     let spec = RuleSpec {
                         name: format!("{}.override", base.name),
