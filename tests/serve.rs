@@ -2938,6 +2938,38 @@ fn bad_requests_are_logged_under_debug() {
     );
 }
 
+/// A client's text in such a line (here a JSON field name holding a line
+/// break and a forged log line) cannot start a line of its own: control
+/// characters are escaped.
+#[test]
+fn a_bad_request_logged_cannot_forge_a_log_line() {
+    use std::io::{BufRead, BufReader};
+    let mut server = Server::start_with_env(
+        &[],
+        &[("RUST_LOG", "info,ratewarden_server=debug")],
+        std::process::Stdio::piped(),
+    );
+    let body = "{\"key\": \"k\", \"z\\r\\nFORGED ERROR line\": 1}";
+    let request = format!(
+        "POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let answer = exchange(server.http, request.as_bytes(), Duration::from_secs(5));
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    let stderr = server.child.stderr.take().expect("piped");
+    server.stop();
+    let lines: Vec<String> = BufReader::new(stderr)
+        .lines()
+        .map_while(Result::ok)
+        .collect();
+    let logged: Vec<&String> = lines.iter().filter(|l| l.contains("FORGED")).collect();
+    assert_eq!(logged.len(), 1, "{lines:#?}");
+    assert!(
+        logged[0].contains("HTTP request answered 400") && logged[0].contains("z\\r\\nFORGED"),
+        "{lines:#?}"
+    );
+}
+
 /// A `RUST_LOG` that does not parse is said at start, not dropped without
 /// a word; the server logs at `info` and runs. A valid one gets no word.
 #[test]

@@ -304,7 +304,10 @@ impl Rls {
             .check_descriptors(&request.domain, &descriptors)
             .await
             .map_err(|e| {
-                tracing::debug!("gRPC call answered INVALID_ARGUMENT: {}", e.0);
+                tracing::debug!(
+                    "gRPC call answered INVALID_ARGUMENT: {}",
+                    crate::one_line(&e.0)
+                );
                 Status::invalid_argument(e.0)
             })?;
         // Counted once the request is known to be decided: a request

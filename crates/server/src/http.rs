@@ -482,8 +482,12 @@ struct ErrorJson {
 
 fn bad(status: StatusCode, message: impl Into<String>) -> Response {
     let error = message.into();
-    // The client is told; the operator, under `ratewarden_server=debug`.
-    tracing::debug!("HTTP request answered {status}: {error}");
+    // The client is told; the operator, under `ratewarden_server=debug`,
+    // on one line whatever the client wrote.
+    tracing::debug!(
+        "HTTP request answered {status}: {}",
+        crate::one_line(&error)
+    );
     (status, axum::Json(ErrorJson { error })).into_response()
 }
 

@@ -513,3 +513,22 @@ pub async fn serve_until_signal(
     tracing::info!("stopped");
     Ok(())
 }
+
+/// `text` with its control characters (line breaks, escapes) written as
+/// Rust escapes, for a log line that carries a client's words: they cannot
+/// end the line and start one that reads as the server's own.
+pub(crate) fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return text.into();
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect::<String>()
+        .into()
+}
