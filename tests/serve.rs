@@ -2970,6 +2970,37 @@ fn a_bad_request_logged_cannot_forge_a_log_line() {
     );
 }
 
+/// A descriptor value that is not UTF-8 (Envoy passes a header's bytes
+/// 0x80 to 0xFF on, and its protobuf library only logs that such a string
+/// field is invalid) is decided, its bad bytes read as U+FFFD, never
+/// failed: an error is what Envoy's default `failure_mode_deny: false`
+/// answers by letting the request through unlimited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_descriptor_value_that_is_not_utf8_is_decided() {
+    let file = ConfigFile::new(LONG_WINDOW);
+    let server = Server::start(&["--config", file.path()]);
+    let request = RateLimitRequest {
+        domain: "edge".into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "path".into(),
+                value: "/login\u{1}\u{1}".into(),
+            }],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    };
+    let mut message = common::grpc_message(&request);
+    let at = message
+        .windows(2)
+        .position(|w| w == [1, 1])
+        .expect("the placeholder bytes");
+    message[at..at + 2].copy_from_slice(&[0xff, 0xfe]);
+    let (status, said, _) = common::raw_should_bytes(server.grpc, "5S", message, true).await;
+    assert_eq!(status, "0", "{said}");
+    server.stop();
+}
+
 /// A `RUST_LOG` that does not parse is said at start, not dropped without
 /// a word; the server logs at `info` and runs. A valid one gets no word.
 #[test]

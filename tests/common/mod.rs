@@ -309,14 +309,25 @@ pub async fn raw_should(
     request: &RateLimitRequest,
     whole: bool,
 ) -> (String, String, Instant) {
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
-    let driver = tokio::spawn(connection);
-    let mut client = client.ready().await.unwrap();
     let mut message = grpc_message(request);
     if !whole {
         message.truncate(message.len() / 2);
     }
+    raw_should_bytes(addr, grpc_timeout, message, whole).await
+}
+
+/// As [`raw_should`], with the message's bytes as given (`whole`: the
+/// stream ends with them).
+pub async fn raw_should_bytes(
+    addr: SocketAddr,
+    grpc_timeout: &str,
+    message: Vec<u8>,
+    whole: bool,
+) -> (String, String, Instant) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    let driver = tokio::spawn(connection);
+    let mut client = client.ready().await.unwrap();
     let (response, mut stream) = client
         .send_request(raw_rls_head(addr, Some(grpc_timeout)), false)
         .unwrap();

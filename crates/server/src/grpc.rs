@@ -58,12 +58,12 @@ impl<T, U> Default for Codec<T, U> {
 impl<T, U> tonic::codec::Codec for Codec<T, U>
 where
     T: prost::Message + Send + 'static,
-    U: prost::Message + Default + Send + 'static,
+    U: prost::Message + Default + DecodeLossy + Send + 'static,
 {
     type Encode = T;
     type Decode = U;
     type Encoder = tonic_prost::ProstEncoder<T>;
-    type Decoder = tonic_prost::ProstDecoder<U>;
+    type Decoder = Decoder<U>;
 
     fn encoder(&mut self) -> Self::Encoder {
         // tonic's default yield threshold, 32 KiB: only the first size
@@ -73,7 +73,129 @@ where
     }
 
     fn decoder(&mut self) -> Self::Decoder {
-        tonic_prost::ProstCodec::<T, U>::raw_decoder(tonic::codec::BufferSettings::default())
+        Decoder(std::marker::PhantomData)
+    }
+}
+
+/// prost's decoding, but for a message whose strings are not all UTF-8,
+/// decoded again by [`DecodeLossy`] where the message has a lossy form.
+#[derive(Debug)]
+pub struct Decoder<U>(std::marker::PhantomData<U>);
+
+impl<U> tonic::codec::Decoder for Decoder<U>
+where
+    U: prost::Message + Default + DecodeLossy,
+{
+    type Item = U;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<U>, Status> {
+        use bytes::Buf as _;
+        // Kept for a second reading; a request is a few hundred bytes, at
+        // most MAX_MESSAGE_BYTES.
+        let bytes = buf.copy_to_bytes(buf.remaining());
+        match U::decode(bytes.clone()) {
+            Ok(message) => Ok(Some(message)),
+            Err(e) => U::decode_lossy(bytes)
+                .map(Some)
+                .ok_or_else(|| Status::internal(e.to_string())),
+        }
+    }
+}
+
+/// A message with a lossy reading: its strings taken as bytes, and any
+/// not UTF-8 read with U+FFFD in place of each bad sequence.
+///
+/// A request's descriptor values come from the client's headers, which
+/// Envoy passes on as they came, bytes 0x80 to 0xFF included (its protobuf
+/// library only logs that a string field is not UTF-8, and sends it). A
+/// request prost refuses for it would be an error, which Envoy's default
+/// `failure_mode_deny: false` answers by letting the request through
+/// unlimited: a client could escape every limit with one such byte in a
+/// header. envoyproxy/ratelimit refuses such a request the same way.
+pub trait DecodeLossy: Sized {
+    /// The lossy reading of `bytes`, or `None` when the message has none
+    /// (then prost's error stands).
+    fn decode_lossy(_bytes: bytes::Bytes) -> Option<Self> {
+        None
+    }
+}
+
+impl DecodeLossy for RateLimitResponse {}
+
+impl DecodeLossy for RateLimitRequest {
+    fn decode_lossy(bytes: bytes::Bytes) -> Option<Self> {
+        use prost::Message as _;
+        let raw = lossy::Request::decode(bytes).ok()?;
+        Some(raw.into())
+    }
+}
+
+/// `RateLimitRequest` with its strings as bytes: the same fields, tags and
+/// wire types.
+mod lossy {
+    use crate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+        Entry as GivenEntry, RateLimitOverride,
+    };
+    use crate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use crate::proto::envoy::service::ratelimit::v3::RateLimitRequest;
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub(super) struct Request {
+        #[prost(bytes = "vec", tag = "1")]
+        domain: Vec<u8>,
+        #[prost(message, repeated, tag = "2")]
+        descriptors: Vec<Descriptor>,
+        #[prost(uint32, tag = "3")]
+        hits_addend: u32,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Descriptor {
+        #[prost(message, repeated, tag = "1")]
+        entries: Vec<Entry>,
+        #[prost(message, optional, tag = "2")]
+        limit: Option<RateLimitOverride>,
+        #[prost(message, optional, tag = "3")]
+        hits_addend: Option<u64>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Entry {
+        #[prost(bytes = "vec", tag = "1")]
+        key: Vec<u8>,
+        #[prost(bytes = "vec", tag = "2")]
+        value: Vec<u8>,
+    }
+
+    fn text(bytes: Vec<u8>) -> String {
+        String::from_utf8(bytes)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+    }
+
+    impl From<Request> for RateLimitRequest {
+        fn from(r: Request) -> Self {
+            RateLimitRequest {
+                domain: text(r.domain),
+                descriptors: r
+                    .descriptors
+                    .into_iter()
+                    .map(|d| RateLimitDescriptor {
+                        entries: d
+                            .entries
+                            .into_iter()
+                            .map(|e| GivenEntry {
+                                key: text(e.key),
+                                value: text(e.value),
+                            })
+                            .collect(),
+                        limit: d.limit,
+                        hits_addend: d.hits_addend,
+                    })
+                    .collect(),
+                hits_addend: r.hits_addend,
+            }
+        }
     }
 }
 
