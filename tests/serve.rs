@@ -535,6 +535,17 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
             "cost is an object: it must be a JSON number",
         ),
         ("{\"key\": \"k\", \"kost\": 1}", 400, "unknown field `kost`"),
+        // A dot in an unknown field's name is no part of where it is.
+        (
+            "{\"key\": \"k\", \"a.b\": 1}",
+            400,
+            "malformed JSON: unknown field `a.b`",
+        ),
+        (
+            "{\"domain\": \"edge\", \"descriptors\": [{\"entries\": [{\"k.e\": \"k\"}]}]}",
+            400,
+            "malformed JSON: descriptors[0].entries[0]: unknown field `k.e`",
+        ),
         // Descriptors and entries are objects: arrays of their fields are
         // refused, saying so, rather than read in order.
         (

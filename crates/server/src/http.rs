@@ -778,12 +778,32 @@ fn from_slice_at(body: &[u8]) -> Result<CheckRequest, JsonError> {
 /// the table of an unknown field (whose message names the field itself);
 /// `None` at the value itself.
 fn place_of(e: &serde_path_to_error::Error<serde_json::Error>) -> Option<String> {
-    let path = e.path().to_string();
-    if e.inner().to_string().starts_with("unknown field") {
-        path.rsplit_once('.').map(|(table, _)| table.to_owned())
+    use serde_path_to_error::Segment;
+    let segments: Vec<&Segment> = e.path().iter().collect();
+    // By segment, not by the text's last `.`, which can be in the unknown
+    // field's own name.
+    let upto = if e.inner().to_string().starts_with("unknown field") {
+        segments.len().saturating_sub(1)
     } else {
-        (path != ".").then_some(path)
+        segments.len()
+    };
+    let mut place = String::new();
+    for segment in &segments[..upto] {
+        let name = match segment {
+            Segment::Seq { index } => {
+                place.push_str(&format!("[{index}]"));
+                continue;
+            }
+            Segment::Map { key } => key.as_str(),
+            Segment::Enum { variant } => variant.as_str(),
+            Segment::Unknown => "?",
+        };
+        if !place.is_empty() {
+            place.push('.');
+        }
+        place.push_str(name);
     }
+    (!place.is_empty()).then_some(place)
 }
 
 /// serde_json's error, and the field it is in.
