@@ -259,7 +259,8 @@ enum Conn {
 /// [`RedisStore::with_config`].
 #[derive(Clone)]
 enum Backend {
-    Node(Arc<Renewing<ConnectionManager>>),
+    /// With the node's address (`HOST:PORT`, or a socket's path).
+    Node(Arc<Renewing<ConnectionManager>>, Arc<str>),
     /// With the cluster's masters found down (see [`crate::down`]).
     Cluster(Arc<Renewing<ClusterConnection>>, Arc<DownMasters>),
 }
@@ -863,7 +864,9 @@ impl RedisStore {
                 let mut conn = match connected {
                     Ok(conn) => conn,
                     Err(e) => {
-                        return Err(said_at_accept(e, &address, form, node_response_timeout).await)
+                        return Err(
+                            said_at_accept(e, &address, form.tls, node_response_timeout).await
+                        )
                     }
                 };
                 // Connecting sends nothing when the URL has no password, so
@@ -874,7 +877,7 @@ impl RedisStore {
                     check_node(&mut conn, &address, form).await
                 });
                 if let Err(e) = checked {
-                    return Err(said_at_accept(e, &address, form, node_response_timeout).await);
+                    return Err(said_at_accept(e, &address, form.tls, node_response_timeout).await);
                 }
                 // A new client for each new connection: the one made at
                 // start would reconnect with the certificates read then.
@@ -887,12 +890,15 @@ impl RedisStore {
                         ConnectionManager::new_with_config(client, manager_config).await
                     })
                 });
-                Backend::Node(Arc::new(Renewing::new(
-                    connect,
-                    conn,
-                    connect_timeout,
-                    response_timeout,
-                )))
+                Backend::Node(
+                    Arc::new(Renewing::new(
+                        connect,
+                        conn,
+                        connect_timeout,
+                        response_timeout,
+                    )),
+                    Arc::from(address),
+                )
             };
             let store = Self::with_connection(backend, crate::redact_url(url), config, options);
             store.prepare(deadline, node_response_timeout).await?;
@@ -1231,7 +1237,7 @@ impl RedisStore {
     /// A handle on the current connection, for one call.
     fn conn(&self) -> Conn {
         match &self.inner.backend {
-            Backend::Node(c) => Conn::Node(c.conn()),
+            Backend::Node(c, _) => Conn::Node(c.conn()),
             Backend::Cluster(c, _) => Conn::Cluster(c.conn()),
         }
     }
@@ -1295,7 +1301,7 @@ impl RedisStore {
     /// one-node URL whose user may not run the INFO that connecting reads
     /// to tell, or a node restarted as a cluster node): what to change.
     fn cluster_node_advice(&self, detail: &str) -> Option<String> {
-        if !matches!(self.inner.backend, Backend::Node(_)) || !redirected(detail) {
+        if !matches!(self.inner.backend, Backend::Node(..)) || !redirected(detail) {
             return None;
         }
         let (_, cluster_scheme) = schemes(crate::tls::is_tls_url(self.url()));
@@ -1404,7 +1410,7 @@ impl RedisStore {
     fn known_slot_map(&self) -> Vec<SlotRange> {
         match &self.inner.backend {
             Backend::Cluster(_, down) => down.map(),
-            Backend::Node(_) => Vec::new(),
+            Backend::Node(..) => Vec::new(),
         }
     }
 
@@ -1412,7 +1418,7 @@ impl RedisStore {
     /// one a second (see [`Renewing`]).
     fn renew_connection(&self) {
         match &self.inner.backend {
-            Backend::Node(node) => node.timed_out(),
+            Backend::Node(node, _) => node.timed_out(),
             Backend::Cluster(cluster, _) => cluster.timed_out(),
         }
     }
@@ -1672,7 +1678,7 @@ impl RedisStore {
                         let e = map_error(e);
                         return Err(match self.tls_failure(e.detail()) {
                             Some(said) => StoreError::new(e.kind(), said),
-                            None => e,
+                            None => self.said_at_accept(e, deadline).await,
                         });
                     }
                     Err(_) => return Err(timed_out("Redis did not answer PING")),
@@ -1900,9 +1906,20 @@ impl RedisStore {
     /// `docs/redis.md`). A timeout is never tried again: the call's time is
     /// spent. A cluster connection retries such errors itself.
     fn retry_on_new_connection(&self, e: &RedisError) -> bool {
-        matches!(self.inner.backend, Backend::Node(_))
+        matches!(self.inner.backend, Backend::Node(..))
             && e.is_unrecoverable_error()
             && !e.is_timeout()
+    }
+
+    /// On one node, `e` or what the node said as it closed a new
+    /// connection (see [`said_at_accept`]), asked until `deadline`.
+    async fn said_at_accept(&self, e: StoreError, deadline: tokio::time::Instant) -> StoreError {
+        let Backend::Node(_, address) = &self.inner.backend else {
+            return e;
+        };
+        let tls = crate::tls::is_tls_url(self.url());
+        let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+        said_at_accept(e, address, tls, wait).await
     }
 
     /// After a failed call on one node: when its error is that of a
@@ -1914,7 +1931,7 @@ impl RedisStore {
     /// would take the connection again once the password or database is
     /// set back.
     fn renew_if_reconnection_refused(&self, e: &RedisError) {
-        if matches!(self.inner.backend, Backend::Node(_)) && reconnection_refused(e) {
+        if matches!(self.inner.backend, Backend::Node(..)) && reconnection_refused(e) {
             self.renew_connection();
         }
     }
@@ -3238,8 +3255,8 @@ fn evicting_policy(info_memory: &str) -> Option<(String, u64)> {
 /// reports as a broken pipe or a reset, and which a new connection, read
 /// before anything is sent, shows (within `wait`). Over TLS, Redis says it
 /// only after a handshake, so it is not asked.
-async fn said_at_accept(e: StoreError, address: &str, form: Form, wait: Duration) -> StoreError {
-    if e.kind() != StoreErrorKind::ConnectionDropped || address.starts_with('/') || form.tls {
+async fn said_at_accept(e: StoreError, address: &str, tls: bool, wait: Duration) -> StoreError {
+    if e.kind() != StoreErrorKind::ConnectionDropped || address.starts_with('/') || tls {
         return e;
     }
     let greeting = async {

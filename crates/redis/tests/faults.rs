@@ -960,3 +960,40 @@ fn concurrent_calls_after_a_script_flush_send_the_script_once() {
         assert_eq!(common::command_calls(&server, "script|load"), 0);
     });
 }
+
+/// A Redis that reached its `maxclients` while the store was away from it
+/// refuses the store's new connection with its own words, which the
+/// client reports as a broken pipe: `ping` (`/readyz`) gives Redis's words
+/// and what to change, as connecting does.
+#[test]
+fn a_redis_at_maxclients_is_named_so_by_ping() {
+    use std::io::{Read, Write};
+    let rt = common::runtime();
+    let server = RedisServer::start();
+    let store = rt.block_on(connected(&server, "maxclients"));
+    rt.block_on(store.ping()).expect("a healthy Redis");
+    // One client of the test's own, kept; then a bound of one, which the
+    // store's connection, closed from that client, cannot come back under.
+    let mut held =
+        std::net::TcpStream::connect(("127.0.0.1", server.port())).expect("the test's client");
+    held.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(
+        server.cli(&["CONFIG", "SET", "maxclients", "1"]).trim(),
+        "OK"
+    );
+    held.write_all(b"CLIENT KILL TYPE normal SKIPME yes\r\n")
+        .unwrap();
+    let mut said = [0u8; 64];
+    let n = held.read(&mut said).expect("CLIENT KILL answers");
+    assert!(
+        said[..n].starts_with(b":"),
+        "{:?}",
+        String::from_utf8_lossy(&said[..n])
+    );
+    let e = rt.block_on(store.ping()).expect_err("no connection left");
+    drop(held);
+    assert!(
+        e.detail().contains("max number of clients reached") && e.detail().contains("maxclients"),
+        "{e}"
+    );
+}
