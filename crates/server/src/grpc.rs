@@ -112,7 +112,10 @@ where
 /// request prost refuses for it would be an error, which Envoy's default
 /// `failure_mode_deny: false` answers by letting the request through
 /// unlimited: a client could escape every limit with one such byte in a
-/// header. envoyproxy/ratelimit refuses such a request the same way.
+/// header. (envoyproxy/ratelimit's Go decoder refuses such a request too.)
+/// Only a request prost refuses is read again, so the mirror below (which
+/// must keep the request's fields, tags and wire types) costs nothing on
+/// any other.
 pub trait DecodeLossy: Sized {
     /// The lossy reading of `bytes`, or `None` when the message has none
     /// (then prost's error stands).
