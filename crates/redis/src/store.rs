@@ -2639,8 +2639,7 @@ impl std::fmt::Display for SlotRange {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}-{}", self.first, self.last)?;
         match &self.master {
-            Some((host, port)) if host.contains(':') => write!(f, " ([{host}]:{port})"),
-            Some((host, port)) => write!(f, " ({host}:{port})"),
+            Some((host, port)) => write!(f, " ({})", host_port(host, port)),
             None => Ok(()),
         }
     }
@@ -2872,13 +2871,7 @@ fn known_master_urls(down: &DownMasters, seeds: &[String]) -> Vec<String> {
     }
     masters
         .into_iter()
-        .map(|(host, port)| {
-            if host.contains(':') {
-                format!("{scheme}://{credentials}[{host}]:{port}")
-            } else {
-                format!("{scheme}://{credentials}{host}:{port}")
-            }
-        })
+        .map(|(host, port)| format!("{scheme}://{credentials}{}", host_port(&host, port)))
         .collect()
 }
 
@@ -2932,8 +2925,7 @@ async fn no_master_hangs(
 
 /// The `cluster_state` a `CLUSTER INFO` reply gives (`ok` or `fail`).
 fn cluster_state(info: &str) -> Option<&str> {
-    info.lines()
-        .find_map(|l| l.trim().strip_prefix("cluster_state:"))
+    info_field(info, "cluster_state")
 }
 
 /// How many hash slots a Redis Cluster has.
@@ -3310,11 +3302,7 @@ fn replica_of(info_replication: &str) -> Option<String> {
     }
     let host = info_field(info_replication, "master_host").unwrap_or("?");
     let port = info_field(info_replication, "master_port").unwrap_or("?");
-    Some(if host.contains(':') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
-    })
+    Some(host_port(host, port))
 }
 
 /// The value of the field `name` (`name:value`) of an `INFO` reply.
@@ -3347,12 +3335,17 @@ pub fn cluster_enabled(info_cluster: &str) -> Option<bool> {
 fn address_of(addr: &redis::ConnectionAddr) -> String {
     match addr {
         redis::ConnectionAddr::Tcp(host, port)
-        | redis::ConnectionAddr::TcpTls { host, port, .. }
-            if host.contains(':') =>
-        {
-            format!("[{host}]:{port}")
-        }
+        | redis::ConnectionAddr::TcpTls { host, port, .. } => host_port(host, port),
         other => other.to_string(),
+    }
+}
+
+/// `HOST:PORT`, an IPv6 host in brackets (`[::1]:6379`).
+fn host_port(host: &str, port: impl std::fmt::Display) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
     }
 }
 

@@ -91,8 +91,7 @@ where
 
     fn decode(&mut self, buf: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<U>, Status> {
         use bytes::Buf as _;
-        // Kept for a second reading; a request is a few hundred bytes, at
-        // most MAX_MESSAGE_BYTES.
+        // Split off the buffer (not copied), and kept for a second reading.
         let bytes = buf.copy_to_bytes(buf.remaining());
         match U::decode(bytes.clone()) {
             Ok(message) => Ok(Some(message)),
