@@ -2046,6 +2046,15 @@ async fn a_call_past_its_grpc_timeout_is_answered_deadline_exceeded_and_not_deci
         metric("ratewarden_bad_requests_total{api=\"grpc\"}").await,
         1
     );
+    // Every call is timed, however it ended: the two past their deadline
+    // (one at 300 ms or more) and the refused one among them.
+    assert_eq!(
+        metric("ratewarden_request_duration_seconds_count{api=\"grpc\"}").await,
+        7
+    );
+    assert!(
+        metric("ratewarden_request_duration_seconds_bucket{api=\"grpc\",le=\"0.25\"}").await <= 6
+    );
     server.stop();
 }
 

@@ -22,6 +22,13 @@
 //! counted as bad requests, and calls past their deadline in
 //! `ratewarden_grpc_deadlines_exceeded_total`: a sign of an overloaded
 //! server or a slow store.
+//!
+//! The layer also times every `ShouldRateLimit` call, from its headers to
+//! its answer, for `ratewarden_request_duration_seconds`: here, and not in
+//! the call itself, so that calls answered `DEADLINE_EXCEEDED` (whose
+//! decision is dropped unfinished, or never started) are in the histogram
+//! too. Left out, a store slowed past Envoy's timeout would show there as
+//! no slow call at all.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -38,6 +45,9 @@ use crate::metrics::{Api, Metrics};
 /// headers, whatever its `grpc-timeout`: Envoy's own timeout is far
 /// shorter, and a client that never finishes must not hold a task forever.
 pub const MAX_CALL_TIME: Duration = Duration::from_secs(10);
+
+/// The path of the calls the latency histogram times.
+const SHOULD_RATE_LIMIT_PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 
 /// The layer that gives every gRPC call its deadline.
 #[derive(Debug, Clone)]
@@ -83,6 +93,7 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let timed = (request.uri().path() == SHOULD_RATE_LIMIT_PATH).then(Instant::now);
         let (within, from_client) = match grpc_timeout(request.headers()) {
             // Envoy sent `0m` for a `timeout: 0s` its user meant as "no
             // timeout" (which Envoy now reads it as): a real client never
@@ -93,6 +104,9 @@ where
             Ok(_) => (MAX_CALL_TIME, false),
             Err(refusal) => {
                 self.metrics.bad_request(Api::Grpc);
+                if let Some(arrived) = timed {
+                    self.metrics.latency(Api::Grpc, arrived.elapsed());
+                }
                 return DeadlineFuture::Refused(Some(refusal));
             }
         };
@@ -101,6 +115,7 @@ where
             deadline: Box::pin(tokio::time::sleep(within)),
             within,
             from_client,
+            timed,
             metrics: Arc::clone(&self.metrics),
         }
     }
@@ -118,6 +133,9 @@ pub enum DeadlineFuture<F> {
         within: Duration,
         /// Whether that time is the client's `grpc-timeout`.
         from_client: bool,
+        /// When a `ShouldRateLimit` call arrived; `None` for other calls,
+        /// which the latency histogram leaves out.
+        timed: Option<Instant>,
         /// Where a call past its deadline is counted.
         metrics: Arc<Metrics>,
     },
@@ -144,12 +162,16 @@ where
                 deadline,
                 within,
                 from_client,
+                timed,
                 metrics,
             } => {
                 // Before the call, so that a call first polled late (a
                 // busy server) is not decided for a client gone.
                 if Instant::now() < deadline.deadline() {
                     if let Poll::Ready(answer) = inner.as_mut().poll(cx) {
+                        if let Some(arrived) = timed {
+                            metrics.latency(Api::Grpc, arrived.elapsed());
+                        }
                         return Poll::Ready(answer);
                     }
                     if deadline.as_mut().poll(cx).is_pending() {
@@ -165,6 +187,9 @@ where
                     "the call was not answered within its deadline, {within:?} ({whose})"
                 ));
                 metrics.grpc_deadline_exceeded();
+                if let Some(arrived) = timed {
+                    metrics.latency(Api::Grpc, arrived.elapsed());
+                }
                 Poll::Ready(Ok(late.into_http()))
             }
         }
