@@ -1419,6 +1419,56 @@ fn a_body_that_never_arrives_neither_holds_the_connection_nor_delays_shutdown() 
     server.stop();
 }
 
+/// A second SIGTERM (or SIGINT) during the stop ends the wait for requests
+/// in flight at once: the log says what was cut short, as a log line, and
+/// the exit is not a clean one.
+#[test]
+fn a_second_signal_stops_without_waiting_for_requests_in_flight() {
+    use std::io::{Read, Write};
+    for (first, second) in [("TERM", "TERM"), ("TERM", "INT")] {
+        let (mut server, log) = Server::start_logged(&[]);
+        let mut stream = std::net::TcpStream::connect(server.http).unwrap();
+        // A body that will not arrive: the stop would wait for it 10 s.
+        stream
+            .write_all(b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            .unwrap();
+        // 2 s for the server to take the request head on a busy machine.
+        std::thread::sleep(Duration::from_secs(2));
+        server.signal(first);
+        log.next_containing(&format!("SIG{first}: shutting down"));
+        let signalled = Instant::now();
+        server.signal(second);
+        let status = loop {
+            if let Some(status) = server.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                signalled.elapsed() < Duration::from_secs(5),
+                "serve still waits 5 s after a second SIG{second}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(status.code(), Some(1), "{status}");
+        let rest = log.to_the_end();
+        let cut = format!(
+            "SIG{second} again: stopping now, closing the connections of requests still in \
+             flight unanswered"
+        );
+        let line = rest.iter().find(|l| l.contains(&cut)).unwrap_or_else(|| {
+            panic!("{rest:#?}");
+        });
+        assert!(line.contains("ERROR"), "{line}");
+        assert!(!rest.iter().any(|l| l.contains("stopped")), "{rest:#?}");
+        // The request's connection is closed, unanswered.
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer);
+        assert!(answer.is_empty(), "{}", String::from_utf8_lossy(&answer));
+    }
+}
+
 /// Sends `request` on a new connection to `addr` and reads the answer,
 /// as text, until the server closes the connection or `read_timeout`
 /// passes. A failed write is no error: the server may answer and close

@@ -137,6 +137,8 @@ pub fn run(args: Args) -> ExitCode {
     runtime.shutdown_timeout(std::time::Duration::from_millis(100));
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // Already logged, with the reason.
+        Err(e) if e.is::<ratewarden_server::StoppedUnclean>() => ExitCode::FAILURE,
         Err(e) => {
             eprintln!("ratewarden serve: {e:#}");
             ExitCode::FAILURE

@@ -509,10 +509,46 @@ pub async fn serve_until_signal(
             }
         }
     }
-    running.shutdown(Duration::from_secs(30)).await?;
-    tracing::info!("stopped");
-    Ok(())
+    // A second SIGTERM or SIGINT ends the wait for requests in flight (up
+    // to 30 s), as a second Ctrl-C does elsewhere: an operator who has seen
+    // what waits can stop without SIGKILL, and the log says what was cut.
+    let stopping = running.shutdown(Duration::from_secs(30));
+    let stopped = tokio::select! {
+        stopped = stopping => stopped,
+        _ = terminate.recv() => Err(anyhow::anyhow!(
+            "SIGTERM again: stopping now, closing the connections of requests still in flight unanswered"
+        )),
+        _ = interrupt.recv() => Err(anyhow::anyhow!(
+            "SIGINT again: stopping now, closing the connections of requests still in flight unanswered"
+        )),
+    };
+    match stopped {
+        Ok(()) => {
+            tracing::info!("stopped");
+            Ok(())
+        }
+        // Logged as the server's other lines are, so that a log collector
+        // that reads them finds the one that says the stop was cut short.
+        Err(e) => {
+            tracing::error!("{e:#}");
+            Err(StoppedUnclean.into())
+        }
+    }
 }
+
+/// The error of a stop that did not finish every request in flight
+/// (cut short by a second signal, or past its 30 s), once the log has said
+/// why: whoever runs the server exits non-zero without saying it again.
+#[derive(Debug)]
+pub struct StoppedUnclean;
+
+impl std::fmt::Display for StoppedUnclean {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the server stopped before every request in flight was answered")
+    }
+}
+
+impl std::error::Error for StoppedUnclean {}
 
 /// `text` with its control characters (line breaks, escapes) written as
 /// Rust escapes, for a log line that carries a client's words: they cannot
