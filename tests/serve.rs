@@ -2978,6 +2978,52 @@ async fn a_full_store_episode_ends_with_a_line_that_counts_its_failures() {
     assert_eq!(common::metric(&client, server.http, series).await, 5);
 }
 
+/// A rule's name may hold a line break (TOML allows it, and a name
+/// defaults to descriptor values): the log lines that name the rule keep it
+/// on their one line, escaped, so it cannot forge a line of its own.
+#[tokio::test]
+async fn a_rule_name_with_a_line_break_stays_on_its_log_line() {
+    let file = ConfigFile::new(
+        "[server]\nmax_keys = 1\n\n\
+         [keys]\nname = \"k\\nFORGED keys\"\npolicy = \"fixed-window\"\nlimit = 5\n\
+         window_ms = 600000\n\n\
+         [[domains]]\ndomain = \"api\"\n\n\
+         [[domains.descriptors]]\nkey = \"zero\"\nname = \"z\\nFORGED zero\"\nlimit = 0\n\
+         window_ms = 1000\n",
+    );
+    let (server, log) = Server::start_logged(&["--config", file.path()]);
+    let client = client();
+    for (key, status) in [("a", 200), ("b", 429)] {
+        let (got, _, body) = post(&client, &server.url(), json!({"key": key})).await;
+        assert_eq!(got, status, "{body}");
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (status, _, body) = post(&client, &server.url(), json!({"key": "a"})).await;
+    assert_eq!(status, 200, "{body}");
+    let lines = log.through_containing("succeed again");
+    let named = |needle: &str| {
+        lines
+            .iter()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no line with {needle:?}: {lines:#?}"))
+            .clone()
+    };
+    assert!(
+        named("admit no request").contains("z\\nFORGED zero"),
+        "{lines:#?}"
+    );
+    assert!(
+        named("store failed").contains("k\\nFORGED keys"),
+        "{lines:#?}"
+    );
+    assert!(
+        named("succeed again").contains("k\\nFORGED keys"),
+        "{lines:#?}"
+    );
+    assert!(!lines.iter().any(|l| l.starts_with("FORGED")), "{lines:#?}");
+    server.stop();
+}
+
 /// Under `ratewarden_server=debug` a request answered with an error is
 /// logged with the message its client got.
 #[test]

@@ -280,7 +280,9 @@ impl RuleSet {
         let closed = self.closed_rules();
         if !closed.is_empty() {
             tracing::warn!(
-                rules = %closed.join(", "),
+                // A name may hold a line break (one of its own, or a
+                // descriptor value's it defaults to): kept on one line.
+                rules = %crate::one_line(&closed.join(", ")),
                 "these rules admit no request that costs anything, ever (a limit of 0, or a \
                  burst of 0), unless an Envoy descriptor carries its own limit; if that is not \
                  meant, give them a limit (a descriptor that should have none can say \

@@ -679,7 +679,7 @@ impl Service {
                     && self.failure_logged.swap(false, Ordering::Relaxed)
                 {
                     tracing::info!(
-                        rule = %m.rule.spec.name,
+                        rule = %crate::one_line(&m.rule.spec.name),
                         failures_not_logged = self.error_log.take_held(),
                         "store calls succeed again, with no failure for a second, after the \
                          failures logged above"
@@ -801,7 +801,7 @@ impl Service {
             // Every rule shares the one line a second: say how many
             // failures, of any rule, it stands for.
             tracing::warn!(
-                rule = %rule.spec.name,
+                rule = %crate::one_line(&rule.spec.name),
                 failure_policy = %policy,
                 failures_not_logged = held,
                 "store failed: {e}{hint}"
