@@ -990,7 +990,7 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_may_have_a_port_of_their_own() {
     use std::io::Read;
-    let server = Server::start(&["--metrics", "127.0.0.1:0"]);
+    let (server, log) = Server::start_logged(&["--metrics", "127.0.0.1:0"]);
     let metrics = server.metrics.expect("serve names the metrics port");
     let client = client();
     let (status, _, body) = post(&client, &server.url(), json!({"key": "k", "cost": 1})).await;
@@ -1079,6 +1079,14 @@ async fn metrics_may_have_a_port_of_their_own() {
         Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
     };
     assert!(closed, "a connection past the bound is closed unserved");
+    // The warning names that bound, not max_connections, which does not
+    // move it.
+    let line = log.next_containing("closed unserved");
+    assert!(
+        line.contains("64 connections are open on the metrics port, its own fixed bound"),
+        "{line}"
+    );
+    assert!(!line.contains("max_connections"), "{line}");
     drop(held);
     // And to see them closed, freeing their places.
     tokio::time::sleep(Duration::from_secs(1)).await;

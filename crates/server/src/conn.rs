@@ -150,11 +150,18 @@ impl Acceptor {
                 1 => "1 connection is".to_owned(),
                 n => format!("{n} connections are"),
             };
+            // The metrics port's bound is fixed: naming max_connections
+            // there would send its reader to a setting that does not move it.
+            let bound = match self.api {
+                Api::Metrics => {
+                    "on the metrics port, its own fixed bound (a few scrapers need a few)"
+                }
+                Api::Http | Api::Grpc => "on this interface, server.max_connections",
+            };
             tracing::warn!(
                 api,
                 refused = self.refused,
-                "{open} open on this interface, server.max_connections: further ones are \
-                 closed unserved"
+                "{open} open {bound}: further ones are closed unserved"
             );
         }
         self.refused = 0;
