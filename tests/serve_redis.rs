@@ -832,6 +832,32 @@ fn an_evicting_redis_is_named_in_a_warning_at_start() {
     server.stop();
 }
 
+/// On a cluster, the warning names the master that evicts: the URL's
+/// seeds need not be it, and one looked at would say `noeviction`.
+#[test]
+fn an_evicting_cluster_master_is_named_in_the_warning() {
+    let cluster = ratewarden_redis::test_support::RedisCluster::start();
+    let last = cluster.nodes().last().unwrap();
+    for (setting, value) in [("maxmemory", "100mb"), ("maxmemory-policy", "volatile-lru")] {
+        assert_eq!(last.cli(&["CONFIG", "SET", setting, value]).trim(), "OK");
+    }
+    let config = ConfigFile::new("[keys]\nlimit = 10\nwindow_ms = 60000\n");
+    let (server, log) =
+        Server::start_logged(&["--store", &cluster.url(), "--config", config.path()]);
+    let lines = log.through_containing("listening");
+    let warned: Vec<&String> = lines.iter().filter(|l| l.contains("evicts keys")).collect();
+    assert_eq!(warned.len(), 1, "{lines:#?}");
+    assert!(
+        warned[0].contains(&format!(
+            "(its master at 127.0.0.1:{}) evicts keys once full (maxmemory-policy volatile-lru",
+            last.port()
+        )),
+        "{}",
+        warned[0]
+    );
+    server.stop();
+}
+
 #[test]
 fn the_password_is_never_logged() {
     use std::io::BufRead;

@@ -1043,7 +1043,7 @@ impl RedisStore {
     }
 
     /// Logs a warning, once per Redis (by URL) in the process, when a
-    /// Redis (on a cluster, any master) evicts keys once full: a key
+    /// Redis (on a cluster, any master, named) evicts keys once full: a key
     /// evicted starts its count again from empty, and admits again within
     /// its window, with nothing to show for it. Said, not refused: a Redis
     /// shared with a cache may have reasons, and a user that may not run
@@ -1052,21 +1052,35 @@ impl RedisStore {
         static WARNED: Mutex<Vec<String>> = Mutex::new(Vec::new());
         let mut cmd = redis::cmd("INFO");
         cmd.arg("memory");
-        let answers = match self.conn() {
+        // Each answer with the master it came from, where known: on a
+        // cluster, the URL's seed need not be the node that evicts, and an
+        // operator who looked there would find `noeviction`.
+        let (answers, masters): (Vec<_>, Vec<Option<String>>) = match self.conn() {
             Conn::Cluster(cluster) => {
                 let known = self.known_slot_map();
                 let calls = every_master(&cluster, &cmd, &known, ResponsePolicy::AllSucceeded);
-                futures_util::future::join_all(calls).await
+                // every_master calls one master per range of
+                // one_range_per_master, in its order, or (with no map
+                // known) makes one call of them all.
+                let masters = if known.is_empty() {
+                    vec![None]
+                } else {
+                    one_range_per_master(&known)
+                        .map(|range| range.master.as_ref().map(|(h, p)| host_port(h, p)))
+                        .collect()
+                };
+                (futures_util::future::join_all(calls).await, masters)
             }
-            mut node => vec![cmd.query_async::<Value>(&mut node).await],
+            mut node => (vec![cmd.query_async::<Value>(&mut node).await], vec![None]),
         };
-        let evicting = answers.iter().find_map(|answer| {
+        let evicting = answers.iter().zip(masters).find_map(|(answer, master)| {
             let info = redis::from_redis_value_ref::<String>(answer.as_ref().ok()?).ok()?;
-            evicting_policy(&info)
+            Some((evicting_policy(&info)?, master))
         });
-        let Some((policy, maxmemory)) = evicting else {
+        let Some(((policy, maxmemory), master)) = evicting else {
             return;
         };
+        let which = master.map_or_else(String::new, |m| format!(" (its master at {m})"));
         let url = self.url();
         {
             let mut warned = WARNED.lock().unwrap_or_else(PoisonError::into_inner);
@@ -1080,7 +1094,7 @@ impl RedisStore {
             }
         }
         tracing::warn!(
-            "Redis at {url} evicts keys once full (maxmemory-policy {policy}, maxmemory \
+            "Redis at {url}{which} evicts keys once full (maxmemory-policy {policy}, maxmemory \
              {maxmemory} bytes): a rate-limit key evicted starts its count again from empty, and \
              admits again within its window; set maxmemory-policy noeviction, under which a full \
              Redis refuses writes and the failure policy answers (docs/redis.md, \"Failures\")"
