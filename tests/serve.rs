@@ -2912,6 +2912,37 @@ fn rules_that_admit_nothing_are_named_at_start_and_at_reload() {
     assert!(line.contains("rules=fallback"), "{line}");
 }
 
+/// A bucket's default burst written out (`burst = limit`), or taken out
+/// again, changes nothing: the rule keeps its counts across the reload, as
+/// it does on Redis, whose keys are named by the effective burst.
+#[cfg(unix)]
+#[tokio::test]
+async fn a_default_burst_written_out_keeps_the_counts_at_reload() {
+    let rule = "[keys]\npolicy = \"token-bucket\"\nlimit = 5\nwindow_ms = 3600000\n";
+    let file = ConfigFile::new(rule);
+    let (server, log) = Server::start_logged(&["--config", file.path()]);
+    let client = client();
+    let statuses = |n| {
+        let client = client.clone();
+        let url = server.url();
+        async move {
+            let mut got = Vec::new();
+            for _ in 0..n {
+                got.push(post(&client, &url, json!({"key": "abuser"})).await.0);
+            }
+            got
+        }
+    };
+    assert_eq!(statuses(6).await, [200, 200, 200, 200, 200, 429]);
+    for text in [format!("{rule}burst = 5\n"), rule.to_owned()] {
+        file.write(&text);
+        server.signal("HUP");
+        log.next_containing("configuration reloaded");
+        assert_eq!(statuses(1).await, [429], "after reloading:\n{text}");
+    }
+    server.stop();
+}
+
 /// A rule's store full of keys that all still count refuses a new key by
 /// the failure policy, and its warning says where the store's size is set
 /// and how long a key of the rule counts, which is what that size must
