@@ -3205,8 +3205,8 @@ fn blocking_pipe(path: &str) {
 }
 
 /// A configuration file whose read blocks holds up neither a stop at
-/// start nor one while a reload waits on it; requests are answered on
-/// the rules in force meanwhile.
+/// start nor one while a reload waits on it, nor, past the reload's 10 s,
+/// a later reload; requests are answered on the rules in force meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_configuration_read_that_blocks_does_not_keep_serve_from_stopping() {
     // At start: nothing listens yet, and SIGTERM stops it.
@@ -3247,5 +3247,19 @@ async fn a_configuration_read_that_blocks_does_not_keep_serve_from_stopping() {
     let (status, _, body) = post(&client(), &server.url(), json!({"key": "k"})).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["remaining"], 4, "{body}");
+    // The reload stops waiting, and fails, saying why: a later one, the
+    // file readable again, reads it afresh rather than queueing behind it.
+    let failed = log.next_containing("configuration reload failed");
+    assert!(
+        failed.contains("did not finish within 10000 ms (a pipe no one writes to"),
+        "{failed}"
+    );
+    std::fs::remove_file(file.path()).unwrap();
+    file.write("[keys]\nlimit = 3\nwindow_ms = 60000\n");
+    server.signal("HUP");
+    log.next_containing("configuration reloaded");
+    let (status, _, body) = post(&client(), &server.url(), json!({"key": "k"})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["remaining"], 2, "{body}");
     server.stop();
 }

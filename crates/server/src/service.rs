@@ -21,6 +21,18 @@ use crate::store::StoreFactory;
 /// The most descriptors one request may carry.
 pub const MAX_DESCRIPTORS: usize = 64;
 
+/// How long a reload waits for the configuration file's read. A read that
+/// blocks (a pipe no one writes to, a hung network mount) cannot be
+/// stopped, but the reload can stop waiting for it: it fails, and a later
+/// SIGHUP reads the file afresh, rather than every later reload queueing
+/// behind the one that waits.
+pub const RELOAD_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The most reads of the configuration file left blocked: past it, a
+/// reload starts no other (each holds a thread, of a pool the store's
+/// connections need too) and says to restart.
+const MAX_BLOCKED_READS: usize = 4;
+
 /// The most entries one descriptor may carry.
 pub const MAX_ENTRIES: usize = 32;
 
@@ -121,6 +133,9 @@ pub struct Service {
     /// The metrics of every rule and interface.
     pub metrics: Arc<Metrics>,
     reload_lock: tokio::sync::Mutex<()>,
+    /// Reads of the configuration file under way, those a reload stopped
+    /// waiting for included (see [`RELOAD_READ_TIMEOUT`]).
+    reads_under_way: Arc<std::sync::atomic::AtomicUsize>,
     /// The gates' and the failure timestamps' clock.
     clock: MonotonicClock,
     /// One line a second for each warning repeated on every request.
@@ -165,6 +180,7 @@ impl Service {
             factory,
             metrics,
             reload_lock: tokio::sync::Mutex::new(()),
+            reads_under_way: Arc::default(),
             clock: MonotonicClock::new(),
             error_log: LogGate::new(1000),
             failure_logged: AtomicBool::new(false),
@@ -200,13 +216,15 @@ impl Service {
     /// policy are unchanged keep their limiters, and so their counts. On an
     /// error the rules in force stay, and the error is returned.
     pub async fn reload(&self) -> Result<(), String> {
+        self.reload_within(RELOAD_READ_TIMEOUT).await
+    }
+
+    /// [`Service::reload`], waiting for the file's read at most
+    /// `read_timeout`.
+    async fn reload_within(&self, read_timeout: Duration) -> Result<(), String> {
         let _one_at_a_time = self.reload_lock.lock().await;
         let result = async {
-            let mut config = self
-                .source
-                .load_in_background()
-                .await
-                .map_err(|e| e.to_string())?;
+            let mut config = self.read_config(read_timeout).await?;
             if config.server != self.settings {
                 // The running server keeps its settings (limiters are built
                 // with them too); the file's apply at the next start.
@@ -240,6 +258,46 @@ impl Service {
                 );
                 Err(e)
             }
+        }
+    }
+
+    /// The configuration file, read on a thread of its own, waited for at
+    /// most `timeout`.
+    async fn read_config(&self, timeout: Duration) -> Result<crate::config::Config, String> {
+        use std::sync::atomic::AtomicUsize;
+        let file = self.source.path.as_ref().map_or_else(
+            || "the configuration".to_owned(),
+            |p| p.display().to_string(),
+        );
+        let under_way = self.reads_under_way.load(Ordering::Relaxed);
+        if under_way >= MAX_BLOCKED_READS {
+            return Err(format!(
+                "{under_way} earlier reads of {file} are still blocked, each holding a thread, so \
+                 this reload starts no other; restart serve once the file reads again"
+            ));
+        }
+        /// Counts a read from its start to its end, however it ends.
+        struct UnderWay(Arc<AtomicUsize>);
+        impl Drop for UnderWay {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        self.reads_under_way.fetch_add(1, Ordering::Relaxed);
+        let counted = UnderWay(Arc::clone(&self.reads_under_way));
+        let source = self.source.clone();
+        let read = tokio::task::spawn_blocking(move || {
+            let _counted = counted;
+            source.load()
+        });
+        match tokio::time::timeout(timeout, read).await {
+            Ok(Ok(loaded)) => loaded.map_err(|e| e.to_string()),
+            Ok(Err(e)) => Err(format!("reading {file} failed: {e}")),
+            Err(_) => Err(format!(
+                "reading {file} did not finish within {} ms (a pipe no one writes to, or a hung \
+                 network mount?); the next SIGHUP reads it afresh",
+                timeout.as_millis()
+            )),
         }
     }
 
@@ -854,6 +912,47 @@ mod tests {
         Service::with_config(config, ConfigSource { path: None }, factory)
             .await
             .unwrap()
+    }
+
+    /// Reloads whose reads block fail at their timeout; past
+    /// MAX_BLOCKED_READS still blocked, a reload starts no other read and
+    /// says so. (Each reload here waits 50 ms for its read, not 10 s.)
+    #[tokio::test]
+    async fn reads_left_blocked_are_bounded() {
+        let path = std::env::temp_dir().join(format!(
+            "ratewarden-blocked-reads-{}.toml",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let made = std::process::Command::new("mkfifo")
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let mut s = service("[keys]\nlimit = 5\nwindow_ms = 1000\n").await;
+        s.source = ConfigSource {
+            path: Some(path.clone()),
+        };
+        let within = Duration::from_millis(50);
+        for _ in 0..MAX_BLOCKED_READS {
+            let e = s.reload_within(within).await.unwrap_err();
+            assert!(e.contains("did not finish within 50 ms"), "{e}");
+        }
+        let e = s.reload_within(within).await.unwrap_err();
+        assert!(
+            e.contains("4 earlier reads of") && e.contains("restart serve"),
+            "{e}"
+        );
+        assert_eq!(
+            metric(&s, "ratewarden_config_reloads_total{result=\"failed\"}"),
+            5
+        );
+        // Unblock the reads (each opens the pipe for reading; a writer
+        // that opens and closes it lets every one finish, reading
+        // nothing), so that the test's threads end.
+        let writer = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        drop(writer);
+        std::fs::remove_file(&path).unwrap();
     }
 
     /// The value of the metric `series` (its name and labels) that `s`
