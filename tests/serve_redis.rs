@@ -347,6 +347,49 @@ async fn readyz_reports_whether_redis_answers() {
     assert_eq!(readyz_until(&client, &serve, 200).await, "ready\n");
 }
 
+/// A limit override new to the server has its limiter made within the
+/// store timeout, as every store call is bounded: with Redis frozen, the
+/// failure policy answers it as a timeout, not after the connect timeout
+/// (a second, past Envoy's own timeout) as a backend failure; thawed, the
+/// next request makes it and decides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_override_on_a_frozen_redis_waits_one_store_timeout() {
+    let redis = RedisServer::start();
+    let config = "[server]\nfailure_policy = \"closed\"\nstore_timeout_ms = 100\n\n\
+                  [[domains]]\ndomain = \"api\"\n\n\
+                  [[domains.descriptors]]\nkey = \"user\"\nlimit = 5\nwindow_ms = 3600000\n";
+    let serve = Serve::start(&redis.url(), config);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let ask = || async {
+        let r = client
+            .post(serve.url())
+            .json(&json!({"domain": "api", "descriptors": [{
+                "entries": [{"key": "user", "value": "ov"}],
+                "limit": {"requests_per_unit": 7, "unit": "hour"}}]}))
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    };
+    redis.pause();
+    let (status, body) = ask().await;
+    redis.resume();
+    assert_eq!(
+        (status, &body["failure_policy"], &body["failure"]),
+        (429, &json!(true), &json!("timeout")),
+        "{body}"
+    );
+    let (status, body) = ask().await;
+    assert_eq!(
+        (status, &body["rule"], &body["remaining"]),
+        (200, &json!("api.user.override"), &json!(6)),
+        "{body}"
+    );
+}
+
 /// On a cluster, `/readyz` pings every master.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_on_a_cluster_pings_every_master() {

@@ -513,6 +513,7 @@ impl OverrideEntry {
 /// decides, as for a rule whose store fails.
 struct Unavailable {
     config: PolicyConfig,
+    kind: StoreErrorKind,
     detail: String,
 }
 
@@ -522,7 +523,7 @@ impl Limiter for Unavailable {
     }
 
     fn check(&self, _key: u64, _cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
-        let e = StoreError::new(StoreErrorKind::Backend, self.detail.clone());
+        let e = StoreError::new(self.kind, self.detail.clone());
         Box::pin(std::future::ready(Err(e)))
     }
 }
@@ -645,18 +646,28 @@ impl RuleSet {
             self.overrides.clock.now_ms(),
             std::sync::atomic::Ordering::Relaxed,
         );
-        let rule = match entry
-            .rule
-            .get_or_try_init(|| self.make_override(&entry, factory))
-            .await
-        {
-            Ok(rule) => Arc::clone(rule),
-            Err(e) => Arc::new(Rule {
+        // Made within one store call's time, as every store call is
+        // bounded: a Redis that does not answer would otherwise hold the
+        // request for its connect timeout (a second by default), past
+        // Envoy's own timeout, whose failure_mode_deny then answers instead
+        // of the failure policy. Dropped unmade, the next request tries
+        // again.
+        let within = std::time::Duration::from_millis(self.config.server.store_timeout_ms);
+        let made = tokio::time::timeout(
+            within,
+            entry
+                .rule
+                .get_or_try_init(|| self.make_override(&entry, factory)),
+        )
+        .await;
+        let unmade = |kind, detail| {
+            Arc::new(Rule {
                 id: entry.id.clone(),
                 spec: entry.spec.clone(),
                 limiter: Arc::new(Unavailable {
                     config: entry.spec.policy,
-                    detail: format!("cannot make the limiter of the override: {e:#}"),
+                    kind,
+                    detail,
                 }),
                 local: None,
                 failover: (self.config.server.failure_policy.is_local())
@@ -666,7 +677,22 @@ impl RuleSet {
                 // While a request decides on the twin, the entry (and so the
                 // twin's counts) must not be dropped to make room.
                 _held_override: Some(Arc::clone(&entry)),
-            }),
+            })
+        };
+        let rule = match made {
+            Ok(Ok(rule)) => Arc::clone(rule),
+            Ok(Err(e)) => unmade(
+                StoreErrorKind::Backend,
+                format!("cannot make the limiter of the override: {e:#}"),
+            ),
+            Err(_) => unmade(
+                StoreErrorKind::Timeout,
+                format!(
+                    "cannot make the limiter of the override: the store did not load its \
+                     script and answer within store_timeout_ms ({} ms)",
+                    within.as_millis()
+                ),
+            ),
         };
         let key = count_key(&rule.id, (!base.on_path).then_some(domain), entries);
         Some(OverrideMatch::Applied(Matched { rule, key }))
