@@ -504,10 +504,14 @@ impl Service {
             // asking the store to take it (it takes no such cost). An error
             // instead would void every other descriptor's limit in the
             // request. What is left comes from a cost-0 check, as for any
-            // refusal (0 if the store fails it).
+            // refusal; a store that fails it is counted and logged as any
+            // failure is, and the refusal stands (with 0 left).
             if *cost > MAX_SAFE {
-                let remaining = self.call(m, 0).await.map_or(0, |d| d.remaining);
-                decided[g] = Some((Decision::refused(None, remaining), None));
+                let refused = match self.call(m, 0).await {
+                    Ok(d) => Decision::refused(None, d.remaining),
+                    Err(e) => self.answer_failure(m, &e, *cost).0,
+                };
+                decided[g] = Some((refused, None));
                 own[g] = true;
             }
         }
@@ -1332,6 +1336,28 @@ shadow = true
         })
         .await;
         (service, takes)
+    }
+
+    /// A cost above every limit is refused whatever the store says; a
+    /// store that fails the check for what is left is still counted (and
+    /// logged) as a store failure, as every failure is.
+    #[tokio::test]
+    async fn a_cost_above_every_limit_on_a_failing_store_counts_the_failure() {
+        let text = format!("[server]\nfailure_policy = \"open\"\n{TWO}");
+        let (s, _) = partly_broken(&text, &[2], StoreErrorKind::Timeout, false).await;
+        let out = s
+            .check_descriptors("api", &[d(&[("b", "y")], MAX_SAFE + 1)])
+            .await
+            .unwrap();
+        assert!(!out[0].allowed && !out[0].unanswered, "{out:?}");
+        assert_eq!(out[0].decision.retry_after_ms, None, "it never fits");
+        assert_eq!(
+            metric(
+                &s,
+                "ratewarden_store_errors_total{rule=\"api.b\",kind=\"timeout\"}"
+            ),
+            1
+        );
     }
 
     /// Under `failure_policy = "error"` a descriptor whose store fails is
