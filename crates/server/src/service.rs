@@ -515,143 +515,170 @@ impl Service {
                 own[g] = true;
             }
         }
-        // The cost-0 checks that found room, which stand for their
-        // descriptors when another refuses the request.
-        let mut peeks: Vec<Option<Decision>> = vec![None; groups.len()];
-        if enforcing.len() > 1 {
-            let mut blocked = Vec::new();
-            // The checks the store did not answer, by group.
-            let mut unchecked: Vec<Option<StoreError>> = vec![None; groups.len()];
-            // All at once: they record nothing, so their order does not
-            // matter, and a request waits for its slowest check rather
-            // than for the sum of them (one timeout, not one per
-            // descriptor, when the store does not answer).
-            let groups_ref = &groups;
-            let checks = futures_util::future::join_all(
-                enforcing
-                    .iter()
-                    .filter(|&&g| decided[g].is_none())
-                    .map(|&g| async move { (g, self.call(&groups_ref[g].0, 0).await) }),
-            )
-            .await;
-            let mut checked: Vec<Option<Result<Decision, StoreError>>> =
-                (0..groups.len()).map(|_| None).collect();
-            for (g, check) in checks {
-                checked[g] = Some(check);
-            }
-            for &g in &enforcing {
-                let Some(check) = checked[g].take() else {
-                    blocked.push(g);
-                    continue;
-                };
-                let (_, cost) = &groups[g];
-                match check {
-                    Ok(d) if d.allowed && d.remaining >= *cost => peeks[g] = Some(d),
-                    // A refusal is decided for real below, and a failing
-                    // store by the failure policy.
-                    Ok(_) => blocked.push(g),
-                    Err(e) => {
-                        unchecked[g] = Some(e);
+        // Shadow descriptors are always taken, whatever the others decide,
+        // and they decide nothing of the request: taken all at once,
+        // alongside the enforcing descriptors' checks and takes, so that a
+        // store that does not answer costs them one timeout in all, not
+        // one each after the request's own.
+        let shadows: Vec<usize> = (0..groups.len())
+            .filter(|&g| groups[g].0.rule.spec.shadow && decided[g].is_none())
+            .collect();
+        let groups_ref = &groups;
+        let shadow_takes = futures_util::future::join_all(
+            shadows
+                .iter()
+                .map(|&g| async move { (g, self.take(&groups_ref[g].0, groups_ref[g].1).await) }),
+        );
+        let enforce = async {
+            // The cost-0 checks that found room, which stand for their
+            // descriptors when another refuses the request.
+            let mut peeks: Vec<Option<Decision>> = vec![None; groups.len()];
+            if enforcing.len() > 1 {
+                let mut blocked = Vec::new();
+                // The checks the store did not answer, by group.
+                let mut unchecked: Vec<Option<StoreError>> = vec![None; groups.len()];
+                // All at once: they record nothing, so their order does not
+                // matter, and a request waits for its slowest check rather
+                // than for the sum of them (one timeout, not one per
+                // descriptor, when the store does not answer).
+                let groups_ref = &groups;
+                let checks = futures_util::future::join_all(
+                    enforcing
+                        .iter()
+                        .filter(|&&g| decided[g].is_none())
+                        .map(|&g| async move { (g, self.call(&groups_ref[g].0, 0).await) }),
+                )
+                .await;
+                let mut checked: Vec<Option<Result<Decision, StoreError>>> =
+                    (0..groups.len()).map(|_| None).collect();
+                for (g, check) in checks {
+                    checked[g] = Some(check);
+                }
+                for &g in &enforcing {
+                    let Some(check) = checked[g].take() else {
                         blocked.push(g);
+                        continue;
+                    };
+                    let (_, cost) = &groups[g];
+                    match check {
+                        Ok(d) if d.allowed && d.remaining >= *cost => peeks[g] = Some(d),
+                        // A refusal is decided for real below, and a failing
+                        // store by the failure policy.
+                        Ok(_) => blocked.push(g),
+                        Err(e) => {
+                            unchecked[g] = Some(e);
+                            blocked.push(g);
+                        }
+                    }
+                }
+                // First the refusals the checks found, decided for real (a
+                // refusal changes no count).
+                for &g in &blocked {
+                    if decided[g].is_none() && unchecked[g].is_none() {
+                        let (m, cost) = &groups[g];
+                        own[g] = true;
+                        decided[g] = Some(self.take(m, *cost).await);
+                    }
+                }
+                // Then the checks the store did not answer. Such a store is
+                // sent no take: a frozen or overloaded Redis runs what it was
+                // sent when it answers again, and would charge the request
+                // whatever it was answered here. The failure policy answers,
+                // as for a failed take; once the request is refused, as for a
+                // check (no cost on a `local` twin, and no decision of the
+                // rule's), so that the refused request consumes nothing.
+                let mut refused = blocked
+                    .iter()
+                    .any(|&g| decided[g].is_some_and(|(d, _)| !d.allowed));
+                // Under `local` the failure policy takes from in-memory twins,
+                // so those are checked first too: a request that one twin
+                // refuses takes nothing from the others. The one that refuses
+                // is decided for real (a refusal changes no count).
+                let no_room: Vec<bool> = (0..groups.len())
+                    .map(|g| {
+                        unchecked[g].is_some() && self.twin_would_refuse(&groups[g].0, groups[g].1)
+                    })
+                    .collect();
+                refused |= no_room.contains(&true);
+                for &g in &blocked {
+                    if let Some(e) = unchecked[g].take() {
+                        let (m, cost) = &groups[g];
+                        let answer = if refused && !no_room[g] {
+                            self.answer_failure(m, &e, 0)
+                        } else {
+                            own[g] = true;
+                            self.answer_failure(m, &e, *cost)
+                        };
+                        refused |= !answer.0.allowed;
+                        decided[g] = Some(answer);
+                    }
+                }
+                if blocked
+                    .iter()
+                    .any(|&g| decided[g].is_some_and(|(d, _)| !d.allowed))
+                {
+                    for &g in &enforcing {
+                        if decided[g].is_none() {
+                            decided[g] = peeks[g].map(|d| (d, None));
+                        }
                     }
                 }
             }
-            // First the refusals the checks found, decided for real (a
-            // refusal changes no count).
-            for &g in &blocked {
-                if decided[g].is_none() && unchecked[g].is_none() {
-                    let (m, cost) = &groups[g];
-                    own[g] = true;
-                    decided[g] = Some(self.take(m, *cost).await);
-                }
-            }
-            // Then the checks the store did not answer. Such a store is
-            // sent no take: a frozen or overloaded Redis runs what it was
-            // sent when it answers again, and would charge the request
-            // whatever it was answered here. The failure policy answers,
-            // as for a failed take; once the request is refused, as for a
-            // check (no cost on a `local` twin, and no decision of the
-            // rule's), so that the refused request consumes nothing.
-            let mut refused = blocked
+            let mut refused = enforcing
                 .iter()
                 .any(|&g| decided[g].is_some_and(|(d, _)| !d.allowed));
-            // Under `local` the failure policy takes from in-memory twins,
-            // so those are checked first too: a request that one twin
-            // refuses takes nothing from the others. The one that refuses
-            // is decided for real (a refusal changes no count).
-            let no_room: Vec<bool> = (0..groups.len())
-                .map(|g| {
-                    unchecked[g].is_some() && self.twin_would_refuse(&groups[g].0, groups[g].1)
-                })
-                .collect();
-            refused |= no_room.contains(&true);
-            for &g in &blocked {
-                if let Some(e) = unchecked[g].take() {
-                    let (m, cost) = &groups[g];
-                    let answer = if refused && !no_room[g] {
-                        self.answer_failure(m, &e, 0)
-                    } else {
-                        own[g] = true;
-                        self.answer_failure(m, &e, *cost)
-                    };
-                    refused |= !answer.0.allowed;
-                    decided[g] = Some(answer);
-                }
-            }
-            if blocked
-                .iter()
-                .any(|&g| decided[g].is_some_and(|(d, _)| !d.allowed))
-            {
-                for &g in &enforcing {
-                    if decided[g].is_none() {
-                        decided[g] = peeks[g].map(|d| (d, None));
-                    }
-                }
-            }
-        }
-        let mut refused = enforcing
-            .iter()
-            .any(|&g| decided[g].is_some_and(|(d, _)| !d.allowed));
-        // Whether a decision took its cost from a count: the store's, or
-        // under `local` a twin's (`open` admits taking nothing).
-        let local =
-            self.settings.failure_policy == ServeFailurePolicy::Decide(FailurePolicy::Local);
-        let took = |cost: u64, (d, failed): (Decision, Option<StoreErrorKind>)| {
-            cost > 0 && d.allowed && (failed.is_none() || local)
-        };
-        let mut consumed = false;
-        for (g, (m, cost)) in groups.iter().enumerate() {
-            if let Some(decision) = decided[g] {
-                // Decided above for real: a refusal's take can still
-                // admit, when a window rolled over or a bucket refilled
-                // since its check.
-                consumed |= own[g] && !m.rule.spec.shadow && took(*cost, decision);
-                continue;
-            }
-            let shadow = m.rule.spec.shadow;
-            // A take of nothing is what its check was: a cost-0 decision
-            // at the same time, so the check stands for it (one store call
-            // fewer for a request that only reads its counts).
-            if *cost == 0 && !refused {
-                if let Some(check) = peeks[g] {
-                    decided[g] = Some((check, None));
-                    own[g] = true;
+            // Whether a decision took its cost from a count: the store's, or
+            // under `local` a twin's (`open` admits taking nothing).
+            let local =
+                self.settings.failure_policy == ServeFailurePolicy::Decide(FailurePolicy::Local);
+            let took = |cost: u64, (d, failed): (Decision, Option<StoreErrorKind>)| {
+                cost > 0 && d.allowed && (failed.is_none() || local)
+            };
+            let mut consumed = false;
+            for (g, (m, cost)) in groups.iter().enumerate() {
+                if let Some(decision) = decided[g] {
+                    // Decided above for real: a refusal's take can still
+                    // admit, when a window rolled over or a bucket refilled
+                    // since its check.
+                    consumed |= own[g] && !m.rule.spec.shadow && took(*cost, decision);
                     continue;
                 }
+                let shadow = m.rule.spec.shadow;
+                if shadow {
+                    // Taken alongside (below).
+                    continue;
+                }
+                // A take of nothing is what its check was: a cost-0 decision
+                // at the same time, so the check stands for it (one store call
+                // fewer for a request that only reads its counts).
+                if *cost == 0 && !refused {
+                    if let Some(check) = peeks[g] {
+                        decided[g] = Some((check, None));
+                        own[g] = true;
+                        continue;
+                    }
+                }
+                if refused {
+                    // Refused already (checked first, or by a take before this
+                    // one, which a concurrent request or a failing store can
+                    // make refuse): what is left stands at its check, and
+                    // takes nothing.
+                    decided[g] = peeks[g].map(|d| (d, None));
+                    debug_assert!(decided[g].is_some(), "checked, as one of several");
+                    continue;
+                }
+                let (d, failed) = self.take(m, *cost).await;
+                consumed |= took(*cost, (d, failed));
+                refused |= !d.allowed;
+                decided[g] = Some((d, failed));
+                own[g] = true;
             }
-            if refused && !shadow {
-                // Refused already (checked first, or by a take before this
-                // one, which a concurrent request or a failing store can
-                // make refuse): what is left stands at its check, and
-                // takes nothing.
-                decided[g] = peeks[g].map(|d| (d, None));
-                debug_assert!(decided[g].is_some(), "checked, as one of several");
-                continue;
-            }
-            let (d, failed) = self.take(m, *cost).await;
-            consumed |= !shadow && took(*cost, (d, failed));
-            refused |= !shadow && !d.allowed;
-            decided[g] = Some((d, failed));
+            (refused, consumed)
+        };
+        let (shadow_taken, (refused, consumed)) =
+            futures_util::future::join(shadow_takes, enforce).await;
+        for (g, taken) in shadow_taken {
+            decided[g] = Some(taken);
             own[g] = true;
         }
         if refused && consumed {
@@ -1261,6 +1288,73 @@ shadow = true
             let e = StoreError::new(self.kind, "down");
             Box::pin(std::future::ready(Err(e)))
         }
+    }
+
+    /// A store whose takes each wait until `barrier` has as many waiting
+    /// (they are answered only when taken at once), then admit.
+    struct Rendezvous {
+        config: ratewarden_core::PolicyConfig,
+        barrier: Arc<tokio::sync::Barrier>,
+    }
+
+    impl Limiter for Rendezvous {
+        fn config(&self) -> &ratewarden_core::PolicyConfig {
+            &self.config
+        }
+
+        fn check(&self, _key: u64, _cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
+            Box::pin(async move {
+                self.barrier.wait().await;
+                Ok(Decision::admitted(0))
+            })
+        }
+    }
+
+    /// Shadow descriptors are taken all at once, alongside the enforcing
+    /// descriptor's take: a store that does not answer costs the request
+    /// one timeout, not one more for each shadow rule. (Three takes meet
+    /// at one barrier, which only takes made together pass.)
+    #[tokio::test]
+    async fn shadow_descriptors_are_taken_alongside_the_others() {
+        let config = r#"
+[[domains]]
+domain = "api"
+[[domains.descriptors]]
+key = "a"
+limit = 10
+window_ms = 3600000
+[[domains.descriptors]]
+key = "s"
+limit = 11
+window_ms = 3600000
+shadow = true
+[[domains.descriptors]]
+key = "t"
+limit = 12
+window_ms = 3600000
+shadow = true
+"#;
+        let barrier = Arc::new(tokio::sync::Barrier::new(3));
+        let s = service_on(config, move |config| {
+            Some(Arc::new(Rendezvous {
+                config: *config,
+                barrier: Arc::clone(&barrier),
+            }) as Arc<dyn Limiter>)
+        })
+        .await;
+        let request = [
+            d(&[("a", "x")], 1),
+            d(&[("s", "y")], 1),
+            d(&[("t", "z")], 1),
+        ];
+        let out = tokio::time::timeout(
+            Duration::from_secs(10),
+            s.check_descriptors("api", &request),
+        )
+        .await
+        .expect("the three takes are made together")
+        .unwrap();
+        assert!(out.iter().all(|o| o.allowed), "{out:?}");
     }
 
     /// The limiter `make` gives a rule by its configuration, else the
