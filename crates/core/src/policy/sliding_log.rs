@@ -18,6 +18,10 @@ pub struct SlidingLog {
     window_ms: u64,
 }
 
+/// A log's buffer is never shrunk below this many entries' room (1 KiB):
+/// smaller ones are not worth the copy.
+const SHRINK_ABOVE_ENTRIES: usize = 64;
+
 /// One millisecond's admitted cost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogEntry {
@@ -68,6 +72,15 @@ impl Policy for SlidingLog {
             s.used -= front.cost;
             s.entries.pop_front();
         }
+        // A buffer keeps the room of its busiest moment: a key that once
+        // held thousands of entries, then kept in use by a trickle, would
+        // hold that memory for as long as it is used (the memory store
+        // decides in place). Halved when under a quarter full, past a small
+        // size, so that its cost is spread over the entries that left.
+        let room = s.entries.capacity();
+        if room > SHRINK_ABOVE_ENTRIES && s.entries.len() < room / 4 {
+            s.entries.shrink_to(room / 2);
+        }
         let left = self.limit.saturating_sub(s.used);
         if cost <= left {
             if cost > 0 {
@@ -115,6 +128,24 @@ impl Policy for SlidingLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A log that held many entries and now holds few gives back most of
+    /// its buffer as it is used, not only when its key is forgotten.
+    #[test]
+    fn a_log_that_empties_gives_back_its_room() {
+        let p = SlidingLog::new(100_000, 60_000).unwrap();
+        let mut s = SlidingLogState::default();
+        for at in 0..20_000 {
+            assert!(p.decide(&mut s, at, 1).allowed);
+        }
+        assert!(s.entries.capacity() >= 20_000);
+        // A trickle, one a second, once the burst has left the window.
+        for at in (80_000..200_000).step_by(1000) {
+            assert!(p.decide(&mut s, at, 1).allowed);
+        }
+        assert_eq!(s.entries.len(), 60);
+        assert!(s.entries.capacity() <= 256, "{}", s.entries.capacity());
+    }
 
     fn run(
         p: &SlidingLog,
