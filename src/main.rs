@@ -23,8 +23,9 @@ enum Command {
     /// Run the rate-limit service: HTTP JSON and Envoy RLS v3 gRPC.
     ///
     /// SIGHUP reloads the configuration file; SIGTERM and SIGINT stop
-    /// accepting connections, let requests in flight finish (at most 30 s)
-    /// and exit. Everything else: docs/serve.md.
+    /// accepting connections, let requests in flight finish (at most 30 s;
+    /// a second signal stops at once) and exit. Everything else:
+    /// docs/serve.md.
     Serve(cmd::serve::Args),
     /// Measure speed, memory and accuracy of every policy, beside governor.
     #[command(allow_negative_numbers = true)]

@@ -1101,6 +1101,42 @@ async fn metrics_may_have_a_port_of_their_own() {
     server.stop();
 }
 
+/// `serve --check` reads and compiles the file as a start would and says
+/// how many rules it holds (exit 0) or what is wrong, with the file, line
+/// and field (exit 1), listening nowhere and connecting to no store.
+#[test]
+fn check_says_whether_a_configuration_loads_and_starts_nothing() {
+    // A port already taken and a Redis that is not there: a start would
+    // fail on either.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().to_string();
+    let check = |file: &ConfigFile| {
+        Command::new(BIN)
+            .args(["serve", "--check", "--config", file.path()])
+            .args(["--http", &port, "--store", "redis://127.0.0.1:1"])
+            .output()
+            .unwrap()
+    };
+    let good = ConfigFile::new(
+        "[keys]\nlimit = 5\nwindow_ms = 1000\n\n[fallback]\nlimit = 7\nwindow_ms = 1000\n",
+    );
+    let out = check(&good);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!("ratewarden serve: {} loads: 2 rules\n", good.path())
+    );
+    let bad = ConfigFile::new("[keys]\nlimit = \"many\"\nwindow_ms = 1000\n");
+    let out = check(&bad);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(out.stdout.is_empty(), "{out:?}");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains(&format!("{}:2:9: keys.limit: invalid type", bad.path())),
+        "{said}"
+    );
+}
+
 /// `--http localhost:PORT`, as the README's examples spell the host.
 #[test]
 fn addresses_may_name_a_host() {

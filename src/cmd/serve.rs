@@ -35,6 +35,13 @@ pub struct Args {
     /// clients (/healthz and /readyz are served on both).
     #[arg(long, value_name = "ADDR", value_parser = parse_addr)]
     pub metrics: Option<SocketAddr>,
+    /// Check the configuration and exit: read the file as a start would,
+    /// compile its rules, and say how many there are (exit 0) or what is
+    /// wrong (exit 1). Nothing listens and no store is connected (--store's
+    /// [redis] files are checked). Run it on a file before SIGHUP reloads
+    /// it.
+    #[arg(long)]
+    pub check: bool,
 }
 
 /// `HOST:PORT` with an IP address or a name, resolved now: the README's
@@ -81,6 +88,9 @@ pub fn run(args: Args) -> ExitCode {
              ({e}), so it is ignored and info and above are logged; write directives such as \
              warn or info,ratewarden_server=debug"
         );
+    }
+    if args.check {
+        return check(args);
     }
     let mut given = vec![("--http", args.http), ("--grpc", args.grpc)];
     given.extend(args.metrics.map(|a| ("--metrics", a)));
@@ -139,6 +149,45 @@ pub fn run(args: Args) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         // Already logged, with the reason.
         Err(e) if e.is::<ratewarden_server::StoppedUnclean>() => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("ratewarden serve: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `serve --check`: the configuration read and compiled, nothing started.
+fn check(args: Args) -> ExitCode {
+    let source = ConfigSource { path: args.config };
+    let shown = source.path.as_ref().map_or_else(
+        || "the reference configuration".to_owned(),
+        |p| p.display().to_string(),
+    );
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("ratewarden serve: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let checked = runtime.block_on(ratewarden_server::check_config(&source, &args.store));
+    // A read that still blocks (a pipe no one writes to) must not keep the
+    // process from exiting.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(100));
+    match checked {
+        Ok(rules) => {
+            let rules = match rules {
+                1 => "1 rule".to_owned(),
+                n => format!("{n} rules"),
+            };
+            match super::print_out(&format!("ratewarden serve: {shown} loads: {rules}\n")) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(_) => ExitCode::FAILURE,
+            }
+        }
         Err(e) => {
             eprintln!("ratewarden serve: {e:#}");
             ExitCode::FAILURE

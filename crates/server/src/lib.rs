@@ -262,6 +262,22 @@ async fn set_health(health: &tonic_health::server::HealthReporter, status: Servi
         .await;
 }
 
+/// Reads the configuration as [`start`] would, checks the `store`
+/// settings it names (the `[redis]` table's files), and compiles its rules
+/// on the embedded store, connecting to nothing and listening nowhere: the
+/// number of rules, or what is wrong, as at start. Warnings (rules that
+/// admit nothing, unused files) are logged as at start.
+pub async fn check_config(source: &ConfigSource, store: &StoreUrl) -> anyhow::Result<usize> {
+    let config = source.load_in_background().await?;
+    factory_for(store, &config.server)?;
+    let memory = MemoryFactory {
+        options: config.server.memory_options(),
+    };
+    let rules = rules::RuleSet::build(config, &memory, None, &metrics::Metrics::default()).await?;
+    rules.warn_of_closed_rules();
+    Ok(rules.rules().len())
+}
+
 /// Loads the configuration, builds the store and starts both interfaces and
 /// the housekeeping timer.
 pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
