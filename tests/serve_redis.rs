@@ -390,6 +390,49 @@ async fn a_new_override_on_a_frozen_redis_waits_one_store_timeout() {
     );
 }
 
+/// A call its client resets while it waits on a frozen store (as Envoy
+/// does at its own timeout) is timed too, to the reset: a slow store's
+/// calls are in the latency histogram whichever end gave up first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_its_client_resets_is_in_the_latency_histogram() {
+    let redis = RedisServer::start();
+    let config = "[server]\nstore_timeout_ms = 3000\n\n\
+                  [[domains]]\ndomain = \"edge\"\n\n\
+                  [[domains.descriptors]]\nkey = \"path\"\nlimit = 5\nwindow_ms = 60000\n";
+    let serve = Serve::start(&redis.url(), config);
+    let message = common::grpc_message(&path_a());
+    redis.pause();
+    let tcp = tokio::net::TcpStream::connect(serve.server.grpc)
+        .await
+        .unwrap();
+    let (h2_client, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let mut h2_client = h2_client.ready().await.unwrap();
+    let (_response, mut stream) = h2_client
+        .send_request(common::raw_rls_head(serve.server.grpc, Some("5S")), false)
+        .unwrap();
+    stream.send_data(message.into(), true).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stream.send_reset(h2::Reason::CANCEL);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let series = "ratewarden_request_duration_seconds_count{api=\"grpc\"}";
+    // Well before the store's 3 s: the reset, not the store, ends it.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut timed = 0;
+    while timed == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        timed = common::metric(&client, serve.server.http, series).await;
+    }
+    redis.resume();
+    assert_eq!(
+        timed, 1,
+        "the reset call is not timed within 2 s of its reset"
+    );
+}
+
 /// On a cluster, `/readyz` pings every master.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_on_a_cluster_pings_every_master() {

@@ -24,10 +24,11 @@
 //! server or a slow store.
 //!
 //! The layer also times every `ShouldRateLimit` call, from its headers to
-//! its answer, for `ratewarden_request_duration_seconds`: here, and not in
-//! the call itself, so that calls answered `DEADLINE_EXCEEDED` (whose
-//! decision is dropped unfinished, or never started) are in the histogram
-//! too. Left out, a store slowed past Envoy's timeout would show there as
+//! its answer (or to its client's reset), for
+//! `ratewarden_request_duration_seconds`: here, and not in the call itself,
+//! so that calls answered `DEADLINE_EXCEEDED` or given up by their client
+//! (whose decision is dropped unfinished, or never started) are in the
+//! histogram too. Left out, a store slowed past Envoy's timeout would show there as
 //! no slow call at all.
 
 use std::future::Future;
@@ -133,8 +134,8 @@ pub enum DeadlineFuture<F> {
         within: Duration,
         /// Whether that time is the client's `grpc-timeout`.
         from_client: bool,
-        /// When a `ShouldRateLimit` call arrived; `None` for other calls,
-        /// which the latency histogram leaves out.
+        /// When a `ShouldRateLimit` call arrived, until it is timed;
+        /// `None` for other calls, which the latency histogram leaves out.
         timed: Option<Instant>,
         /// Where a call past its deadline is counted.
         metrics: Arc<Metrics>,
@@ -169,7 +170,7 @@ where
                 // busy server) is not decided for a client gone.
                 if Instant::now() < deadline.deadline() {
                     if let Poll::Ready(answer) = inner.as_mut().poll(cx) {
-                        if let Some(arrived) = timed {
+                        if let Some(arrived) = timed.take() {
                             metrics.latency(Api::Grpc, arrived.elapsed());
                         }
                         return Poll::Ready(answer);
@@ -187,11 +188,28 @@ where
                     "the call was not answered within its deadline, {within:?} ({whose})"
                 ));
                 metrics.grpc_deadline_exceeded();
-                if let Some(arrived) = timed {
+                if let Some(arrived) = timed.take() {
                     metrics.latency(Api::Grpc, arrived.elapsed());
                 }
                 Poll::Ready(Ok(late.into_http()))
             }
+        }
+    }
+}
+
+/// A call its client gave up (a stream reset, as Envoy sends at its own
+/// timeout) is dropped unanswered: it is timed to that moment, so that the
+/// calls a slow store held past the client's patience are in the histogram
+/// whichever end gave up first.
+impl<F> Drop for DeadlineFuture<F> {
+    fn drop(&mut self) {
+        if let DeadlineFuture::Running {
+            timed: Some(arrived),
+            metrics,
+            ..
+        } = self
+        {
+            metrics.latency(Api::Grpc, arrived.elapsed());
         }
     }
 }
