@@ -24,8 +24,8 @@ enum Command {
     ///
     /// SIGHUP reloads the configuration file; SIGTERM and SIGINT stop
     /// accepting connections, let requests in flight finish (at most 30 s;
-    /// a second signal stops at once) and exit. Everything else:
-    /// docs/serve.md.
+    /// a second signal, once the stop has logged that it waits, stops at
+    /// once) and exit. Everything else: docs/serve.md.
     Serve(cmd::serve::Args),
     /// Measure speed, memory and accuracy of every policy, beside governor.
     #[command(allow_negative_numbers = true)]

@@ -1463,9 +1463,11 @@ fn a_body_that_never_arrives_neither_holds_the_connection_nor_delays_shutdown() 
     server.stop();
 }
 
-/// A second SIGTERM (or SIGINT) during the stop ends the wait for requests
-/// in flight at once: the log says what was cut short, as a log line, and
-/// the exit is not a clean one.
+/// A second SIGTERM (or SIGINT) during the stop, once the stop has said
+/// that it waits, ends the wait for requests in flight at once: the log
+/// says what was cut short, as a log line, and the exit is not a clean
+/// one. One sent at once after the first (a service manager's stop
+/// sequence) does not.
 #[test]
 fn a_second_signal_stops_without_waiting_for_requests_in_flight() {
     use std::io::{Read, Write};
@@ -1480,6 +1482,16 @@ fn a_second_signal_stops_without_waiting_for_requests_in_flight() {
         std::thread::sleep(Duration::from_secs(2));
         server.signal(first);
         log.next_containing(&format!("SIG{first}: shutting down"));
+        // At once, as a service manager's stop sequence may send it: the
+        // stop goes on.
+        server.signal(second);
+        log.next_containing(&format!(
+            "SIG{second} again while stopping: the stop goes on"
+        ));
+        assert!(server.child.try_wait().unwrap().is_none(), "stopped early");
+        // Once the stop has said that it waits, a second signal is an
+        // operator's, and stops at once.
+        log.next_containing("waiting for the requests in flight to finish");
         let signalled = Instant::now();
         server.signal(second);
         let status = loop {

@@ -228,7 +228,7 @@ impl Running {
         // their GRPC_GOAWAY_GRACE; one that waits on a slow client (a body
         // still arriving, up to its 10 s) says so, rather than going quiet
         // until it ends.
-        let said_after = (3 * GRPC_GOAWAY_GRACE).min(grace);
+        let said_after = wait_said_after(grace);
         if let Ok(result) = tokio::time::timeout(said_after, &mut all).await {
             return result;
         }
@@ -238,12 +238,24 @@ impl Running {
         );
         match tokio::time::timeout_at(deadline, all).await {
             Ok(result) => result,
-            Err(_) => anyhow::bail!(
-                "requests still in flight after {} ms; stopping anyway",
-                grace.as_millis()
-            ),
+            // Logged as the server's other lines are, so that a log
+            // collector that reads them finds the one that says the stop
+            // was cut short.
+            Err(_) => {
+                tracing::error!(
+                    "requests still in flight after {} ms; stopping anyway",
+                    grace.as_millis()
+                );
+                Err(StoppedUnclean.into())
+            }
         }
     }
+}
+
+/// How long into a stop [`Running::shutdown`] says that it waits for
+/// requests in flight, when it still does.
+fn wait_said_after(grace: Duration) -> Duration {
+    (3 * GRPC_GOAWAY_GRACE).min(grace)
 }
 
 /// The service name envoyproxy/ratelimit reports its health under: an
@@ -526,35 +538,51 @@ pub async fn serve_until_signal(
         }
     }
     // A second SIGTERM or SIGINT ends the wait for requests in flight (up
-    // to 30 s), as a second Ctrl-C does elsewhere: an operator who has seen
-    // what waits can stop without SIGKILL, and the log says what was cut.
-    let stopping = running.shutdown(Duration::from_secs(30));
-    let stopped = tokio::select! {
-        stopped = stopping => stopped,
-        _ = terminate.recv() => Err(anyhow::anyhow!(
-            "SIGTERM again: stopping now, closing the connections of requests still in flight unanswered"
-        )),
-        _ = interrupt.recv() => Err(anyhow::anyhow!(
-            "SIGINT again: stopping now, closing the connections of requests still in flight unanswered"
-        )),
+    // to 30 s), as a second Ctrl-C does elsewhere, so that an operator who
+    // has seen what waits can stop without SIGKILL; the log says what was
+    // cut. Only once the stop has said that it waits: service managers
+    // and process supervisors often send two signals for one stop (an
+    // ExecStop kill then systemd's own, a terminal's SIGINT then a
+    // supervisor's SIGTERM), which must not cut a drain short.
+    let grace = Duration::from_secs(30);
+    let honoured_from = tokio::time::Instant::now() + wait_said_after(grace);
+    let mut stopping = std::pin::pin!(running.shutdown(grace));
+    let again = |name: &str| {
+        if tokio::time::Instant::now() < honoured_from {
+            tracing::info!(
+                "{name} again while stopping: the stop goes on (a second signal stops at once \
+                 only once the stop has said that it waits)"
+            );
+            false
+        } else {
+            tracing::error!(
+                "{name} again: stopping now, closing the connections of requests still in \
+                 flight unanswered"
+            );
+            true
+        }
     };
-    match stopped {
-        Ok(()) => {
-            tracing::info!("stopped");
-            Ok(())
+    let stopped = loop {
+        tokio::select! {
+            stopped = &mut stopping => break stopped,
+            _ = terminate.recv() => if again("SIGTERM") {
+                break Err(StoppedUnclean.into());
+            },
+            _ = interrupt.recv() => if again("SIGINT") {
+                break Err(StoppedUnclean.into());
+            },
         }
-        // Logged as the server's other lines are, so that a log collector
-        // that reads them finds the one that says the stop was cut short.
-        Err(e) => {
-            tracing::error!("{e:#}");
-            Err(StoppedUnclean.into())
-        }
-    }
+    };
+    stopped?;
+    tracing::info!("stopped");
+    Ok(())
 }
 
-/// The error of a stop that did not finish every request in flight
-/// (cut short by a second signal, or past its 30 s), once the log has said
-/// why: whoever runs the server exits non-zero without saying it again.
+/// The error of a stop that did not finish every request in flight (cut
+/// short by a second signal, or past its 30 s), once the log has said so
+/// and why: whoever runs the server exits non-zero without saying it again.
+/// Other failures of a stop (a server task that failed) are errors of
+/// their own, to be said.
 #[derive(Debug)]
 pub struct StoppedUnclean;
 
