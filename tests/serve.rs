@@ -1135,6 +1135,29 @@ fn check_says_whether_a_configuration_loads_and_starts_nothing() {
         said.contains(&format!("{}:2:9: keys.limit: invalid type", bad.path())),
         "{said}"
     );
+    // A file whose read blocks is given up after a reload's 10 s.
+    blocking_pipe(bad.path());
+    let mut child = Command::new(BIN)
+        .args(["serve", "--check", "--config", bad.path()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("serve --check still waits on a blocked read after 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(1), "{status}");
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut said).unwrap();
+    assert!(said.contains("did not finish within 10 s"), "{said}");
 }
 
 /// `--http localhost:PORT`, as the README's examples spell the host.
