@@ -948,8 +948,10 @@ mod tests {
     /// Reloads whose reads block fail at their timeout; past
     /// MAX_BLOCKED_READS still blocked, a reload starts no other read and
     /// says so. (Each reload here waits 50 ms for its read, not 10 s.)
+    #[cfg(target_os = "linux")]
     #[tokio::test]
     async fn reads_left_blocked_are_bounded() {
+        use std::os::unix::fs::OpenOptionsExt;
         let path = std::env::temp_dir().join(format!(
             "ratewarden-blocked-reads-{}.toml",
             std::process::id()
@@ -979,10 +981,21 @@ mod tests {
             5
         );
         // Unblock the reads (each opens the pipe for reading; a writer
-        // that opens and closes it lets every one finish, reading
-        // nothing), so that the test's threads end.
-        let writer = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-        drop(writer);
+        // that opens and closes it lets those waiting finish, reading
+        // nothing), so that the test's threads end: again until none is
+        // left, since a read's thread may reach the pipe only later.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while s.reads_under_way.load(Ordering::Relaxed) > 0 {
+            assert!(std::time::Instant::now() < deadline, "reads still blocked");
+            // Without blocking when no read waits yet (O_NONBLOCK, on
+            // Linux: the open then fails, and is made again).
+            let writer = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(0o4000)
+                .open(&path);
+            drop(writer);
+            std::thread::sleep(Duration::from_millis(10));
+        }
         std::fs::remove_file(&path).unwrap();
     }
 
