@@ -568,7 +568,7 @@ impl RuleSet {
         domain: &str,
         entries: &[(String, String)],
         over: LimitOverride,
-        factory: &dyn StoreFactory,
+        factory: &Arc<dyn StoreFactory>,
         metrics: &Metrics,
     ) -> Option<OverrideMatch> {
         let base = self.override_base(domain, entries)?;
@@ -646,20 +646,40 @@ impl RuleSet {
             self.overrides.clock.now_ms(),
             std::sync::atomic::Ordering::Relaxed,
         );
-        // Made within one store call's time, as every store call is
+        // Waited for within one store call's time, as every store call is
         // bounded: a Redis that does not answer would otherwise hold the
         // request for its connect timeout (a second by default), past
         // Envoy's own timeout, whose failure_mode_deny then answers instead
-        // of the failure policy. Dropped unmade, the next request tries
-        // again.
+        // of the failure policy. The making goes on in a task of its own
+        // (itself bounded by the connect timeout), so that a store slower
+        // to make a limiter than to answer one call still gets it made, for
+        // a later request; one that fails leaves the entry for the next
+        // request to try again.
         let within = std::time::Duration::from_millis(self.config.server.store_timeout_ms);
-        let made = tokio::time::timeout(
-            within,
-            entry
-                .rule
-                .get_or_try_init(|| self.make_override(&entry, factory)),
-        )
-        .await;
+        let made = match entry.rule.get() {
+            Some(rule) => Ok(Ok(Arc::clone(rule))),
+            None => {
+                let making = {
+                    let entry = Arc::clone(&entry);
+                    let factory = Arc::clone(factory);
+                    let settings = self.config.server.clone();
+                    tokio::spawn(async move {
+                        entry
+                            .rule
+                            .get_or_try_init(|| {
+                                Self::make_override(&entry, factory.as_ref(), &settings)
+                            })
+                            .await
+                            .map(Arc::clone)
+                    })
+                };
+                match tokio::time::timeout(within, making).await {
+                    Ok(Ok(made)) => Ok(made),
+                    Ok(Err(failed)) => Ok(Err(anyhow::anyhow!("{failed}"))),
+                    Err(elapsed) => Err(elapsed),
+                }
+            }
+        };
         let unmade = |kind, detail| {
             Arc::new(Rule {
                 id: entry.id.clone(),
@@ -680,7 +700,7 @@ impl RuleSet {
             })
         };
         let rule = match made {
-            Ok(Ok(rule)) => Arc::clone(rule),
+            Ok(Ok(rule)) => rule,
             Ok(Err(e)) => unmade(
                 StoreErrorKind::Backend,
                 format!("cannot make the limiter of the override: {e:#}"),
@@ -699,17 +719,15 @@ impl RuleSet {
     }
 
     async fn make_override(
-        &self,
         entry: &OverrideEntry,
         factory: &dyn StoreFactory,
+        settings: &ServerSettings,
     ) -> anyhow::Result<Arc<Rule>> {
         let built = factory.build(&entry.id, &entry.spec.policy).await?;
         // As for rules: a networked store under the `local` failure policy
         // needs the in-memory twin; the memory store is its own.
         let failover = match &built.local {
-            None if self.config.server.failure_policy.is_local() => {
-                entry.failover(&self.config.server)
-            }
+            None if settings.failure_policy.is_local() => entry.failover(settings),
             _ => None,
         };
         Ok(Arc::new(Rule {
@@ -1237,12 +1255,12 @@ unlimited = true
 
     #[tokio::test]
     async fn reload_keeps_overrides_of_unchanged_rules() {
-        let factory = memory_factory();
+        let factory: Arc<dyn StoreFactory> = Arc::new(memory_factory());
         let metrics = Metrics::default();
         async fn override_limiter(
             s: &RuleSet,
             e: &[(&str, &str)],
-            factory: &MemoryFactory,
+            factory: &Arc<dyn StoreFactory>,
             metrics: &Metrics,
         ) -> Arc<dyn Limiter> {
             let over = LimitOverride {
@@ -1257,7 +1275,7 @@ unlimited = true
                 other => panic!("{other:?}"),
             }
         }
-        let first = built(TREE, &factory, None, &metrics).await;
+        let first = built(TREE, factory.as_ref(), None, &metrics).await;
         let login = [("path", "/login")];
         let any = [("path", "/other")];
         let none = [("nothing", "x")];
@@ -1272,7 +1290,7 @@ unlimited = true
             "value = \"/login\"\n",
             "value = \"/login\"\npolicy = \"gcra\"\n",
         );
-        let second = built(&changed, &factory, Some(&first), &metrics).await;
+        let second = built(&changed, factory.as_ref(), Some(&first), &metrics).await;
         assert!(!Arc::ptr_eq(
             &before[0],
             &override_limiter(&second, &login, &factory, &metrics).await
@@ -1299,7 +1317,7 @@ unlimited = true
     async fn login_override(
         set: &RuleSet,
         limit: u64,
-        factory: &dyn StoreFactory,
+        factory: &Arc<dyn StoreFactory>,
         metrics: &Metrics,
     ) -> Option<Matched> {
         let over = LimitOverride {
@@ -1319,9 +1337,9 @@ unlimited = true
 
     #[tokio::test]
     async fn a_new_override_takes_the_place_of_one_that_holds_nothing() {
-        let factory = memory_factory();
+        let factory: Arc<dyn StoreFactory> = Arc::new(memory_factory());
         let metrics = Metrics::default();
-        let set = built(TREE, &factory, None, &metrics).await;
+        let set = built(TREE, factory.as_ref(), None, &metrics).await;
         let find = |limit| login_override(&set, limit, &factory, &metrics);
         let spend = |m: Matched| async move { m.rule.limiter.check(m.key, 1).await.unwrap() };
         let held = |limit: u64| {
@@ -1369,9 +1387,9 @@ unlimited = true
     /// reload can still make room after it.
     #[tokio::test]
     async fn a_reload_keeps_how_long_its_overrides_were_idle() {
-        let factory = memory_factory();
+        let factory: Arc<dyn StoreFactory> = Arc::new(memory_factory());
         let metrics = Metrics::default();
-        let first = built(TREE, &factory, None, &metrics).await;
+        let first = built(TREE, factory.as_ref(), None, &metrics).await;
         first
             .overrides
             .min_idle_ms
@@ -1382,7 +1400,7 @@ unlimited = true
                 .is_some());
         }
         tokio::time::sleep(std::time::Duration::from_millis(60)).await;
-        let second = built(TREE, &factory, Some(&first), &metrics).await;
+        let second = built(TREE, factory.as_ref(), Some(&first), &metrics).await;
         drop(first);
         assert_eq!(second.overrides.entries.lock().len(), MAX_OVERRIDES);
         assert!(login_override(&second, 1000, &factory, &metrics)
@@ -1417,10 +1435,10 @@ unlimited = true
     /// a new override cannot take its place and lose the count.
     #[tokio::test]
     async fn an_override_deciding_on_its_twin_keeps_its_place() {
-        let factory = OverridesUnavailable(memory_factory());
+        let factory: Arc<dyn StoreFactory> = Arc::new(OverridesUnavailable(memory_factory()));
         let metrics = Metrics::default();
         let text = format!("[server]\nfailure_policy = \"local\"\n{TREE}");
-        let set = built(&text, &factory, None, &metrics).await;
+        let set = built(&text, factory.as_ref(), None, &metrics).await;
         set.overrides
             .min_idle_ms
             .store(0, std::sync::atomic::Ordering::Relaxed);
@@ -1562,13 +1580,52 @@ unlimited = true
     /// own policy as its limiter's configuration, not a default one.
     #[tokio::test]
     async fn an_override_whose_limiter_cannot_be_made_keeps_its_policy() {
-        let factory = OverridesUnavailable(memory_factory());
+        let factory: Arc<dyn StoreFactory> = Arc::new(OverridesUnavailable(memory_factory()));
         let metrics = Metrics::default();
-        let set = built(TREE, &factory, None, &metrics).await;
+        let set = built(TREE, factory.as_ref(), None, &metrics).await;
         let m = login_override(&set, 3, &factory, &metrics).await.unwrap();
         let config = *m.rule.limiter.config();
         assert_eq!((config.limit, config.window_ms), (3, 3_600_000));
         assert!(m.rule.limiter.check(m.key, 1).await.is_err());
+    }
+
+    /// A store that takes 300 ms to make each limiter.
+    struct SlowToMake(MemoryFactory);
+
+    impl StoreFactory for SlowToMake {
+        fn describe(&self) -> String {
+            "slow to make".to_owned()
+        }
+
+        fn build<'a>(
+            &'a self,
+            rule_id: &'a str,
+            config: &'a PolicyConfig,
+        ) -> BoxFuture<'a, anyhow::Result<crate::store::BuiltLimiter>> {
+            Box::pin(async move {
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                self.0.build(rule_id, config).await
+            })
+        }
+    }
+
+    /// A request waits for an override's limiter at most one store
+    /// timeout, and the failure policy answers it as a timeout; the making
+    /// goes on, so that a store slower to make a limiter than to answer a
+    /// call still gets the override made for a later request.
+    #[tokio::test]
+    async fn an_override_slow_to_make_is_made_for_a_later_request() {
+        let factory: Arc<dyn StoreFactory> = Arc::new(SlowToMake(memory_factory()));
+        let metrics = Metrics::default();
+        let text = format!("[server]\nstore_timeout_ms = 100\n{TREE}");
+        let set = built(&text, factory.as_ref(), None, &metrics).await;
+        let first = login_override(&set, 3, &factory, &metrics).await.unwrap();
+        let e = first.rule.limiter.check(first.key, 1).await.unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::Timeout, "{e}");
+        tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+        let later = login_override(&set, 3, &factory, &metrics).await.unwrap();
+        let d = later.rule.limiter.check(later.key, 1).await.unwrap();
+        assert_eq!((d.allowed, d.remaining), (true, 2));
     }
 
     /// A store in another process, as the rules see it: its limiters have
@@ -1600,11 +1657,11 @@ unlimited = true
     /// configured rule does, and none under another failure policy.
     #[tokio::test]
     async fn an_override_on_a_networked_store_has_a_twin_only_under_the_local_policy() {
-        let factory = Networked(memory_factory());
+        let factory: Arc<dyn StoreFactory> = Arc::new(Networked(memory_factory()));
         let metrics = Metrics::default();
         for (policy, twin) in [("local", true), ("closed", false)] {
             let text = format!("[server]\nfailure_policy = \"{policy}\"\n{TREE}");
-            let set = built(&text, &factory, None, &metrics).await;
+            let set = built(&text, factory.as_ref(), None, &metrics).await;
             let m = login_override(&set, 1, &factory, &metrics).await.unwrap();
             assert!(m.rule.local.is_none());
             assert_eq!(m.rule.failover.is_some(), twin, "{policy}");
@@ -1614,9 +1671,9 @@ unlimited = true
     /// Housekeeping and metrics reach every override whose limiter is made.
     #[tokio::test]
     async fn the_rules_of_made_overrides_are_listed() {
-        let factory = memory_factory();
+        let factory: Arc<dyn StoreFactory> = Arc::new(memory_factory());
         let metrics = Metrics::default();
-        let set = built(TREE, &factory, None, &metrics).await;
+        let set = built(TREE, factory.as_ref(), None, &metrics).await;
         assert!(set.override_rules().is_empty());
         for limit in [1, 2] {
             login_override(&set, limit, &factory, &metrics)
@@ -1637,10 +1694,10 @@ unlimited = true
     /// key, as the fallback itself does: no path through a tree fixes them.
     #[tokio::test]
     async fn an_override_of_the_fallback_counts_apart_per_domain_and_entry_key() {
-        let factory = memory_factory();
+        let factory: Arc<dyn StoreFactory> = Arc::new(memory_factory());
         let metrics = Metrics::default();
         let text = "[fallback]\nlimit = 1\nwindow_ms = 1000\n";
-        let set = built(text, &factory, None, &metrics).await;
+        let set = built(text, factory.as_ref(), None, &metrics).await;
         let over = LimitOverride {
             limit: 1,
             window_ms: 3_600_000,
@@ -1672,9 +1729,9 @@ unlimited = true
     /// the old one would never be used again.
     #[tokio::test]
     async fn a_reload_adding_a_fallback_drops_the_overrides_of_the_reference() {
-        let factory = memory_factory();
+        let factory: Arc<dyn StoreFactory> = Arc::new(memory_factory());
         let metrics = Metrics::default();
-        let first = built(TREE, &factory, None, &metrics).await;
+        let first = built(TREE, factory.as_ref(), None, &metrics).await;
         let over = LimitOverride {
             limit: 1,
             window_ms: 3_600_000,
@@ -1685,7 +1742,7 @@ unlimited = true
             .await;
         assert!(matches!(made, Some(OverrideMatch::Applied(_))), "{made:?}");
         let text = format!("[fallback]\nlimit = 1\nwindow_ms = 1000\n{TREE}");
-        let second = built(&text, &factory, Some(&first), &metrics).await;
+        let second = built(&text, factory.as_ref(), Some(&first), &metrics).await;
         assert_eq!(second.overrides.entries.lock().len(), 0);
     }
 

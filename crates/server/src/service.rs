@@ -451,13 +451,7 @@ impl Service {
                 continue;
             }
             let m = rules
-                .match_override(
-                    domain,
-                    &d.entries,
-                    over,
-                    self.factory.as_ref(),
-                    &self.metrics,
-                )
+                .match_override(domain, &d.entries, over, &self.factory, &self.metrics)
                 .await;
             matches.push(match m {
                 Some(OverrideMatch::Applied(m)) => Some(m),
