@@ -113,15 +113,8 @@ pub fn run(args: Args) -> ExitCode {
         grpc: args.grpc,
         metrics: args.metrics,
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("ratewarden serve: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+    let Some(runtime) = runtime(tokio::runtime::Builder::new_multi_thread()) else {
+        return ExitCode::FAILURE;
     };
     let result = runtime.block_on(async {
         ratewarden_server::serve_until_signal(options, |running| {
@@ -163,15 +156,8 @@ fn check(args: Args) -> ExitCode {
         || "the reference configuration".to_owned(),
         |p| p.display().to_string(),
     );
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("ratewarden serve: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+    let Some(runtime) = runtime(tokio::runtime::Builder::new_current_thread()) else {
+        return ExitCode::FAILURE;
     };
     // A read that blocks (a pipe no one writes to, a hung mount) is given
     // as long as a reload gives it, then left: it must not keep the process
@@ -206,6 +192,18 @@ fn check(args: Args) -> ExitCode {
         Err(e) => {
             eprintln!("ratewarden serve: {e:#}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// The runtime `builder` makes, with I/O and time; `None` once it has said
+/// why it could not.
+fn runtime(mut builder: tokio::runtime::Builder) -> Option<tokio::runtime::Runtime> {
+    match builder.enable_all().build() {
+        Ok(r) => Some(r),
+        Err(e) => {
+            eprintln!("ratewarden serve: cannot start the runtime: {e}");
+            None
         }
     }
 }

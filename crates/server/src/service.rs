@@ -1297,26 +1297,6 @@ shadow = true
         }
     }
 
-    /// A store whose takes each wait until `barrier` has as many waiting
-    /// (they are answered only when taken at once), then admit.
-    struct Rendezvous {
-        config: ratewarden_core::PolicyConfig,
-        barrier: Arc<tokio::sync::Barrier>,
-    }
-
-    impl Limiter for Rendezvous {
-        fn config(&self) -> &ratewarden_core::PolicyConfig {
-            &self.config
-        }
-
-        fn check(&self, _key: u64, _cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
-            Box::pin(async move {
-                self.barrier.wait().await;
-                Ok(Decision::admitted(0))
-            })
-        }
-    }
-
     /// Shadow descriptors are taken all at once, alongside the enforcing
     /// descriptor's take: a store that does not answer costs the request
     /// one timeout, not one more for each shadow rule. (Three takes meet
@@ -1343,9 +1323,10 @@ shadow = true
 "#;
         let barrier = Arc::new(tokio::sync::Barrier::new(3));
         let s = service_on(config, move |config| {
-            Some(Arc::new(Rendezvous {
+            Some(Arc::new(AllAtOnce {
                 config: *config,
                 barrier: Arc::clone(&barrier),
+                takes: true,
             }) as Arc<dyn Limiter>)
         })
         .await;
@@ -1762,11 +1743,13 @@ shadow = true
         );
     }
 
-    /// A store whose checks (cost 0) answer only once `barrier` has as many
-    /// waiting as it has parties, and whose takes admit.
+    /// A store whose checks (cost 0), and its takes too when `takes` is
+    /// set, answer only once `barrier` has as many waiting as it has
+    /// parties, and which admits.
     struct AllAtOnce {
         config: ratewarden_core::PolicyConfig,
         barrier: Arc<tokio::sync::Barrier>,
+        takes: bool,
     }
 
     impl Limiter for AllAtOnce {
@@ -1777,11 +1760,12 @@ shadow = true
         fn check(&self, _key: u64, cost: u64) -> BoxFuture<'_, Result<Decision, StoreError>> {
             let limit = self.config.limit;
             let barrier = Arc::clone(&self.barrier);
+            let waits = cost == 0 || self.takes;
             Box::pin(async move {
-                if cost == 0 {
+                if waits {
                     barrier.wait().await;
                 }
-                Ok(Decision::admitted(limit - cost))
+                Ok(Decision::admitted(limit.saturating_sub(cost)))
             })
         }
     }
@@ -1840,6 +1824,7 @@ shadow = true
             Some(Arc::new(AllAtOnce {
                 config: *config,
                 barrier: Arc::clone(&barrier),
+                takes: false,
             }) as Arc<dyn Limiter>)
         })
         .await;
