@@ -1143,17 +1143,8 @@ fn check_says_whether_a_configuration_loads_and_starts_nothing() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("serve --check still waits on a blocked read after 30 s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = common::exit_within(&mut child, Duration::from_secs(30))
+        .expect("serve --check gives up a blocked read within 30 s");
     assert_eq!(status.code(), Some(1), "{status}");
     let mut said = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut said).unwrap();
@@ -1515,18 +1506,9 @@ fn a_second_signal_stops_without_waiting_for_requests_in_flight() {
         // Once the stop has said that it waits, a second signal is an
         // operator's, and stops at once.
         log.next_containing("waiting for the requests in flight to finish");
-        let signalled = Instant::now();
         server.signal(second);
-        let status = loop {
-            if let Some(status) = server.child.try_wait().unwrap() {
-                break status;
-            }
-            assert!(
-                signalled.elapsed() < Duration::from_secs(5),
-                "serve still waits 5 s after a second SIG{second}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let status = common::exit_within(&mut server.child, Duration::from_secs(5))
+            .unwrap_or_else(|| panic!("serve still waits 5 s after a second SIG{second}"));
         assert_eq!(status.code(), Some(1), "{status}");
         let rest = log.to_the_end();
         let cut = format!(
@@ -3296,17 +3278,8 @@ async fn a_configuration_read_that_blocks_does_not_keep_serve_from_stopping() {
         .status()
         .unwrap();
     assert!(sent.success());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("serve did not stop within 10 s of SIGTERM while its file blocked");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = common::exit_within(&mut child, Duration::from_secs(10))
+        .expect("serve stops within 10 s of SIGTERM while its file blocks");
     assert!(status.success(), "{status}");
 
     // On reload: the rules in force answer, and SIGTERM stops it.

@@ -785,18 +785,8 @@ fn serve_refused_as(
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("the ratewarden binary starts");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("serve --store {store} did not stop at start");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = common::exit_within(&mut child, Duration::from_secs(20))
+        .unwrap_or_else(|| panic!("serve --store {store} did not stop at start"));
     let mut stderr = String::new();
     child
         .stderr

@@ -16,6 +16,23 @@ use ratewarden_server::proto::envoy::service::ratelimit::v3::RateLimitRequest;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_ratewarden");
 
+/// `child`'s exit status, waited for at most `within`; `None`, with the
+/// child killed, when it has not exited by then.
+pub fn exit_within(child: &mut Child, within: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The first line `child` prints on its standard output (piped), waited
 /// for at most 30 s: where `serve` says it listens.
 pub fn first_line(child: &mut Child) -> Result<String, std::sync::mpsc::RecvTimeoutError> {
@@ -114,18 +131,9 @@ impl Server {
     /// Sends SIGTERM and waits (bounded) for a clean exit.
     pub fn stop(mut self) {
         self.signal("TERM");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(status.success(), "serve exits cleanly on SIGTERM: {status}");
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "serve did not stop within 20 s of SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let status = exit_within(&mut self.child, Duration::from_secs(20))
+            .expect("serve stops within 20 s of SIGTERM");
+        assert!(status.success(), "serve exits cleanly on SIGTERM: {status}");
     }
 
     pub async fn grpc(&self) -> RateLimitServiceClient<tonic::transport::Channel> {

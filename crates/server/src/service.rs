@@ -535,7 +535,6 @@ impl Service {
                 // matter, and a request waits for its slowest check rather
                 // than for the sum of them (one timeout, not one per
                 // descriptor, when the store does not answer).
-                let groups_ref = &groups;
                 let checks = futures_util::future::join_all(
                     enforcing
                         .iter()
@@ -1321,15 +1320,7 @@ limit = 12
 window_ms = 3600000
 shadow = true
 "#;
-        let barrier = Arc::new(tokio::sync::Barrier::new(3));
-        let s = service_on(config, move |config| {
-            Some(Arc::new(AllAtOnce {
-                config: *config,
-                barrier: Arc::clone(&barrier),
-                takes: true,
-            }) as Arc<dyn Limiter>)
-        })
-        .await;
+        let s = all_at_once(config, 3, true).await;
         let request = [
             d(&[("a", "x")], 1),
             d(&[("s", "y")], 1),
@@ -1770,6 +1761,20 @@ shadow = true
         }
     }
 
+    /// A service on `config` whose every rule decides on an [`AllAtOnce`]
+    /// store, the rules sharing one barrier of `parties`.
+    async fn all_at_once(config: &str, parties: usize, takes: bool) -> Service {
+        let barrier = Arc::new(tokio::sync::Barrier::new(parties));
+        service_on(config, move |config| {
+            Some(Arc::new(AllAtOnce {
+                config: *config,
+                barrier: Arc::clone(&barrier),
+                takes,
+            }) as Arc<dyn Limiter>)
+        })
+        .await
+    }
+
     /// A store that counts its calls and admits them all.
     struct Counting {
         config: ratewarden_core::PolicyConfig,
@@ -1819,15 +1824,7 @@ shadow = true
     /// other would time out (and be refused, under `closed`).
     #[tokio::test]
     async fn a_requests_checks_are_asked_at_once() {
-        let barrier = Arc::new(tokio::sync::Barrier::new(2));
-        let s = service_on(TWO, move |config| {
-            Some(Arc::new(AllAtOnce {
-                config: *config,
-                barrier: Arc::clone(&barrier),
-                takes: false,
-            }) as Arc<dyn Limiter>)
-        })
-        .await;
+        let s = all_at_once(TWO, 2, false).await;
         let out = s
             .check_descriptors("api", &[d(&[("a", "x")], 1), d(&[("b", "y")], 1)])
             .await
