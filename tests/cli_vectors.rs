@@ -310,6 +310,24 @@ fn a_closed_standard_output_ends_the_run_quietly() {
     assert!(!stderr(&out).contains("Broken pipe"), "{}", stderr(&out));
 }
 
+/// Standard error whose reader went away (`2>&1 | head -1`) loses the
+/// messages, not the exit status: a panic's 101 would read as a crash.
+#[test]
+fn a_closed_standard_error_keeps_the_exit_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = scratch(&dir, "bad.json", "{\"cases\": [");
+    let (reader, writer) = std::io::pipe().unwrap();
+    // No reader from the start: every write to standard error fails.
+    drop(reader);
+    let status = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+        .args(["vectors", bad.to_str().unwrap()])
+        .stdout(std::process::Stdio::null())
+        .stderr(writer)
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(2));
+}
+
 /// A field the format does not have is ignored and named on standard
 /// error, so that a misspelt `burst` does not go unseen; so are a field
 /// given twice and a burst its policy ignores. None changes the verdict.

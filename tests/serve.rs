@@ -3307,3 +3307,27 @@ async fn a_configuration_read_that_blocks_does_not_keep_serve_from_stopping() {
     assert_eq!(body["remaining"], 2, "{body}");
     server.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_reader_that_went_away_neither_stops_the_service_nor_drops_answers() {
+    // `serve 2>&1 | tee log`, or a log shipper, that exits or restarts:
+    // every later log line fails to write. The service must go on
+    // answering, reloading and stopping as it would have.
+    let file = ConfigFile::new(LONG_WINDOW);
+    let mut server =
+        Server::start_with_stderr(&["--config", file.path()], std::process::Stdio::piped());
+    drop(server.child.stderr.take());
+    let client = client();
+    let mut grpc = server.grpc().await;
+    for _ in 0..3 {
+        // An unknown domain is logged at WARN each time.
+        let r = should(&mut grpc, "nowhere", vec![descriptor(&[("a", "b")])], 1).await;
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        server.signal("HUP");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(server.child.try_wait().unwrap(), None, "serve still runs");
+        let (status, _, body) = post(&client, &server.url(), json!({"key": "k"})).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    server.stop();
+}

@@ -10,7 +10,7 @@ use ratewarden_core::{
 };
 use serde_json::json;
 
-use super::outln;
+use super::{errln, outln};
 use crate::measure::accuracy::{compare, decisions};
 use crate::measure::memory::{measure_here, measure_in_child, Footprint};
 use crate::measure::shapes::{Shape, ShapeParams, MAX_REQUESTS};
@@ -907,7 +907,7 @@ pub fn run(args: Args) -> ExitCode {
         if ratewarden_redis::is_redis_like_url(&args.store) {
             let ignored = args.memory_only_flags();
             if !ignored.is_empty() {
-                eprintln!(
+                errln!(
                     "ratewarden bench: {}",
                     memory_only_message(&ignored, &args.store, args.quick, args.json)
                 );
@@ -918,7 +918,7 @@ pub fn run(args: Args) -> ExitCode {
                 ..super::bench_redis::Args::defaults(args.store, args.quick, args.json)
             });
         }
-        eprintln!(
+        errln!(
             "ratewarden bench: {}",
             ratewarden_server::store::unknown_store(
                 &args.store,
@@ -932,14 +932,14 @@ pub fn run(args: Args) -> ExitCode {
     let plan = match Plan::from_args(&args) {
         Ok(plan) => plan,
         Err(e) => {
-            eprintln!("ratewarden bench: {e:#}");
+            errln!("ratewarden bench: {e:#}");
             return ExitCode::from(2);
         }
     };
     match bench(&args, &plan) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ratewarden bench: {e:#}");
+            errln!("ratewarden bench: {e:#}");
             ExitCode::FAILURE
         }
     }
@@ -954,12 +954,12 @@ pub fn run_memory(args: MemoryArgs) -> ExitCode {
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("ratewarden bench-memory: {e}");
+                errln!("ratewarden bench-memory: {e}");
                 ExitCode::FAILURE
             }
         },
         Err(e) => {
-            eprintln!("ratewarden bench-memory: {e:#}");
+            errln!("ratewarden bench-memory: {e:#}");
             ExitCode::FAILURE
         }
     }

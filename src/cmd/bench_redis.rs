@@ -32,7 +32,7 @@ use ratewarden_redis::{escape_key_part, redact_url, RedisOptions, RedisStore};
 use redis::{ErrorKind, RedisError};
 use serde_json::json;
 
-use super::outln;
+use super::{errln, outln};
 
 const MINIMAL_SWC: &str = include_str!("lua/minimal_swc.lua");
 
@@ -365,14 +365,14 @@ pub fn run(args: Args) -> ExitCode {
     let (plan, target) = match checked {
         Ok(checked) => checked,
         Err(e) => {
-            eprintln!("ratewarden {}: {e}", args.command);
+            errln!("ratewarden {}: {e}", args.command);
             return ExitCode::from(2);
         }
     };
     match measure(&args, &plan, &target) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ratewarden {}: {e}", args.command);
+            errln!("ratewarden {}: {e}", args.command);
             ExitCode::FAILURE
         }
     }
@@ -524,7 +524,7 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
     // machine can see it while it runs: say so, once the server has
     // answered (a run that cannot connect never starts it).
     if target.password {
-        eprintln!(
+        errln!(
             "ratewarden {}: the URL's password is passed to redis-benchmark as -a, visible in \
              this machine's process list while it runs",
             args.command

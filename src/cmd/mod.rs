@@ -23,6 +23,18 @@ macro_rules! outln {
 }
 pub(crate) use outln;
 
+/// `eprintln!` that never panics: a standard error whose reader went
+/// away (`2>&1 | head -1`, a log shipper that restarted) makes the
+/// message lost, not the command stopped with a panic, or a running
+/// service with it.
+macro_rules! errln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+pub(crate) use errln;
+
 /// Writes a command's output to standard output. A reader that stopped
 /// reading (`| head -1`) is no failure: it read what it wanted, and the
 /// command ends as it would have.

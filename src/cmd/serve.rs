@@ -1,5 +1,6 @@
 //! `ratewarden serve`: the rate-limit service.
 
+use super::errln;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -81,9 +82,14 @@ pub fn run(args: Args) -> ExitCode {
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
+        // A line that cannot be written (the log's reader went away) is
+        // lost; by default the subscriber would say so with eprintln!,
+        // whose panic on the same broken pipe would end the call being
+        // answered, or the process on a reload or a stop.
+        .log_internal_errors(false)
         .init();
     if let Some((given, e)) = bad_filter {
-        eprintln!(
+        errln!(
             "ratewarden serve: warning: RUST_LOG={given:?} is not a filter tracing reads \
              ({e}), so it is ignored and info and above are logged; write directives such as \
              warn or info,ratewarden_server=debug"
@@ -99,7 +105,7 @@ pub fn run(args: Args) -> ExitCode {
             .iter()
             .find(|(_, a)| a == addr && addr.port() != 0)
         {
-            eprintln!(
+            errln!(
                 "ratewarden serve: {other} and {flag} are both {addr}; give each interface \
                  a port of its own"
             );
@@ -143,7 +149,7 @@ pub fn run(args: Args) -> ExitCode {
         // Already logged, with the reason.
         Err(e) if e.is::<ratewarden_server::StoppedUnclean>() => ExitCode::FAILURE,
         Err(e) => {
-            eprintln!("ratewarden serve: {e:#}");
+            errln!("ratewarden serve: {e:#}");
             ExitCode::FAILURE
         }
     }
@@ -190,7 +196,7 @@ fn check(args: Args) -> ExitCode {
             }
         }
         Err(e) => {
-            eprintln!("ratewarden serve: {e:#}");
+            errln!("ratewarden serve: {e:#}");
             ExitCode::FAILURE
         }
     }
@@ -202,7 +208,7 @@ fn runtime(mut builder: tokio::runtime::Builder) -> Option<tokio::runtime::Runti
     match builder.enable_all().build() {
         Ok(r) => Some(r),
         Err(e) => {
-            eprintln!("ratewarden serve: cannot start the runtime: {e}");
+            errln!("ratewarden serve: cannot start the runtime: {e}");
             None
         }
     }

@@ -1,6 +1,7 @@
 //! `ratewarden simulate`: drives policies with a traffic shape and draws
 //! offered and admitted rates and the trailing-window count in one chart.
 
+use super::errln;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -774,14 +775,14 @@ pub fn run(args: Args) -> ExitCode {
     let prepared = match prepare(&args) {
         Ok(prepared) => prepared,
         Err(e) => {
-            eprintln!("ratewarden simulate: {e:#}");
+            errln!("ratewarden simulate: {e:#}");
             return ExitCode::from(2);
         }
     };
     match simulate(&args, prepared) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ratewarden simulate: {e:#}");
+            errln!("ratewarden simulate: {e:#}");
             ExitCode::FAILURE
         }
     }

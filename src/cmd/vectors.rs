@@ -12,6 +12,7 @@
 //! run there, since the cases left would only wait on it in turn (any other
 //! error of a store's call fails that case, and the run goes on).
 
+use super::errln;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -131,7 +132,7 @@ pub fn run(args: Args) -> ExitCode {
             {
                 Ok(rt) => rt,
                 Err(e) => {
-                    eprintln!("cannot start the async runtime: {e}");
+                    errln!("cannot start the async runtime: {e}");
                     return ExitCode::from(2);
                 }
             };
@@ -159,13 +160,13 @@ pub fn run(args: Args) -> ExitCode {
                     if e.is_connection_dropped() {
                         // The detail names the address already; say what to
                         // change rather than the error's kind again.
-                        eprintln!(
+                        errln!(
                             "{url}: {}; start redis-server there or change --store to where \
                              it runs",
                             e.detail()
                         );
                     } else {
-                        eprintln!("{url}: {e}");
+                        errln!("{url}: {e}");
                     }
                     return ExitCode::from(2);
                 }
@@ -185,13 +186,13 @@ pub fn run(args: Args) -> ExitCode {
     for path in &args.paths {
         match collect(path, &mut files, &mut seen, &mut Walk::default()) {
             Err(e) => {
-                eprintln!("{}: {e}", path.display());
+                errln!("{}: {e}", path.display());
                 malformed += 1;
             }
             // A directory without vector files is most likely the wrong
             // one: saying "0 passed" and succeeding would hide that.
             Ok(0) => {
-                eprintln!(
+                errln!(
                     "{}: no vector files (*.json) in this directory or below it",
                     path.display()
                 );
@@ -207,7 +208,7 @@ pub fn run(args: Args) -> ExitCode {
         let text = match read_vector_file(path) {
             Ok(text) => text,
             Err(e) => {
-                eprintln!("{}: {e}", path.display());
+                errln!("{}: {e}", path.display());
                 malformed += 1;
                 continue;
             }
@@ -215,7 +216,7 @@ pub fn run(args: Args) -> ExitCode {
         let file = match vectors::parse_each(&text) {
             Ok(file) => file,
             Err(e) => {
-                eprintln!("{}: malformed vector file: {e}", path.display());
+                errln!("{}: malformed vector file: {e}", path.display());
                 malformed += 1;
                 continue;
             }
@@ -246,11 +247,12 @@ pub fn run(args: Args) -> ExitCode {
         }
     }
     if let Some(at) = &stopped {
-        eprintln!(
+        errln!(
             "{store}: {at}; the run stops here, the cases left not run: a store that fails \
              a call (one that stopped answering, say) cannot check them, and each would \
              wait its timeout; {} passed and {} failed before it",
-            tally.passed, tally.failed
+            tally.passed,
+            tally.failed
         );
     }
     if tally.malformed_cases > 0 {
@@ -465,7 +467,7 @@ impl Out {
         self.closed = true;
         if e.kind() != std::io::ErrorKind::BrokenPipe {
             self.lost = true;
-            eprintln!("cannot write to standard output: {e}");
+            errln!("cannot write to standard output: {e}");
         }
     }
 
@@ -506,7 +508,7 @@ fn note(path: &Path, what: &str, places: &[String]) {
         0 => String::new(),
         n => format!(" and {n} more"),
     };
-    eprintln!("{}: note: {what}: {shown}{more}", path.display());
+    errln!("{}: note: {what}: {shown}{more}", path.display());
 }
 
 /// Runs every mix32 value and case of one file, printing each failure;
@@ -537,7 +539,7 @@ fn run_file(
     // anything, as a case of no steps does (below): named for the same
     // reason. A file of mix32 entries alone tests the hash.
     if file.cases.is_empty() && file.mix32.is_empty() {
-        eprintln!(
+        errln!(
             "{}: note: no cases and no mix32 entries: the file tests nothing",
             path.display()
         );
@@ -550,7 +552,7 @@ fn run_file(
             Ok(case) => case,
             Err(e) => {
                 tally.malformed_cases += 1;
-                eprintln!("{}: malformed case, not run: {e}", path.display());
+                errln!("{}: malformed case, not run: {e}", path.display());
                 continue;
             }
         };
