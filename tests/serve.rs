@@ -981,6 +981,39 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
         stderr.contains("write HOST:PORT, such as 127.0.0.1:8080"),
         "{stderr}"
     );
+    // What a start refuses, --check refuses too: a URL that names no
+    // address, interfaces sharing a port.
+    for (store, said) in [
+        ("redis://", "is not a Redis address"),
+        ("redis-cluster://", "names no node"),
+        ("redis-cluster://127.0.0.1", "needs a host and a port"),
+    ] {
+        let (ok, stderr) = run(&["--check", "--store", store]);
+        assert!(!ok, "{store}");
+        assert!(stderr.contains(said), "{store}: {stderr}");
+    }
+    let (ok, stderr) = bare(&[
+        "--check",
+        "--http",
+        "127.0.0.1:18099",
+        "--grpc",
+        "127.0.0.1:18099",
+    ]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("--http and --grpc are both 127.0.0.1:18099"),
+        "{stderr}"
+    );
+    // A port taken says what to change.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().to_string();
+    let (ok, stderr) = bare(&["--http", "127.0.0.1:0", "--grpc", &port]);
+    assert!(!ok);
+    assert!(
+        stderr.contains(&format!("cannot listen for gRPC on {port}"))
+            && stderr.contains("give --grpc another port, or port 0 for a free one"),
+        "{stderr}"
+    );
 }
 
 /// `--metrics ADDR` moves `/metrics` to a port of its own, which answers

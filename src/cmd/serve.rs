@@ -95,9 +95,6 @@ pub fn run(args: Args) -> ExitCode {
              warn or info,ratewarden_server=debug"
         );
     }
-    if args.check {
-        return check(args);
-    }
     let mut given = vec![("--http", args.http), ("--grpc", args.grpc)];
     given.extend(args.metrics.map(|a| ("--metrics", a)));
     for (i, (flag, addr)) in given.iter().enumerate() {
@@ -111,6 +108,10 @@ pub fn run(args: Args) -> ExitCode {
             );
             return ExitCode::FAILURE;
         }
+    }
+    // After the addresses: a command line --check passes must start.
+    if args.check {
+        return check(args);
     }
     let options = ServeOptions {
         config: ConfigSource { path: args.config },

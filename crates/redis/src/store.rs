@@ -633,16 +633,7 @@ impl RedisStore {
                 .strip_prefix("redis-cluster://")
                 .or_else(|| url.strip_prefix("rediss-cluster://"));
             let backend = if let Some(seeds) = cluster_seeds {
-                let nodes = cluster_nodes(seeds, shown, tls)?;
-                if nodes.is_empty() {
-                    return Err(StoreError::new(
-                        StoreErrorKind::InvalidInput,
-                        format!(
-                            "{shown:?} names no node; write {}://HOST:PORT[,HOST:PORT...]",
-                            form.schemes().1
-                        ),
-                    ));
-                }
+                let nodes = seed_urls(seeds, shown, tls)?;
                 // Each node's connection gets a part of the time to
                 // connect: the cluster connection waits for every seed, and
                 // then for every node of the slot map, so one node that
@@ -2989,6 +2980,47 @@ fn slot_tag(slot: u16) -> u32 {
     tags[usize::from(slot % SLOTS)]
 }
 
+/// The `redis://` (or `rediss://`) URL of each seed of a cluster URL,
+/// `seeds` its part after the scheme, as [`cluster_nodes`] makes them;
+/// refused when it names none.
+fn seed_urls(seeds: &str, shown: &str, tls: bool) -> Result<Vec<String>, StoreError> {
+    let nodes = cluster_nodes(seeds, shown, tls)?;
+    if nodes.is_empty() {
+        return Err(StoreError::new(
+            StoreErrorKind::InvalidInput,
+            format!(
+                "{shown:?} names no node; write {}://HOST:PORT[,HOST:PORT...]",
+                schemes(tls).1
+            ),
+        ));
+    }
+    Ok(nodes)
+}
+
+/// What [`RedisStore::connect`] would refuse in `url`'s form before it
+/// dials: a cluster URL's seeds, and the address redis-rs reads from each
+/// URL (a `redis://` with no host, say). A query's fields are checked by
+/// [`crate::url::query_error`].
+pub(crate) fn address_error(url: &str) -> Option<String> {
+    let shown = crate::redact_url(url);
+    let nodes = match url
+        .strip_prefix("redis-cluster://")
+        .or_else(|| url.strip_prefix("rediss-cluster://"))
+    {
+        Some(seeds) => match seed_urls(seeds, &shown, url.starts_with("rediss")) {
+            Ok(nodes) => nodes,
+            Err(e) => return Some(e.detail().to_owned()),
+        },
+        None => vec![url.to_owned()],
+    };
+    nodes.iter().find_map(|node| {
+        node.as_str()
+            .into_connection_info()
+            .err()
+            .map(|e| invalid_url(&shown, e).detail().to_owned())
+    })
+}
+
 /// The most slot ranges [`RedisStore::ping`] reads.
 const MAX_SLOT_RANGES: usize = SLOTS as usize;
 
@@ -3020,7 +3052,7 @@ fn cluster_nodes(seeds: &str, shown: &str, tls: bool) -> Result<Vec<String>, Sto
         if let Some(i) = node.find(['/', '?']) {
             // In a URL with credentials, what precedes the `/` may be part
             // of a password: the seed is named by its place.
-            let after = if credentials_anywhere {
+            let after = if credentials_anywhere || !crate::url::is_showable_node(&node[..i]) {
                 format!("in seed {} of the URL", n + 1)
             } else {
                 format!("after {:?}", &node[..i])
@@ -3036,7 +3068,7 @@ fn cluster_nodes(seeds: &str, shown: &str, tls: bool) -> Result<Vec<String>, Sto
             !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0)
         });
         if !valid {
-            let which = if credentials_anywhere {
+            let which = if credentials_anywhere || !crate::url::is_showable_node(node) {
                 format!("seed {} of the URL", n + 1)
             } else {
                 format!("the node {node:?}")

@@ -312,6 +312,14 @@ fn is_host_port(s: &str) -> bool {
     host_port_with(s, is_host)
 }
 
+/// Whether a message may show `node`, a cluster seed without its
+/// credentials, as typed: a `HOST:PORT`, or a plain host alone, holds no
+/// part of a password (a password holding `/` or `,` splits into what
+/// looks like a seed and more).
+pub(crate) fn is_showable_node(node: &str) -> bool {
+    is_host_port(node) || is_plain_host(node)
+}
+
 /// [`is_host_port`], each host one `host` accepts.
 fn host_port_with(s: &str, host: fn(&str) -> bool) -> bool {
     s.rsplit_once(':').is_some_and(|(name, port)| {
@@ -539,9 +547,10 @@ pub fn is_cluster_url(url: &str) -> bool {
 }
 
 /// What is wrong with `url` that shows without connecting, if anything: a
-/// form the store does not take ([`url_form_error`]), or a query field
+/// form the store does not take ([`url_form_error`]), a query field
 /// that a one-node URL would ignore (`redis://HOST:PORT?db=3` would count
-/// in database 0). For command-line parsers, so that such a URL is refused
+/// in database 0), or an address that cannot be read (no host, a cluster
+/// seed without a port). For command-line parsers, so that such a URL is refused
 /// before anything runs; [`RedisStore::connect`](crate::RedisStore::connect)
 /// refuses the same URLs.
 ///
@@ -560,15 +569,19 @@ pub fn is_cluster_url(url: &str) -> bool {
 /// assert!(url_error("redis://127.0.0.1:6379#2").unwrap().contains("takes no #fragment"));
 /// assert!(url_error("redis+unix:///run/r.sock#x").unwrap().contains("takes no #fragment"));
 /// assert!(url_error("http://127.0.0.1:6379").unwrap().contains("not a Redis address"));
+/// assert!(url_error("redis://").unwrap().contains("not a Redis address"));
+/// assert!(url_error("redis-cluster://").unwrap().contains("names no node"));
+/// assert!(url_error("redis-cluster://127.0.0.1").unwrap().contains("needs a host and a port"));
+/// assert_eq!(url_error("rediss-cluster://:pw@127.0.0.1:7000,127.0.0.1:7001"), None);
 /// ```
 pub fn url_error(url: &str) -> Option<String> {
     if !is_store_url(url) {
         return Some(url_form_error(url));
     }
     if is_cluster_url(url) {
-        return None;
+        return crate::store::address_error(url);
     }
-    query_error(url, &redact_url(url))
+    query_error(url, &redact_url(url)).or_else(|| crate::store::address_error(url))
 }
 
 /// Whether `url` looks meant for Redis (a Redis-like scheme) though

@@ -290,24 +290,43 @@ pub async fn check_config(source: &ConfigSource, store: &StoreUrl) -> anyhow::Re
     Ok(rules.rules().len())
 }
 
+/// A listener on `addr` for the interface `what`, which `flag` sets; a
+/// failure says what to change for the usual causes.
+async fn listen(addr: SocketAddr, what: &str, flag: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr).await.map_err(|e| {
+        let hint = match e.kind() {
+            std::io::ErrorKind::AddrInUse => format!(
+                ": something listens on port {} already (another process, or another of \
+                 this server's interfaces: an unspecified address such as 0.0.0.0 or [::] \
+                 takes the port on every address); give {flag} another port, or port 0 \
+                 for a free one",
+                addr.port()
+            ),
+            std::io::ErrorKind::PermissionDenied => format!(
+                ": a port below 1024 takes privileges (root, or CAP_NET_BIND_SERVICE, as \
+                 systemd's AmbientCapabilities grants); give {flag} a port from 1024 up"
+            ),
+            std::io::ErrorKind::AddrNotAvailable => format!(
+                ": {} is no address of this machine; give {flag} one of its own (127.0.0.1 \
+                 for this machine only, 0.0.0.0 or [::] for all)",
+                addr.ip()
+            ),
+            _ => String::new(),
+        };
+        anyhow::anyhow!("cannot listen for {what} on {addr}: {e}{hint}")
+    })
+}
+
 /// Loads the configuration, builds the store and starts both interfaces and
 /// the housekeeping timer.
 pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
     let config = options.config.load_in_background().await?;
     let factory = factory_for(&options.store, &config.server)?;
     let service = Arc::new(Service::with_config(config, options.config.clone(), factory).await?);
-    let http_listener = TcpListener::bind(options.http)
-        .await
-        .with_context(|| format!("cannot listen for HTTP on {}", options.http))?;
-    let grpc_listener = TcpListener::bind(options.grpc)
-        .await
-        .with_context(|| format!("cannot listen for gRPC on {}", options.grpc))?;
+    let http_listener = listen(options.http, "HTTP", "--http").await?;
+    let grpc_listener = listen(options.grpc, "gRPC", "--grpc").await?;
     let metrics_listener = match options.metrics {
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen for metrics on {addr}"))?,
-        ),
+        Some(addr) => Some(listen(addr, "metrics", "--metrics").await?),
         None => None,
     };
     let http_addr = http_listener.local_addr()?;

@@ -355,13 +355,16 @@ impl std::str::FromStr for StoreUrl {
     fn from_str(s: &str) -> Result<Self, String> {
         if s == "memory" {
             Ok(StoreUrl::Memory)
-        } else if ratewarden_redis::is_cluster_url(s) {
-            Ok(StoreUrl::RedisCluster(s.to_owned()))
         } else if ratewarden_redis::is_store_url(s) {
-            // A query the client would ignore is refused here, with the
-            // other mistakes of form, rather than when the rules connect.
+            // A query the client would ignore, or an address it cannot
+            // read, is refused here, with the other mistakes of form,
+            // rather than when the rules connect (where it would be blamed
+            // on the first rule, and where `serve --check` never goes).
             match ratewarden_redis::url_error(s) {
                 Some(e) => Err(e),
+                None if ratewarden_redis::is_cluster_url(s) => {
+                    Ok(StoreUrl::RedisCluster(s.to_owned()))
+                }
                 None => Ok(StoreUrl::Redis(s.to_owned())),
             }
         } else if ratewarden_redis::is_redis_like_url(s) {
