@@ -183,6 +183,30 @@ fn a_failover_is_followed_after_the_only_seed_was_removed() {
     });
 }
 
+/// A URL naming a seed since removed (`del-node`) beside a member: the
+/// store connects every time, though redis-rs takes the slot map of
+/// whichever seed answers first, and the removed one's names no node.
+#[test]
+fn a_removed_seed_beside_a_member_does_not_stop_connecting() {
+    let mut cluster = RedisCluster::start();
+    let removed = cluster.add_empty_master();
+    cluster.remove_node(removed);
+    let url = format!(
+        "redis-cluster://127.0.0.1:{},127.0.0.1:{}",
+        cluster.nodes()[removed].port(),
+        cluster.nodes()[0].port()
+    );
+    let rt = common::runtime();
+    for _ in 0..20 {
+        rt.block_on(async {
+            let store = RedisStore::connect(&url, REFERENCE, options("removed-beside"))
+                .await
+                .expect("a member among the seeds is enough");
+            every_key_decided(&store, "connected beside a removed seed").await;
+        });
+    }
+}
+
 /// As above, with every connection of the store closed by the nodes
 /// (`CLIENT KILL`) instead of a failover, three times: each time every key
 /// is decided again within 10 s.
