@@ -1765,3 +1765,66 @@ fn bench_redis_without_redis_benchmark_fails_at_once() {
     // Nothing was measured: the server saw no key.
     assert_eq!(server.cli(&["DBSIZE"]).trim(), "0");
 }
+
+/// A memory measurement whose process is killed (as the out-of-memory
+/// killer would) fails the run, saying so, but loses none of the rows
+/// measured: they are printed, that row without its `bytes_per_key`.
+#[test]
+fn a_killed_memory_measurement_fails_the_run_but_keeps_its_rows() {
+    let child = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+        .args(SMALL_BENCH_JSON)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let parent = child.id().to_string();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Kills every `bench-memory` process the run starts.
+    let killer = {
+        let done = std::sync::Arc::clone(&done);
+        std::thread::spawn(move || {
+            let mut killed = std::collections::HashSet::new();
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+                    let pid = entry.file_name().to_string_lossy().into_owned();
+                    let dir = entry.path();
+                    let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
+                    // The parent's pid is the second field after the name.
+                    let ppid = stat.rsplit(')').next().and_then(|s| s.split(' ').nth(2));
+                    let cmdline = std::fs::read(dir.join("cmdline")).unwrap_or_default();
+                    if ppid == Some(parent.as_str())
+                        && String::from_utf8_lossy(&cmdline).contains("bench-memory")
+                        && killed.insert(pid.clone())
+                    {
+                        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        })
+    };
+    let out = finish_within(child, Duration::from_secs(300), &SMALL_BENCH_JSON);
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    killer.join().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("its process ended with signal: 9 (SIGKILL) (SIGKILL: most likely"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("the rows above are without those bytes_per_key"),
+        "{stderr}"
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        rows.iter()
+            .any(|r| r["workload"] == "uniform-1m" && r["policy"] == "gcra"),
+        "{rows:?}"
+    );
+    assert!(rows.iter().any(|r| r["workload"] == "boundary-attack"));
+}

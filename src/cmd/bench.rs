@@ -3,7 +3,7 @@
 
 use std::process::ExitCode;
 
-use anyhow::{ensure, Context as _, Result};
+use anyhow::{bail, ensure, Context as _, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use ratewarden_core::{
     FixedWindow, Gcra, PolicyKind, SlidingLog, SlidingWindowCounter, TokenBucket,
@@ -790,12 +790,23 @@ fn bench(args: &Args, plan: &Plan) -> Result<()> {
     let (mut rows, samples) = speed_rows(plan, &seq, &bar)?;
     drop(seq);
     bar.set_message("memory");
+    // A measurement that failed (its process killed for memory, say)
+    // leaves its row without bytes_per_key; the rest of the run, minutes
+    // of it, is still printed before the run fails.
+    let mut memory_failures = Vec::new();
     for name in contenders {
         if plan.keys < MIN_MEMORY_KEYS {
             bar.inc(1);
             continue;
         }
-        let Footprint { bytes_per_key, .. } = measure_in_child(name, plan.keys)?;
+        let bytes_per_key = match measure_in_child(name, plan.keys) {
+            Ok(Footprint { bytes_per_key, .. }) => bytes_per_key,
+            Err(e) => {
+                memory_failures.push(format!("{e:#}"));
+                bar.inc(1);
+                continue;
+            }
+        };
         if let Some(row) = rows
             .iter_mut()
             .find(|r| r.policy == name && r.workload == "uniform-1m")
@@ -866,7 +877,14 @@ fn bench(args: &Args, plan: &Plan) -> Result<()> {
             &load_at_start,
         );
     }
-    super::print_out(&out).context("cannot write to standard output")
+    super::print_out(&out).context("cannot write to standard output")?;
+    if !memory_failures.is_empty() {
+        bail!(
+            "{}; the rows above are without those bytes_per_key",
+            memory_failures.join("; ")
+        );
+    }
+    Ok(())
 }
 
 /// Why `flags`, given with the Redis store `store`, are refused, and the

@@ -117,9 +117,25 @@ pub fn measure_in_child(contender: &str, keys: usize) -> Result<Footprint> {
         .output()
         .context("starting the memory measurement process")?;
     if !output.status.success() {
+        let said = String::from_utf8_lossy(&output.stderr);
+        let said = said.trim();
+        #[cfg(unix)]
+        let killed = std::os::unix::process::ExitStatusExt::signal(&output.status) == Some(9);
+        #[cfg(not(unix))]
+        let killed = false;
+        let hint = if killed {
+            format!(
+                " (SIGKILL: most likely the kernel's out-of-memory killer; give --keys fewer \
+                 than {keys})"
+            )
+        } else {
+            String::new()
+        };
         bail!(
-            "measuring memory of {contender} failed: {}",
-            String::from_utf8_lossy(&output.stderr).trim()
+            "measuring memory of {contender} with {keys} keys failed: its process ended with \
+             {}{hint}{}{said}",
+            output.status,
+            if said.is_empty() { "" } else { ": " },
         );
     }
     serde_json::from_slice(&output.stdout).context("reading the memory measurement")
