@@ -176,6 +176,28 @@ fn a_malformed_case_is_named_and_the_files_other_cases_still_run() {
     assert_eq!(text.lines().last(), Some("2 passed, 0 failed"), "{text}");
 }
 
+/// A file of many malformed cases names the first hundred, one line each,
+/// and counts the rest in one line.
+#[test]
+fn many_malformed_cases_are_named_up_to_a_hundred() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = vec!["{}"; 150].join(",");
+    let path = scratch(&dir, "many.json", &format!(r#"{{"cases": [{cases}]}}"#));
+    let out = ratewarden(&["vectors", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert_eq!(err.matches("malformed case, not run").count(), 100, "{err}");
+    assert!(
+        err.contains("many.json: 50 more malformed cases, not run and not shown"),
+        "{err}"
+    );
+    assert!(
+        stdout(&out).contains("150 malformed cases not run"),
+        "{}",
+        stdout(&out)
+    );
+}
+
 #[test]
 fn an_unknown_store_is_refused() {
     let out = ratewarden(&["vectors", "--store", "etcd://x", "vectors"]);
