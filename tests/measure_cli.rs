@@ -509,6 +509,15 @@ fn simulate_keeps_the_mode_of_the_files_it_replaces() {
         std::fs::write(path, "old").unwrap();
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
     }
+    // And its owner and group, where the user may give them: root may give
+    // the series to nobody; another user keeps its own.
+    use std::os::unix::fs::MetadataExt as _;
+    let _ = std::os::unix::fs::chown(&csv, Some(65534), Some(65534));
+    let owner = |p: &std::path::Path| {
+        let meta = std::fs::metadata(p).unwrap();
+        (meta.uid(), meta.gid())
+    };
+    let csv_owner = owner(&csv);
     let out = ratewarden(&[
         "simulate",
         "--policy",
@@ -537,6 +546,51 @@ fn simulate_keeps_the_mode_of_the_files_it_replaces() {
         );
         assert!(meta.len() > 3, "{} was not replaced", path.display());
     }
+    assert_eq!(owner(&csv), csv_owner);
+}
+
+/// A file the user may not write is refused before the run, as a shell's
+/// `>` would refuse it, though its folder would let it be replaced.
+#[cfg(unix)]
+#[test]
+fn simulate_refuses_to_replace_a_file_the_user_may_not_write() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let svg = scratch(&dir, "kept.svg");
+    std::fs::write(&svg, "old").unwrap();
+    std::fs::set_permissions(&svg, std::fs::Permissions::from_mode(0o444)).unwrap();
+    let args = [
+        "simulate",
+        "--policy",
+        "gcra",
+        "--shape",
+        "steady-2x",
+        "--duration-ms",
+        "2000",
+        "--out",
+        svg.to_str().unwrap(),
+    ];
+    // Root may write any file: it runs as nobody, whom the file's mode
+    // refuses as it refuses its owner.
+    let root = Command::new("id").arg("-u").output().unwrap().stdout == b"0\n";
+    let out = if root {
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(env!("CARGO_BIN_EXE_ratewarden"))
+            .args(args)
+            .output()
+            .expect("setpriv runs")
+    } else {
+        ratewarden(&args)
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("exists and is not writable by you; make it writable"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read_to_string(&svg).unwrap(), "old");
 }
 
 /// A series file that cannot be replaced (immutable, set with `chattr

@@ -315,6 +315,20 @@ impl<'a> Output<'a> {
                     "{flag} {shown} is not a regular file (a device, a pipe or a socket); \
                      give a file path"
                 );
+                // The file is replaced by a new one, which its folder allows
+                // whatever the file's own mode: a file this user may not
+                // write is refused, as a shell's `>` would refuse it. (Opened
+                // without truncating it: nothing is changed. Only the mode's
+                // refusal, EACCES: an immutable file's EPERM is met by the
+                // move, after the run, and undone as any failed move is.)
+                if let Err(e) = std::fs::OpenOptions::new().write(true).open(&existing) {
+                    if e.raw_os_error() == Some(13) {
+                        bail!(
+                            "{flag} {shown} exists and is not writable by you; make it \
+                             writable (chmod u+w) or give another path"
+                        );
+                    }
+                }
                 existing
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -462,15 +476,31 @@ fn publish(files: &[(Output, String)]) -> Result<()> {
         let dir = output.target.parent().unwrap_or(Path::new("."));
         let temp = temp_beside(dir)
             .and_then(|mut temp| {
-                // A file that is replaced keeps its mode: a chart kept
-                // private stays private.
+                // A file that is replaced keeps its mode, and its owner
+                // and group where this user may give them (root may): a
+                // chart kept private stays private, and readable by whom
+                // it was.
                 match std::fs::metadata(&output.target) {
-                    Ok(old) => temp.as_file().set_permissions(old.permissions())?,
+                    Ok(old) => {
+                        temp.as_file().set_permissions(old.permissions())?;
+                        #[cfg(unix)]
+                        {
+                            use std::os::unix::fs::MetadataExt as _;
+                            let _ = std::os::unix::fs::fchown(
+                                temp.as_file(),
+                                Some(old.uid()),
+                                Some(old.gid()),
+                            );
+                        }
+                    }
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                     Err(e) => return Err(e),
                 }
                 temp.write_all(text.as_bytes())?;
                 temp.flush()?;
+                // On disk before it takes the old file's name, so that a
+                // power cut after the move finds the new file whole.
+                temp.as_file().sync_all()?;
                 Ok(temp)
             })
             // Say what could not be written, and where.
