@@ -1004,6 +1004,19 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
         stderr.contains("--http and --grpc are both 127.0.0.1:18099"),
         "{stderr}"
     );
+    // The system's certificates unreadable, with no [redis] table: the
+    // table is not blamed.
+    let out = Command::new(BIN)
+        .args(["serve", "--check", "--store", "rediss://127.0.0.1:1"])
+        .env("SSL_CERT_FILE", "/nonexistent/ca.pem")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("serve: TLS: the system's CA certificates cannot be loaded"),
+        "{stderr}"
+    );
     // A port taken says what to change.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().to_string();

@@ -34,10 +34,10 @@ pub struct Args {
     /// poisson-bursts or heavy-tail-keys.
     #[arg(long)]
     pub shape: String,
-    /// Requests admitted per window, at least 1.
+    /// Requests admitted per window, 1 to 2^53 - 1.
     #[arg(long, default_value_t = 100, value_parser = crate::cmd::whole::<u64>)]
     pub limit: u64,
-    /// The window, in ms, at least 1.
+    /// The window, in ms, 1 to 2^53 - 1.
     #[arg(long, default_value_t = 1000, value_parser = crate::cmd::whole::<u64>)]
     pub window_ms: u64,
     /// How long the traffic lasts, in ms, 1 to 3,600,000 (one hour).

@@ -140,9 +140,15 @@ pub fn factory_for(
             // The [redis] files are checked here, with the options every
             // connection is made with, so that a mistake in them is told
             // as the table's, not as the first rule's.
-            ratewarden_redis::check_tls_files(url, &factory.options()).map_err(|e| {
-                anyhow::anyhow!("the configuration's [redis] table: {}", e.detail())
-            })?;
+            // Without files named there, what fails is the system's
+            // certificates (SSL_CERT_FILE, say), which the table has no part in.
+            let whose = if settings.redis_tls == RedisTlsFiles::default() {
+                "TLS"
+            } else {
+                "the configuration's [redis] table"
+            };
+            ratewarden_redis::check_tls_files(url, &factory.options())
+                .map_err(|e| anyhow::anyhow!("{whose}: {}", e.detail()))?;
             Ok(Arc::new(factory))
         }
     }
