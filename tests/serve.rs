@@ -987,10 +987,18 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
         ("redis://", "is not a Redis address"),
         ("redis-cluster://", "names no node"),
         ("redis-cluster://127.0.0.1", "needs a host and a port"),
+        (
+            "redis-cluster://:pw1@127.0.0.1:7000,:pw2@127.0.0.1:7001",
+            "Cannot use different password among initial nodes",
+        ),
     ] {
         let (ok, stderr) = run(&["--check", "--store", store]);
         assert!(!ok, "{store}");
         assert!(stderr.contains(said), "{store}: {stderr}");
+        assert!(
+            !stderr.contains("pw1") && !stderr.contains("pw2"),
+            "{stderr}"
+        );
     }
     let (ok, stderr) = bare(&[
         "--check",

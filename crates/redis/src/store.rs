@@ -3041,10 +3041,20 @@ pub(crate) fn address_error(url: &str) -> Option<String> {
         },
         None => vec![url.to_owned()],
     };
-    nodes.iter().find_map(|node| {
+    let node_error = nodes.iter().find_map(|node| {
         node.as_str()
             .into_connection_info()
             .err()
+            .map(|e| invalid_url(&shown, e).detail().to_owned())
+    });
+    // The seeds must also agree with each other (one password for all,
+    // say), which redis-rs checks when it builds a cluster client: that
+    // connects to nothing.
+    node_error.or_else(|| {
+        let cluster = url.starts_with("redis-cluster://") || url.starts_with("rediss-cluster://");
+        cluster
+            .then(|| cluster_client(&nodes, Duration::from_secs(1), Duration::from_secs(1), None))
+            .and_then(|built| built.err())
             .map(|e| invalid_url(&shown, e).detail().to_owned())
     })
 }
@@ -3683,11 +3693,20 @@ fn reconnection_refused(e: &RedisError) -> bool {
 
 /// `shown`: the URL without its credentials.
 fn invalid_url(shown: &str, e: RedisError) -> StoreError {
+    // Without the error's detail: redis-rs puts there the part of the URL
+    // it could not take (a `protocol=` value, say), which can be the rest
+    // of a password holding `&` or `?`.
+    let text = e.to_string();
+    let text = e
+        .detail()
+        .and_then(|detail| text.strip_suffix(detail))
+        .map_or(text.as_str(), |t| t.trim_end_matches(": "));
     StoreError::new(
         StoreErrorKind::InvalidInput,
         format!(
-            "{} is not a Redis address ({e}); write {} (a user name or password \
-             holding any of / ? # @ % , is written percent-encoded: / as %2F, @ as %40)",
+            "{} is not a Redis address ({text}); write {} (a user name or password \
+             holding any of / ? # @ % , & is written percent-encoded: / as %2F, @ as %40, \
+             & as %26)",
             crate::url::quoted_or_hidden(shown, "the address given"),
             crate::url::FORMS
         ),

@@ -741,6 +741,11 @@ mod tests {
                     format!("redis+unix:///run/r.sock&pass={password}"),
                     format!("redis://h:1/0&password={password}"),
                     format!("redis://:a/b@h:1/0&password={password}"),
+                    // A password holding `&protocol=!` (or `?protocol=!`),
+                    // whose rest redis-rs names in its error.
+                    format!("redis+unix:///run/r.sock?pass=a&protocol=!{password}"),
+                    format!("redis://:a@h:1/0?protocol=!{password}"),
+                    format!("redis-cluster://:a@h:1,h:2?protocol=!{password}"),
                 ] {
                     tried += 1;
                     hidden(&url);
