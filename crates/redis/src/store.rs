@@ -640,111 +640,97 @@ impl RedisStore {
                 // accepts connections but never answers would otherwise
                 // spend the whole time alone.
                 let node_connect_timeout = Duration::from_millis(connect_timeout_ms.div_ceil(4));
-                // Seeds first as given; once more with only the seeds that
-                // serve slots when the slot map redis-rs took names no node:
-                // it takes the map of whichever seed answers first, and a
-                // seed removed with del-node runs on as an empty cluster of
-                // its own, so a start from a URL naming members too would
-                // fail at random.
-                let mut tried = nodes.clone();
-                let (mut conn, info) = loop {
-                    let client = cluster_client(
-                        &tried,
-                        node_connect_timeout,
-                        node_response_timeout,
-                        certificates,
-                    )
-                    .map_err(|e| invalid_url(shown, e))?;
-                    let mut conn = match client.get_async_connection().await {
-                        Ok(conn) => conn,
-                        Err(e) => {
-                            return Err(cluster_connect_error(
-                                e,
-                                &tried,
-                                certificates,
-                                form,
-                                shown,
-                                node_connect_timeout,
-                            )
-                            .await)
-                        }
-                    };
-                    // A cluster that answers but has a slot no master serves
-                    // (cluster_state:fail) would fail the decisions of every
-                    // key in that slot: a store that cannot be used, which
-                    // stops the caller at start, as a node that is down does.
-                    let info: Result<String, StoreError> = retry_timeouts!(
-                        deadline,
-                        node_response_timeout,
-                        {
-                            redis::cmd("CLUSTER")
-                            .arg("INFO")
-                            .query_async(&mut conn)
-                            .await
-                            .map_err(|e| {
-                                let e = map_error(e);
-                                // Over TLS, seeds that connected but a slot map
-                                // whose nodes could not be: their certificates
-                                // lack the addresses the nodes announce.
-                                // The seeds answered, so it is no Redis to
-                                // start (Backend, not ConnectionDropped, for
-                                // which callers say to start one).
-                                let no_node = e.detail().contains("ClusterConnectionNotFound");
-                                let (kind, hint) = if tls && no_node {
-                                    (
-                                        StoreErrorKind::Backend,
-                                        "; over TLS, each node's certificate must hold the address \
-                                         it announces in CLUSTER SLOTS (its IP, unless \
-                                         cluster-preferred-endpoint-type is hostname)"
-                                            .to_owned(),
-                                    )
-                                } else if no_node {
-                                    // Without TLS, a slot map naming no node:
-                                    // seeds that serve no slot.
-                                    (
-                                        StoreErrorKind::Backend,
-                                        "; the seeds answered, but their slot map names no node \
-                                         (redis-cli -p PORT CLUSTER SLOTS on a seed shows it): give \
-                                         seeds that are members of the cluster, which a node not yet \
-                                         joined (CLUSTER MEET), or removed with redis-cli --cluster \
-                                         del-node (it runs on as an empty cluster of its own), is not"
-                                            .to_owned(),
-                                    )
-                                } else if refused_permission(e.detail()) {
-                                    (
-                                        StoreErrorKind::InvalidInput,
-                                        format!("; {}", permission_advice(e.detail())),
-                                    )
-                                } else {
-                                    (e.kind(), String::new())
-                                };
-                                StoreError::new(
-                                    kind,
-                                    format!(
-                                        "Redis Cluster at {shown} cannot be used: CLUSTER INFO: \
-                                         {}{hint}",
-                                        e.detail()
-                                    ),
-                                )
-                            })
-                        }
-                    );
-                    match info {
-                        Err(e)
-                            if tried.len() == nodes.len()
-                                && e.detail().contains("ClusterConnectionNotFound") =>
-                        {
-                            let members =
-                                seeds_serving_slots(&nodes, certificates, node_connect_timeout)
-                                    .await;
-                            if members.is_empty() || members.len() == nodes.len() {
-                                return Err(e);
-                            }
-                            tried = members;
-                        }
-                        info => break (conn, info?),
+                // From the seeds that serve slots, when there are several:
+                // redis-rs takes the slot map of whichever seed answers
+                // first, and a seed removed with del-node runs on as an
+                // empty cluster of its own, so a start from a URL naming
+                // members too would fail at random (with a seed that does
+                // not answer beside them, by timing out). Each is asked
+                // within a node's connect timeout, all at once; when none
+                // answers with slots, every seed is tried, for the error.
+                let members = if nodes.len() > 1 {
+                    seeds_serving_slots(&nodes, certificates, node_connect_timeout).await
+                } else {
+                    Vec::new()
+                };
+                let tried = if members.is_empty() { &nodes } else { &members };
+                let client = cluster_client(
+                    tried,
+                    node_connect_timeout,
+                    node_response_timeout,
+                    certificates,
+                )
+                .map_err(|e| invalid_url(shown, e))?;
+                let mut conn = match client.get_async_connection().await {
+                    Ok(conn) => conn,
+                    Err(e) => {
+                        return Err(cluster_connect_error(
+                            e,
+                            tried,
+                            certificates,
+                            form,
+                            shown,
+                            node_connect_timeout,
+                        )
+                        .await)
                     }
                 };
+                // A cluster that answers but has a slot no master serves
+                // (cluster_state:fail) would fail the decisions of every
+                // key in that slot: a store that cannot be used, which
+                // stops the caller at start, as a node that is down does.
+                let info: String = retry_timeouts!(deadline, node_response_timeout, {
+                    redis::cmd("CLUSTER")
+                        .arg("INFO")
+                        .query_async(&mut conn)
+                        .await
+                        .map_err(|e| {
+                            let e = map_error(e);
+                            // Over TLS, seeds that connected but a slot map
+                            // whose nodes could not be: their certificates
+                            // lack the addresses the nodes announce.
+                            // The seeds answered, so it is no Redis to
+                            // start (Backend, not ConnectionDropped, for
+                            // which callers say to start one).
+                            let no_node = e.detail().contains("ClusterConnectionNotFound");
+                            let (kind, hint) = if tls && no_node {
+                                (
+                                    StoreErrorKind::Backend,
+                                    "; over TLS, each node's certificate must hold the address \
+                                     it announces in CLUSTER SLOTS (its IP, unless \
+                                     cluster-preferred-endpoint-type is hostname)"
+                                        .to_owned(),
+                                )
+                            } else if no_node {
+                                // Without TLS, a slot map naming no node:
+                                // seeds that serve no slot.
+                                (
+                                    StoreErrorKind::Backend,
+                                    "; the seeds answered, but their slot map names no node \
+                                     (redis-cli -p PORT CLUSTER SLOTS on a seed shows it): give \
+                                     seeds that are members of the cluster, which a node not yet \
+                                     joined (CLUSTER MEET), or removed with redis-cli --cluster \
+                                     del-node (it runs on as an empty cluster of its own), is not"
+                                        .to_owned(),
+                                )
+                            } else if refused_permission(e.detail()) {
+                                (
+                                    StoreErrorKind::InvalidInput,
+                                    format!("; {}", permission_advice(e.detail())),
+                                )
+                            } else {
+                                (e.kind(), String::new())
+                            };
+                            StoreError::new(
+                                kind,
+                                format!(
+                                    "Redis Cluster at {shown} cannot be used: CLUSTER INFO: \
+                                     {}{hint}",
+                                    e.detail()
+                                ),
+                            )
+                        })
+                })?;
                 let state = cluster_state(&info).unwrap_or("(not given)");
                 if state != "ok" {
                     return Err(StoreError::new(
