@@ -1012,6 +1012,18 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
         stderr.contains("--http and --grpc are both 127.0.0.1:18099"),
         "{stderr}"
     );
+    let (ok, stderr) = bare(&[
+        "--check",
+        "--http",
+        "0.0.0.0:18099",
+        "--grpc",
+        "127.0.0.1:18099",
+    ]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("--http and --grpc share port 18099 (0.0.0.0:18099 and 127.0.0.1:18099"),
+        "{stderr}"
+    );
     // The system's certificates unreadable, with no [redis] table: the
     // table is not blamed.
     let out = Command::new(BIN)

@@ -62,6 +62,17 @@ fn parse_addr(s: &str) -> Result<SocketAddr, String> {
     }
 }
 
+/// Whether listening on `a` keeps a listener on `b` from starting: one
+/// port (not 0, which picks a free one each), on one address, or where one
+/// of them is unspecified (`0.0.0.0` takes the port on every IPv4 address;
+/// `[::]`, dual-stack as Linux makes it by default, on every address).
+fn clash(a: SocketAddr, b: SocketAddr) -> bool {
+    let covers = |wide: SocketAddr, other: SocketAddr| {
+        wide.ip().is_unspecified() && (wide.is_ipv6() || other.is_ipv4())
+    };
+    a.port() == b.port() && a.port() != 0 && (a.ip() == b.ip() || covers(a, b) || covers(b, a))
+}
+
 /// Runs the service until SIGTERM or SIGINT.
 pub fn run(args: Args) -> ExitCode {
     // A RUST_LOG that does not parse is said, not dropped without a word:
@@ -98,13 +109,19 @@ pub fn run(args: Args) -> ExitCode {
     let mut given = vec![("--http", args.http), ("--grpc", args.grpc)];
     given.extend(args.metrics.map(|a| ("--metrics", a)));
     for (i, (flag, addr)) in given.iter().enumerate() {
-        if let Some((other, _)) = given[..i]
-            .iter()
-            .find(|(_, a)| a == addr && addr.port() != 0)
-        {
+        if let Some((other, other_addr)) = given[..i].iter().find(|(_, a)| clash(*a, *addr)) {
+            let what = if other_addr == addr {
+                format!("are both {addr}")
+            } else {
+                format!(
+                    "share port {} ({other_addr} and {addr}: an unspecified address takes \
+                     the port on every address)",
+                    addr.port()
+                )
+            };
             errln!(
-                "ratewarden serve: {other} and {flag} are both {addr}; give each interface \
-                 a port of its own"
+                "ratewarden serve: {other} and {flag} {what}; give each interface a port of \
+                 its own"
             );
             return ExitCode::FAILURE;
         }
@@ -212,5 +229,21 @@ fn runtime(mut builder: tokio::runtime::Builder) -> Option<tokio::runtime::Runti
             errln!("ratewarden serve: cannot start the runtime: {e}");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn addresses_clash_on_one_port_where_one_covers_the_other() {
+        let clash = |a: &str, b: &str| super::clash(a.parse().unwrap(), b.parse().unwrap());
+        assert!(clash("127.0.0.1:80", "127.0.0.1:80"));
+        assert!(clash("0.0.0.0:80", "127.0.0.1:80"));
+        assert!(clash("127.0.0.1:80", "[::]:80"));
+        assert!(clash("[::]:80", "[::1]:80"));
+        assert!(!clash("0.0.0.0:80", "[::1]:80"));
+        assert!(!clash("127.0.0.1:80", "127.0.0.2:80"));
+        assert!(!clash("0.0.0.0:80", "0.0.0.0:81"));
+        assert!(!clash("0.0.0.0:0", "127.0.0.1:0"));
     }
 }
