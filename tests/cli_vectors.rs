@@ -181,21 +181,30 @@ fn a_malformed_case_is_named_and_the_files_other_cases_still_run() {
 #[test]
 fn many_malformed_cases_are_named_up_to_a_hundred() {
     let dir = tempfile::tempdir().unwrap();
-    let cases = vec!["{}"; 150].join(",");
-    let path = scratch(&dir, "many.json", &format!(r#"{{"cases": [{cases}]}}"#));
-    let out = ratewarden(&["vectors", path.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    let err = stderr(&out);
-    assert_eq!(err.matches("malformed case, not run").count(), 100, "{err}");
-    assert!(
-        err.contains("many.json: 50 more malformed cases, not run and not shown"),
-        "{err}"
-    );
-    assert!(
-        stdout(&out).contains("150 malformed cases not run"),
-        "{}",
-        stdout(&out)
-    );
+    for (count, more) in [
+        (150, "50 more malformed cases"),
+        (101, "1 more malformed case"),
+    ] {
+        let cases = vec!["{}"; count].join(",");
+        let path = scratch(&dir, "many.json", &format!(r#"{{"cases": [{cases}]}}"#));
+        let out = ratewarden(&["vectors", path.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        let err = stderr(&out);
+        assert_eq!(
+            err.matches("malformed case, not run: ").count(),
+            100,
+            "{err}"
+        );
+        assert!(
+            err.contains(&format!("many.json: {more}, not run and not shown")),
+            "{err}"
+        );
+        let text = stdout(&out);
+        assert!(
+            text.contains(&format!("{count} malformed cases not run")),
+            "{text}"
+        );
+    }
 }
 
 #[test]

@@ -1863,7 +1863,10 @@ fn a_killed_memory_measurement_fails_the_run_but_keeps_its_rows() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
-        stderr.contains("its process ended with signal: 9 (SIGKILL) (SIGKILL: most likely"),
+        stderr.contains(
+            "its process ended with signal: 9 (SIGKILL), most likely from the kernel's \
+             out-of-memory killer: give --keys fewer than 100000"
+        ),
         "{stderr}"
     );
     assert!(

@@ -967,10 +967,13 @@ pub fn run(args: Args) -> ExitCode {
 pub fn run_memory(args: MemoryArgs) -> ExitCode {
     match measure_here(&args.contender, args.keys) {
         Ok(footprint) => match serde_json::to_string(&footprint) {
-            Ok(line) => {
-                println!("{line}");
-                ExitCode::SUCCESS
-            }
+            Ok(line) => match super::print_out(&format!("{line}\n")) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    errln!("ratewarden bench-memory: cannot write to standard output: {e}");
+                    ExitCode::FAILURE
+                }
+            },
             Err(e) => {
                 errln!("ratewarden bench-memory: {e}");
                 ExitCode::FAILURE

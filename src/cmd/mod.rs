@@ -92,6 +92,20 @@ pub fn whole<T: Whole>(s: &str) -> Result<T, String> {
     })
 }
 
+/// A whole number in SPEC's range, `0 ..= 2^53 - 1`, for the flags that
+/// give a policy its numbers (`--limit`, `--window-ms`): a value past it
+/// is told that bound, not `u64`'s, which would be refused in turn.
+pub fn spec_number(s: &str) -> Result<u64, String> {
+    const MAX: u64 = (1 << 53) - 1;
+    let too_large = || format!("`{s}` is too large; give at most {MAX} (2^53 - 1)");
+    match whole::<u64>(s) {
+        Ok(value) if value <= MAX => Ok(value),
+        Ok(_) => Err(too_large()),
+        Err(e) if e.contains("is too large") => Err(too_large()),
+        Err(e) => Err(e),
+    }
+}
+
 /// Parses `--store` into a [`StoreUrl`]. clap's own message for a refused
 /// value quotes the raw text, and a store URL can hold a password: this
 /// parser's message shows only the redacted URL that [`StoreUrl`]'s own
@@ -144,6 +158,20 @@ mod tests {
         assert_eq!(super::whole::<usize>("-00"), Ok(0));
         let e = super::whole::<u64>("1.5").unwrap_err();
         assert!(e.contains("not `1.5`"), "{e}");
+    }
+
+    #[test]
+    fn spec_numbers_are_bounded_by_2_to_the_53() {
+        assert_eq!(super::spec_number("9007199254740991"), Ok(9007199254740991));
+        for refused in ["9007199254740992", "18446744073709551616"] {
+            assert_eq!(
+                super::spec_number(refused).unwrap_err(),
+                format!("`{refused}` is too large; give at most 9007199254740991 (2^53 - 1)")
+            );
+        }
+        assert!(super::spec_number("-1")
+            .unwrap_err()
+            .contains("must not be negative"));
     }
 
     #[test]

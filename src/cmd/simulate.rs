@@ -35,10 +35,10 @@ pub struct Args {
     #[arg(long)]
     pub shape: String,
     /// Requests admitted per window, 1 to 2^53 - 1.
-    #[arg(long, default_value_t = 100, value_parser = crate::cmd::whole::<u64>)]
+    #[arg(long, default_value_t = 100, value_parser = crate::cmd::spec_number)]
     pub limit: u64,
     /// The window, in ms, 1 to 2^53 - 1.
-    #[arg(long, default_value_t = 1000, value_parser = crate::cmd::whole::<u64>)]
+    #[arg(long, default_value_t = 1000, value_parser = crate::cmd::spec_number)]
     pub window_ms: u64,
     /// How long the traffic lasts, in ms, 1 to 3,600,000 (one hour).
     #[arg(long, default_value_t = 10_000, value_parser = crate::cmd::whole::<u64>)]

@@ -617,10 +617,11 @@ fn run_file(
         }
     }
     if malformed > MAX_MALFORMED_SHOWN {
+        let more = malformed - MAX_MALFORMED_SHOWN;
         errln!(
-            "{}: {} more malformed cases, not run and not shown",
+            "{}: {more} more malformed {}, not run and not shown",
             path.display(),
-            malformed - MAX_MALFORMED_SHOWN
+            if more == 1 { "case" } else { "cases" }
         );
     }
     note(

@@ -125,8 +125,8 @@ pub fn measure_in_child(contender: &str, keys: usize) -> Result<Footprint> {
         let killed = false;
         let hint = if killed {
             format!(
-                " (SIGKILL: most likely the kernel's out-of-memory killer; give --keys fewer \
-                 than {keys})"
+                ", most likely from the kernel's out-of-memory killer: give --keys fewer than \
+                 {keys}"
             )
         } else {
             String::new()
