@@ -3135,6 +3135,19 @@ fn cluster_nodes(seeds: &str, shown: &str, tls: bool) -> Result<Vec<String>, Sto
             )));
         }
     }
+    // redis-rs takes the first seed's credentials for every node: ones
+    // written on a later seed alone would be dropped without a word.
+    if let Some(n) = seeds
+        .iter()
+        .position(|s| s.contains('@'))
+        .filter(|&n| n > 0)
+    {
+        return Err(refuse(format!(
+            "seed {} of the URL carries a user or password and the first seed none: write \
+             them on the first seed, where they hold for every seed",
+            n + 1
+        )));
+    }
     let credentials = seeds
         .first()
         .and_then(|s| s.rsplit_once('@'))

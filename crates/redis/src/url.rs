@@ -573,6 +573,9 @@ pub fn is_cluster_url(url: &str) -> bool {
 /// assert!(url_error("redis-cluster://").unwrap().contains("names no node"));
 /// assert!(url_error("redis-cluster://127.0.0.1").unwrap().contains("needs a host and a port"));
 /// assert_eq!(url_error("rediss-cluster://:pw@127.0.0.1:7000,127.0.0.1:7001"), None);
+/// assert!(url_error("redis-cluster://127.0.0.1:7000,:pw@127.0.0.1:7001")
+///     .unwrap()
+///     .contains("write them on the first seed"));
 /// ```
 pub fn url_error(url: &str) -> Option<String> {
     if !is_store_url(url) {
