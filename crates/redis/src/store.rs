@@ -3045,6 +3045,20 @@ pub(crate) fn address_error(url: &str) -> Option<String> {
     })
 }
 
+/// A connection of its own to the one node `client` names, made and
+/// answered within `timeout` each: for asking a seed on its own.
+async fn node_connection(
+    client: &redis::Client,
+    timeout: Duration,
+) -> RedisResult<redis::aio::MultiplexedConnection> {
+    let config = AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(timeout))
+        .set_response_timeout(Some(timeout));
+    client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+}
+
 /// Those of the seeds `nodes` (their `redis://` or `rediss://` URLs) whose
 /// `CLUSTER SLOTS` names a slot, each asked within `node_timeout`: members
 /// of a cluster, not a node removed with del-node (an empty cluster of its
@@ -3056,13 +3070,7 @@ async fn seeds_serving_slots(
 ) -> Vec<String> {
     let asks = nodes.iter().map(|node| async move {
         let client = client_for(node, certificates).ok()?;
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(node_timeout))
-            .set_response_timeout(Some(node_timeout));
-        let mut conn = client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await
-            .ok()?;
+        let mut conn = node_connection(&client, node_timeout).await.ok()?;
         let slots: Value = redis::cmd("CLUSTER")
             .arg("SLOTS")
             .query_async(&mut conn)
@@ -3187,11 +3195,7 @@ async fn cluster_connect_error(
     let probes = nodes.iter().map(|node| async move {
         let client = client_for(node, certificates).map_err(|e| invalid_url(shown, e))?;
         let address = address_of(client.get_connection_info().addr());
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(node_timeout))
-            .set_response_timeout(Some(node_timeout));
-        let mut conn = client
-            .get_multiplexed_async_connection_with_config(&config)
+        let mut conn = node_connection(&client, node_timeout)
             .await
             .map_err(|e| connect_error(e, &address, form))?;
         check_node(&mut conn, &address, form).await
