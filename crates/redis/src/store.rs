@@ -1851,7 +1851,8 @@ impl RedisStore {
                     self.renew_connection();
                     return failed(format!(
                         "{master}: node {id} answered in its place (the client cannot reach \
-                         it, or its slot map is out of date)"
+                         it or use it, or its slot map is out of date; a master new to the \
+                         cluster may lack the URL's ACL user, which Redis keeps per node)"
                     ));
                 }
                 Ok(Err(MasterCheck::NotOk)) => not_ok.push(master),
@@ -3955,8 +3956,9 @@ fn cluster_hint(text: &str, tls: bool) -> Option<String> {
         )
     } else if text.contains("Moved:") {
         Some(
-            "the node the cluster names for that slot cannot be reached (a failover may be \
-             under way)"
+            "the node the cluster names for that slot cannot be reached or used (a failover \
+             may be under way; or, when the node is new, it may lack the URL's ACL user, \
+             which Redis keeps per node)"
                 .to_owned(),
         )
     } else {

@@ -183,6 +183,48 @@ fn a_failover_is_followed_after_the_only_seed_was_removed() {
     });
 }
 
+/// A master new to the cluster without the URL's ACL user (Redis keeps
+/// users per node) fails the calls for its slots, safely; the readiness
+/// check's error says it may lack the user, not only that it is out of
+/// reach.
+#[test]
+fn a_new_master_without_the_acl_user_is_said_to_maybe_lack_it() {
+    let mut cluster = RedisCluster::start();
+    for node in cluster.nodes() {
+        let granted = node.cli(&["ACL", "SETUSER", "rw", "on", ">pw", "~*", "+@all"]);
+        assert_eq!(granted.trim(), "OK");
+    }
+    let url = cluster.url().replacen("://", "://rw:pw@", 1);
+    let rt = common::runtime();
+    let store = rt.block_on(async {
+        RedisStore::connect(&url, REFERENCE, options("acl-new-master"))
+            .await
+            .expect("connect")
+    });
+    // The new master takes slot 0 (no key yet) without the user.
+    let new = cluster.add_empty_master();
+    let id = cluster.node_id(new);
+    for node in cluster.nodes() {
+        assert_eq!(
+            node.cli(&["CLUSTER", "SETSLOT", "0", "NODE", &id]).trim(),
+            "OK"
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    rt.block_on(async {
+        loop {
+            match store.ping().await {
+                Err(e) if e.detail().contains("may lack the URL's ACL user") => break,
+                other => assert!(
+                    Instant::now() < deadline,
+                    "20 s after the move, ping gave {other:?}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+}
+
 /// A URL naming a seed since removed (`del-node`) beside a member: the
 /// store connects every time, though redis-rs takes the slot map of
 /// whichever seed answers first, and the removed one's names no node.
