@@ -1179,6 +1179,50 @@ fn small_json_run(url: &str, extra: &[&str]) -> (Vec<serde_json::Value>, Vec<ser
     (rows, policies)
 }
 
+/// A run that fails after the policies were measured (here the baseline
+/// script, refused `HSET`, which the policies' scripts do not use) prints
+/// their rows before it fails: they are not lost to a later step.
+#[test]
+fn bench_redis_prints_the_policies_measured_before_a_failure() {
+    let server = RedisServer::start();
+    server.cli(&[
+        "ACL",
+        "SETUSER",
+        "nohset",
+        "on",
+        ">pw",
+        "~ratewarden-bench*",
+        "+@all",
+        "-hset",
+    ]);
+    let url = format!("redis://nohset:pw@127.0.0.1:{}", server.port());
+    for json in [true, false] {
+        let mut args: Vec<&str> = ["bench-redis", "--store", &url]
+            .into_iter()
+            .chain(SMALL)
+            .collect();
+        if json {
+            args.push("--json");
+        }
+        let (out, _) = ratewarden_within(&args, &[], Duration::from_secs(120));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains("the figures of the policies measured before it are printed"),
+            "{stderr}"
+        );
+        if json {
+            let rows = json_rows(&out);
+            assert_eq!(rows.len(), 5, "{rows:?}");
+            assert!(rows.iter().all(|r| r["workload"] == "policy"), "{rows:?}");
+        } else {
+            let table = String::from_utf8_lossy(&out.stdout);
+            assert!(table.starts_with("policy "), "{table}");
+            assert_eq!(table.lines().count(), 6, "{table}");
+        }
+    }
+}
+
 /// The run writes under its own prefix only, and leaves no key without a
 /// TTL: a user key named as redis-benchmark's default INCR key and any
 /// other key stay as they were, and a user allowed only the prefix's keys

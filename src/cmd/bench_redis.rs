@@ -536,150 +536,172 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
     // pattern finds every key of the run.
     let key_prefix = format!("{}:", escape_key_part(&prefix));
 
+    // The policies' figures measured before a failure are printed, as
+    // bench's rows are: minutes of a run are not lost to a later step.
     let mut figures = Vec::new();
-    for policy in PolicyKind::ALL {
-        let name = policy.name();
-        let config = PolicyConfig::new(policy, REFERENCE.limit, REFERENCE.window_ms);
-        let stores = runtime
-            .block_on(connect_all(&args.store, config, &prefix, args.connections))
-            .map_err(during(&format!("{name}, connecting"), &shown))?;
-        let round_trip_us = runtime
-            .block_on(round_trips(&stores[0], plan.round_trips, args.keys))
-            .map_err(during(&format!("{name}, round trips"), &shown))?;
-        let step = format!("{name}, pipelined decisions");
-        reset_stats(&mut admin).map_err(during(&step, &shown))?;
-        let (done, seconds) = runtime
-            .block_on(pipelined(&stores, args, plan.requests))
-            .map_err(during(&step, &shown))?;
-        let usec = usec_per_call(&mut admin, "evalsha").map_err(during(&step, &shown))?;
-        figures.push(PolicyFigures {
-            policy,
-            decisions_per_s: done as f64 / seconds,
-            round_trip_us,
-            server_usec_per_call: usec,
-        });
-    }
+    let measured = (|| -> Result<Measured, String> {
+        for policy in PolicyKind::ALL {
+            let name = policy.name();
+            let config = PolicyConfig::new(policy, REFERENCE.limit, REFERENCE.window_ms);
+            let stores = runtime
+                .block_on(connect_all(&args.store, config, &prefix, args.connections))
+                .map_err(during(&format!("{name}, connecting"), &shown))?;
+            let round_trip_us = runtime
+                .block_on(round_trips(&stores[0], plan.round_trips, args.keys))
+                .map_err(during(&format!("{name}, round trips"), &shown))?;
+            let step = format!("{name}, pipelined decisions");
+            reset_stats(&mut admin).map_err(during(&step, &shown))?;
+            let (done, seconds) = runtime
+                .block_on(pipelined(&stores, args, plan.requests))
+                .map_err(during(&step, &shown))?;
+            let usec = usec_per_call(&mut admin, "evalsha").map_err(during(&step, &shown))?;
+            figures.push(PolicyFigures {
+                policy,
+                decisions_per_s: done as f64 / seconds,
+                round_trip_us,
+                server_usec_per_call: usec,
+            });
+        }
 
-    // The baseline script, through this client and through redis-benchmark.
-    let step = "minimal-swc through this client";
-    let sha: String = redis::cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(MINIMAL_SWC)
-        .query(&mut admin)
-        .map_err(|e| admin_error("SCRIPT LOAD", e))
-        .map_err(during(step, &shown))?;
-    reset_stats(&mut admin).map_err(during(step, &shown))?;
-    let minimal_rate = runtime
-        .block_on(pipelined_minimal(
-            &args.store,
-            &sha,
+        // The baseline script, through this client and through redis-benchmark.
+        let step = "minimal-swc through this client";
+        let sha: String = redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(MINIMAL_SWC)
+            .query(&mut admin)
+            .map_err(|e| admin_error("SCRIPT LOAD", e))
+            .map_err(during(step, &shown))?;
+        reset_stats(&mut admin).map_err(during(step, &shown))?;
+        let minimal_rate = runtime
+            .block_on(pipelined_minimal(
+                &args.store,
+                &sha,
+                &key_prefix,
+                args,
+                plan,
+            ))
+            .map_err(during(step, &shown))?;
+        let minimal_usec = usec_per_call(&mut admin, "evalsha").map_err(during(step, &shown))?;
+        let slice_requests = (plan.requests / SLICES).max(1);
+        let common_with = |n: u64| -> Vec<String> {
+            let mut common = target.args.clone();
+            common.extend(
+                [
+                    "-n",
+                    &n.to_string(),
+                    "-c",
+                    &args.connections.to_string(),
+                    "-P",
+                    &args.pipeline.to_string(),
+                    "-q",
+                ]
+                .map(str::to_owned),
+            );
+            common
+        };
+        let keys = args.keys.to_string();
+        let (incr, incr_keys_removed) = incr_step(
+            &mut admin,
+            &common_with(plan.requests),
+            &keys,
             &key_prefix,
-            args,
-            plan,
-        ))
-        .map_err(during(step, &shown))?;
-    let minimal_usec = usec_per_call(&mut admin, "evalsha").map_err(during(step, &shown))?;
-    let slice_requests = (plan.requests / SLICES).max(1);
-    let common_with = |n: u64| -> Vec<String> {
-        let mut common = target.args.clone();
-        common.extend(
-            [
-                "-n",
-                &n.to_string(),
-                "-c",
-                &args.connections.to_string(),
-                "-P",
-                &args.pipeline.to_string(),
-                "-q",
-            ]
-            .map(str::to_owned),
-        );
-        common
-    };
-    let keys = args.keys.to_string();
-    let (incr, incr_keys_removed) = incr_step(
-        &mut admin,
-        &common_with(plan.requests),
-        &keys,
-        &key_prefix,
-        plan.requests,
-    )
-    .map_err(during("redis-benchmark INCR", &shown))?;
-    let minimal_args: Vec<String> = [
-        "-r",
-        keys.as_str(),
-        "EVALSHA",
-        sha.as_str(),
-        "1",
-        &format!("{key_prefix}minimal:__rand_int__"),
-        &REFERENCE.limit.to_string(),
-        &REFERENCE.window_ms.to_string(),
-    ]
-    .map(str::to_owned)
-    .to_vec();
+            plan.requests,
+        )
+        .map_err(during("redis-benchmark INCR", &shown))?;
+        let minimal_args: Vec<String> = [
+            "-r",
+            keys.as_str(),
+            "EVALSHA",
+            sha.as_str(),
+            "1",
+            &format!("{key_prefix}minimal:__rand_int__"),
+            &REFERENCE.limit.to_string(),
+            &REFERENCE.window_ms.to_string(),
+        ]
+        .map(str::to_owned)
+        .to_vec();
 
-    // The targets, both scripts' server CPU driven by redis-benchmark (a
-    // light C client), so that a busy client process sharing the machine
-    // does not inflate one figure more than the other.
-    let step = "sliding-window-counter for the rounds, connecting";
-    let ours_stores = runtime
-        .block_on(connect_all(
-            &args.store,
-            REFERENCE,
-            &prefix,
-            args.connections,
-        ))
-        .map_err(during(step, &shown))?;
-    // One call loads the script (EVALSHA, then SCRIPT LOAD on NOSCRIPT).
-    runtime
-        .block_on(ours_stores[0].decide(0, None, 0))
-        .map_err(|e| e.to_string())
-        .map_err(during(step, &shown))?;
-    let key = ours_stores[0].key_name(0);
-    let mut ours_args = vec![
-        "-r".to_owned(),
-        keys.clone(),
-        "EVALSHA".to_owned(),
-        ours_stores[0].script_sha().to_owned(),
-        "1".to_owned(),
-        format!("{}__rand_int__", key.strip_suffix('0').unwrap_or(&key)),
-    ];
-    ours_args.extend(ours_stores[0].script_args(1, None));
-    let mut drivers = Drivers {
-        args,
-        runtime: &runtime,
-        admin,
-        slice_requests,
-        common: common_with(slice_requests),
-        minimal_args,
-        ours_args,
-        ours_stores,
-    };
-    let mut rounds = Vec::with_capacity(plan.rounds);
-    for i in 0..plan.rounds {
-        // Alternate which script goes first, so that a machine warming up
-        // or slowing down over a round favours neither.
-        let round = drivers
-            .round(i % 2 == 0)
-            .map_err(during(&format!("round {}", i + 1), &shown))?;
-        rounds.push(round);
-    }
-    let verdict = Verdict::of(&rounds).ok_or("a round gave no figure")?;
-    let measured = Measured {
-        shown,
-        load_at_start,
-        load_at_end: super::bench::load_average(),
-        redis_benchmark: redis_benchmark_version,
-        key_prefix,
-        slice_requests,
-        figures,
-        minimal_rate,
-        minimal_usec,
-        incr,
-        incr_keys_removed,
-        rounds,
-        verdict,
-        elapsed_s: started.elapsed().as_secs_f64(),
+        // The targets, both scripts' server CPU driven by redis-benchmark (a
+        // light C client), so that a busy client process sharing the machine
+        // does not inflate one figure more than the other.
+        let step = "sliding-window-counter for the rounds, connecting";
+        let ours_stores = runtime
+            .block_on(connect_all(
+                &args.store,
+                REFERENCE,
+                &prefix,
+                args.connections,
+            ))
+            .map_err(during(step, &shown))?;
+        // One call loads the script (EVALSHA, then SCRIPT LOAD on NOSCRIPT).
+        runtime
+            .block_on(ours_stores[0].decide(0, None, 0))
+            .map_err(|e| e.to_string())
+            .map_err(during(step, &shown))?;
+        let key = ours_stores[0].key_name(0);
+        let mut ours_args = vec![
+            "-r".to_owned(),
+            keys.clone(),
+            "EVALSHA".to_owned(),
+            ours_stores[0].script_sha().to_owned(),
+            "1".to_owned(),
+            format!("{}__rand_int__", key.strip_suffix('0').unwrap_or(&key)),
+        ];
+        ours_args.extend(ours_stores[0].script_args(1, None));
+        let mut drivers = Drivers {
+            args,
+            runtime: &runtime,
+            admin,
+            slice_requests,
+            common: common_with(slice_requests),
+            minimal_args,
+            ours_args,
+            ours_stores,
+        };
+        let mut rounds = Vec::with_capacity(plan.rounds);
+        for i in 0..plan.rounds {
+            // Alternate which script goes first, so that a machine warming up
+            // or slowing down over a round favours neither.
+            let round = drivers
+                .round(i % 2 == 0)
+                .map_err(during(&format!("round {}", i + 1), &shown))?;
+            rounds.push(round);
+        }
+        let verdict = Verdict::of(&rounds).ok_or("a round gave no figure")?;
+        Ok(Measured {
+            shown,
+            load_at_start,
+            load_at_end: super::bench::load_average(),
+            redis_benchmark: redis_benchmark_version,
+            key_prefix,
+            slice_requests,
+            figures: std::mem::take(&mut figures),
+            minimal_rate,
+            minimal_usec,
+            incr,
+            incr_keys_removed,
+            rounds,
+            verdict,
+            elapsed_s: started.elapsed().as_secs_f64(),
+        })
+    })();
+    let measured = match measured {
+        Ok(measured) => measured,
+        Err(e) if !figures.is_empty() => {
+            let out = if args.json {
+                figures.iter().fold(String::new(), |mut out, f| {
+                    outln!(out, "{}", policy_json(f));
+                    out
+                })
+            } else {
+                policy_table(&figures)
+            };
+            let _ = super::print_out(&out);
+            return Err(format!(
+                "{e}; the figures of the policies measured before it are printed"
+            ));
+        }
+        Err(e) => return Err(e),
     };
     let out = if args.json {
         print_json(args, plan, &measured)
@@ -790,26 +812,7 @@ fn print_table(args: &Args, plan: &Plan, m: &Measured) -> String {
         rounds(plan.rounds),
         m.key_prefix
     );
-    outln!(
-        out,
-        "{:<26} {:>12} {:>11} {:>11} {:>17}",
-        "policy",
-        "decisions/s",
-        "rtt_us_p50",
-        "rtt_us_p99",
-        "server_usec/call"
-    );
-    for f in &m.figures {
-        outln!(
-            out,
-            "{:<26} {:>12.0} {:>11} {:>11} {:>17}",
-            f.policy.name(),
-            f.decisions_per_s,
-            show(f.round_trip_us.map(|(p50, _)| p50), 1),
-            show(f.round_trip_us.map(|(_, p99)| p99), 1),
-            show(f.server_usec_per_call, 2)
-        );
-    }
+    out.push_str(&policy_table(&m.figures));
     outln!(
         out,
         "{:<26} {:>12.0} {:>11} {:>11} {:>17}",
@@ -879,6 +882,43 @@ fn print_table(args: &Args, plan: &Plan, m: &Measured) -> String {
     out
 }
 
+/// The table's rows of the policies' own figures, with their header.
+fn policy_table(figures: &[PolicyFigures]) -> String {
+    let mut out = String::new();
+    outln!(
+        out,
+        "{:<26} {:>12} {:>11} {:>11} {:>17}",
+        "policy",
+        "decisions/s",
+        "rtt_us_p50",
+        "rtt_us_p99",
+        "server_usec/call"
+    );
+    for f in figures {
+        outln!(
+            out,
+            "{:<26} {:>12.0} {:>11} {:>11} {:>17}",
+            f.policy.name(),
+            f.decisions_per_s,
+            show(f.round_trip_us.map(|(p50, _)| p50), 1),
+            show(f.round_trip_us.map(|(_, p99)| p99), 1),
+            show(f.server_usec_per_call, 2)
+        );
+    }
+    out
+}
+
+/// One policy's JSON row.
+fn policy_json(f: &PolicyFigures) -> serde_json::Value {
+    json!({
+        "workload": "policy", "policy": f.policy.name(),
+        "decisions_per_s": f.decisions_per_s,
+        "round_trip_us_p50": f.round_trip_us.map(|(p50, _)| p50),
+        "round_trip_us_p99": f.round_trip_us.map(|(_, p99)| p99),
+        "server_usec_per_call": f.server_usec_per_call,
+    })
+}
+
 /// The JSON lines, in the table's order; `workload` tells the kinds of
 /// row apart, as in `bench`'s JSON (docs/redis.md lists every field).
 fn print_json(args: &Args, plan: &Plan, m: &Measured) -> String {
@@ -901,17 +941,7 @@ fn print_json(args: &Args, plan: &Plan, m: &Measured) -> String {
         })
     );
     for f in &m.figures {
-        outln!(
-            out,
-            "{}",
-            json!({
-                "workload": "policy", "policy": f.policy.name(),
-                "decisions_per_s": f.decisions_per_s,
-                "round_trip_us_p50": f.round_trip_us.map(|(p50, _)| p50),
-                "round_trip_us_p99": f.round_trip_us.map(|(_, p99)| p99),
-                "server_usec_per_call": f.server_usec_per_call,
-            })
-        );
+        outln!(out, "{}", policy_json(f));
     }
     outln!(
         out,
