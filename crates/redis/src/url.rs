@@ -39,7 +39,9 @@
 ///     redact_url("redis-cluster://:pw@a:7000,:pw@b:7001"),
 ///     "redis-cluster://:***@a:7000,:***@b:7001"
 /// );
-/// assert_eq!(redact_url("redis+unix:///run/r.sock?pass=pw&db=1"), "redis+unix:///run/r.sock?pass=***&db=1");
+/// assert_eq!(redact_url("redis+unix:///run/r.sock?db=1&pass=pw"), "redis+unix:///run/r.sock?db=1&pass=***");
+/// // After a password, a pair may be the rest of it (an unescaped `&`).
+/// assert_eq!(redact_url("redis+unix:///run/r.sock?pass=pw&db=1"), "redis+unix:///run/r.sock?pass=***&***");
 /// assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
 /// // A password holding an unescaped `,`, `/`, `?`, `#` or `@` makes the URL
 /// // ambiguous: all before the last `@` is hidden, and what follows it is
@@ -50,10 +52,10 @@
 /// assert_eq!(redact_url("redis://bob:p@ss:w/rd,x@h:1"), "redis://***@h:1");
 /// assert_eq!(redact_url("redis://default:9876,x@h:1"), "redis://***@h:1");
 /// // A Unix socket's credentials are in its query, where `@` and `&` may
-/// // stand unescaped: only `db` and `protocol` values are shown.
+/// // stand unescaped: only `db` and `protocol` values before them are shown.
 /// assert_eq!(
-///     redact_url("redis+unix:///run/r.sock?pass=s3cr@t&x&db=1"),
-///     "redis+unix:///run/r.sock?pass=***&***&db=1"
+///     redact_url("redis+unix:///run/r.sock?db=1&pass=s3cr@t&x&db=1"),
+///     "redis+unix:///run/r.sock?db=1&pass=***&***&***"
 /// );
 /// // Not a URL, but maybe a mistyped one: nothing past its scheme when
 /// // it could hold a password; all of it when it reads as a typo.
@@ -283,9 +285,12 @@ fn is_scheme(s: &str) -> bool {
 
 /// A query with its credentials hidden: a key the client reads as `pass`,
 /// `password`, `user` or `username` (in any case, percent-encoded or not)
-/// keeps its name; only `db=<digits>` and `protocol=<letters and digits>`
-/// are shown whole, since a value may hold an unescaped `&` or `=`.
+/// keeps its name; only `db=<digits>` and `protocol=` one of the versions
+/// the client takes are shown whole, and only before the first credential:
+/// a credential may hold an unescaped `&`, and then what follows it, a
+/// `&protocol=Tr0ub4dor` or `&db=31337` as well, is the rest of it.
 fn redact_query(query: &str) -> String {
+    let mut after_credential = false;
     let pairs: Vec<String> = query
         .split('&')
         .map(|pair| {
@@ -293,12 +298,21 @@ fn redact_query(query: &str) -> String {
             let decoded = percent_encoding::percent_decode_str(key)
                 .decode_utf8_lossy()
                 .to_ascii_lowercase();
-            let plain = |f: fn(u8) -> bool| !value.is_empty() && value.bytes().all(f);
-            match decoded.as_str() {
-                "pass" | "password" | "user" | "username" => format!("{decoded}=***"),
-                "db" if plain(|b| b.is_ascii_digit()) => pair.to_owned(),
-                "protocol" if plain(|b| b.is_ascii_alphanumeric()) => pair.to_owned(),
-                _ => "***".to_owned(),
+            let shown = match decoded.as_str() {
+                "pass" | "password" | "user" | "username" => {
+                    after_credential = true;
+                    return format!("{decoded}=***");
+                }
+                "db" => !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()),
+                "protocol" => ["2", "3", "resp2", "resp3"]
+                    .iter()
+                    .any(|v| value.eq_ignore_ascii_case(v)),
+                _ => false,
+            };
+            if shown && !after_credential {
+                pair.to_owned()
+            } else {
+                "***".to_owned()
             }
         })
         .collect();
@@ -749,6 +763,10 @@ mod tests {
                     format!("redis+unix:///run/r.sock?pass=a&protocol=!{password}"),
                     format!("redis://:a@h:1/0?protocol=!{password}"),
                     format!("redis-cluster://:a@h:1,h:2?protocol=!{password}"),
+                    // Or the rest of one, letters and digits alone.
+                    "redis+unix:///run/r.sock?pass=a&protocol=qqq0zzz1xxx".to_owned(),
+                    "redis+unix:///run/r.sock?user=qqq&db=0&protocol=zzz&db=1xxx".to_owned(),
+                    "redis+unix:///run/r.sock?pass=a&db=31337&qqq=zzz&xxx".to_owned(),
                 ] {
                     tried += 1;
                     hidden(&url);
@@ -858,7 +876,7 @@ mod tests {
             ),
             (
                 "redis+unix:///run/r.sock?db=2&pass=x&protocol=resp3",
-                "redis+unix:///run/r.sock?db=2&pass=***&protocol=resp3",
+                "redis+unix:///run/r.sock?db=2&pass=***&***",
             ),
         ] {
             assert_eq!(redact_url(url), shown, "{url}");
