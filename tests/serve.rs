@@ -989,7 +989,7 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
         ("redis-cluster://127.0.0.1", "needs a host and a port"),
         (
             "redis-cluster://:pw1@127.0.0.1:7000,:pw2@127.0.0.1:7001",
-            "Cannot use different password among initial nodes",
+            "seed 2 of the URL carries a user or password other than the first seed's",
         ),
     ] {
         let (ok, stderr) = run(&["--check", "--store", store]);

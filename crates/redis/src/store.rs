@@ -3144,17 +3144,23 @@ fn cluster_nodes(seeds: &str, shown: &str, tls: bool) -> Result<Vec<String>, Sto
             )));
         }
     }
-    // redis-rs takes the first seed's credentials for every node: ones
-    // written on a later seed alone would be dropped without a word.
+    // redis-rs takes the first seed's credentials for every node: others
+    // written on a later seed would be dropped without a word (a user
+    // name beside the first seed's password alone, say).
+    let userinfo = |seed: &str| {
+        seed.rsplit_once('@')
+            .map(|(userinfo, _)| userinfo.to_owned())
+    };
+    let first = seeds.first().and_then(|s| userinfo(s));
     if let Some(n) = seeds
         .iter()
-        .position(|s| s.contains('@'))
-        .filter(|&n| n > 0)
+        .skip(1)
+        .position(|s| s.contains('@') && userinfo(s) != first)
     {
         return Err(refuse(format!(
-            "seed {} of the URL carries a user or password and the first seed none: write \
-             them on the first seed, where they hold for every seed",
-            n + 1
+            "seed {} of the URL carries a user or password other than the first seed's: \
+             write them once, on the first seed, where they hold for every seed",
+            n + 2
         )));
     }
     let credentials = seeds
@@ -4324,9 +4330,13 @@ mod tests {
     fn credentials_on_the_first_seed_hold_for_every_seed() {
         let nodes = |seeds| cluster_nodes(seeds, "shown", false).unwrap();
         assert_eq!(
-            nodes(":pw@a:1,b:2,u:q@c:3"),
-            ["redis://:pw@a:1", "redis://:pw@b:2", "redis://u:q@c:3"]
+            nodes(":pw@a:1,b:2,:pw@c:3"),
+            ["redis://:pw@a:1", "redis://:pw@b:2", "redis://:pw@c:3"]
         );
+        // Others on a later seed would not be used (redis-rs takes the
+        // first seed's for every node): refused, naming the seed.
+        let e = cluster_nodes(":pw@a:1,b:2,u:q@c:3", "shown", false).unwrap_err();
+        assert!(e.detail().contains("seed 3 of the URL carries"), "{e}");
         assert_eq!(nodes("a:1,,b:2"), ["redis://a:1", "redis://b:2"]);
         assert_eq!(nodes("[::1]:7000"), ["redis://[::1]:7000"]);
         assert!(nodes(",").is_empty());

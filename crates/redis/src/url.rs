@@ -589,7 +589,11 @@ pub fn is_cluster_url(url: &str) -> bool {
 /// assert_eq!(url_error("rediss-cluster://:pw@127.0.0.1:7000,127.0.0.1:7001"), None);
 /// assert!(url_error("redis-cluster://127.0.0.1:7000,:pw@127.0.0.1:7001")
 ///     .unwrap()
-///     .contains("write them on the first seed"));
+///     .contains("write them once, on the first seed"));
+/// assert!(url_error("redis-cluster://:pw@127.0.0.1:7000,alice:pw@127.0.0.1:7001")
+///     .unwrap()
+///     .contains("seed 2 of the URL carries a user or password other than the first seed's"));
+/// assert_eq!(url_error("redis-cluster://u:pw@127.0.0.1:7000,u:pw@127.0.0.1:7001"), None);
 /// ```
 pub fn url_error(url: &str) -> Option<String> {
     if !is_store_url(url) {
