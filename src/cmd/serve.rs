@@ -1,7 +1,7 @@
 //! `ratewarden serve`: the rate-limit service.
 
 use super::errln;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -62,15 +62,37 @@ fn parse_addr(s: &str) -> Result<SocketAddr, String> {
     }
 }
 
-/// Whether listening on `a` keeps a listener on `b` from starting: one
-/// port (not 0, which picks a free one each), on one address, or where one
-/// of them is unspecified (`0.0.0.0` takes the port on every IPv4 address;
-/// `[::]`, dual-stack as Linux makes it by default, on every address).
+/// Whether listening on `a` keeps a listener on `b` from starting, on
+/// this host: see [`clash_with`].
 fn clash(a: SocketAddr, b: SocketAddr) -> bool {
-    let covers = |wide: SocketAddr, other: SocketAddr| {
-        wide.ip().is_unspecified() && (wide.is_ipv6() || other.is_ipv4())
+    // Linux's default, dual-stack `[::]`, unless the host says otherwise.
+    let v6_only =
+        std::fs::read_to_string("/proc/sys/net/ipv6/bindv6only").is_ok_and(|s| s.trim() == "1");
+    clash_with(a, b, v6_only)
+}
+
+/// Whether listening on `a` keeps a listener on `b` from starting: one
+/// port (not 0, which picks a free one each), on one address (an
+/// IPv4-mapped IPv6 address is its IPv4 one; a link-local one is one per
+/// interface), or where one of them is unspecified: `0.0.0.0` takes the
+/// port on every IPv4 address, `[::]` on every IPv6 one, and on every IPv4
+/// one too unless `v6_only` (`net.ipv6.bindv6only`).
+fn clash_with(a: SocketAddr, b: SocketAddr, v6_only: bool) -> bool {
+    let ip = |addr: SocketAddr| match addr.ip() {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        v4 => v4,
     };
-    a.port() == b.port() && a.port() != 0 && (a.ip() == b.ip() || covers(a, b) || covers(b, a))
+    let (ia, ib) = (ip(a), ip(b));
+    let same_scope = match (a, b) {
+        (SocketAddr::V6(x), SocketAddr::V6(y)) => x.scope_id() == y.scope_id(),
+        _ => true,
+    };
+    let covers = |wide: IpAddr, other: IpAddr| {
+        wide.is_unspecified() && (wide.is_ipv4() == other.is_ipv4() || (wide.is_ipv6() && !v6_only))
+    };
+    a.port() == b.port()
+        && a.port() != 0
+        && ((ia == ib && same_scope) || covers(ia, ib) || covers(ib, ia))
 }
 
 /// Runs the service until SIGTERM or SIGINT.
@@ -112,10 +134,15 @@ pub fn run(args: Args) -> ExitCode {
         if let Some((other, other_addr)) = given[..i].iter().find(|(_, a)| clash(*a, *addr)) {
             let what = if other_addr == addr {
                 format!("are both {addr}")
-            } else {
+            } else if other_addr.ip().is_unspecified() || addr.ip().is_unspecified() {
                 format!(
                     "share port {} ({other_addr} and {addr}: an unspecified address takes \
                      the port on every address)",
+                    addr.port()
+                )
+            } else {
+                format!(
+                    "share port {} ({other_addr} and {addr} are one address)",
                     addr.port()
                 )
             };
@@ -236,7 +263,8 @@ fn runtime(mut builder: tokio::runtime::Builder) -> Option<tokio::runtime::Runti
 mod tests {
     #[test]
     fn addresses_clash_on_one_port_where_one_covers_the_other() {
-        let clash = |a: &str, b: &str| super::clash(a.parse().unwrap(), b.parse().unwrap());
+        let clash =
+            |a: &str, b: &str| super::clash_with(a.parse().unwrap(), b.parse().unwrap(), false);
         assert!(clash("127.0.0.1:80", "127.0.0.1:80"));
         assert!(clash("0.0.0.0:80", "127.0.0.1:80"));
         assert!(clash("127.0.0.1:80", "[::]:80"));
@@ -245,5 +273,15 @@ mod tests {
         assert!(!clash("127.0.0.1:80", "127.0.0.2:80"));
         assert!(!clash("0.0.0.0:80", "0.0.0.0:81"));
         assert!(!clash("0.0.0.0:0", "127.0.0.1:0"));
+        // One address written two ways; one per interface.
+        assert!(clash("[::ffff:127.0.0.1]:80", "127.0.0.1:80"));
+        assert!(clash("0.0.0.0:80", "[::ffff:127.0.0.1]:80"));
+        assert!(!clash("[fe80::1%1]:80", "[fe80::1%2]:80"));
+        assert!(clash("[fe80::1%1]:80", "[fe80::1%1]:80"));
+        // With net.ipv6.bindv6only, [::] leaves IPv4 alone.
+        let v6_only =
+            |a: &str, b: &str| super::clash_with(a.parse().unwrap(), b.parse().unwrap(), true);
+        assert!(!v6_only("0.0.0.0:80", "[::]:80"));
+        assert!(v6_only("[::]:80", "[::1]:80"));
     }
 }
