@@ -3711,6 +3711,11 @@ fn invalid_url(shown: &str, e: RedisError) -> StoreError {
         .detail()
         .and_then(|detail| text.strip_suffix(detail))
         .map_or(text.as_str(), |t| t.trim_end_matches(": "));
+    let text = if text.contains("Invalid protocol version") {
+        format!("{text}; protocol takes 2, 3, resp2 or resp3")
+    } else {
+        text.to_owned()
+    };
     StoreError::new(
         StoreErrorKind::InvalidInput,
         format!(

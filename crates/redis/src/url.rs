@@ -584,6 +584,7 @@ pub fn is_cluster_url(url: &str) -> bool {
 /// assert!(url_error("redis+unix:///run/r.sock#x").unwrap().contains("takes no #fragment"));
 /// assert!(url_error("http://127.0.0.1:6379").unwrap().contains("not a Redis address"));
 /// assert!(url_error("redis://").unwrap().contains("not a Redis address"));
+/// assert!(url_error("redis://h:1/0?protocol=4").unwrap().contains("protocol takes 2, 3, resp2"));
 /// assert!(url_error("redis-cluster://").unwrap().contains("names no node"));
 /// assert!(url_error("redis-cluster://127.0.0.1").unwrap().contains("needs a host and a port"));
 /// assert_eq!(url_error("rediss-cluster://:pw@127.0.0.1:7000,127.0.0.1:7001"), None);
