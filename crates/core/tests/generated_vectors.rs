@@ -366,6 +366,12 @@ fn edges_file() -> VectorFile {
     }
     // docs/SPEC.md's other readings, each on its own.
     add(
+        "sliding-window-counter: a peek after a step back is decided at the window's start, \
+         where the previous window is carried whole, and can be refused",
+        PolicyConfig::new(SlidingWindowCounter, 2, 10),
+        vec![(k(1), 5, 2), (k(1), 15, 1), (k(1), 9, 0), (k(1), 9, 1)],
+    );
+    add(
         "sliding-log: a peek drops entries W old, so a step back finds an empty log",
         PolicyConfig::new(SlidingLog, 1, 10),
         vec![(k(1), 0, 1), (k(1), 20, 0), (k(1), 5, 1), (k(1), 5, 0)],
