@@ -496,6 +496,21 @@ fn simulate_checks_its_output_paths_before_the_run() {
     }
 }
 
+/// A short `simulate` of gcra on `steady-2x`, its chart written to `out`.
+fn short_gcra_chart(out: &str) -> Vec<&str> {
+    vec![
+        "simulate",
+        "--policy",
+        "gcra",
+        "--shape",
+        "steady-2x",
+        "--duration-ms",
+        "2000",
+        "--out",
+        out,
+    ]
+}
+
 /// A file replaced keeps its mode: a chart and series kept private stay
 /// private, though the new files are made with the usual mode.
 #[cfg(unix)]
@@ -518,19 +533,9 @@ fn simulate_keeps_the_mode_of_the_files_it_replaces() {
         (meta.uid(), meta.gid())
     };
     let csv_owner = owner(&csv);
-    let out = ratewarden(&[
-        "simulate",
-        "--policy",
-        "gcra",
-        "--shape",
-        "steady-2x",
-        "--duration-ms",
-        "2000",
-        "--out",
-        svg.to_str().unwrap(),
-        "--csv",
-        csv.to_str().unwrap(),
-    ]);
+    let mut args = short_gcra_chart(svg.to_str().unwrap());
+    args.extend(["--csv", csv.to_str().unwrap()]);
+    let out = ratewarden(&args);
     assert!(
         out.status.success(),
         "{}",
@@ -560,17 +565,7 @@ fn simulate_refuses_to_replace_a_file_the_user_may_not_write() {
     let svg = scratch(&dir, "kept.svg");
     std::fs::write(&svg, "old").unwrap();
     std::fs::set_permissions(&svg, std::fs::Permissions::from_mode(0o444)).unwrap();
-    let args = [
-        "simulate",
-        "--policy",
-        "gcra",
-        "--shape",
-        "steady-2x",
-        "--duration-ms",
-        "2000",
-        "--out",
-        svg.to_str().unwrap(),
-    ];
+    let args = short_gcra_chart(svg.to_str().unwrap());
     // Root may write any file: it runs as nobody, whom the file's mode
     // refuses as it refuses its owner.
     let root = Command::new("id").arg("-u").output().unwrap().stdout == b"0\n";
@@ -578,7 +573,7 @@ fn simulate_refuses_to_replace_a_file_the_user_may_not_write() {
         Command::new("setpriv")
             .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
             .arg(env!("CARGO_BIN_EXE_ratewarden"))
-            .args(args)
+            .args(&args)
             .output()
             .expect("setpriv runs")
     } else {
