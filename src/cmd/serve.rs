@@ -62,15 +62,6 @@ fn parse_addr(s: &str) -> Result<SocketAddr, String> {
     }
 }
 
-/// Whether listening on `a` keeps a listener on `b` from starting, on
-/// this host: see [`clash_with`].
-fn clash(a: SocketAddr, b: SocketAddr) -> bool {
-    // Linux's default, dual-stack `[::]`, unless the host says otherwise.
-    let v6_only =
-        std::fs::read_to_string("/proc/sys/net/ipv6/bindv6only").is_ok_and(|s| s.trim() == "1");
-    clash_with(a, b, v6_only)
-}
-
 /// Whether listening on `a` keeps a listener on `b` from starting: one
 /// port (not 0, which picks a free one each), on one address (an
 /// IPv4-mapped IPv6 address is its IPv4 one; a link-local one is one per
@@ -128,10 +119,16 @@ pub fn run(args: Args) -> ExitCode {
              warn or info,ratewarden_server=debug"
         );
     }
+    // Linux's default, dual-stack `[::]`, unless the host says otherwise.
+    let v6_only =
+        std::fs::read_to_string("/proc/sys/net/ipv6/bindv6only").is_ok_and(|s| s.trim() == "1");
     let mut given = vec![("--http", args.http), ("--grpc", args.grpc)];
     given.extend(args.metrics.map(|a| ("--metrics", a)));
     for (i, (flag, addr)) in given.iter().enumerate() {
-        if let Some((other, other_addr)) = given[..i].iter().find(|(_, a)| clash(*a, *addr)) {
+        if let Some((other, other_addr)) = given[..i]
+            .iter()
+            .find(|(_, a)| clash_with(*a, *addr, v6_only))
+        {
             let what = if other_addr == addr {
                 format!("are both {addr}")
             } else if other_addr.ip().is_unspecified() || addr.ip().is_unspecified() {

@@ -3018,10 +3018,10 @@ fn seed_urls(seeds: &str, shown: &str, tls: bool) -> Result<Vec<String>, StoreEr
 /// [`crate::url::query_error`].
 pub(crate) fn address_error(url: &str) -> Option<String> {
     let shown = crate::redact_url(url);
-    let nodes = match url
+    let cluster_seeds = url
         .strip_prefix("redis-cluster://")
-        .or_else(|| url.strip_prefix("rediss-cluster://"))
-    {
+        .or_else(|| url.strip_prefix("rediss-cluster://"));
+    let nodes = match cluster_seeds {
         Some(seeds) => match seed_urls(seeds, &shown, url.starts_with("rediss")) {
             Ok(nodes) => nodes,
             Err(e) => return Some(e.detail().to_owned()),
@@ -3038,8 +3038,8 @@ pub(crate) fn address_error(url: &str) -> Option<String> {
     // say), which redis-rs checks when it builds a cluster client: that
     // connects to nothing.
     node_error.or_else(|| {
-        let cluster = url.starts_with("redis-cluster://") || url.starts_with("rediss-cluster://");
-        cluster
+        cluster_seeds
+            .is_some()
             .then(|| cluster_client(&nodes, Duration::from_secs(1), Duration::from_secs(1), None))
             .and_then(|built| built.err())
             .map(|e| invalid_url(&shown, e).detail().to_owned())
@@ -3163,10 +3163,7 @@ fn cluster_nodes(seeds: &str, shown: &str, tls: bool) -> Result<Vec<String>, Sto
             n + 2
         )));
     }
-    let credentials = seeds
-        .first()
-        .and_then(|s| s.rsplit_once('@'))
-        .map_or("", |(userinfo, _)| userinfo);
+    let credentials = first.as_deref().unwrap_or("");
     Ok(seeds
         .iter()
         .map(|s| {
