@@ -988,6 +988,14 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
         ("redis-cluster://", "names no node"),
         ("redis-cluster://127.0.0.1", "needs a host and a port"),
         (
+            "redis-cluster://,127.0.0.1:7000",
+            "seed 1 of the URL is empty",
+        ),
+        (
+            "redis-cluster://:pw1,,pw2@127.0.0.1:7000",
+            "seed 2 of the URL is empty",
+        ),
+        (
             "redis-cluster://:pw1@127.0.0.1:7000,:pw2@127.0.0.1:7001",
             "seed 2 of the URL carries a user or password other than the first seed's",
         ),

@@ -3100,13 +3100,27 @@ const MAX_SLOT_RANGES: usize = SLOTS as usize;
 /// the message.
 fn cluster_nodes(seeds: &str, shown: &str, tls: bool) -> Result<Vec<String>, StoreError> {
     let (scheme, cluster_scheme) = schemes(tls);
-    let seeds: Vec<&str> = seeds.split(',').filter(|s| !s.is_empty()).collect();
+    if seeds.is_empty() {
+        return Ok(Vec::new());
+    }
+    let seeds: Vec<&str> = seeds.split(',').collect();
     let refuse = |what: String| {
         StoreError::new(
             StoreErrorKind::InvalidInput,
             format!("{shown:?}: {what}, as in {cluster_scheme}://HOST:PORT[,HOST:PORT...]"),
         )
     };
+    // An empty seed is most often a host a template left out
+    // (`${A},${B}` with B unset): the fleet would run on fewer seeds than
+    // its operator wrote without a word.
+    if let Some(n) = seeds.iter().position(|s| s.is_empty()) {
+        return Err(refuse(format!(
+            "seed {} of the URL is empty (two commas together, or one at an end): \
+             name a node there or drop the extra ',' (a password holding ',' must be \
+             written %2C)",
+            n + 1
+        )));
+    }
     // A seed is echoed only when it cannot hold a password: what follows
     // a `/` or `?` may (`?pass=...`), and so may a seed without `@` in a
     // URL that has one (a password holding a `,` splits into two "seeds").
@@ -4339,9 +4353,14 @@ mod tests {
         // first seed's for every node): refused, naming the seed.
         let e = cluster_nodes(":pw@a:1,b:2,u:q@c:3", "shown", false).unwrap_err();
         assert!(e.detail().contains("seed 3 of the URL carries"), "{e}");
-        assert_eq!(nodes("a:1,,b:2"), ["redis://a:1", "redis://b:2"]);
         assert_eq!(nodes("[::1]:7000"), ["redis://[::1]:7000"]);
-        assert!(nodes(",").is_empty());
+        // An empty seed is refused, by its place, not dropped.
+        for (seeds, n) in [("a:1,,b:2", 2), (",", 1), ("a:1,", 2)] {
+            let e = cluster_nodes(seeds, "shown", false).unwrap_err();
+            let said = format!("seed {n} of the URL is empty");
+            assert!(e.detail().contains(&said), "{seeds}: {e}");
+        }
+        assert!(nodes("").is_empty());
         // Over TLS, each seed is a TLS node.
         assert_eq!(
             cluster_nodes(":pw@a:1,b:2", "shown", true).unwrap(),

@@ -587,6 +587,10 @@ pub fn is_cluster_url(url: &str) -> bool {
 /// assert!(url_error("redis://h:1/0?protocol=4").unwrap().contains("protocol takes 2, 3, resp2"));
 /// assert!(url_error("redis-cluster://").unwrap().contains("names no node"));
 /// assert!(url_error("redis-cluster://127.0.0.1").unwrap().contains("needs a host and a port"));
+/// assert!(url_error("redis-cluster://127.0.0.1:7000,,127.0.0.1:7001")
+///     .unwrap()
+///     .contains("seed 2 of the URL is empty"));
+/// assert!(url_error("redis-cluster://127.0.0.1:7000,").unwrap().contains("seed 2 of the URL is empty"));
 /// assert_eq!(url_error("rediss-cluster://:pw@127.0.0.1:7000,127.0.0.1:7001"), None);
 /// assert!(url_error("redis-cluster://127.0.0.1:7000,:pw@127.0.0.1:7001")
 ///     .unwrap()
