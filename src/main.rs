@@ -37,6 +37,16 @@ enum Command {
     /// server CPU per policy, beside redis-benchmark on the same server.
     #[command(allow_negative_numbers = true)]
     BenchRedis(cmd::bench_redis::Args),
+    /// Name the Redis key that holds the count a request spends: to delete
+    /// one client's count (its whole budget back), or read it.
+    ///
+    /// The name is printed alone on standard output, so that
+    /// `redis-cli DEL "$(ratewarden key --config FILE --key user:42)"`
+    /// works; the rule that counts it goes to standard error. Give the
+    /// configuration file `serve` runs with: key names hold the rule's
+    /// place in it and `[server] key_prefix`. The embedded store's counts
+    /// live in the serve process only (a restart clears them).
+    Key(cmd::key::Args),
 }
 
 // `bench`'s own child, `ratewarden bench-memory ...`, is parsed apart from
@@ -68,6 +78,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => cmd::serve::run(args),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Simulate(args) => cmd::simulate::run(args),
+        Command::Key(args) => cmd::key::run(args),
         Command::BenchRedis(args) => cmd::bench_redis::run(args),
     }
 }

@@ -1260,3 +1260,158 @@ async fn a_corrupt_key_is_refused_even_under_open() {
     let (status, body) = check(&client, &serve.url(), "other").await;
     assert_eq!((status, &body["remaining"]), (200, &json!(4)), "{body}");
 }
+
+/// `ratewarden key`'s line for `args` (with the configuration `file`): the
+/// Redis key name it prints, or its error.
+fn key_name(file: &ConfigFile, args: &[&str]) -> Result<String, String> {
+    let out = std::process::Command::new(common::BIN)
+        .args(["key", "--config", file.path()])
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    if out.status.success() {
+        Ok(stdout.trim_end().to_owned())
+    } else {
+        assert!(stdout.is_empty(), "{stdout}");
+        Err(stderr)
+    }
+}
+
+/// `ratewarden key` names the Redis key of the count a request spends:
+/// deleting it gives that one client its whole budget back, for a key
+/// request, a descriptor and a descriptor's own limit alike, and leaves
+/// every other client's count as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_key_command_names_the_redis_key_of_one_clients_count() {
+    let redis = RedisServer::start();
+    let config = "[server]\nstore_timeout_ms = 5000\nkey_prefix = \"app:limits\"\n\n\
+                  [keys]\npolicy = \"gcra\"\nlimit = 2\nwindow_ms = 3600000\n\n\
+                  [[domains]]\ndomain = \"api\"\n\n[[domains.descriptors]]\nkey = \"path\"\n\n\
+                  [[domains.descriptors.descriptors]]\nkey = \"user\"\npolicy = \"sliding-log\"\n\
+                  limit = 2\nunit = \"hour\"\n";
+    let serve = Serve::start(&redis.url(), config);
+    let file = ConfigFile::new(config);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let url = serve.url();
+    let descriptor = |user: &str, limit: Option<Value>| {
+        let mut d =
+            json!({"entries": [{"key": "path", "value": "/a=b"}, {"key": "user", "value": user}]});
+        if let Some(limit) = limit {
+            d["limit"] = limit;
+        }
+        json!({"domain": "api", "descriptors": [d]})
+    };
+    let post = |body: Value| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let r = client.post(&url).json(&body).send().await.unwrap();
+            r.status().as_u16()
+        }
+    };
+    let over = json!({"requests_per_unit": 3, "unit": "day"});
+    let requests = [
+        (json!({"key": "user:42"}), 2),
+        (descriptor("ann", None), 2),
+        (descriptor("ann", Some(over.clone())), 3),
+    ];
+    // Each count spent, for the client whose count is deleted and for
+    // one whose is not.
+    for (body, limit) in &requests {
+        for other in [false, true] {
+            let body = if other {
+                let text = body
+                    .to_string()
+                    .replace("user:42", "user:7")
+                    .replace("ann", "bob");
+                serde_json::from_str(&text).unwrap()
+            } else {
+                body.clone()
+            };
+            for _ in 0..*limit {
+                assert_eq!(post(body.clone()).await, 200, "{body}");
+            }
+            assert_eq!(post(body.clone()).await, 429, "{body}");
+        }
+    }
+    let names = [
+        key_name(&file, &["--key", "user:42"]).unwrap(),
+        key_name(
+            &file,
+            &[
+                "--domain",
+                "api",
+                "--entry",
+                "path=/a=b",
+                "--entry",
+                "user=ann",
+            ],
+        )
+        .unwrap(),
+        key_name(
+            &file,
+            &[
+                "--domain",
+                "api",
+                "--entry",
+                "path=/a=b",
+                "--entry",
+                "user=ann",
+                "--limit",
+                "3/DAY",
+            ],
+        )
+        .unwrap(),
+    ];
+    for ((body, _), name) in requests.iter().zip(&names) {
+        assert!(name.starts_with("app%3Alimits%3A"), "{name}");
+        assert_eq!(redis.cli(&["DEL", name]).trim(), "1", "{name}");
+        assert_eq!(post(body.clone()).await, 200, "{body}");
+    }
+    // The other client's counts were left whole: still refused.
+    for (body, _) in &requests {
+        let text = body
+            .to_string()
+            .replace("user:42", "user:7")
+            .replace("ann", "bob");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(post(body.clone()).await, 429, "{body}");
+    }
+    // What keeps no count says so, rather than naming a key.
+    for (args, said) in [
+        (
+            &["--key", "a", "--limit", "1/second"][..],
+            "cannot be used with",
+        ),
+        (
+            &["--domain", "web", "--entry", "path=/"][..],
+            "no [[domains]] entry \"web\"",
+        ),
+        (
+            &["--domain", "api", "--entry", "user=ann"][..],
+            "matches no rule",
+        ),
+        (
+            &["--domain", "api", "--entry", "path"][..],
+            "write KEY=VALUE",
+        ),
+        (
+            &[
+                "--domain",
+                "api",
+                "--entry",
+                "path=/",
+                "--limit",
+                "3/fortnight",
+            ][..],
+            "unknown unit",
+        ),
+    ] {
+        let e = key_name(&file, args).unwrap_err();
+        assert!(e.contains(said), "{args:?}: {e}");
+    }
+}

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_redis;
+pub mod key;
 pub mod serve;
 pub mod simulate;
 pub mod vectors;

@@ -37,7 +37,7 @@ mod url;
 
 pub use limiter::{Checked, FailureCounts, RedisLimiter, RedisTime};
 pub use store::{
-    cluster_enabled, escape_key_part, is_refused_key, unix_socket_problem, RedisOptions,
+    cluster_enabled, escape_key_part, is_refused_key, key_name, unix_socket_problem, RedisOptions,
     RedisStore, MAX_BATCH,
 };
 pub use tls::check_tls_files;

@@ -1114,21 +1114,7 @@ impl RedisStore {
     ) -> Self {
         let (script, script_source) = policy_script(config.policy);
         let burst = config.effective_burst();
-        // The configuration is part of every key name: two limiters with
-        // different policies or numbers under one prefix never read each
-        // other's state. So is the state format's version: a process of
-        // another version never reads state it would take for corrupt.
-        let mut key_prefix = format!(
-            "{}:{STATE_FORMAT}:{}:{}:{}",
-            escape_key_part(&options.prefix),
-            config.policy,
-            config.limit,
-            config.window_ms
-        );
-        if config.policy.has_burst() {
-            key_prefix.push_str(&format!(":{burst}"));
-        }
-        key_prefix.push(':');
+        let key_prefix = key_prefix(&options.prefix, &config);
         let config_args = [
             config.limit.to_string(),
             config.window_ms.to_string(),
@@ -3084,6 +3070,43 @@ async fn seeds_serving_slots(
         .into_iter()
         .flatten()
         .collect()
+}
+
+/// What every key name of a limiter of `config` under `prefix` starts
+/// with. The configuration is part of every key name: two limiters with
+/// different policies or numbers under one prefix never read each other's
+/// state. So is the state format's version: a process of another version
+/// never reads state it would take for corrupt.
+fn key_prefix(prefix: &str, config: &PolicyConfig) -> String {
+    let mut key_prefix = format!(
+        "{}:{STATE_FORMAT}:{}:{}:{}",
+        escape_key_part(prefix),
+        config.policy,
+        config.limit,
+        config.window_ms
+    );
+    if config.policy.has_burst() {
+        key_prefix.push_str(&format!(":{}", config.effective_burst()));
+    }
+    key_prefix.push(':');
+    key_prefix
+}
+
+/// The name of the Redis key that holds `key`'s state for a store of
+/// `config` whose [`RedisOptions::prefix`] is `prefix`, as
+/// [`RedisStore::key_name`] gives it, without a connection: for finding
+/// one client's count (to delete it, say) from outside the process.
+///
+/// ```
+/// use ratewarden_core::{PolicyConfig, PolicyKind};
+/// let config = PolicyConfig::new(PolicyKind::SlidingWindowCounter, 100, 1000);
+/// assert_eq!(
+///     ratewarden_redis::key_name("ratewarden", &config, 42),
+///     "ratewarden:v2:sliding-window-counter:100:1000:42"
+/// );
+/// ```
+pub fn key_name(prefix: &str, config: &PolicyConfig, key: u64) -> String {
+    format!("{}{key}", key_prefix(prefix, config))
 }
 
 /// The most slot ranges [`RedisStore::ping`] reads.

@@ -12,6 +12,7 @@
 pub mod call_deadline;
 pub mod config;
 pub mod conn;
+pub mod count_key;
 pub mod grpc;
 pub mod http;
 pub mod metrics;

@@ -203,6 +203,13 @@ impl fmt::Debug for RedisFactory {
     }
 }
 
+/// The prefix of a rule's keys on Redis, under `[server] key_prefix`: each
+/// rule gets its own key space, its identity (hashed, to keep key names
+/// short) being part of every key name.
+pub(crate) fn rule_prefix(key_prefix: &str, rule_id: &str) -> String {
+    format!("{key_prefix}:{:016x}", ratewarden_core::xxh3_64(rule_id))
+}
+
 /// A rule's limiter on Redis. Failures are returned, not answered here: the
 /// server applies its failure policy and counts them.
 struct RedisRuleLimiter {
@@ -248,15 +255,8 @@ impl StoreFactory for RedisFactory {
                 })
                 .await
                 .map_err(|e| self.keys_hint(e))?;
-            // Each rule gets its own key space: its identity, hashed to
-            // keep key names short, is part of every key name.
-            let prefix = format!(
-                "{}:{:016x}",
-                self.key_prefix,
-                ratewarden_core::xxh3_64(rule_id)
-            );
             let store = shared
-                .with_config(*config, prefix)
+                .with_config(*config, rule_prefix(&self.key_prefix, rule_id))
                 .await
                 .map_err(|e| self.keys_hint(e))?;
             Ok(BuiltLimiter {
