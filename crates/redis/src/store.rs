@@ -534,7 +534,8 @@ impl RedisStore {
     ///
     /// `url` is one of (and no other form):
     ///
-    /// - `redis://[[USER]:PASSWORD@]HOST:PORT[/DB]`: one node over TCP;
+    /// - `redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]`: one node over TCP
+    ///   (without `:PORT`, Redis's own 6379);
     /// - `redis+unix:///PATH[?db=DB&user=USER&pass=PASSWORD]`: one node over
     ///   a Unix socket;
     /// - `redis-cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]`: Redis

@@ -31,7 +31,9 @@ pub struct TokenBucket {
     time_bound: u64,
 }
 
-/// A key's bucket.
+/// A key's bucket. Its `Default` is an empty bucket refilled at time 0,
+/// not a new key's (which is full): a new key's state is
+/// [`Policy::new_state`](crate::Policy::new_state).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TokenBucketState {
     /// Tokens scaled by `window_ms` (`tokens * W`), at most `burst * W`.
@@ -94,7 +96,9 @@ impl Policy for TokenBucket {
         let now = now_ms.max(s.last_ms);
         let w = u128::from(self.window_ms);
         let refill = u128::from(now - s.last_ms) * u128::from(self.limit);
-        let mut level = (s.level.get() + refill).min(self.capacity());
+        // Saturating: a state written by hand (the fields are public) may
+        // hold any level; a valid one never comes near u128's bound.
+        let mut level = s.level.get().saturating_add(refill).min(self.capacity());
         s.last_ms = now;
         let need = u128::from(cost) * w;
         if level >= need {
@@ -172,6 +176,19 @@ mod tests {
     ) -> (bool, Option<u64>, u64) {
         let d = p.decide(s, now, cost);
         (d.allowed, d.retry_after_ms, d.remaining)
+    }
+
+    /// A state written by hand (its fields are public) with a level past
+    /// any bucket's is decided as a full bucket, not a panic (an overflow
+    /// in a debug build).
+    #[test]
+    fn a_level_past_the_capacity_is_a_full_bucket() {
+        let p = TokenBucket::new(10, 1000, None).unwrap();
+        let mut s = TokenBucketState {
+            level: Wide::new(u128::MAX),
+            last_ms: 0,
+        };
+        assert_eq!(run(&p, &mut s, 5, 1), (true, Some(0), 9));
     }
 
     #[test]
