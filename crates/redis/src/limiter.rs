@@ -38,6 +38,8 @@ impl std::fmt::Debug for RedisTime {
 
 /// How often each failure path was taken, since the limiter was built.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+// Read, not built, by users: a later field must not break them.
+#[non_exhaustive]
 pub struct FailureCounts {
     /// Calls that timed out.
     pub timeouts: u64,
@@ -65,6 +67,8 @@ struct Counters {
 
 /// A decision and, when Redis failed, the failure the policy answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
+// Read, not built, by users: a later field must not break them.
+#[non_exhaustive]
 pub struct Checked {
     /// The decision given to the caller.
     pub decision: Decision,

@@ -175,6 +175,8 @@ impl Default for MemoryOptions {
 /// What one [`MemoryStore::forget_idle`] call did, and what full shards
 /// did since the call before it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+// Read, not built, by users: a later field must not break them.
+#[non_exhaustive]
 pub struct Housekeeping {
     /// Keys looked at.
     pub scanned: usize,
