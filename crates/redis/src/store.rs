@@ -2324,8 +2324,11 @@ impl RedisStore {
                 ),
             ));
         }
-        for &(_, cost) in requests {
-            Self::check(now_ms, cost)?;
+        Self::check(now_ms, 0)?;
+        for (i, &(_, cost)) in requests.iter().enumerate() {
+            // The whole batch is refused: the message names which request.
+            Self::check(None, cost)
+                .map_err(|e| StoreError::new(e.kind(), format!("requests[{i}]: {}", e.detail())))?;
         }
         let timeout = Duration::from_millis(self.inner.options.timeout_ms);
         if let Backend::Cluster(cluster, _) = &self.inner.backend {

@@ -94,6 +94,13 @@ fn a_batch_spanning_every_node_decides_as_single_calls_do() {
         let too_many = vec![(1, 1); ratewarden_redis::MAX_BATCH + 1];
         let err = batched.decide_many(&too_many, None).await.unwrap_err();
         assert!(err.is_invalid_input(), "{err}");
+        // One cost out of range refuses the whole batch, naming it.
+        let err = batched
+            .decide_many(&[(1, 1), (2, 1), (3, 1 << 53)], None)
+            .await
+            .unwrap_err();
+        assert!(err.is_invalid_input(), "{err}");
+        assert!(err.detail().starts_with("requests[2]: "), "{err}");
     });
     assert_eq!(cluster.keys_without_ttl(), Vec::<String>::new());
 }
