@@ -208,6 +208,36 @@ fn bench_output_to_a_closed_pipe_is_no_failure() {
     }
 }
 
+/// `bench`'s memory child stops once its standard input closes, as it
+/// does when `bench`, which holds it open, is gone: it must not go on
+/// filling memory for nobody.
+#[test]
+fn bench_memory_stops_when_its_parent_is_gone() {
+    let args = [
+        "bench-memory",
+        "--contender",
+        "fixed-window",
+        "--keys",
+        "4000000",
+        "--while-stdin-open",
+    ];
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdin.take());
+    let out = finish_within(child, Duration::from_secs(120), &args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "it measured: {:?}", out.stdout);
+    assert!(
+        stderr.contains("bench, which started it, has gone"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn simulate_writes_an_svg_chart_and_the_csv_series() {
     let dir = tempfile::tempdir().unwrap();

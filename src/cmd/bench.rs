@@ -95,6 +95,10 @@ pub struct MemoryArgs {
     /// Keys to insert.
     #[arg(long, value_parser = crate::cmd::whole::<usize>)]
     pub keys: usize,
+    /// Stop once standard input closes: `bench` holds it open, so that
+    /// this process does not outlive it.
+    #[arg(long)]
+    pub while_stdin_open: bool,
 }
 
 /// The most decisions per repetition of a speed workload.
@@ -965,6 +969,14 @@ pub fn run(args: Args) -> ExitCode {
 
 /// Runs the hidden `bench-memory` subcommand: prints one JSON footprint.
 pub fn run_memory(args: MemoryArgs) -> ExitCode {
+    if args.while_stdin_open {
+        std::thread::spawn(|| {
+            // Nothing is ever written: the read ends when the pipe closes.
+            let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+            errln!("ratewarden bench-memory: bench, which started it, has gone; stopping");
+            std::process::exit(1);
+        });
+    }
     match measure_here(&args.contender, args.keys) {
         Ok(footprint) => match serde_json::to_string(&footprint) {
             Ok(line) => match super::print_out(&format!("{line}\n")) {

@@ -6,7 +6,7 @@
 //! so only the store's own growth (tables, per-key allocations, allocator
 //! overhead) is counted. Linux only: it reads `/proc/self/status`.
 
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -106,16 +106,28 @@ pub fn measure_in_child(contender: &str, keys: usize) -> Result<Footprint> {
     #[cfg(not(target_os = "linux"))]
     let exe = std::env::current_exe()
         .context("finding this program to measure memory in a fresh process")?;
-    let output = Command::new(exe)
+    let mut child = Command::new(exe)
         .args([
             "bench-memory",
             "--contender",
             contender,
             "--keys",
             &keys.to_string(),
+            "--while-stdin-open",
         ])
-        .output()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .context("starting the memory measurement process")?;
+    // The pipe's end is held until the child has ended: once this process
+    // is gone (killed alone, `kill -INT PID`, where a terminal's Ctrl-C
+    // reaches both), it closes and the child stops rather than fill
+    // memory for nobody.
+    let _held = child.stdin.take();
+    let output = child
+        .wait_with_output()
+        .context("waiting for the memory measurement process")?;
     if !output.status.success() {
         let said = String::from_utf8_lossy(&output.stderr);
         let said = said.trim();
