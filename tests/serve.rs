@@ -3332,8 +3332,8 @@ fn blocking_pipe(path: &str) {
 }
 
 /// A configuration file whose read blocks holds up neither a stop at
-/// start nor one while a reload waits on it, nor, past the reload's 10 s,
-/// a later reload; requests are answered on the rules in force meanwhile.
+/// start nor one while a reload waits on it, nor, past 10 s, the start
+/// (which then fails, saying why) or a later reload; requests are answered on the rules in force meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_configuration_read_that_blocks_does_not_keep_serve_from_stopping() {
     // At start: nothing listens yet, and SIGTERM stops it.
@@ -3355,6 +3355,24 @@ async fn a_configuration_read_that_blocks_does_not_keep_serve_from_stopping() {
     let status = common::exit_within(&mut child, Duration::from_secs(10))
         .expect("serve stops within 10 s of SIGTERM while its file blocks");
     assert!(status.success(), "{status}");
+    // Left alone, the start gives up on the read after 10 s, as a
+    // reload does, and says so, rather than hang in silence.
+    let mut child = Command::new(common::BIN)
+        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .args(["--config", file.path()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the ratewarden binary starts");
+    let status = common::exit_within(&mut child, Duration::from_secs(20))
+        .expect("serve gives up on its file within 20 s");
+    assert!(!status.success(), "{status}");
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(
+        stderr.contains("did not finish within 10 s (a pipe no one writes to"),
+        "{stderr}"
+    );
 
     // On reload: the rules in force answer, and SIGTERM stops it.
     let file = ConfigFile::new("[keys]\nlimit = 5\nwindow_ms = 60000\n");

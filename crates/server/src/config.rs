@@ -1599,6 +1599,28 @@ impl ConfigSource {
                 })
             })
     }
+
+    /// [`ConfigSource::load_in_background`], waited for at most `within`:
+    /// a read that blocks is left (it cannot be stopped) and the error
+    /// says so, so that a start, `serve --check` or `ratewarden key` ends
+    /// with a message rather than hang in silence. The caller's runtime
+    /// must then not wait for its blocking threads as it shuts down.
+    pub async fn load_within(&self, within: std::time::Duration) -> anyhow::Result<Config> {
+        match tokio::time::timeout(within, self.load_in_background()).await {
+            Ok(loaded) => Ok(loaded?),
+            Err(_) => {
+                let shown = self.path.as_ref().map_or_else(
+                    || "the reference configuration".to_owned(),
+                    |p| p.display().to_string(),
+                );
+                anyhow::bail!(
+                    "reading {shown} did not finish within {} s (a pipe no one writes to, or a \
+                     hung network mount?)",
+                    within.as_secs()
+                )
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -71,7 +71,9 @@ pub fn parse_limit(text: &str) -> Result<LimitOverride, String> {
 /// matches, the descriptor is unlimited, the domain is unknown) or what is
 /// wrong with the configuration.
 pub async fn count_of(source: &ConfigSource, request: &Request) -> anyhow::Result<Count> {
-    let config = source.load_in_background().await?;
+    let config = source
+        .load_within(crate::service::RELOAD_READ_TIMEOUT)
+        .await?;
     let settings = config.server.clone();
     // Counts are matched, not decided: the embedded store is made for
     // each rule only because a rule set holds limiters.

@@ -287,7 +287,7 @@ async fn set_health(health: &tonic_health::server::HealthReporter, status: Servi
 /// number of rules, or what is wrong, as at start. Warnings (rules that
 /// admit nothing, unused files) are logged as at start.
 pub async fn check_config(source: &ConfigSource, store: &StoreUrl) -> anyhow::Result<usize> {
-    let config = source.load_in_background().await?;
+    let config = source.load_within(service::RELOAD_READ_TIMEOUT).await?;
     factory_for(store, &config.server)?;
     let memory = MemoryFactory {
         options: config.server.memory_options(),
@@ -327,7 +327,12 @@ async fn listen(addr: SocketAddr, what: &str, flag: &str) -> anyhow::Result<TcpL
 /// Loads the configuration, builds the store and starts both interfaces and
 /// the housekeeping timer.
 pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
-    let config = options.config.load_in_background().await?;
+    // Bounded, as a reload's read is: a start on a file that never reads
+    // through ends with a message rather than hang in silence.
+    let config = options
+        .config
+        .load_within(service::RELOAD_READ_TIMEOUT)
+        .await?;
     let factory = factory_for(&options.store, &config.server)?;
     let service = Arc::new(Service::with_config(config, options.config.clone(), factory).await?);
     let http_listener = listen(options.http, "HTTP", "--http").await?;

@@ -24,8 +24,10 @@ pub const MAX_DESCRIPTORS: usize = 64;
 /// How long a reload waits for the configuration file's read. A read that
 /// blocks (a pipe no one writes to, a hung network mount) cannot be
 /// stopped, but the reload can stop waiting for it: it fails, and a later
-/// SIGHUP reads the file afresh, rather than every later reload queueing
-/// behind the one that waits.
+/// SIGHUP (once the reloads before it have each given up, one at a time)
+/// reads the file afresh, rather than every later reload waiting for ever
+/// behind the first. A start, `serve --check` and `ratewarden key` wait as
+/// long.
 pub const RELOAD_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The most reads of the configuration file left blocked: past it, a
