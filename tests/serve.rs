@@ -1659,6 +1659,22 @@ fn a_body_over_the_bound_is_refused_whether_declared_or_chunked() {
         gzipped.contains("sent with Transfer-Encoding \\\"gzip, chunked\\\", which this service"),
         "{gzipped}"
     );
+    // So is `chunked` applied twice (RFC 9112 forbids it), in one header
+    // or two: hyper undoes it once.
+    for head in [
+        "Transfer-Encoding: chunked, chunked",
+        "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked",
+    ] {
+        let twice = answer(
+            format!(
+                "POST /v1/check HTTP/1.1\r\nHost: x\r\n{head}\r\n\r\n\
+                 b\r\n{{\"key\":\"a\"}}\r\n0\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        assert!(twice.starts_with("HTTP/1.1 501"), "{head}: {twice}");
+        assert!(twice.contains("chunked, chunked"), "{head}: {twice}");
+    }
     server.stop();
 }
 

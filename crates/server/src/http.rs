@@ -636,8 +636,8 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
     // case it still reads), but not counted as a bad request.
     let mut client_cut = false;
     let headers = request.headers();
-    let encoded = codings_besides(headers, header::CONTENT_ENCODING, "identity");
-    let transferred = codings_besides(headers, header::TRANSFER_ENCODING, "chunked");
+    let encoded = codings_besides(headers, header::CONTENT_ENCODING, "identity", false);
+    let transferred = codings_besides(headers, header::TRANSFER_ENCODING, "chunked", true);
     let response = if let Some(coding) = transferred {
         // hyper undoes `chunked` only, and would hand on the rest still
         // coded, to be read as malformed JSON: RFC 9112 (section 6.1)
@@ -718,22 +718,29 @@ async fn check(State(service): State<Arc<Service>>, request: Request) -> Respons
 
 /// The request's `name` header (`Content-Encoding`, `Transfer-Encoding`),
 /// when it names any coding but `harmless` (`identity`, which changes
-/// nothing; `chunked`, which hyper undoes); shown as sent, or `None`.
+/// nothing; `chunked`, which hyper undoes), or names that one more than
+/// once where it must be `once` (hyper undoes `chunked` once, and RFC 9112
+/// forbids applying it twice: `chunked, chunked` is a framing a proxy in
+/// front may read otherwise); shown as sent, or `None`.
 fn codings_besides(
     headers: &HeaderMap,
     name: header::HeaderName,
     harmless: &str,
+    once: bool,
 ) -> Option<String> {
     let sent: Vec<String> = headers
         .get_all(name)
         .iter()
         .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
         .collect();
-    sent.iter()
+    let codings: Vec<&str> = sent
+        .iter()
         .flat_map(|v| v.split(','))
         .map(str::trim)
-        .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(harmless))
-        .then(|| sent.join(", "))
+        .filter(|c| !c.is_empty())
+        .collect();
+    let other = codings.iter().any(|c| !c.eq_ignore_ascii_case(harmless));
+    (other || once && codings.len() > 1).then(|| sent.join(", "))
 }
 
 /// Whether the body could not be read because the connection ended or
