@@ -2782,6 +2782,32 @@ async fn a_renamed_rule_leaves_no_stale_series() {
     server.stop();
 }
 
+/// A rule renamed and later named back starts its series afresh, whether
+/// or not `/metrics` was read in between: the series of a rule a reload
+/// renamed are dropped at the reload, not only at the next scrape (where a
+/// server never scraped kept every name it ever had).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_named_back_starts_its_series_afresh_without_a_scrape() {
+    let rules = |name: &str| format!("[keys]\nname = \"{name}\"\nlimit = 5\nwindow_ms = 3600000\n");
+    let file = ConfigFile::new(&rules("before"));
+    let (server, log) = Server::start_logged(&["--config", file.path()]);
+    let client = client();
+    // One decision under each name, then the first name back.
+    for next in ["after", "before"] {
+        let (status, _, _) = post(&client, &server.url(), json!({"key": "k"})).await;
+        assert_eq!(status, 200);
+        file.write(&rules(next));
+        server.signal("HUP");
+        log.next_containing("configuration reloaded");
+    }
+    let text = common::metrics(&client, server.http).await;
+    assert!(
+        text.contains("ratewarden_decisions_total{rule=\"before\",outcome=\"allowed\"} 0\n"),
+        "{text}"
+    );
+    server.stop();
+}
+
 /// Each interface holds at most `max_connections` open: one past that is
 /// closed unserved and counted, and a place comes free when a connection
 /// ends. A gRPC peer that never sends the HTTP/2 preface is closed after

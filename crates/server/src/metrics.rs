@@ -155,6 +155,18 @@ impl Metrics {
         Arc::clone(self.rules.lock().entry(name.to_owned()).or_default())
     }
 
+    /// Drops the counters no rule holds any more. Only live rules hold
+    /// their counters besides this map: a rule a reload renamed or removed
+    /// is gone once its requests in flight are, and its series go with it
+    /// rather than stay in every scrape until a restart, or come back with
+    /// their old totals when a later reload gives the name again. (A rule
+    /// kept by a reload holds the same counters throughout.) Called at
+    /// each scrape and after each reload, so that a server never scraped
+    /// does not keep every name it ever had.
+    pub fn forget_dead_rules(&self) {
+        self.rules.lock().retain(|_, m| Arc::strong_count(m) > 1);
+    }
+
     /// Counts a request decided by the failure policy instead of the store.
     pub fn failure_decision(&self, policy: FailurePolicy, allowed: bool) {
         let p = match policy {
@@ -237,14 +249,9 @@ impl Metrics {
     /// the in-memory keys held per rule.
     pub fn render(&self, keys_tracked: &[(String, usize)]) -> String {
         let mut out = String::with_capacity(4096);
+        self.forget_dead_rules();
         let rules: Vec<(String, Arc<RuleMetrics>)> = {
-            let mut rules = self.rules.lock();
-            // Only live rules hold their counters besides this map: a rule
-            // a reload renamed or removed is gone once its requests in
-            // flight are, and its series go with it rather than stay in
-            // every scrape until a restart. (A rule kept by a reload holds
-            // the same counters throughout.)
-            rules.retain(|_, m| Arc::strong_count(m) > 1);
+            let rules = self.rules.lock();
             rules
                 .iter()
                 .map(|(k, v)| (k.clone(), Arc::clone(v)))

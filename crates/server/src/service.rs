@@ -245,6 +245,11 @@ impl Service {
             let count = rules.rules().len();
             rules.warn_of_closed_rules();
             self.rules.store(Arc::new(rules));
+            // The rules the reload replaced, unless requests in flight
+            // still hold them, leave /metrics now (and those still held,
+            // at the next scrape or reload).
+            drop(current);
+            self.metrics.forget_dead_rules();
             Ok::<_, String>(count)
         }
         .await;
