@@ -74,6 +74,9 @@
 /// assert_eq!(redact_url("redis://127.0.0.1:99999"), "redis://127.0.0.1:99999");
 /// assert_eq!(redact_url("redis://[::1]:0"), "redis://[::1]:0");
 /// assert_eq!(redact_url("redis://app:99999"), "redis://***");
+/// // A fragment is hidden, and with it, where a password could be, the rest.
+/// assert_eq!(redact_url("redis://127.0.0.1:6379#x"), "redis://127.0.0.1:6379#***");
+/// assert_eq!(redact_url("redis://:pw@127.0.0.1:6379#x"), "redis://***");
 /// ```
 pub fn redact_url(url: &str) -> String {
     // A scheme is a letter, then letters, digits, `+`, `-` or `.`: a `://`
@@ -91,6 +94,17 @@ pub fn redact_url(url: &str) -> String {
     // `,` moved where the URL seems to split.
     if let Some(shown) = redact_readable(scheme, rest) {
         return shown;
+    }
+    // A fragment in a URL with no `@` and no query, which could hold no
+    // credentials: the address is shown when it reads as HOST:PORT (as a
+    // password would not), the fragment hidden (what follows a `#` may be
+    // a password put where the URL takes none).
+    if let Some((address, _)) = rest.split_once('#') {
+        if !rest.contains(['@', '?'])
+            && host_ports_then_db(address, is_cluster_scheme(scheme), is_host)
+        {
+            return format!("{scheme}://{address}#***");
+        }
     }
     // Not readable: what follows the last `@` is shown when it is a list
     // of HOST:PORT and nothing before it could have started a query.
