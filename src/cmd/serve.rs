@@ -38,9 +38,10 @@ pub struct Args {
     pub metrics: Option<SocketAddr>,
     /// Check the configuration and exit: read the file as a start would,
     /// compile its rules, and say how many there are (exit 0) or what is
-    /// wrong (exit 1). Nothing listens and no store is connected (--store's
-    /// [redis] files are checked). Run it on a file before SIGHUP reloads
-    /// it.
+    /// wrong (exit 1; a flag's bad value, --store's included, exits 2, as
+    /// without --check). Nothing listens and no store is connected
+    /// (--store's [redis] files are checked). Run it on a file before
+    /// SIGHUP reloads it.
     #[arg(long)]
     pub check: bool,
 }
