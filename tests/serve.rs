@@ -598,12 +598,17 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
             400,
             "key is an array: it must be a JSON string",
         ),
+        (
+            "{\"domain\": null, \"descriptors\": []}",
+            400,
+            "domain is null: it must be a JSON string, such as {\\\"domain\\\": \\\"api\\\"}",
+        ),
         ("[1]", 400, "malformed JSON: the body must be a JSON object"),
         // A wrong type is named by its place, not only its line and column.
         (
             "{\"domain\": 5, \"descriptors\": []}",
             400,
-            "malformed JSON: domain: invalid type: integer `5`, expected a string",
+            "domain is 5: it must be a JSON string",
         ),
         (
             "{\"domain\": \"edge\", \"descriptors\": [{\"entries\": [{\"key\": \"k\", \"value\": 7}]}]}",

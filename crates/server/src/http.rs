@@ -315,10 +315,12 @@ async fn metrics(State(service): State<Arc<Service>>) -> Response {
 #[serde(deny_unknown_fields)]
 struct CheckRequest {
     /// Any JSON value, as `cost`: null and a value of another type get
-    /// messages of their own from [`parse_key`].
+    /// messages of their own from [`parse_string`].
     #[serde(default, deserialize_with = "present")]
     key: Option<serde_json::Value>,
-    domain: Option<String>,
+    /// As `key`.
+    #[serde(default, deserialize_with = "present")]
+    domain: Option<serde_json::Value>,
     descriptors: Option<Vec<Object<DescriptorJson>>>,
     /// `None` when absent, `Some(Value::Null)` for `null`, which is not
     /// the absent cost of 1. Any JSON value, so that [`parse_cost`] says
@@ -538,12 +540,18 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
 
 /// Reads `key`: a string when present. Null is refused rather than read
 /// as absent, which would say the key is missing when it was sent.
-fn parse_key(key: Option<serde_json::Value>) -> Result<Option<String>, String> {
-    match key {
+/// Reads the string field `name`, `None` when absent; null or another
+/// type is refused, saying what to send (`example`, a JSON string).
+fn parse_string(
+    name: &str,
+    value: Option<serde_json::Value>,
+    example: &str,
+) -> Result<Option<String>, String> {
+    match value {
         None => Ok(None),
-        Some(serde_json::Value::String(key)) => Ok(Some(key)),
+        Some(serde_json::Value::String(s)) => Ok(Some(s)),
         Some(other) => Err(format!(
-            "key is {}: it must be a JSON string, such as {{\"key\": \"user:42\"}}",
+            "{name} is {}: it must be a JSON string, such as {{\"{name}\": {example}}}",
             kind_of(&other)
         )),
     }
@@ -920,12 +928,16 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
         Ok(c) => c,
         Err(m) => return bad(StatusCode::BAD_REQUEST, m),
     };
-    let key = match parse_key(request.key) {
+    let key = match parse_string("key", request.key, "\"user:42\"") {
         Ok(k) => k,
         Err(m) => return bad(StatusCode::BAD_REQUEST, m),
     };
+    let domain = match parse_string("domain", request.domain, "\"api\"") {
+        Ok(d) => d,
+        Err(m) => return bad(StatusCode::BAD_REQUEST, m),
+    };
     let listed = key.is_none();
-    let outcomes = match (key, request.domain, request.descriptors) {
+    let outcomes = match (key, domain, request.descriptors) {
         (Some(key), None, None) if key.is_empty() => Err(BadRequest(
             "key is empty; send the key to limit by, such as {\"key\": \"user:42\"} (an empty key \
              would put every such request in one budget)"
