@@ -1387,6 +1387,7 @@ async fn the_key_command_names_the_redis_key_of_one_clients_count() {
             &["--key", "a", "--limit", "1/second"][..],
             "cannot be used with",
         ),
+        (&["--key", ""][..], "the key is empty"),
         (
             &["--domain", "web", "--entry", "path=/"][..],
             "no [[domains]] entry \"web\"",

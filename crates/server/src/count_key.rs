@@ -83,6 +83,9 @@ pub async fn count_of(source: &ConfigSource, request: &Request) -> anyhow::Resul
     let metrics = Metrics::default();
     let rules = RuleSet::build(config, factory.as_ref(), None, &metrics).await?;
     let matched = match request {
+        Request::Key(key) if key.is_empty() => {
+            anyhow::bail!("the key is empty, which the service refuses: no count is kept")
+        }
         Request::Key(key) => rules.match_key(key, settings.key_hash)?,
         Request::Descriptor {
             domain,
