@@ -729,6 +729,19 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
     assert_eq!(r.headers()["allow"], "POST");
     let text = r.text().await.unwrap();
     assert!(text.contains("/v1/check does not take GET"), "{text}");
+    // A CONNECT's target is an authority, not a path: named as sent.
+    let addr = server.http;
+    let text = tokio::task::spawn_blocking(move || {
+        let head = b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\
+                     Connection: close\r\n\r\n";
+        exchange(addr, head, Duration::from_secs(5))
+    })
+    .await
+    .unwrap();
+    assert!(
+        text.contains("no endpoint CONNECT example.com:443; the endpoints"),
+        "{text}"
+    );
 
     let mut grpc = server.grpc().await;
     let bad = [

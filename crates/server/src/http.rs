@@ -261,7 +261,11 @@ async fn not_found(State(state): State<AppState>, method: Method, uri: Uri) -> R
         format!(
             "there is no endpoint {} {}; the endpoints are {}",
             cut_short(method.as_str()),
-            cut_short(uri.path()),
+            // A CONNECT's target is an authority (HOST:PORT), no path.
+            cut_short(&match uri.path() {
+                "" => uri.to_string(),
+                path => path.to_owned(),
+            }),
             state.port.endpoints()
         ),
     )
