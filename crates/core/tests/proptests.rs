@@ -419,3 +419,78 @@ proptest! {
         }
     }
 }
+
+/// Any `u64`, its edges and the range's most often.
+fn any_edge() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        Just(0u64),
+        Just(u64::MAX),
+        Just(u64::MAX - 1),
+        edgy(),
+        any::<u64>()
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 2_000,
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
+        ..ProptestConfig::default()
+    })]
+
+    /// A state written by hand (the policies' state fields are public, for
+    /// stores of one's own) decides something unspecified when no decision
+    /// could have made it, but never panics: a debug build panics on any
+    /// overflow, so this is the check.
+    #[test]
+    fn bare_policies_never_panic_on_any_state(
+        config in edgy_config(),
+        fields in proptest::collection::vec(any_edge(), 4),
+        entries in proptest::collection::vec((any_edge(), any_edge()), 0..4),
+        wide in prop_oneof![Just(u128::MAX), any::<u128>(), (0u128..1 << 107)],
+        steps in proptest::collection::vec((any_edge(), any_edge()), 1..4),
+    ) {
+        use ratewarden_core::policy::{
+            FixedWindowState, GcraState, LogEntry, SlidingLogState, SlidingWindowCounterState,
+            TokenBucketState, Wide,
+        };
+        use ratewarden_core::{FixedWindow, Gcra, SlidingLog, SlidingWindowCounter, TokenBucket};
+        fn run<P: Policy>(policy: P, mut state: P::State, steps: &[(u64, u64)]) {
+            for &(now, cost) in steps {
+                let _ = policy.decide(&mut state, now, cost);
+                let _ = policy.is_forgettable(&state, now);
+            }
+        }
+        let (l, w, b) = (config.limit, config.window_ms, config.burst);
+        match config.policy {
+            PolicyKind::FixedWindow => run(
+                FixedWindow::new(l, w).unwrap(),
+                FixedWindowState { window_start_ms: fields[0], current: fields[1] },
+                &steps,
+            ),
+            PolicyKind::SlidingWindowCounter => run(
+                SlidingWindowCounter::new(l, w).unwrap(),
+                SlidingWindowCounterState {
+                    window_start_ms: fields[0],
+                    previous: fields[1],
+                    current: fields[2],
+                },
+                &steps,
+            ),
+            PolicyKind::SlidingLog => run(
+                SlidingLog::new(l, w).unwrap(),
+                SlidingLogState {
+                    entries: entries.iter().map(|&(at_ms, cost)| LogEntry { at_ms, cost }).collect(),
+                    used: fields[0],
+                },
+                &steps,
+            ),
+            PolicyKind::TokenBucket => run(
+                TokenBucket::new(l, w, b).unwrap(),
+                TokenBucketState { level: Wide::new(wide), last_ms: fields[0] },
+                &steps,
+            ),
+            PolicyKind::Gcra => run(Gcra::new(l, w, b).unwrap(), GcraState { tat: Wide::new(wide) }, &steps),
+        }
+    }
+}

@@ -72,13 +72,16 @@ impl Policy for Gcra {
         // How much of the bucket is spent at `now`, in the same units.
         let spent = base - now_scaled;
         let need = u128::from(cost) * w;
-        if spent + need <= capacity {
+        // Saturating: a state written by hand (the field is public) may
+        // hold any arrival time; a valid one stays within `capacity`.
+        let spent_after = spent.saturating_add(need);
+        if spent_after <= capacity {
             s.tat = Wide::new(base + need);
             return Decision::admitted(self.per_window.div(capacity - spent - need) as u64);
         }
         let remaining = self.per_window.div(capacity.saturating_sub(spent)) as u64;
         let retry = (cost <= self.burst && self.limit > 0)
-            .then(|| self.per_limit.div_ceil(spent + need - capacity));
+            .then(|| self.per_limit.div_ceil(spent_after - capacity));
         Decision::refused_exact(retry, remaining)
     }
 

@@ -66,11 +66,14 @@ impl Policy for SlidingLog {
         let now = now_ms.max(newest);
         // An entry made at `at` covers `at ..= at + W - 1`.
         while let Some(front) = s.entries.front() {
-            if now - front.at_ms < self.window_ms {
+            // Saturating, as below: a state written by hand may hold its
+            // entries out of order.
+            if now.saturating_sub(front.at_ms) < self.window_ms {
                 break;
             }
-            // Saturating: a state written by hand (the fields are public)
-            // may count less than its entries; a valid one never does.
+            // Saturating, here and below: a state written by hand (the
+            // fields are public) may count less than its entries, or hold
+            // entries no decision made; a valid one never does.
             s.used = s.used.saturating_sub(front.cost);
             s.entries.pop_front();
         }
@@ -87,7 +90,7 @@ impl Policy for SlidingLog {
         if cost <= left {
             if cost > 0 {
                 match s.entries.back_mut() {
-                    Some(last) if last.at_ms == now => last.cost += cost,
+                    Some(last) if last.at_ms == now => last.cost = last.cost.saturating_add(cost),
                     _ => s.entries.push_back(LogEntry { at_ms: now, cost }),
                 }
                 s.used += cost;
@@ -101,7 +104,7 @@ impl Policy for SlidingLog {
         // them have left.
         let mut still_used = s.used;
         for e in &s.entries {
-            still_used -= e.cost;
+            still_used = still_used.saturating_sub(e.cost);
             if still_used.saturating_add(cost) <= self.limit {
                 let at = e.at_ms.saturating_add(self.window_ms);
                 return Decision::refused(Some(at.saturating_sub(now_ms)), left);

@@ -119,7 +119,9 @@ impl Policy for TokenBucket {
         // refilled later refills from that later time, where a new key
         // made at `now_ms` or after would start refilling sooner.
         now_ms >= s.last_ms
-            && s.level.get() + u128::from(now_ms - s.last_ms) * u128::from(self.limit)
+            && s.level
+                .get()
+                .saturating_add(u128::from(now_ms - s.last_ms) * u128::from(self.limit))
                 >= self.capacity()
     }
 
