@@ -1367,6 +1367,24 @@ async fn the_key_command_names_the_redis_key_of_one_clients_count() {
         )
         .unwrap(),
     ];
+    // A limit the service ignores (a sliding-log override whose log could
+    // hold more than 10,000 entries) leaves the rule's count, named so.
+    let ignored = key_name(
+        &file,
+        &[
+            "--domain",
+            "api",
+            "--entry",
+            "path=/a=b",
+            "--entry",
+            "user=ann",
+            "--limit",
+            "20000/hour",
+        ],
+    );
+    assert_eq!(ignored.as_ref(), Ok(&names[1]));
+    // A key may start with '-'.
+    assert!(key_name(&file, &["--key", "-1"]).is_ok());
     for ((body, _), name) in requests.iter().zip(&names) {
         assert!(name.starts_with("app%3Alimits%3A"), "{name}");
         assert_eq!(redis.cli(&["DEL", name]).trim(), "1", "{name}");
@@ -1388,6 +1406,7 @@ async fn the_key_command_names_the_redis_key_of_one_clients_count() {
             "cannot be used with",
         ),
         (&["--key", ""][..], "the key is empty"),
+        (&["--domain", "", "--entry", "a=b"][..], "domain is empty"),
         (
             &["--domain", "web", "--entry", "path=/"][..],
             "no [[domains]] entry \"web\"",

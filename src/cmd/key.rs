@@ -18,14 +18,19 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// A key request's key, as `{"key": ...}` sends it to /v1/check.
-    #[arg(long, value_name = "KEY", conflicts_with_all = ["domain", "entry", "limit"])]
+    #[arg(long, value_name = "KEY", allow_hyphen_values = true, conflicts_with_all = ["domain", "entry", "limit"])]
     pub key: Option<String>,
     /// A descriptor's domain (with --entry).
-    #[arg(long, value_name = "DOMAIN", requires = "entry")]
+    #[arg(
+        long,
+        value_name = "DOMAIN",
+        allow_hyphen_values = true,
+        requires = "entry"
+    )]
     pub domain: Option<String>,
     /// One entry of the descriptor, KEY=VALUE (the value may be empty, and
     /// may hold '='); repeat it for each entry, in the request's order.
-    #[arg(long, value_name = "KEY=VALUE", value_parser = parse_entry)]
+    #[arg(long, value_name = "KEY=VALUE", allow_hyphen_values = true, value_parser = parse_entry)]
     pub entry: Vec<(String, String)>,
     /// The descriptor's own limit, when it carries one (Envoy's limit
     /// override): REQUESTS_PER_UNIT/UNIT, such as 10/minute.
@@ -75,6 +80,9 @@ pub fn run(args: Args) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some(ignored) = &count.ignored {
+        errln!("{ignored}: the rule's count is named");
+    }
     let p = &count.policy;
     let shadow = if count.shadow { ", shadow" } else { "" };
     errln!(

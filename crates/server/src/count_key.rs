@@ -14,6 +14,7 @@ use ratewarden_core::PolicyConfig;
 use crate::config::{unit_ms, ConfigSource};
 use crate::metrics::Metrics;
 use crate::rules::{LimitOverride, OverrideMatch, RuleSet};
+use crate::service::{check_request, DescriptorRequest};
 use crate::store::{rule_prefix, MemoryFactory, StoreFactory};
 
 /// A request, as `POST /v1/check` or `ShouldRateLimit` takes one.
@@ -46,6 +47,9 @@ pub struct Count {
     /// The name of the count's key on a Redis store (single node or
     /// cluster alike), under the configuration's `key_prefix`.
     pub redis_key: String,
+    /// Why the service ignores the limit the request carries, counting by
+    /// the rule instead, when it does.
+    pub ignored: Option<String>,
 }
 
 /// Reads `--limit`'s `REQUESTS_PER_UNIT/UNIT` (`10/minute`).
@@ -56,7 +60,14 @@ pub fn parse_limit(text: &str) -> Result<LimitOverride, String> {
         .ok_or_else(|| format!("{text:?} has no '/'; {usage}"))?;
     let limit = limit
         .parse::<u64>()
-        .map_err(|_| format!("{limit:?} is not a whole number of requests; {usage}"))?;
+        .ok()
+        .filter(|&n| n <= ratewarden_core::MAX_SAFE)
+        .ok_or_else(|| {
+            format!(
+                "{limit:?} is not a whole number of requests from 0 to 2^53 - 1 (the service \
+                 refuses others); {usage}"
+            )
+        })?;
     let window_ms = unit_ms(unit).map_err(|_| {
         format!(
             "unknown unit {unit:?}; use second, minute, hour, day, week, month (30 days) or \
@@ -82,6 +93,7 @@ pub async fn count_of(source: &ConfigSource, request: &Request) -> anyhow::Resul
     });
     let metrics = Metrics::default();
     let rules = RuleSet::build(config, factory.as_ref(), None, &metrics).await?;
+    let mut ignored = None;
     let matched = match request {
         Request::Key(key) if key.is_empty() => {
             anyhow::bail!("the key is empty, which the service refuses: no count is kept")
@@ -92,49 +104,63 @@ pub async fn count_of(source: &ConfigSource, request: &Request) -> anyhow::Resul
             entries,
             limit,
         } => {
-            if entries.is_empty() {
-                anyhow::bail!("a descriptor needs at least one entry: give --entry KEY=VALUE");
-            }
+            let request = DescriptorRequest {
+                entries: entries.clone(),
+                cost: 1,
+                limit: *limit,
+            };
+            check_request(domain, std::slice::from_ref(&request))
+                .map_err(|e| anyhow::anyhow!("the service refuses this request: {e}"))?;
             if !rules.knows_domain(domain) {
                 anyhow::bail!(
                     "the configuration has no [[domains]] entry {domain:?} (and no [fallback]): \
                      the service limits nothing in that domain, so no count is kept"
                 );
             }
-            let applied = match limit {
-                Some(_) if !settings.limit_overrides => anyhow::bail!(
-                    "limit_overrides = false in [server]: the service ignores a request's \
-                     limit and counts by the rule; leave out --limit"
-                ),
-                Some(over) => {
-                    match rules
-                        .match_override(domain, entries, *over, &factory, &metrics)
-                        .await
-                    {
-                        Some(OverrideMatch::Applied(m)) => Some(m),
-                        Some(OverrideMatch::Ignored(why)) => anyhow::bail!(
-                            "the service ignores this limit ({why}) and counts by the rule; \
-                             leave out --limit"
-                        ),
-                        None => None,
-                    }
+            // As the service decides: a limit it ignores leaves the rule's
+            // count, said on the way.
+            let matched = match limit {
+                Some(_) if !settings.limit_overrides => {
+                    ignored = Some(
+                        "limit_overrides = false in [server]: the service ignores the request's \
+                         limit"
+                            .to_owned(),
+                    );
+                    rules.match_descriptor(domain, entries)
                 }
+                Some(over) => match rules
+                    .match_override(domain, entries, *over, &factory, &metrics)
+                    .await
+                {
+                    Some(OverrideMatch::Applied(m)) => Some(m),
+                    Some(OverrideMatch::Ignored(why)) => {
+                        ignored = Some(format!("the service ignores the request's limit: {why}"));
+                        rules.match_descriptor(domain, entries)
+                    }
+                    None => None,
+                },
                 None => rules.match_descriptor(domain, entries),
             };
-            applied.ok_or_else(|| {
+            matched.ok_or_else(|| {
                 let why = if rules.is_unlimited(domain, entries) {
                     "reaches an unlimited = true entry"
                 } else {
                     "matches no rule (and there is no [fallback])"
                 };
+                let ignored = ignored
+                    .as_deref()
+                    .map(|i| format!("{i}; and "))
+                    .unwrap_or_default();
                 anyhow::anyhow!(
-                    "the descriptor {why}: the service limits nothing for it, so no count is kept"
+                    "{ignored}the descriptor {why}: the service limits nothing for it, so no \
+                     count is kept"
                 )
             })?
         }
     };
     let rule = &matched.rule;
     Ok(Count {
+        ignored,
         rule: rule.spec.name.clone(),
         policy: rule.spec.policy,
         shadow: rule.spec.shadow,

@@ -390,35 +390,7 @@ impl Service {
         domain: &str,
         descriptors: &[DescriptorRequest],
     ) -> Result<Vec<DescriptorOutcome>, BadRequest> {
-        if domain.is_empty() {
-            return Err(BadRequest(
-                "domain is empty; name the domain the descriptors belong to".into(),
-            ));
-        }
-        if descriptors.is_empty() {
-            return Err(BadRequest(
-                "descriptors is empty; send at least one descriptor".into(),
-            ));
-        }
-        if descriptors.len() > MAX_DESCRIPTORS {
-            return Err(BadRequest(format!(
-                "{} descriptors sent; at most {MAX_DESCRIPTORS} are allowed in one request",
-                descriptors.len()
-            )));
-        }
-        for (i, d) in descriptors.iter().enumerate() {
-            if d.entries.is_empty() {
-                return Err(BadRequest(format!(
-                    "descriptors[{i}] has no entries; give at least one key and value"
-                )));
-            }
-            if d.entries.len() > MAX_ENTRIES {
-                return Err(BadRequest(format!(
-                    "descriptors[{i}] has {} entries; at most {MAX_ENTRIES} are allowed",
-                    d.entries.len()
-                )));
-            }
-        }
+        check_request(domain, descriptors)?;
         let rules = self.rules.load_full();
         if !rules.knows_domain(domain) {
             // As envoyproxy/ratelimit answers it: no limit for any
@@ -925,6 +897,42 @@ fn check_cost(cost: u64) -> Result<(), BadRequest> {
         return Err(BadRequest(format!(
             "cost is {cost}, above the largest allowed 9007199254740991 (2^53 - 1); send a smaller cost"
         )));
+    }
+    Ok(())
+}
+
+/// What is wrong with a request of `descriptors` in `domain` before any
+/// is matched (an empty domain, too many descriptors or entries), as the
+/// service refuses it; `ratewarden key` refuses the same.
+pub fn check_request(domain: &str, descriptors: &[DescriptorRequest]) -> Result<(), BadRequest> {
+    if domain.is_empty() {
+        return Err(BadRequest(
+            "domain is empty; name the domain the descriptors belong to".into(),
+        ));
+    }
+    if descriptors.is_empty() {
+        return Err(BadRequest(
+            "descriptors is empty; send at least one descriptor".into(),
+        ));
+    }
+    if descriptors.len() > MAX_DESCRIPTORS {
+        return Err(BadRequest(format!(
+            "{} descriptors sent; at most {MAX_DESCRIPTORS} are allowed in one request",
+            descriptors.len()
+        )));
+    }
+    for (i, d) in descriptors.iter().enumerate() {
+        if d.entries.is_empty() {
+            return Err(BadRequest(format!(
+                "descriptors[{i}] has no entries; give at least one key and value"
+            )));
+        }
+        if d.entries.len() > MAX_ENTRIES {
+            return Err(BadRequest(format!(
+                "descriptors[{i}] has {} entries; at most {MAX_ENTRIES} are allowed",
+                d.entries.len()
+            )));
+        }
     }
     Ok(())
 }
