@@ -81,7 +81,7 @@ pub fn run(args: Args) -> ExitCode {
         }
     };
     if let Some(ignored) = &count.ignored {
-        errln!("{ignored}: the rule's count is named");
+        errln!("{ignored}; the rule's count is named");
     }
     let p = &count.policy;
     let shadow = if count.shadow { ", shadow" } else { "" };

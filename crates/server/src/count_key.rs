@@ -13,7 +13,7 @@ use ratewarden_core::PolicyConfig;
 
 use crate::config::{unit_ms, ConfigSource};
 use crate::metrics::Metrics;
-use crate::rules::{LimitOverride, OverrideMatch, RuleSet};
+use crate::rules::{LimitOverride, RuleSet};
 use crate::service::{check_request, DescriptorRequest};
 use crate::store::{rule_prefix, MemoryFactory, StoreFactory};
 
@@ -119,28 +119,18 @@ pub async fn count_of(source: &ConfigSource, request: &Request) -> anyhow::Resul
             }
             // As the service decides: a limit it ignores leaves the rule's
             // count, said on the way.
-            let matched = match limit {
-                Some(_) if !settings.limit_overrides => {
-                    ignored = Some(
-                        "limit_overrides = false in [server]: the service ignores the request's \
-                         limit"
-                            .to_owned(),
-                    );
-                    rules.match_descriptor(domain, entries)
-                }
-                Some(over) => match rules
-                    .match_override(domain, entries, *over, &factory, &metrics)
-                    .await
-                {
-                    Some(OverrideMatch::Applied(m)) => Some(m),
-                    Some(OverrideMatch::Ignored(why)) => {
-                        ignored = Some(format!("the service ignores the request's limit: {why}"));
-                        rules.match_descriptor(domain, entries)
-                    }
-                    None => None,
-                },
-                None => rules.match_descriptor(domain, entries),
-            };
+            let (matched, why) = rules
+                .match_with_limit(
+                    domain,
+                    entries,
+                    *limit,
+                    settings.limit_overrides,
+                    &factory,
+                    &metrics,
+                )
+                .await;
+            ignored =
+                why.map(|why| format!("the service ignores the request's limit because of {why}"));
             matched.ok_or_else(|| {
                 let why = if rules.is_unlimited(domain, entries) {
                     "reaches an unlimited = true entry"

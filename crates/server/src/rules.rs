@@ -549,6 +549,39 @@ static REFERENCE_SPEC: std::sync::LazyLock<RuleSpec> = std::sync::LazyLock::new(
 });
 
 impl RuleSet {
+    /// The rule and count key of a descriptor that carries `limit` or
+    /// none, as the service decides it: the override's own when
+    /// `overrides` (`[server] limit_overrides`) lets the service take one
+    /// and it is taken (see [`RuleSet::match_override`]), else the
+    /// descriptor's rule's, with why the override was ignored.
+    pub async fn match_with_limit(
+        &self,
+        domain: &str,
+        entries: &[(String, String)],
+        limit: Option<LimitOverride>,
+        overrides: bool,
+        factory: &Arc<dyn StoreFactory>,
+        metrics: &Metrics,
+    ) -> (Option<Matched>, Option<&'static str>) {
+        let Some(over) = limit else {
+            return (self.match_descriptor(domain, entries), None);
+        };
+        if !overrides {
+            let why = "limit_overrides = false in [server]: this server takes no caller's limit";
+            return (self.match_descriptor(domain, entries), Some(why));
+        }
+        match self
+            .match_override(domain, entries, over, factory, metrics)
+            .await
+        {
+            Some(OverrideMatch::Applied(m)) => (Some(m), None),
+            Some(OverrideMatch::Ignored(why)) => {
+                (self.match_descriptor(domain, entries), Some(why))
+            }
+            None => (None, None),
+        }
+    }
+
     /// The rule and count key of a descriptor carrying a limit `over`ride,
     /// as envoyproxy/ratelimit applies one: in any known domain, whatever
     /// the tree holds for the descriptor (a rule, no rule, an unlimited

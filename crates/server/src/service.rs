@@ -15,7 +15,7 @@ use ratewarden_core::{
 
 use crate::config::{ConfigSource, ServeFailurePolicy, ServerSettings};
 use crate::metrics::{Metrics, Outcome};
-use crate::rules::{LimitOverride, MatchError, Matched, OverrideMatch, Rule, RuleSet};
+use crate::rules::{LimitOverride, MatchError, Matched, Rule, RuleSet};
 use crate::store::StoreFactory;
 
 /// The most descriptors one request may carry.
@@ -418,28 +418,20 @@ impl Service {
         // the second take would refuse after the first consumed.
         let mut matches = Vec::with_capacity(descriptors.len());
         for d in descriptors {
-            let Some(over) = d.limit else {
-                matches.push(rules.match_descriptor(domain, &d.entries));
-                continue;
-            };
-            if !self.settings.limit_overrides {
-                self.limit_override_ignored(
-                    "limit_overrides = false in [server]: this server takes no caller's limit",
-                );
-                matches.push(rules.match_descriptor(domain, &d.entries));
-                continue;
-            }
-            let m = rules
-                .match_override(domain, &d.entries, over, &self.factory, &self.metrics)
+            let (m, ignored) = rules
+                .match_with_limit(
+                    domain,
+                    &d.entries,
+                    d.limit,
+                    self.settings.limit_overrides,
+                    &self.factory,
+                    &self.metrics,
+                )
                 .await;
-            matches.push(match m {
-                Some(OverrideMatch::Applied(m)) => Some(m),
-                Some(OverrideMatch::Ignored(why)) => {
-                    self.limit_override_ignored(why);
-                    rules.match_descriptor(domain, &d.entries)
-                }
-                None => None,
-            });
+            if let Some(why) = ignored {
+                self.limit_override_ignored(why);
+            }
+            matches.push(m);
         }
         // An override has a rule of its own, so it is a group of its own.
         let mut groups: Vec<(Matched, u64)> = Vec::new();
