@@ -859,6 +859,27 @@ async fn a_user_refused_the_keys_stops_serve_at_start_naming_the_pattern() {
     let (status, body) = check(&client, &serve.url(), "k").await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["remaining"], 9, "{body}");
+    drop(serve);
+    // A prefix holding a glob's own characters: the pattern written from
+    // it (`[1]` matches "1", not "[1]") misses its keys, and the one
+    // named, escaped, starts serve.
+    let config = "[server]\nkey_prefix = \"t[1]*\"\n\n[keys]\nlimit = 10\nwindow_ms = 60000\n";
+    let file = ConfigFile::new(config);
+    let granted = redis.cli(&["ACL", "SETUSER", "rw", "resetkeys", "~t[1]*%3A*"]);
+    assert_eq!(granted.trim(), "OK");
+    let (status, stderr) = serve_refused_with_config(&url, file.path());
+    assert!(!status.success(), "{stderr}");
+    let advised = stderr
+        .split("for serve, grant ")
+        .nth(1)
+        .and_then(|rest| rest.split(" instead").next())
+        .unwrap_or_else(|| panic!("no pattern named: {stderr}"));
+    assert_eq!(advised, "~t\\[1\\]\\*%3A*");
+    let granted = redis.cli(&["ACL", "SETUSER", "rw", "resetkeys", advised]);
+    assert_eq!(granted.trim(), "OK");
+    let serve = Serve::start(&url, config);
+    let (status, body) = check(&client, &serve.url(), "k").await;
+    assert_eq!(status, 200, "{body}");
 }
 
 /// A key pattern covering only the check's keys (`~ratewarden%3Aprobe:*`,

@@ -207,6 +207,28 @@ pub fn escape_key_part(part: &str) -> String {
     out
 }
 
+/// A Redis glob (`ACL SETUSER ... ~PATTERN`, `SCAN ... MATCH`) that
+/// matches every key under `prefix` and its `:`, and no other: the prefix
+/// as stored ([`escape_key_part`]), with the characters a glob reads
+/// (`*`, `?`, `[`, `]`, `\`) escaped, so that a prefix holding them (`key_prefix =
+/// "team[1]"`) matches itself rather than a class of prefixes.
+///
+/// ```
+/// assert_eq!(ratewarden_redis::key_glob("app:limits"), "app%3Alimits:*");
+/// assert_eq!(ratewarden_redis::key_glob("t[1]*?"), "t\\[1\\]\\*\\?:*");
+/// ```
+pub fn key_glob(prefix: &str) -> String {
+    let mut out = String::new();
+    for c in escape_key_part(prefix).chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push_str(":*");
+    out
+}
+
 /// How long one try of a node's check or call may take, for a store call
 /// timeout of `response_timeout`.
 ///
@@ -2099,12 +2121,13 @@ impl RedisStore {
                 if refused_key(detail) {
                     let prefix = &self.inner.options.prefix;
                     let escaped = escape_key_part(prefix);
+                    let glob = key_glob(prefix);
                     (
                         kind,
                         format!(
                             "{advice}; a key pattern must match the prefix as stored, escaped \
                              (each : written %3A): this store's prefix {prefix:?} is stored as \
-                             {escaped}:, matched by ~{escaped}:*"
+                             {escaped}:, matched by ~{glob}"
                         ),
                     )
                 } else {

@@ -165,9 +165,12 @@ impl RedisFactory {
         if !ratewarden_redis::is_refused_key(e) {
             return None;
         }
-        let escaped = ratewarden_redis::escape_key_part(&self.key_prefix);
+        // The rules' prefixes are `key_prefix` and a `:` (escaped as %3A),
+        // then a hash: a glob for `key_prefix:` with its `:*` dropped.
+        let glob = ratewarden_redis::key_glob(&format!("{}:", self.key_prefix));
+        let glob = glob.strip_suffix(":*").unwrap_or(&glob);
         Some(format!(
-            "for serve, grant ~{escaped}%3A* instead: every rule's keys, and the check's, are \
+            "for serve, grant ~{glob}* instead: every rule's keys, and the check's, are \
              under [server] key_prefix {:?} and a :",
             self.key_prefix
         ))
