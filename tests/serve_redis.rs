@@ -354,7 +354,7 @@ async fn readyz_reports_whether_redis_answers() {
 /// next request makes it and decides.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_override_on_a_frozen_redis_waits_one_store_timeout() {
-    let redis = RedisServer::start();
+    let mut redis = RedisServer::start();
     let config = "[server]\nfailure_policy = \"closed\"\nstore_timeout_ms = 100\n\n\
                   [[domains]]\ndomain = \"api\"\n\n\
                   [[domains.descriptors]]\nkey = \"user\"\nlimit = 5\nwindow_ms = 3600000\n";
@@ -363,17 +363,22 @@ async fn a_new_override_on_a_frozen_redis_waits_one_store_timeout() {
         .timeout(Duration::from_secs(10))
         .build()
         .unwrap();
-    let ask = || async {
-        let r = client
-            .post(serve.url())
-            .json(&json!({"domain": "api", "descriptors": [{
-                "entries": [{"key": "user", "value": "ov"}],
-                "limit": {"requests_per_unit": 7, "unit": "hour"}}]}))
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    let ask_with = |limit: u64| {
+        let client = client.clone();
+        let url = serve.url();
+        async move {
+            let r = client
+                .post(url)
+                .json(&json!({"domain": "api", "descriptors": [{
+                    "entries": [{"key": "user", "value": "ov"}],
+                    "limit": {"requests_per_unit": limit, "unit": "hour"}}]}))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
     };
+    let ask = || ask_with(7);
     redis.pause();
     let (status, body) = ask().await;
     redis.resume();
@@ -395,6 +400,15 @@ async fn a_new_override_on_a_frozen_redis_waits_one_store_timeout() {
     assert_eq!(
         (status, &body["rule"], &body["remaining"]),
         (200, &json!("api.user.override"), &json!(6)),
+        "{body}"
+    );
+    // Redis gone: a new override's limiter cannot be made, and its calls
+    // fail as the rules' do, their connection dropped (not `backend`).
+    redis.kill();
+    let (status, body) = ask_with(8).await;
+    assert_eq!(
+        (status, &body["failure_policy"], &body["failure"]),
+        (429, &json!(true), &json!("connection_dropped")),
         "{body}"
     );
 }

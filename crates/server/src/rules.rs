@@ -735,7 +735,10 @@ impl RuleSet {
         let rule = match made {
             Ok(Ok(rule)) => rule,
             Ok(Err(e)) => unmade(
-                StoreErrorKind::Backend,
+                // The store's own kind where it gave one (Redis away is
+                // `connection_dropped`, as for the rules' calls).
+                e.downcast_ref::<crate::store::StoreFailure>()
+                    .map_or(StoreErrorKind::Backend, |f| f.kind),
                 format!("cannot make the limiter of the override: {e:#}"),
             ),
             Err(_) => unmade(

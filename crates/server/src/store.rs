@@ -152,7 +152,7 @@ impl RedisFactory {
     /// `key_prefix` too.
     fn keys_hint(&self, e: ratewarden_core::StoreError) -> anyhow::Error {
         match self.key_pattern(&e) {
-            Some(pattern) => anyhow::anyhow!("{}; {pattern}", e.detail()),
+            Some(pattern) => StoreFailure::error(&e, format!("{}; {pattern}", e.detail())),
             None => unreachable_hint(e),
         }
     }
@@ -314,15 +314,44 @@ impl StoreFactory for RedisFactory {
 /// The detail alone: the error's kind would repeat what the detail says.
 fn unreachable_hint(e: ratewarden_core::StoreError) -> anyhow::Error {
     if e.is_connection_dropped() {
-        anyhow::anyhow!(
+        let message = format!(
             "{}; start redis-server there or change --store (or RATEWARDEN_STORE) to \
              where it runs",
             e.detail()
-        )
+        );
+        StoreFailure::error(&e, message)
     } else {
-        anyhow::anyhow!("{}", e.detail())
+        StoreFailure::error(&e, e.detail().to_owned())
     }
 }
+
+/// A store's failure to make a rule's limiter, said in `message` (its
+/// detail and what to change), keeping its kind: an override first used
+/// while Redis is away fails its calls with that kind, as the rules' do
+/// (`connection_dropped` in metrics and answers, not `backend`).
+#[derive(Debug)]
+pub struct StoreFailure {
+    /// What kind of failure it was.
+    pub kind: ratewarden_core::StoreErrorKind,
+    message: String,
+}
+
+impl StoreFailure {
+    fn error(e: &ratewarden_core::StoreError, message: String) -> anyhow::Error {
+        anyhow::Error::new(StoreFailure {
+            kind: e.kind(),
+            message,
+        })
+    }
+}
+
+impl std::fmt::Display for StoreFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for StoreFailure {}
 
 /// What `--store` names. `Debug` shows a URL without its credentials.
 #[derive(Clone, PartialEq, Eq)]
