@@ -3647,6 +3647,8 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
     } else {
         let refused = e.is_connection_refusal();
         let not_redis = e.kind() == ErrorKind::Parse;
+        // getaddrinfo's failure, as the standard library words it.
+        let unresolved = text.contains("failed to lookup address information");
         let e = map_error(e);
         // The detail, not the whole error: shown, the error starts with its
         // kind ("store connection dropped: "), which the caller's showing
@@ -3667,6 +3669,11 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
         // command sent to a TLS port has the connection closed.
         let other = form.other_scheme();
         let hint = match (form.tls, e.kind()) {
+            _ if unresolved => {
+                "; the host's name did not resolve: check the host in the URL (and this \
+                 machine's DNS)"
+                    .to_owned()
+            }
             (true, StoreErrorKind::Timeout) => {
                 format!("; if this port takes plain connections, not TLS, use {other}://")
             }

@@ -415,6 +415,15 @@ fn a_failed_connection_reports_its_cause_not_a_timeout() {
         "{e}"
     );
 
+    // A name that does not resolve (`.invalid` never does, RFC 6761) is
+    // said to be one, not guessed to be a TLS-only port.
+    let e = connect_by_default("redis://nohost.invalid:6379");
+    assert!(
+        e.detail().contains("the host's name did not resolve"),
+        "{e}"
+    );
+    assert!(!e.detail().contains("TLS only"), "{e}");
+
     let server = RedisServer::start_with(&["--requirepass", "s3cret"]);
     let e = connect_by_default(&format!("redis://:wrong@127.0.0.1:{}", server.port()));
     assert!(
