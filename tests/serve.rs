@@ -1026,6 +1026,9 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
             "{stderr}"
         );
     }
+    // A URL read from a secret file ending with a newline is the URL.
+    let (ok, stderr) = run(&["--check", "--store", "redis://127.0.0.1:7000/0\n"]);
+    assert!(ok, "{stderr}");
     let (ok, stderr) = bare(&[
         "--check",
         "--http",

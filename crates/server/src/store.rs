@@ -385,6 +385,9 @@ impl std::str::FromStr for StoreUrl {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
+        // A URL holds no raw whitespace (a space in a password is %20), and
+        // a secret mounted from a file often ends with a newline.
+        let s = s.trim_matches(|c: char| c.is_ascii_whitespace());
         if s == "memory" {
             Ok(StoreUrl::Memory)
         } else if ratewarden_redis::is_store_url(s) {
