@@ -617,7 +617,7 @@ async fn the_log_says_when_the_store_answers_again() {
         .filter(|l| l.contains("succeed again"))
         .collect();
     assert_eq!(again.len(), 1, "{text}");
-    assert!(again[0].contains("rule=keys"), "{text}");
+    assert!(again[0].contains("first_rule=keys"), "{text}");
     // Every failure is in the log's counts, those of the last second
     // before the outage ended on the line that says so.
     let not_logged = |line: &str| common::log_field(line, "failures_not_logged");

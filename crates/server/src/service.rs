@@ -731,11 +731,15 @@ impl Service {
                         >= 1000
                     && self.failure_logged.swap(false, Ordering::Relaxed)
                 {
+                    // The failures and this recovery are the store's, for
+                    // every rule: the rule named is the one whose call came
+                    // first, not one that failed.
                     tracing::info!(
-                        rule = %crate::one_line(&m.rule.spec.name),
+                        first_rule = %crate::one_line(&m.rule.spec.name),
                         failures_not_logged = self.error_log.take_held(),
                         "store calls succeed again, with no failure for a second, after the \
-                         failures logged above"
+                         failures logged above (first_rule: the rule of the first call that \
+                         succeeded)"
                     );
                 }
                 (d, None)
