@@ -1704,6 +1704,12 @@ impl RedisStore {
                     }
                     Ok(Err(e)) => {
                         let e = map_error(e);
+                        // What a call's error would advise (a password
+                        // changed since the store connected, say).
+                        if let Some((_, advice)) = refusal_advice(e.detail()) {
+                            let detail = format!("{}; {advice}", e.detail());
+                            return Err(StoreError::new(e.kind(), detail));
+                        }
                         return Err(match self.tls_failure(e.detail()) {
                             Some(said) => StoreError::new(e.kind(), said),
                             None => self.said_at_accept(e, deadline).await,

@@ -91,6 +91,12 @@ fn a_redis_that_wants_a_password_is_refused_at_connect_saying_so() {
             e.detail().contains("refuses the URL's user or password"),
             "{e}"
         );
+        // And so does a readiness probe.
+        let e = store.ping().await.expect_err("the old password");
+        assert!(
+            e.detail().contains("refuses the URL's user or password"),
+            "{e}"
+        );
     });
 }
 
