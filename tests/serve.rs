@@ -3402,13 +3402,16 @@ async fn a_configuration_read_that_blocks_does_not_keep_serve_from_stopping() {
     // At start: nothing listens yet, and SIGTERM stops it.
     let file = ConfigFile::new("");
     blocking_pipe(file.path());
-    let mut child = Command::new(common::BIN)
-        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
-        .args(["--config", file.path()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("the ratewarden binary starts");
+    let start = || {
+        Command::new(common::BIN)
+            .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+            .args(["--config", file.path()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("the ratewarden binary starts")
+    };
+    let mut child = start();
     std::thread::sleep(Duration::from_millis(300));
     let sent = Command::new("kill")
         .args(["-s", "TERM", &child.id().to_string()])
@@ -3420,13 +3423,7 @@ async fn a_configuration_read_that_blocks_does_not_keep_serve_from_stopping() {
     assert!(status.success(), "{status}");
     // Left alone, the start gives up on the read after 10 s, as a
     // reload does, and says so, rather than hang in silence.
-    let mut child = Command::new(common::BIN)
-        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
-        .args(["--config", file.path()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("the ratewarden binary starts");
+    let mut child = start();
     let status = common::exit_within(&mut child, Duration::from_secs(20))
         .expect("serve gives up on its file within 20 s");
     assert!(!status.success(), "{status}");

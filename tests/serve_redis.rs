@@ -1373,50 +1373,27 @@ async fn the_key_command_names_the_redis_key_of_one_clients_count() {
             assert_eq!(post(body.clone()).await, 429, "{body}");
         }
     }
-    let names = [
-        key_name(&file, &["--key", "user:42"]).unwrap(),
-        key_name(
-            &file,
-            &[
-                "--domain",
-                "api",
-                "--entry",
-                "path=/a=b",
-                "--entry",
-                "user=ann",
-            ],
-        )
-        .unwrap(),
-        key_name(
-            &file,
-            &[
-                "--domain",
-                "api",
-                "--entry",
-                "path=/a=b",
-                "--entry",
-                "user=ann",
-                "--limit",
-                "3/DAY",
-            ],
-        )
-        .unwrap(),
-    ];
-    // A limit the service ignores (a sliding-log override whose log could
-    // hold more than 10,000 entries) leaves the rule's count, named so.
-    let ignored = key_name(
-        &file,
-        &[
+    // `key`'s arguments for ann's descriptor, then `more`.
+    let ann = |more: &[&'static str]| {
+        let mut args = vec![
             "--domain",
             "api",
             "--entry",
             "path=/a=b",
             "--entry",
             "user=ann",
-            "--limit",
-            "20000/hour",
-        ],
-    );
+        ];
+        args.extend_from_slice(more);
+        key_name(&file, &args)
+    };
+    let names = [
+        key_name(&file, &["--key", "user:42"]).unwrap(),
+        ann(&[]).unwrap(),
+        ann(&["--limit", "3/DAY"]).unwrap(),
+    ];
+    // A limit the service ignores (a sliding-log override whose log could
+    // hold more than 10,000 entries) leaves the rule's count, named so.
+    let ignored = ann(&["--limit", "20000/hour"]);
     assert_eq!(ignored.as_ref(), Ok(&names[1]));
     // A key may start with '-'.
     assert!(key_name(&file, &["--key", "-1"]).is_ok());
