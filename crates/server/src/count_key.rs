@@ -14,7 +14,7 @@ use ratewarden_core::PolicyConfig;
 use crate::config::{unit_ms, ConfigSource};
 use crate::metrics::Metrics;
 use crate::rules::{LimitOverride, RuleSet};
-use crate::service::{check_request, DescriptorRequest};
+use crate::service::{check_descriptor_request, DescriptorRequest};
 use crate::store::{rule_prefix, MemoryFactory, StoreFactory};
 
 /// A request, as `POST /v1/check` or `ShouldRateLimit` takes one.
@@ -109,7 +109,7 @@ pub async fn count_of(source: &ConfigSource, request: &Request) -> anyhow::Resul
                 cost: 1,
                 limit: *limit,
             };
-            check_request(domain, std::slice::from_ref(&request))
+            check_descriptor_request(domain, std::slice::from_ref(&request))
                 .map_err(|e| anyhow::anyhow!("the service refuses this request: {e}"))?;
             if !rules.knows_domain(domain) {
                 anyhow::bail!(

@@ -390,7 +390,7 @@ impl Service {
         domain: &str,
         descriptors: &[DescriptorRequest],
     ) -> Result<Vec<DescriptorOutcome>, BadRequest> {
-        check_request(domain, descriptors)?;
+        check_descriptor_request(domain, descriptors)?;
         let rules = self.rules.load_full();
         if !rules.knows_domain(domain) {
             // As envoyproxy/ratelimit answers it: no limit for any
@@ -900,7 +900,10 @@ fn check_cost(cost: u64) -> Result<(), BadRequest> {
 /// What is wrong with a request of `descriptors` in `domain` before any
 /// is matched (an empty domain, too many descriptors or entries), as the
 /// service refuses it; `ratewarden key` refuses the same.
-pub fn check_request(domain: &str, descriptors: &[DescriptorRequest]) -> Result<(), BadRequest> {
+pub fn check_descriptor_request(
+    domain: &str,
+    descriptors: &[DescriptorRequest],
+) -> Result<(), BadRequest> {
     if domain.is_empty() {
         return Err(BadRequest(
             "domain is empty; name the domain the descriptors belong to".into(),
