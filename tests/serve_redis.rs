@@ -413,6 +413,49 @@ async fn a_new_override_on_a_frozen_redis_waits_one_store_timeout() {
     );
 }
 
+/// An override whose limiter Redis refuses to make (its user may not
+/// touch the override's keys) fails as a rule's refused call does, a
+/// `backend` failure, not as a request to correct (`invalid_input`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_override_refused_its_keys_is_a_backend_failure() {
+    let redis = RedisServer::start();
+    let acl = |keys: &[&str]| {
+        let mut args = vec!["ACL", "SETUSER", "rw", "on", ">pw", "+@all", "resetkeys"];
+        args.extend_from_slice(keys);
+        assert_eq!(redis.cli(&args).trim(), "OK");
+    };
+    acl(&["~*"]);
+    let config = "[server]\nfailure_policy = \"open\"\n\n[[domains]]\ndomain = \"api\"\n\n\
+                  [[domains.descriptors]]\nkey = \"user\"\nlimit = 5\nwindow_ms = 60000\n";
+    let url = format!("redis://rw:pw@127.0.0.1:{}", redis.port());
+    let serve = Serve::start(&url, config);
+    // The rule's own keys (as `ratewarden key` names them) and the
+    // check's stay allowed; the override's are not.
+    let file = ConfigFile::new(config);
+    let rule_key = key_name(&file, &["--domain", "api", "--entry", "user=x"]).unwrap();
+    let rule_prefix = rule_key.split(":v2:").next().unwrap();
+    let rule_keys = format!("~{rule_prefix}:*");
+    acl(&[&rule_keys, "~ratewarden%3Aprobe:*"]);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let r = client
+        .post(serve.url())
+        .json(&json!({"domain": "api", "descriptors": [{
+            "entries": [{"key": "user", "value": "x"}],
+            "limit": {"requests_per_unit": 7, "unit": "hour"}}]}))
+        .send()
+        .await
+        .unwrap();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(
+        (&body["failure_policy"], &body["failure"]),
+        (&json!(true), &json!("backend")),
+        "{body}"
+    );
+}
+
 /// A call its client resets while it waits on a frozen store (as Envoy
 /// does at its own timeout) is timed too, to the reset: a slow store's
 /// calls are in the latency histogram whichever end gave up first.

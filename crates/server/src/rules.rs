@@ -735,10 +735,20 @@ impl RuleSet {
         let rule = match made {
             Ok(Ok(rule)) => rule,
             Ok(Err(e)) => unmade(
-                // The store's own kind where it gave one (Redis away is
-                // `connection_dropped`, as for the rules' calls).
-                e.downcast_ref::<crate::store::StoreFailure>()
-                    .map_or(StoreErrorKind::Backend, |f| f.kind),
+                // Redis away or slow is said as the rules' calls say it
+                // (`connection_dropped`, `timeout`); anything else the
+                // store refused at making (a key or a password refused,
+                // which making classes as the URL's to change) is a
+                // `backend` failure of this call, as a rule's is.
+                match e
+                    .downcast_ref::<crate::store::StoreFailure>()
+                    .map(|f| f.kind)
+                {
+                    Some(kind @ (StoreErrorKind::ConnectionDropped | StoreErrorKind::Timeout)) => {
+                        kind
+                    }
+                    _ => StoreErrorKind::Backend,
+                },
                 format!("cannot make the limiter of the override: {e:#}"),
             ),
             Err(_) => unmade(
