@@ -971,7 +971,7 @@ fn bad_configurations_and_stores_stop_serve_with_a_message() {
     let (ok, stderr) = run(&["--store", "MEMORY"]);
     assert!(!ok);
     assert!(
-        stderr.contains("unknown store \"MEMORY\"; write memory in lower case, with no spaces"),
+        stderr.contains("unknown store \"MEMORY\"; write memory in lower case"),
         "{stderr}"
     );
     let (ok, stderr) = bare(&["--http", "127.0.0.1:18099", "--grpc", "127.0.0.1:18099"]);

@@ -881,6 +881,20 @@ fn a_user_refused_time_stops_serve_at_start_saying_so() {
     assert!(!stderr.contains(":pw@"), "{stderr}");
 }
 
+/// A host name that does not resolve stops serve saying so, without the
+/// advice to start redis-server there or to use TLS.
+#[test]
+fn a_store_host_that_does_not_resolve_is_said_to_be_one() {
+    let (status, stderr) = serve_refused("redis://nohost.invalid:6379");
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the host's name did not resolve"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("start redis-server there"), "{stderr}");
+    assert!(!stderr.contains("TLS only"), "{stderr}");
+}
+
 /// A user whose key pattern is written from the prefix as given
 /// (`~ratewarden:*`) misses the keys, whose `:` is stored as %3A: serve
 /// stops at start naming the pattern that covers every rule's keys, and

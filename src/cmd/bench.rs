@@ -28,7 +28,7 @@ pub struct Args {
     /// (pipelined decisions per second
     /// and round trips per policy beside redis-benchmark, as
     /// `ratewarden bench-redis` measures with its default sizes).
-    #[arg(long, default_value = "memory")]
+    #[arg(long, default_value = "memory", value_parser = super::trimmed)]
     pub store: String,
     /// A shorter run (fewer decisions and repetitions, shorter traffic)
     /// that finishes within a minute on two cores.

@@ -77,7 +77,7 @@ pub struct Args {
     /// `redis+unix:///PATH[?db=DB&user=USER&pass=PASSWORD]` (over a Unix
     /// socket); redis-benchmark is pointed at the same address, database
     /// and credentials.
-    #[arg(long)]
+    #[arg(long, value_parser = super::trimmed)]
     pub store: String,
     /// Decisions per pipelined measurement (per policy, and per script in
     /// each round), 4,000 to 100,000,000 (40,000 with --quick, which takes

@@ -107,6 +107,13 @@ pub fn spec_number(s: &str) -> Result<u64, String> {
     }
 }
 
+/// A store URL given as text (`bench`, `bench-redis`), without the
+/// whitespace around it, as [`StoreUrlParser`] takes one: a URL holds none
+/// raw, and a secret mounted from a file often ends with a newline.
+pub fn trimmed(s: &str) -> Result<String, String> {
+    Ok(s.trim_matches(|c: char| c.is_ascii_whitespace()).to_owned())
+}
+
 /// Parses `--store` into a [`StoreUrl`]. clap's own message for a refused
 /// value quotes the raw text, and a store URL can hold a password: this
 /// parser's message shows only the redacted URL that [`StoreUrl`]'s own

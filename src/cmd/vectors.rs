@@ -157,7 +157,7 @@ pub fn run(args: Args) -> ExitCode {
                 Ok(store) => store,
                 Err(e) => {
                     let url = ratewarden_redis::redact_url(&url);
-                    if e.is_connection_dropped() {
+                    if e.is_connection_dropped() && !ratewarden_redis::is_unresolved_host(&e) {
                         // The detail names the address already; say what to
                         // change rather than the error's kind again.
                         errln!(

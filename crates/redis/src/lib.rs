@@ -37,8 +37,8 @@ mod url;
 
 pub use limiter::{Checked, FailureCounts, RedisLimiter, RedisTime};
 pub use store::{
-    cluster_enabled, escape_key_part, is_refused_key, key_glob, key_name, unix_socket_problem,
-    RedisOptions, RedisStore, MAX_BATCH,
+    cluster_enabled, escape_key_part, is_refused_key, is_unresolved_host, key_glob, key_name,
+    unix_socket_problem, RedisOptions, RedisStore, MAX_BATCH,
 };
 pub use tls::check_tls_files;
 pub use url::{

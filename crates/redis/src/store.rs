@@ -207,6 +207,16 @@ pub fn escape_key_part(part: &str) -> String {
     out
 }
 
+/// What a connect error says of a host name that did not resolve.
+const UNRESOLVED_HOST: &str = "the host's name did not resolve";
+
+/// Whether `e`, from [`RedisStore::connect`], is a host name that did not
+/// resolve: its message says to check the name, and no server can be
+/// started "there".
+pub fn is_unresolved_host(e: &StoreError) -> bool {
+    e.detail().contains(UNRESOLVED_HOST)
+}
+
 /// A Redis glob (`ACL SETUSER ... ~PATTERN`, `SCAN ... MATCH`) that
 /// matches every key under `prefix` and its `:`, and no other: the prefix
 /// as stored ([`escape_key_part`]), with the characters a glob reads
@@ -1747,6 +1757,12 @@ impl RedisStore {
                     if e.kind() == StoreErrorKind::ConnectionDropped {
                         self.renew_connection();
                     }
+                    // What a call's error would advise (a password
+                    // changed since the store connected, say).
+                    if let Some((_, advice)) = refusal_advice(e.detail()) {
+                        let detail = format!("{}; {advice}", e.detail());
+                        return Err(StoreError::new(e.kind(), detail));
+                    }
                     // Said as a call's error says it.
                     if e.detail().contains("ClusterConnectionNotFound") {
                         let tls = crate::tls::is_tls_url(self.url());
@@ -2133,7 +2149,8 @@ impl RedisStore {
                         format!(
                             "{advice}; a key pattern must match the prefix as stored, escaped \
                              (each : written %3A): this store's prefix {prefix:?} is stored as \
-                             {escaped}:, matched by ~{glob}"
+                             {escaped}:, matched by ~{glob} (any * ? [ ] \\ of the prefix \
+                             escaped with a \\; quote the pattern in a shell)"
                         ),
                     )
                 } else {
@@ -3676,9 +3693,7 @@ fn connect_error(e: RedisError, address: &str, form: Form) -> StoreError {
         let other = form.other_scheme();
         let hint = match (form.tls, e.kind()) {
             _ if unresolved => {
-                "; the host's name did not resolve: check the host in the URL (and this \
-                 machine's DNS)"
-                    .to_owned()
+                format!("; {UNRESOLVED_HOST}: check the host in the URL (and this machine's DNS)")
             }
             (true, StoreErrorKind::Timeout) => {
                 format!("; if this port takes plain connections, not TLS, use {other}://")

@@ -313,7 +313,8 @@ impl StoreFactory for RedisFactory {
 /// A connect error, with what to change when Redis could not be reached.
 /// The detail alone: the error's kind would repeat what the detail says.
 fn unreachable_hint(e: ratewarden_core::StoreError) -> anyhow::Error {
-    if e.is_connection_dropped() {
+    // A name that does not resolve has its own advice already.
+    if e.is_connection_dropped() && !ratewarden_redis::is_unresolved_host(&e) {
         let message = format!(
             "{}; start redis-server there or change --store (or RATEWARDEN_STORE) to \
              where it runs",
@@ -432,7 +433,7 @@ pub fn unknown_store(s: &str, forms: &str) -> String {
     if s.trim().is_empty() {
         format!("the store is empty; use {forms}")
     } else if s.trim().eq_ignore_ascii_case("memory") {
-        format!("unknown store {s:?}; write memory in lower case, with no spaces")
+        format!("unknown store {s:?}; write memory in lower case")
     } else {
         format!(
             "unknown store {}; use {forms}",
