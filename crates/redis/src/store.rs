@@ -1714,11 +1714,8 @@ impl RedisStore {
                     }
                     Ok(Err(e)) => {
                         let e = map_error(e);
-                        // What a call's error would advise (a password
-                        // changed since the store connected, say).
-                        if let Some((_, advice)) = refusal_advice(e.detail()) {
-                            let detail = format!("{}; {advice}", e.detail());
-                            return Err(StoreError::new(e.kind(), detail));
+                        if let Some(advised) = advised(&e) {
+                            return Err(advised);
                         }
                         return Err(match self.tls_failure(e.detail()) {
                             Some(said) => StoreError::new(e.kind(), said),
@@ -1757,11 +1754,8 @@ impl RedisStore {
                     if e.kind() == StoreErrorKind::ConnectionDropped {
                         self.renew_connection();
                     }
-                    // What a call's error would advise (a password
-                    // changed since the store connected, say).
-                    if let Some((_, advice)) = refusal_advice(e.detail()) {
-                        let detail = format!("{}; {advice}", e.detail());
-                        return Err(StoreError::new(e.kind(), detail));
+                    if let Some(advised) = advised(&e) {
+                        return Err(advised);
                     }
                     // Said as a call's error says it.
                     if e.detail().contains("ClusterConnectionNotFound") {
@@ -3957,6 +3951,17 @@ fn permission_advice(text: &str) -> String {
              {NEEDED_GRANTS}"
         ),
     }
+}
+
+/// `e` with the advice a call's error gives for what it says (a password
+/// changed since the store connected, say), for a probe's error; `None`
+/// when there is none.
+fn advised(e: &StoreError) -> Option<StoreError> {
+    let (_, advice) = refusal_advice(e.detail())?;
+    Some(StoreError::new(
+        e.kind(),
+        format!("{}; {advice}", e.detail()),
+    ))
 }
 
 /// What Redis refusing every decision for what it is (not for a passing
