@@ -542,10 +542,10 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
     }
 }
 
-/// Reads `key`: a string when present. Null is refused rather than read
-/// as absent, which would say the key is missing when it was sent.
-/// Reads the string field `name`, `None` when absent; null or another
-/// type is refused, saying what to send (`example`, a JSON string).
+/// Reads the string field `name` (`key`, `domain`), `None` when absent.
+/// Null or another type is refused, saying what to send (`example`, a JSON
+/// string), rather than read as absent, which would say the field is
+/// missing when it was sent.
 fn parse_string(
     name: &str,
     value: Option<serde_json::Value>,
