@@ -330,6 +330,17 @@ proptest! {
     }
 }
 
+/// Any `u64`, its edges and the range's most often.
+fn any_edge() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        Just(0u64),
+        Just(u64::MAX),
+        Just(u64::MAX - 1),
+        edgy(),
+        any::<u64>()
+    ]
+}
+
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: 2_000,
@@ -397,13 +408,7 @@ proptest! {
     fn bare_policies_never_panic_past_the_range(
         (config, trace) in edgy_config()
             .prop_flat_map(|config| {
-                let anything = prop_oneof![
-                    Just(u64::MAX),
-                    Just(u64::MAX - 1),
-                    edgy(),
-                    any::<u64>(),
-                ];
-                let step = (anything.clone(), anything);
+                let step = (any_edge(), any_edge());
                 (Just(config), proptest::collection::vec(step, 1..12))
             }),
     ) {
@@ -418,25 +423,6 @@ proptest! {
             }
         }
     }
-}
-
-/// Any `u64`, its edges and the range's most often.
-fn any_edge() -> impl Strategy<Value = u64> {
-    prop_oneof![
-        Just(0u64),
-        Just(u64::MAX),
-        Just(u64::MAX - 1),
-        edgy(),
-        any::<u64>()
-    ]
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: 2_000,
-        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
-        ..ProptestConfig::default()
-    })]
 
     /// A state written by hand (the policies' state fields are public, for
     /// stores of one's own) decides something unspecified when no decision
