@@ -3483,3 +3483,27 @@ async fn a_log_reader_that_went_away_neither_stops_the_service_nor_drops_answers
     }
     server.stop();
 }
+
+/// `ratewarden key` says on standard error which rule counts the request,
+/// with all of its policy (a token bucket's burst included), and prints the
+/// name alone on standard output; it needs no store to be running.
+#[test]
+fn the_key_command_says_the_whole_rule_that_counts() {
+    let file = ConfigFile::new(
+        "[keys]\npolicy = \"token-bucket\"\nlimit = 10\nwindow_ms = 1000\nburst = 25\nshadow = true\n",
+    );
+    let out = Command::new(common::BIN)
+        .args(["key", "--config", file.path(), "--key", "user:1"])
+        .output()
+        .expect("the ratewarden binary runs");
+    let (stdout, stderr) = (
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    assert_eq!(
+        stderr.trim_end(),
+        "rule \"keys\": token-bucket 10 per 1000 ms (burst 25), shadow"
+    );
+}

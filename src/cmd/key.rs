@@ -83,15 +83,9 @@ pub fn run(args: Args) -> ExitCode {
     if let Some(ignored) = &count.ignored {
         errln!("{ignored}; the rule's count is named");
     }
-    let p = &count.policy;
+    // The policy's own rendering, so the line names its burst too.
     let shadow = if count.shadow { ", shadow" } else { "" };
-    errln!(
-        "rule {:?}: {}, {} per {} ms{shadow}",
-        count.rule,
-        p.policy,
-        p.limit,
-        p.window_ms
-    );
+    errln!("rule {:?}: {}{shadow}", count.rule, count.policy);
     match super::print_out(&format!("{}\n", count.redis_key)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(_) => ExitCode::FAILURE,
