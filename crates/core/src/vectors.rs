@@ -456,7 +456,7 @@ fn parse_step(value: &Value, path: &str) -> Result<Step, VectorError> {
     let retry_after_ms = match obj.get("retry_after_ms") {
         Some(Value::Null) => None,
         Some(Value::Number(n)) => Some(wide_integer(n).ok_or_else(|| {
-            let why = if n.as_f64().is_some_and(|f| f >= 0.0 && f.fract() == 0.0) {
+            let why = if is_whole(n) {
                 format!(
                     "{n} is above 2^128 - 1, or written as a float above 2^53 - 1 (where it \
                      may already be rounded); write a whole number of ms as an integer, or null"
@@ -526,7 +526,7 @@ fn integer_field(
             // A whole float too large to be sure of (see `exact_whole`),
             // or an integer above 2^64 - 1, which JSON readers take as a
             // float too: the text no longer tells the two apart.
-            None if n.as_f64().is_some_and(|f| f >= 0.0 && f.fract() == 0.0) => Err(err(
+            None if is_whole(n) => Err(err(
                 &here(),
                 format!(
                     "{n} is above 2^64 - 1, or written as a float above 2^53 - 1 (where it \
@@ -552,8 +552,44 @@ fn integer_field(
 /// other numbers, and a writer may print every number as a float. Above
 /// 2^53 a float may already be rounded, so it is not taken.
 fn exact_whole(n: &serde_json::Number) -> Option<u64> {
+    // Whole by its text, so a float is exact below 2^53: `as_f64` alone
+    // would round `2.00000000000000001` to 2 and take it.
     let f = n.as_f64()?;
-    (f >= 0.0 && f.fract() == 0.0 && f <= MAX_SAFE as f64).then_some(f as u64)
+    (is_whole(n) && f <= MAX_SAFE as f64).then_some(f as u64)
+}
+
+/// Whether `n` is a whole number at least 0, read from its text (kept as
+/// written: serde_json's `arbitrary_precision`), however it is written:
+/// `5`, `5.0`, `0.5e1`, `1e400` are; `5.5`, `2.00000000000000001`, `-1`
+/// are not.
+fn is_whole(n: &serde_json::Number) -> bool {
+    let text = n.as_str();
+    let (mantissa, exponent) = match text.split_once(['e', 'E']) {
+        Some((m, e)) => (m, e),
+        None => (text, "0"),
+    };
+    let (negative, mantissa) = match mantissa.strip_prefix('-') {
+        Some(m) => (true, m),
+        None => (false, mantissa),
+    };
+    let (int, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digits = format!("{int}{fraction}");
+    let significant = digits.trim_end_matches('0');
+    if significant.trim_start_matches('0').is_empty() {
+        return true; // zero, whatever its sign
+    }
+    if negative {
+        return false;
+    }
+    // The place of the last significant digit, in powers of ten: whole
+    // when it is not below the units. An exponent too long for i64 is
+    // past any fraction's digits (or below all of them) either way.
+    let trimmed_zeros = (digits.len() - significant.len()) as i64;
+    let exponent: i64 = match exponent.trim_start_matches('+').parse() {
+        Ok(e) => e,
+        Err(_) => return !exponent.starts_with('-'),
+    };
+    exponent.saturating_add(trimmed_zeros) >= fraction.len() as i64
 }
 
 /// A non-negative whole number, also above `u64::MAX`: exact when written
@@ -768,6 +804,54 @@ mod tests {
         let e = parse(&too_big).unwrap_err().to_string();
         assert!(e.contains("is above 2^64 - 1"), "{e}");
         assert!(e.contains("from 0 to 18446744073709551615"), "{e}");
+        // A fraction too small for a float to hold is still a fraction,
+        // in every field; the whole number written every other way is not.
+        for (field, number) in [
+            ("limit", "2.00000000000000001"),
+            ("limit", "0.25e+1"),
+            ("window_ms", "1e-1"),
+            ("now_ms", "4503599627370496.5"),
+            ("cost", "1.0000000000000000000000001"),
+            ("retry_after_ms", "0.0000000000000000001"),
+            ("retry_after_ms", "2.00000000000000001"),
+        ] {
+            let step = |now, cost, retry| {
+                format!(
+                    r#"{{"key": 1, "now_ms": {now}, "cost": {cost}, "allowed": true, "retry_after_ms": {retry}, "remaining": 0}}"#
+                )
+            };
+            let (limit, window) = match field {
+                "limit" => (number, "10"),
+                "window_ms" => ("1", number),
+                _ => ("1", "10"),
+            };
+            let step = match field {
+                "now_ms" => step(number, "1", "0"),
+                "cost" => step("0", number, "0"),
+                "retry_after_ms" => step("0", "1", number),
+                _ => step("0", "1", "0"),
+            };
+            let text = case_with(
+                &format!(r#""policy": "fixed-window", "limit": {limit}, "window_ms": {window}"#),
+                &step,
+            );
+            let e = parse(&text).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{field}: must be a whole number")),
+                "{field} {number}: {e}"
+            );
+        }
+        for number in ["100.000", "0.1e+3", "1000e-1", "-0.0e+2"] {
+            let text = case_with(
+                &format!(r#""policy": "fixed-window", "limit": {number}, "window_ms": 10"#),
+                r#"{"key": 1, "now_ms": 0, "cost": 1, "allowed": true, "retry_after_ms": 0, "remaining": 0}"#,
+            );
+            let want = if number.starts_with('-') { 0 } else { 100 };
+            match parse(&text) {
+                Ok(file) => assert_eq!(file.cases[0].config.limit, want, "{number}"),
+                Err(e) => panic!("{number}: {e}"),
+            }
+        }
     }
 
     #[test]
