@@ -190,14 +190,26 @@ impl RateLimitHeaders {
 
     /// Whether a `RateLimit` field value already holds an item of this
     /// policy's name: two nested layers of one name, whose items a client
-    /// cannot tell apart.
+    /// cannot tell apart. A list's members are split at each comma outside
+    /// a quoted string, with any spaces or tabs after it (RFC 9651's OWS).
     pub fn names_an_item_in(&self, value: &HeaderValue) -> bool {
-        let item = &self.item_start;
-        let value = value.as_bytes();
-        value.starts_with(item.as_bytes())
-            || value
-                .windows(item.len() + 2)
-                .any(|w| w.starts_with(b", ") && &w[2..] == item.as_bytes())
+        let bytes = value.as_bytes();
+        let item_at = |from: usize| {
+            bytes[from..]
+                .trim_ascii_start()
+                .starts_with(self.item_start.as_bytes())
+        };
+        let (mut quoted, mut escaped) = (false, false);
+        for (i, &b) in bytes.iter().enumerate() {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' if quoted => escaped = true,
+                b'"' => quoted = !quoted,
+                b',' if !quoted && item_at(i + 1) => return true,
+                _ => {}
+            }
+        }
+        item_at(0)
     }
 
     /// The headers for `config` under the name `default`.
@@ -343,6 +355,22 @@ mod tests {
             ("\"api-2\";r=3", false),
             ("\"web\";r=1", false),
             ("\"web, \\\"api\";r=1", false),
+            ("\"web\";r=1,\"api\";r=0;t=1", true),
+            ("\"web\";r=1 ,\t\"api\";r=0;t=1", true),
+            ("  \"api\";r=3", true),
+            ("\"web\";r=1,\"api-2\";r=3", false),
+        ] {
+            let value = HeaderValue::from_str(value).unwrap();
+            assert_eq!(h.names_an_item_in(&value), found, "{value:?}");
+        }
+        // A comma inside a quoted string splits nothing, even one just
+        // before the closing quote, whose rest reads like an item of a
+        // name such as `;a=`.
+        let h = RateLimitHeaders::new(";a=", &ratewarden_core::REFERENCE).unwrap();
+        for (value, found) in [
+            ("\"web,\";a=\";x\"", false),
+            ("\"w\\\",\";a=\";x\"", false),
+            ("\"web,\";a=\";x\", \";a=\";r=1", true),
         ] {
             let value = HeaderValue::from_str(value).unwrap();
             assert_eq!(h.names_an_item_in(&value), found, "{value:?}");
