@@ -1954,3 +1954,99 @@ fn a_killed_memory_measurement_fails_the_run_but_keeps_its_rows() {
     );
     assert!(rows.iter().any(|r| r["workload"] == "boundary-attack"));
 }
+
+/// The process ids of `parent`'s children running `program`, from /proc.
+fn children_running(parent: u32, program: &str) -> Vec<(u32, String)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            // "PID (COMM) STATE PPID ...": the name may hold spaces, so
+            // read after its closing parenthesis.
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let (_, rest) = stat.rsplit_once(") ")?;
+            let ppid = rest.split(' ').nth(1)?.parse::<u32>().ok()?;
+            let line = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let line = String::from_utf8_lossy(&line).replace('\0', " ");
+            (ppid == parent && line.starts_with(program)).then_some((pid, line))
+        })
+        .collect()
+}
+
+/// Whether process `pid` is gone (or left only as a zombie, its run over).
+fn gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('Z')),
+        Err(_) => true,
+    }
+}
+
+/// A signal sent to `bench-redis` alone (`kill PID`, `timeout`, a job
+/// runner's stop), not to its terminal's whole group, stops the
+/// redis-benchmark it runs too, rather than leaving it loading the server;
+/// bench-redis itself ends by the signal, as it would without a child.
+#[test]
+fn bench_redis_stopped_by_a_signal_stops_redis_benchmark() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let args = [
+        "bench-redis",
+        "--store",
+        &url,
+        "--quick",
+        "--requests",
+        "400000",
+        "--rounds",
+        "1",
+        "--keys",
+        "50",
+        "--round-trips",
+        "0",
+    ];
+    let child = spawn_ratewarden(&args, &[]);
+    let pid = child.id();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let benchmark = loop {
+        let measuring = children_running(pid, "redis-benchmark")
+            .into_iter()
+            .find(|(_, line)| !line.contains("--version"));
+        if let Some((found, _)) = measuring {
+            break found;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "bench-redis started no redis-benchmark run within 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    // Held still, so that it could not end on its own before the check.
+    server.cli(&["CLIENT", "PAUSE", "30000", "WRITE"]);
+    let sent = Command::new("kill")
+        .args(["-s", "TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let out = finish_within(child, Duration::from_secs(10), &args);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let stopped = loop {
+        if gone(benchmark) {
+            break true;
+        }
+        if Instant::now() > deadline {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    server.cli(&["CLIENT", "UNPAUSE"]);
+    assert!(
+        stopped,
+        "redis-benchmark (pid {benchmark}) still ran 5 s after bench-redis stopped"
+    );
+    // It ended by the signal, as it would have without a child.
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(15), "{out:?}");
+}

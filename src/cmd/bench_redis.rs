@@ -1475,9 +1475,15 @@ fn redis_benchmark(common: &[String], extra: &[String], requests: u64) -> Result
 
 /// Runs `command` to its end and collects what it printed; a child still
 /// running after `deadline` is killed and the call fails, rather than
-/// waiting for ever.
+/// waiting for ever. On Linux the child is killed too when this process
+/// ends, however it ends: a signal sent to this process alone (`kill PID`,
+/// `timeout`, a job runner's stop; a terminal's Ctrl-C reaches both) would
+/// otherwise leave redis-benchmark loading the server for the rest of its
+/// run.
 fn output_within(mut command: Command, deadline: Duration) -> Result<Output, String> {
     let program = command.get_program().to_string_lossy().into_owned();
+    #[cfg(target_os = "linux")]
+    end_with_this_process(&mut command);
     let mut child = command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -1509,6 +1515,34 @@ fn output_within(mut command: Command, deadline: Duration) -> Result<Output, Str
         stdout: stdout.join().unwrap_or_default(),
         stderr: stderr.join().unwrap_or_default(),
     })
+}
+
+/// Has the kernel kill `command`'s process when the thread that starts it
+/// ends (`PR_SET_PDEATHSIG`): this process's main thread, which runs the
+/// whole measurement. A signal handler instead would change how this
+/// process itself ends (a signal ignored under `nohup` would be caught, a
+/// Ctrl-C in a shell loop read as handled), and would not cover SIGKILL.
+#[cfg(target_os = "linux")]
+fn end_with_this_process(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id();
+    // SAFETY: the closure runs in the child between fork and exec, and
+    // calls only prctl and getppid, which are async-signal-safe, and
+    // allocates nothing (`last_os_error` reads errno).
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent may have ended before the setting took: then no
+            // signal comes, and the child must not run on (ESRCH: no such
+            // process; a raw code, since a message would allocate).
+            if libc::getppid() as u32 != parent {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
 }
 
 /// Reads `pipe` to its end on a thread of its own.
