@@ -111,7 +111,12 @@ impl Policy for SlidingLog {
             }
         }
         // Unreachable for valid state (an empty log admits any cost <=
-        // limit); answered conservatively rather than panicking.
+        // limit); answered conservatively rather than panicking. The Redis
+        // script, which reads whatever a key holds, calls such a state
+        // (and one whose entries leaving the window count more than
+        // `used`, which the loop above floors at 0) corrupt instead: an
+        // error for its caller's failure policy, where here only a state
+        // built by hand in Rust gets this far.
         Decision::refused(Some(self.window_ms), left)
     }
 
