@@ -245,6 +245,16 @@ impl Service {
             let count = rules.rules().len();
             rules.warn_of_closed_rules();
             self.rules.store(Arc::new(rules));
+            // Keys the replaced stores forgot for new ones are counted
+            // at housekeeping: count them now, before those stores go
+            // (taken from the kept ones too, which is only earlier; a
+            // request in flight on the replaced rules may still forget
+            // some after this, uncounted).
+            let pending: usize = memory_stores(&current)
+                .iter()
+                .map(|local| local.store().take_forgotten_for_new_keys())
+                .sum();
+            self.metrics.forgotten(0, pending);
             // The rules the reload replaced, unless requests in flight
             // still hold them, leave /metrics now (and those still held,
             // at the next scrape or reload).
@@ -312,14 +322,8 @@ impl Service {
     /// `housekeeping_max_scanned` keys looked at per rule, and counts them
     /// with those that full stores forgot on their own since the last pass.
     pub fn housekeeping(&self) -> Housekeeping {
-        let rules = self.rules.load_full();
         let mut done = Housekeeping::default();
-        let made = rules.rules().iter().cloned().chain(rules.override_rules());
-        let stores: Vec<LocalLimiter> = made
-            .flat_map(|rule| rule.local.clone().into_iter().chain(rule.failover.clone()))
-            .chain(rules.unmade_override_failovers())
-            .collect();
-        for local in &stores {
+        for local in &memory_stores(&self.rules.load_full()) {
             let now_ms = local.clock().now_ms();
             let pass = local
                 .store()
@@ -936,6 +940,15 @@ pub fn check_descriptor_request(
     Ok(())
 }
 
+/// The in-memory stores of `rules`: the embedded store's limiters, the
+/// `local` failure policy's twins, those of the overrides made so far.
+fn memory_stores(rules: &RuleSet) -> Vec<LocalLimiter> {
+    let made = rules.rules().iter().cloned().chain(rules.override_rules());
+    made.flat_map(|rule| rule.local.clone().into_iter().chain(rule.failover.clone()))
+        .chain(rules.unmade_override_failovers())
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1278,6 +1291,42 @@ shadow = true
                 done.forgotten
             )),
             "{text}"
+        );
+    }
+
+    /// A reload that replaces a rule's store counts the keys that store
+    /// forgot for new ones, which would have left with it before the next
+    /// housekeeping pass.
+    #[tokio::test]
+    async fn keys_forgotten_for_new_ones_by_a_replaced_store_are_counted() {
+        let rule = |limit: u64| {
+            format!(
+                "[server]\nmax_keys = 2\n[keys]\npolicy = \"fixed-window\"\nlimit = {limit}\n\
+                 window_ms = 20\n"
+            )
+        };
+        let file = std::env::temp_dir().join(format!(
+            "ratewarden-forgotten-at-reload-{}.toml",
+            std::process::id()
+        ));
+        std::fs::write(&file, rule(5)).unwrap();
+        let mut s = service(&rule(5)).await;
+        s.source = ConfigSource {
+            path: Some(file.clone()),
+        };
+        s.check_key("a", 1).await.unwrap();
+        s.check_key("b", 1).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        assert!(s.check_key("c", 1).await.unwrap().decision.allowed);
+        // A new limit: a new store, the old one dropped.
+        std::fs::write(&file, rule(6)).unwrap();
+        s.reload().await.unwrap();
+        std::fs::remove_file(&file).unwrap();
+        assert_eq!(s.check_key("c", 1).await.unwrap().decision.remaining, 5);
+        assert_eq!(s.housekeeping().forgotten_for_new_keys, 0);
+        assert_eq!(
+            metric(&s, "ratewarden_keys_forgotten_total{by=\"new_key\"}"),
+            2
         );
     }
 

@@ -959,6 +959,15 @@ impl<P: Policy> MemoryStore<P> {
             .sum()
     }
 
+    /// The count of keys that full shards forgot on their own to make room
+    /// for new ones since the previous call (of this or
+    /// [`MemoryStore::forget_idle`], which takes it too), without looking
+    /// at any key: for a caller about to drop the store, whose count would
+    /// otherwise leave with it.
+    pub fn take_forgotten_for_new_keys(&self) -> usize {
+        self.inner.forgotten_for_new_keys.swap(0, Ordering::Relaxed)
+    }
+
     /// Forgets keys whose forgetting cannot change any later decision at or
     /// after `now_ms`: pass the clock the decisions use. A key the store
     /// no longer holds whose request is stamped up to a second before
@@ -980,7 +989,7 @@ impl<P: Policy> MemoryStore<P> {
     pub fn forget_idle(&self, now_ms: u64, max_scanned: usize) -> Housekeeping {
         let inner = &*self.inner;
         let mut done = Housekeeping {
-            forgotten_for_new_keys: inner.forgotten_for_new_keys.swap(0, Ordering::Relaxed),
+            forgotten_for_new_keys: self.take_forgotten_for_new_keys(),
             ..Housekeeping::default()
         };
         for _ in 0..inner.shards.len() {
