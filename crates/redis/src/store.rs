@@ -1313,8 +1313,13 @@ impl RedisStore {
                 let tls = self.tls_failure(e.detail());
                 // On a cluster the client says only that it has no
                 // connection to a node, not why: a handshake that failed
-                // is one reason, met as `tls_failure` meets it.
-                if over_tls && e.detail().contains("ClusterConnectionNotFound") {
+                // is one reason, met as `tls_failure` meets it; a slot map
+                // read from a node since removed (`del-node`), which names
+                // no node and so dropped every connection, is another. The
+                // client itself then reconnects only to the URL's seeds,
+                // which may be that node, for good: a new connection starts
+                // from the masters last known.
+                if e.detail().contains("ClusterConnectionNotFound") {
                     self.renew_connection();
                 }
                 let detail = tls.unwrap_or_else(|| {

@@ -183,6 +183,71 @@ fn a_failover_is_followed_after_the_only_seed_was_removed() {
     });
 }
 
+/// A store whose URL named one seed, a replica since removed (`del-node`:
+/// it runs on as an empty cluster of its own). Its client still holds a
+/// connection to it, and after a failover reads the slot map from the
+/// first of its connections that answers, in no set order: when that is
+/// the removed seed (here made sure of: the members refuse the store's
+/// user `CLUSTER` meanwhile), its empty map drops every connection, and
+/// the client reconnects to its URL's seed alone, which gives the same
+/// empty map, for good. A call that fails so starts a new connection, from
+/// the masters last known, as a timeout's does: the store decides again.
+#[test]
+fn a_failover_is_followed_after_a_removed_seed_gave_an_empty_slot_map() {
+    let mut cluster = RedisCluster::start_with_replicas(1000);
+    let grant = |node: &ratewarden_redis::test_support::RedisServer, rule: &str| {
+        let said = node.cli(&["ACL", "SETUSER", "rw", "on", ">pw", "~*", "+@all", rule]);
+        assert_eq!(said.trim(), "OK");
+    };
+    for node in cluster.nodes() {
+        grant(node, "+cluster");
+    }
+    let seed = cluster
+        .replica_of(1, 0)
+        .expect("the second master has a replica");
+    let promoted = cluster
+        .replica_of(0, 1)
+        .expect("the first master has a replica");
+    let url = format!(
+        "redis-cluster://rw:pw@127.0.0.1:{}",
+        cluster.nodes()[seed].port()
+    );
+    let rt = common::runtime();
+    let store = rt.block_on(async {
+        let store = RedisStore::connect(&url, REFERENCE, options("empty-map"))
+            .await
+            .expect("connect");
+        every_key_decided(&store, "a healthy cluster decides every key").await;
+        store
+    });
+    cluster.remove_node(seed);
+    let members = || {
+        cluster
+            .nodes()
+            .iter()
+            .enumerate()
+            .filter(move |&(i, _)| i != seed)
+            .map(|(_, node)| node)
+    };
+    for node in members() {
+        grant(node, "-cluster");
+    }
+    let said = cluster.nodes()[promoted].cli(&["CLUSTER", "FAILOVER"]);
+    assert_eq!(said.trim(), "OK");
+    assert!(
+        cluster.wait_until_master(promoted, Duration::from_secs(20)),
+        "the replica was not promoted within 20 s"
+    );
+    // The old master's keys are MOVED: the client reads the map again,
+    // from the removed seed, the one node that lets it (the calls fail,
+    // as the client drops its connections, or time out).
+    rt.block_on(failures(&store));
+    for node in members() {
+        grant(node, "+cluster");
+    }
+    decided_again(&store, &rt, Instant::now());
+}
+
 /// A master new to the cluster without the URL's ACL user (Redis keeps
 /// users per node) fails the calls for its slots, safely; the readiness
 /// check's error says it may lack the user, not only that it is out of
