@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 /// input that can never be valid.
 ///
 /// With serde it is `{"allowed", "retry_after_ms", "remaining"}`, the wait
-/// exact (as [`Decision::retry_after_ms_exact`] gives it, so a JSON number
+/// exact (as [`Decision::retry_after_exact_ms`] gives it, so a JSON number
 /// above `u64::MAX` for the longest waits); reading one back refuses fields
 /// that contradict each other.
 ///
@@ -34,7 +34,7 @@ pub struct Decision {
     /// A wait longer than `u64::MAX` ms (585 million years: only a token
     /// bucket or GCRA with a huge burst and window and a tiny limit needs
     /// one, up to about 2^106 ms) reads `u64::MAX` here;
-    /// [`Decision::retry_after_ms_exact`] has it exactly, for as long as
+    /// [`Decision::retry_after_exact_ms`] has it exactly, for as long as
     /// this field says `Some(u64::MAX)`: a wrapper that caps the wait by
     /// writing a smaller one here caps the exact wait too.
     pub retry_after_ms: Option<u64>,
@@ -51,7 +51,7 @@ pub struct Decision {
     /// halves, a store-forwarding stall on every decision: a hot key's
     /// decision took 10 to 15 ns in `ratewarden bench --quick` instead of 5
     /// to 10.
-    retry_after_ms_wide: [u64; 2],
+    retry_after_wide_ms: [u64; 2],
 }
 
 /// Equal when the fields a user knows are, the wait exact (a wide wait's
@@ -60,7 +60,7 @@ impl PartialEq for Decision {
     fn eq(&self, other: &Self) -> bool {
         self.allowed == other.allowed
             && self.remaining == other.remaining
-            && self.retry_after_ms_exact() == other.retry_after_ms_exact()
+            && self.retry_after_exact_ms() == other.retry_after_exact_ms()
     }
 }
 
@@ -69,7 +69,7 @@ impl Eq for Decision {}
 impl std::hash::Hash for Decision {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
         self.allowed.hash(state);
-        self.retry_after_ms_exact().hash(state);
+        self.retry_after_exact_ms().hash(state);
         self.remaining.hash(state);
     }
 }
@@ -110,7 +110,7 @@ impl std::fmt::Debug for Decision {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Decision")
             .field("allowed", &self.allowed)
-            .field("retry_after_ms", &self.retry_after_ms_exact())
+            .field("retry_after_ms", &self.retry_after_exact_ms())
             .field("remaining", &self.remaining)
             .finish()
     }
@@ -141,7 +141,7 @@ impl std::fmt::Display for Decision {
         if self.allowed {
             return write!(f, "allowed, {} remaining", self.remaining);
         }
-        match self.retry_after_ms_exact() {
+        match self.retry_after_exact_ms() {
             Some(ms) => write!(
                 f,
                 "refused, retry after {ms} ms, {} remaining",
@@ -160,7 +160,7 @@ impl From<Decision> for DecisionFields {
     fn from(d: Decision) -> Self {
         DecisionFields {
             allowed: d.allowed,
-            retry_after_ms: d.retry_after_ms_exact().map(Wait),
+            retry_after_ms: d.retry_after_exact_ms().map(Wait),
             remaining: d.remaining,
         }
     }
@@ -194,7 +194,7 @@ impl Decision {
             allowed: true,
             retry_after_ms: Some(0),
             remaining,
-            retry_after_ms_wide: [0, 0],
+            retry_after_wide_ms: [0, 0],
         }
     }
 
@@ -208,7 +208,7 @@ impl Decision {
             allowed: false,
             retry_after_ms,
             remaining,
-            retry_after_ms_wide: [0, 0],
+            retry_after_wide_ms: [0, 0],
         }
     }
 
@@ -218,7 +218,7 @@ impl Decision {
             // The casts split the wait into its two halves.
             Some(ms) if ms > u64::MAX as u128 => {
                 let mut decision = Decision::refused(Some(u64::MAX), remaining);
-                decision.retry_after_ms_wide = [(ms >> 64) as u64, ms as u64];
+                decision.retry_after_wide_ms = [(ms >> 64) as u64, ms as u64];
                 decision
             }
             Some(ms) => Decision::refused(Some(ms as u64), remaining),
@@ -231,31 +231,38 @@ impl Decision {
         allowed: bool,
         retry_after_ms: Option<u64>,
         remaining: u64,
-        retry_after_ms_wide: [u64; 2],
+        retry_after_wide_ms: [u64; 2],
     ) -> Self {
         Decision {
             allowed,
             retry_after_ms,
             remaining,
-            retry_after_ms_wide,
+            retry_after_wide_ms,
         }
     }
 
     /// The exact wait past `u64::MAX` ms as (high, low) words, `[0, 0]`
     /// for any other (the store's own copies).
-    pub(crate) const fn retry_after_ms_wide(&self) -> [u64; 2] {
-        self.retry_after_ms_wide
+    pub(crate) const fn retry_after_wide_ms(&self) -> [u64; 2] {
+        self.retry_after_wide_ms
     }
 
     /// The exact wait, as [`Decision::retry_after_ms`] says it but also
     /// past `u64::MAX` ms; 128 bits, as [`std::time::Duration::as_millis`].
-    pub const fn retry_after_ms_exact(&self) -> Option<u128> {
-        let [high, low] = self.retry_after_ms_wide;
+    pub const fn retry_after_exact_ms(&self) -> Option<u128> {
+        let [high, low] = self.retry_after_wide_ms;
         match self.retry_after_ms {
             Some(u64::MAX) if high != 0 => Some(((high as u128) << 64) | low as u128),
             Some(ms) => Some(ms as u128),
             None => None,
         }
+    }
+
+    /// The exact wait: [`Decision::retry_after_exact_ms`], under its
+    /// former name.
+    #[deprecated(since = "0.1.0", note = "renamed retry_after_exact_ms (units last)")]
+    pub const fn retry_after_ms_exact(&self) -> Option<u128> {
+        self.retry_after_exact_ms()
     }
 }
 
@@ -283,13 +290,13 @@ mod tests {
     fn waits_round_trip_exactly_and_saturate_in_the_u64_field() {
         for wait in [0, 1, u128::from(u64::MAX) - 1, u128::from(u64::MAX)] {
             let d = Decision::refused_exact(Some(wait), 3);
-            assert_eq!(d.retry_after_ms_exact(), Some(wait));
+            assert_eq!(d.retry_after_exact_ms(), Some(wait));
             assert_eq!(d, Decision::refused(Some(wait as u64), 3));
         }
         let max_safe = u128::from(crate::MAX_SAFE);
         for wait in [u128::from(u64::MAX) + 1, 1 << 64 | 5, max_safe * max_safe] {
             let d = Decision::refused_exact(Some(wait), 3);
-            assert_eq!(d.retry_after_ms_exact(), Some(wait));
+            assert_eq!(d.retry_after_exact_ms(), Some(wait));
             assert_eq!(d.retry_after_ms, Some(u64::MAX));
             assert_ne!(d, Decision::refused(Some(u64::MAX), 3));
         }
@@ -298,10 +305,10 @@ mod tests {
         // everywhere: the exact wait, `Debug`, equality.
         let mut capped = Decision::refused_exact(Some(1 << 70), 3);
         capped.retry_after_ms = Some(60_000);
-        assert_eq!(capped.retry_after_ms_exact(), Some(60_000));
+        assert_eq!(capped.retry_after_exact_ms(), Some(60_000));
         assert_eq!(capped, Decision::refused(Some(60_000), 3));
         assert!(format!("{capped:?}").contains("Some(60000)"));
-        assert_eq!(Decision::admitted(7).retry_after_ms_exact(), Some(0));
+        assert_eq!(Decision::admitted(7).retry_after_exact_ms(), Some(0));
         // No 16-byte field, so no 16-byte tag for a `Result` to test.
         assert_eq!(std::mem::align_of::<Decision>(), 8);
     }
@@ -329,7 +336,7 @@ mod tests {
         for bad in [
             r#"{"allowed":false,"retry_after_ms":0,"remaining":0}"#,
             r#"{"allowed":true,"retry_after_ms":null,"remaining":0}"#,
-            r#"{"allowed":true,"retry_after_ms":0,"remaining":0,"retry_after_ms_wide":[1,0]}"#,
+            r#"{"allowed":true,"retry_after_ms":0,"remaining":0,"retry_after_wide_ms":[1,0]}"#,
         ] {
             assert!(serde_json::from_str::<Decision>(bad).is_err(), "{bad}");
         }

@@ -71,7 +71,7 @@ impl VectorKey {
 }
 
 /// What a step must get: a [`Decision`]'s three fields, the wait exact in
-/// 128 bits ([`Decision::retry_after_ms_exact`]).
+/// 128 bits ([`Decision::retry_after_exact_ms`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Expected {
     /// Admitted or refused.
@@ -86,7 +86,7 @@ impl Expected {
     /// Whether `actual` matches in all three fields.
     pub fn matches(&self, actual: &Decision) -> bool {
         self.allowed == actual.allowed
-            && self.retry_after_ms == actual.retry_after_ms_exact()
+            && self.retry_after_ms == actual.retry_after_exact_ms()
             && self.remaining == actual.remaining
     }
 }
@@ -95,7 +95,7 @@ impl From<Decision> for Expected {
     fn from(d: Decision) -> Self {
         Expected {
             allowed: d.allowed,
-            retry_after_ms: d.retry_after_ms_exact(),
+            retry_after_ms: d.retry_after_exact_ms(),
             remaining: d.remaining,
         }
     }

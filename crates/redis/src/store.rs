@@ -4626,7 +4626,7 @@ mod tests {
         assert!(parse_reply(reply(&[0, 0, 1, 0])).is_err());
         // Five 24-bit limbs, least significant first: 2^96 + 5 ms.
         let wide = read(&[0, 0, 2, 5, 0, 0, 0, 1]);
-        assert_eq!(wide.retry_after_ms_exact(), Some((1 << 96) + 5));
+        assert_eq!(wide.retry_after_exact_ms(), Some((1 << 96) + 5));
         assert_eq!(wide.retry_after_ms, Some(u64::MAX));
     }
 

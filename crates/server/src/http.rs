@@ -504,7 +504,7 @@ fn decision_json(o: &DescriptorOutcome) -> DecisionJson {
             retry_after_ms: if o.allowed {
                 Some(0)
             } else {
-                o.decision.retry_after_ms_exact()
+                o.decision.retry_after_exact_ms()
             },
             remaining: Some(o.decision.remaining),
             limit: Some(rule.spec.policy.limit),
@@ -1019,7 +1019,7 @@ fn deciding(outcomes: &[DescriptorOutcome]) -> usize {
 /// longest), the less remaining among admissions; on a tie, `b` (the
 /// earlier) stays.
 fn binds_more(a: &DescriptorOutcome, b: &DescriptorOutcome) -> bool {
-    let wait = |o: &DescriptorOutcome| o.decision.retry_after_ms_exact().map_or(u128::MAX, |ms| ms);
+    let wait = |o: &DescriptorOutcome| o.decision.retry_after_exact_ms().map_or(u128::MAX, |ms| ms);
     match (a.allowed, b.allowed) {
         (false, true) => true,
         (true, false) => false,

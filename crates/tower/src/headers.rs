@@ -88,7 +88,7 @@ pub const fn window_secs(window_ms: u64) -> u64 {
 /// assert_eq!(header_wait_secs(&Decision::refused(None, 0)), None);
 /// ```
 pub fn header_wait_secs(decision: &Decision) -> Option<u64> {
-    let ms = decision.retry_after_ms_exact()?;
+    let ms = decision.retry_after_exact_ms()?;
     let secs = ms.div_ceil(1000).max(1);
     Some(u64::try_from(secs).map_or(SF_INTEGER_MAX, sf_integer))
 }

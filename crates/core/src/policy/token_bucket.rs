@@ -242,7 +242,7 @@ mod tests {
         // Empty: the whole burst takes MAX_SAFE windows of MAX_SAFE ms.
         let d = p.decide(&mut s, 0, MAX_SAFE);
         let full = u128::from(MAX_SAFE) * u128::from(MAX_SAFE);
-        assert_eq!(d.retry_after_ms_exact(), Some(full));
+        assert_eq!(d.retry_after_exact_ms(), Some(full));
         assert_eq!(run(&p, &mut s, 0, MAX_SAFE), (false, Some(u64::MAX), 0));
         assert_eq!(run(&p, &mut s, 0, 1), (false, Some(MAX_SAFE), 0));
     }

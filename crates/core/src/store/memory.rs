@@ -408,7 +408,7 @@ impl RefusedKey {
     /// since; only for a lock holder. A wait longer than `u64::MAX` ms is
     /// not memoized (each repeat is decided again on the snapshot).
     fn memoize(&self, seq: u64, now_ms: u64, cost: u64, refusal: &Decision) {
-        if self.seq.load(Ordering::Relaxed) != seq || refusal.retry_after_ms_wide() != [0, 0] {
+        if self.seq.load(Ordering::Relaxed) != seq || refusal.retry_after_wide_ms() != [0, 0] {
             return;
         }
         self.write(|| {

@@ -208,7 +208,7 @@ struct Words {
     allowed: u64,
     has_retry: u64,
     retry_after_ms: u64,
-    retry_after_ms_wide: [u64; 2],
+    retry_after_wide_ms: [u64; 2],
     remaining: u64,
     pin: u64,
 }
@@ -220,7 +220,7 @@ impl From<Decision> for Words {
             allowed: u64::from(d.allowed),
             has_retry: u64::from(d.retry_after_ms.is_some()),
             retry_after_ms: d.retry_after_ms.unwrap_or(0),
-            retry_after_ms_wide: d.retry_after_ms_wide(),
+            retry_after_wide_ms: d.retry_after_wide_ms(),
             remaining: d.remaining,
             pin: 0,
         }
@@ -234,7 +234,7 @@ impl From<Words> for Decision {
             w.allowed != 0,
             (w.has_retry != 0).then_some(w.retry_after_ms),
             w.remaining,
-            w.retry_after_ms_wide,
+            w.retry_after_wide_ms,
         )
     }
 }
