@@ -352,6 +352,12 @@ impl DownMasters {
         self.any_down() && self.state().down.contains_key(address)
     }
 
+    /// The slot range of the Redis key `name`, with its master as the
+    /// slot map last read names it.
+    pub(crate) fn range_of_key(&self, name: &[u8]) -> Option<SlotRange> {
+        self.state().range_of(key_slot(name)).cloned()
+    }
+
     /// The slot range of the Redis key `name` when its master is down (a
     /// call for it must not be sent), and what was found of the master,
     /// for the call's error.

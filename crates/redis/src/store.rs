@@ -1448,6 +1448,34 @@ impl RedisStore {
         )))
     }
 
+    /// On a cluster, a timeout's or a lost connection's error for `key`
+    /// with the master its slot went to, as the slot map last read names
+    /// it: the URL names only the seeds, and the master that stopped
+    /// answering is what an operator looks for among many.
+    fn naming_the_master(&self, key: u64, e: StoreError) -> StoreError {
+        let Backend::Cluster(_, down) = &self.inner.backend else {
+            return e;
+        };
+        let lost = matches!(
+            e.kind(),
+            StoreErrorKind::Timeout | StoreErrorKind::ConnectionDropped
+        );
+        if !lost || e.detail().contains("the master of slots") {
+            return e;
+        }
+        match down.range_of_key(self.key_name(key).as_bytes()) {
+            Some(range) => StoreError::new(
+                e.kind(),
+                format!(
+                    "{} (the key's slot is in {range}, as the slot map last read names its \
+                     master)",
+                    e.detail()
+                ),
+            ),
+            None => e,
+        }
+    }
+
     /// The cluster's slot map as last read (see [`DownMasters`]); empty on
     /// one node, or when none could be read.
     fn known_slot_map(&self) -> Vec<SlotRange> {
@@ -1578,7 +1606,7 @@ impl RedisStore {
         if let Err(e) = &result {
             self.look_for_down_masters(e);
         }
-        result
+        result.map_err(|e| self.naming_the_master(key, e))
     }
 
     /// How long calls with `timeout` go without an answer before the

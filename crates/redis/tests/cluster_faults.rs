@@ -1088,17 +1088,28 @@ fn a_hung_master_costs_only_its_own_keys_while_it_hangs() {
     // new connection (at most one a second). A round can miss its 200 ms
     // on a busy machine now and then; before, every round from about the
     // second one on decided almost nothing.
+    // Each timeout names the master its key's slot went to, which the
+    // URL's seeds do not.
+    let frozen = format!("(127.0.0.1:{})", cluster.nodes()[0].port());
+    let mut named = false;
     let started = Instant::now();
     let mut rounds = Vec::new();
     while started.elapsed() < Duration::from_secs(3) {
         let failed = rt.block_on(failures(&store));
         for e in &failed {
             assert_eq!(e.kind(), StoreErrorKind::Timeout, "{e}");
+            assert!(
+                e.detail()
+                    .contains("as the slot map last read names its master"),
+                "{e}"
+            );
+            named |= e.detail().contains(&frozen);
         }
         rounds.push(KEYS as usize - failed.len());
         std::thread::sleep(Duration::from_millis(100));
     }
     cluster.nodes()[0].resume();
+    assert!(named, "no timeout named the frozen master {frozen}");
     let good = rounds.iter().filter(|&&n| enough(n, KEYS)).count();
     assert!(
         good * 4 >= rounds.len() * 3,
