@@ -2050,3 +2050,38 @@ fn bench_redis_stopped_by_a_signal_stops_redis_benchmark() {
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(out.status.signal(), Some(15), "{out:?}");
 }
+
+/// A chart of a few milliseconds labels its time ticks where they are
+/// (1.5, not a rounded 2).
+#[test]
+fn simulate_labels_the_time_ticks_of_a_short_run_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = scratch(&dir, "short.svg");
+    let out = ratewarden(&[
+        "simulate",
+        "--policy",
+        "gcra",
+        "--shape",
+        "steady-2x",
+        "--limit",
+        "50",
+        "--window-ms",
+        "10",
+        "--duration-ms",
+        "5",
+        "--out",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let chart = std::fs::read_to_string(&svg).unwrap();
+    for tick in ["0.5", "1.5", "4.5"] {
+        assert!(
+            chart.contains(&format!("\n{tick}\n</text>")),
+            "no time tick labelled {tick}"
+        );
+    }
+}

@@ -637,8 +637,15 @@ fn steps(points: &[Point], value: impl Fn(&Point) -> f64) -> Vec<(f64, f64)> {
 }
 
 /// An axis tick as a reader writes it: `3000`, not `3000.0`; `0.25`, not
-/// `0.25000000000000006`.
+/// `0.25000000000000006`; from a million on `1.6e16`, whose digits would
+/// run past the 80 px beside the axis, over its title.
 fn tick_label(v: f64) -> String {
+    if v.abs() >= 1e6 {
+        let text = format!("{v:.2e}");
+        let (mantissa, exponent) = text.split_once('e').unwrap_or((&text, "0"));
+        let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
+        return format!("{mantissa}e{exponent}");
+    }
     let text = format!("{v:.3}");
     let text = text.trim_end_matches('0').trim_end_matches('.');
     if text == "-0" {
@@ -695,7 +702,7 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
             .configure_mesh()
             .x_desc("time (ms)")
             .y_desc("offered and admitted rate (requests/s), solid")
-            .x_label_formatter(&|ms| format!("{ms:.0}"))
+            .x_label_formatter(&|ms| tick_label(*ms))
             .y_label_formatter(&|v| tick_label(*v))
             .label_style(("sans-serif", 15))
             .draw()?;
@@ -821,6 +828,25 @@ pub fn run(args: Args) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Ticks say where they are, on a chart of a few ms (0.5, not a
+    /// rounded 0 or 1) as on one of huge rates (in a few characters).
+    #[test]
+    fn tick_labels_are_exact_and_short() {
+        for (v, label) in [
+            (0.0, "0"),
+            (0.5, "0.5"),
+            (1.5, "1.5"),
+            (3000.0, "3000"),
+            (0.25000000000000006, "0.25"),
+            (999_999.0, "999999"),
+            (1e6, "1e6"),
+            (16_000_000_000_000_000.0, "1.6e16"),
+            (9_007_199_254_740_991.0, "9.01e15"),
+        ] {
+            assert_eq!(tick_label(v), label, "{v}");
+        }
+    }
 
     /// The names in `dir`, sorted.
     fn names(dir: &Path) -> Vec<String> {
