@@ -16,6 +16,16 @@ fn ratewarden(args: &[&str]) -> Output {
         .expect("the ratewarden binary runs")
 }
 
+/// Fails the test, showing what the run said on stderr, unless `out` is
+/// a run that succeeded.
+fn assert_succeeded(out: &Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// The path `name` in `dir`, a test's own temporary directory (removed
 /// when the test ends).
 fn scratch(dir: &tempfile::TempDir, name: &str) -> PathBuf {
@@ -51,11 +61,7 @@ const SMALL_BENCH_JSON: [&str; 12] = [
 #[test]
 fn bench_json_rows_parse_with_the_named_fields() {
     let out = ratewarden(&SMALL_BENCH_JSON);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
         .unwrap()
         .lines()
@@ -255,11 +261,7 @@ fn simulate_writes_an_svg_chart_and_the_csv_series() {
         "--csv",
         csv.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let chart = std::fs::read_to_string(&svg).unwrap();
     assert!(
         chart.starts_with("<svg") && chart.trim_end().ends_with("</svg>"),
@@ -393,11 +395,7 @@ fn simulate_checks_its_output_paths_before_the_run() {
             "--out",
             path.to_str().unwrap(),
         ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_succeeded(&out);
     };
     let is_link = |path: &Path| {
         std::fs::symlink_metadata(path)
@@ -566,11 +564,7 @@ fn simulate_keeps_the_mode_of_the_files_it_replaces() {
     let mut args = short_gcra_chart(svg.to_str().unwrap());
     args.extend(["--csv", csv.to_str().unwrap()]);
     let out = ratewarden(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     for (path, mode) in [(&svg, 0o600), (&csv, 0o640)] {
         let meta = std::fs::metadata(path).unwrap();
         assert_eq!(
@@ -825,11 +819,7 @@ fn simulate_rates_a_short_last_bucket_over_its_length() {
             "--csv",
             csv.to_str().unwrap(),
         ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_succeeded(&out);
         std::fs::read_to_string(&svg).unwrap()
     };
     let chart = run("500");
@@ -1189,11 +1179,7 @@ fn small_json_run(url: &str, extra: &[&str]) -> (Vec<serde_json::Value>, Vec<ser
         .chain(extra.iter().copied())
         .collect();
     let (out, _) = ratewarden_within(&args, &[], Duration::from_secs(120));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let rows = json_rows(&out);
     let policies: Vec<_> = rows
         .iter()
@@ -1405,11 +1391,7 @@ fn bench_redis_shows_no_round_trip_figure_when_none_was_timed() {
         .collect();
     let (out, _) = ratewarden_within(&args, &[], Duration::from_secs(120));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     assert!(stdout.contains("0 round trips per policy"), "{stdout}");
     for policy in [
         "fixed-window",
@@ -2072,11 +2054,7 @@ fn simulate_labels_the_time_ticks_of_a_short_run_exactly() {
         "--out",
         svg.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let chart = std::fs::read_to_string(&svg).unwrap();
     for tick in ["0.5", "1.5", "4.5"] {
         assert!(
