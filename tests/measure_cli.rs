@@ -199,12 +199,7 @@ fn bench_output_to_a_closed_pipe_is_no_failure() {
         if json {
             args.push("--json");
         }
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
-            .args(&args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = spawn_ratewarden(&args, &[]);
         // Closed before the run writes anything: every write meets it.
         drop(child.stdout.take());
         let out = finish_within(child, Duration::from_secs(120), &args);
@@ -227,14 +222,8 @@ fn bench_memory_stops_when_its_parent_is_gone() {
         "4000000",
         "--while-stdin-open",
     ];
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ratewarden"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    drop(child.stdin.take());
+    // Its standard input reads nothing (as a pipe whose writer is gone).
+    let child = spawn_ratewarden(&args, &[]);
     let out = finish_within(child, Duration::from_secs(120), &args);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "it measured: {:?}", out.stdout);
@@ -1938,6 +1927,7 @@ fn a_killed_memory_measurement_fails_the_run_but_keeps_its_rows() {
 }
 
 /// The process ids of `parent`'s children running `program`, from /proc.
+#[cfg(target_os = "linux")]
 fn children_running(parent: u32, program: &str) -> Vec<(u32, String)> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -1958,6 +1948,7 @@ fn children_running(parent: u32, program: &str) -> Vec<(u32, String)> {
 }
 
 /// Whether process `pid` is gone (or left only as a zombie, its run over).
+#[cfg(target_os = "linux")]
 fn gone(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => stat
@@ -1972,6 +1963,7 @@ fn gone(pid: u32) -> bool {
 /// redis-benchmark it runs too, rather than leaving it loading the server;
 /// bench-redis itself ends by the signal, as it would without a child.
 #[test]
+#[cfg(target_os = "linux")]
 fn bench_redis_stopped_by_a_signal_stops_redis_benchmark() {
     let server = RedisServer::start();
     let url = server.url();
