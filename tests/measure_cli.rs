@@ -41,6 +41,20 @@ const SPEED_WORKLOADS: [&str; 5] = [
     "uniform-1m-threads",
 ];
 
+/// The shortest `bench` run: too few keys for `bytes_per_key`, and the
+/// shortest accuracy run allowed.
+const TINY_BENCH: [&str; 9] = [
+    "bench",
+    "--keys",
+    "1000",
+    "--decisions",
+    "1000",
+    "--reps",
+    "1",
+    "--accuracy-duration-ms",
+    "1001",
+];
+
 /// A short `bench --json` run that still measures every column: enough
 /// keys for `bytes_per_key`, and two threads for the threads row.
 const SMALL_BENCH_JSON: [&str; 12] = [
@@ -129,6 +143,7 @@ fn bench_json_rows_parse_with_the_named_fields() {
         ),
         "{run}"
     );
+    assert_eq!(run["notes"], serde_json::json!([]), "{run}");
     // The rows come in the table's order: the published figure after the
     // accuracy rows, before the targets.
     let at = |workload: &str| rows.iter().position(|r| r["workload"] == workload);
@@ -180,22 +195,41 @@ fn bench_json_rows_parse_with_the_named_fields() {
     }
 }
 
+/// Sizes too small for `bytes_per_key` and the threads target leave
+/// those out, and both outputs say why: a JSON reader as well as a
+/// reader of the table.
+#[test]
+fn bench_says_in_both_outputs_what_small_sizes_leave_out() {
+    let args = [&TINY_BENCH[..], &["--threads", "1"]].concat();
+    let notes = [
+        "bytes_per_key: not measured below --keys 100000 (resident memory moves in 4 KiB \
+         pages, too coarse for 1000 keys)",
+        "uniform-1m-threads ran on one thread (--threads 1): no threads target",
+    ];
+    let table = ratewarden(&args);
+    assert_succeeded(&table);
+    let table = String::from_utf8(table.stdout).unwrap();
+    for note in notes {
+        assert!(table.lines().any(|l| l == note), "{note:?} not in\n{table}");
+    }
+    let json = ratewarden(&[&args[..], &["--json"]].concat());
+    assert_succeeded(&json);
+    let rows = json_rows(&json);
+    assert_eq!(rows[0]["workload"], "run", "{}", rows[0]);
+    assert_eq!(rows[0]["notes"], serde_json::json!(notes), "{}", rows[0]);
+    let uniform = rows
+        .iter()
+        .find(|r| r["policy"] == "gcra" && r["workload"] == "uniform-1m")
+        .expect("a gcra uniform-1m row");
+    assert_eq!(uniform.get("bytes_per_key"), None, "{uniform}");
+}
+
 /// A reader that stops reading (`| head -1`) ends neither command with a
 /// panic: they end as they would have.
 #[test]
 fn bench_output_to_a_closed_pipe_is_no_failure() {
     for json in [false, true] {
-        let mut args = vec![
-            "bench",
-            "--keys",
-            "1000",
-            "--decisions",
-            "1000",
-            "--reps",
-            "1",
-            "--accuracy-duration-ms",
-            "1001",
-        ];
+        let mut args = TINY_BENCH.to_vec();
         if json {
             args.push("--json");
         }

@@ -654,6 +654,27 @@ const CLOUDFLARE_NOTE: &str = "Their traffic is mostly far below the limit; thes
                                even where the policy's own history made it right (see \
                                docs/bench.md).";
 
+/// What the speed and memory rows leave out for this run's sizes, and
+/// why: under the table, and in `--json`'s run row, so that a reader of
+/// either can tell a missing column from a lost one.
+fn speed_notes(plan: &Plan) -> Vec<String> {
+    let mut notes = Vec::new();
+    if plan.keys < MIN_MEMORY_KEYS {
+        notes.push(format!(
+            "bytes_per_key: not measured below --keys {MIN_MEMORY_KEYS} (resident memory moves \
+             in 4 KiB pages, too coarse for {} keys)",
+            plan.keys
+        ));
+    }
+    if plan.threads < 2 {
+        notes.push(format!(
+            "uniform-1m-threads ran on one thread (--threads {}): no threads target",
+            plan.threads
+        ));
+    }
+    notes
+}
+
 fn print_table(
     rows: &[Row],
     targets: &[Target],
@@ -693,20 +714,8 @@ fn print_table(
             fmt_opt(r.bytes_per_key, 1),
         );
     }
-    if plan.keys < MIN_MEMORY_KEYS {
-        outln!(
-            out,
-            "bytes_per_key: not measured below --keys {MIN_MEMORY_KEYS} (resident memory moves \
-             in 4 KiB pages, too coarse for {} keys)",
-            plan.keys
-        );
-    }
-    if plan.threads < 2 {
-        outln!(
-            out,
-            "uniform-1m-threads ran on one thread (--threads {}): no threads target",
-            plan.threads
-        );
+    for note in speed_notes(plan) {
+        outln!(out, "{note}");
     }
     outln!(out);
     outln!(
@@ -835,7 +844,7 @@ fn bench(args: &Args, plan: &Plan) -> Result<()> {
                 "limit": REFERENCE_LIMIT, "window_ms": REFERENCE_WINDOW_MS,
                 "keys": plan.keys, "decisions": plan.decisions, "reps": plan.reps,
                 "threads": plan.threads, "accuracy_duration_ms": plan.accuracy_duration_ms,
-                "seed": plan.seed, "time_source": "supplied",
+                "seed": plan.seed, "time_source": "supplied", "notes": speed_notes(plan),
             })
         );
         for row in &rows {
