@@ -96,6 +96,12 @@ fn a_redis_that_wants_a_password_is_an_unusable_store_saying_so() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("requires a password"), "{stderr}");
+    // Said as the detail alone, as `serve` says it: no error kind before it.
+    let url = server.url();
+    assert!(
+        stderr.starts_with(&format!("{url}: Redis at 127.0.0.1:")),
+        "{stderr}"
+    );
     // No case ran: the run stopped at start.
     assert!(!String::from_utf8_lossy(&out.stdout).contains("FAIL"));
 }

@@ -157,16 +157,17 @@ pub fn run(args: Args) -> ExitCode {
                 Ok(store) => store,
                 Err(e) => {
                     let url = ratewarden_redis::redact_url(&url);
+                    // The detail names the address and says what to change
+                    // (as `serve` prints it); the error's kind would only
+                    // repeat it.
                     if e.is_connection_dropped() && !ratewarden_redis::is_unresolved_host(&e) {
-                        // The detail names the address already; say what to
-                        // change rather than the error's kind again.
                         errln!(
                             "{url}: {}; start redis-server there or change --store to where \
                              it runs",
                             e.detail()
                         );
                     } else {
-                        errln!("{url}: {e}");
+                        errln!("{url}: {}", e.detail());
                     }
                     return ExitCode::from(2);
                 }
