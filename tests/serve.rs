@@ -3133,6 +3133,40 @@ async fn a_default_burst_written_out_keeps_the_counts_at_reload() {
     server.stop();
 }
 
+/// The server's housekeeping timer forgets keys that have gone idle, and
+/// `/metrics` counts them and no longer holds them.
+#[tokio::test]
+async fn idle_keys_are_forgotten_by_the_servers_timer() {
+    let file = ConfigFile::new(
+        "[server]\nhousekeeping_interval_ms = 20\n\n\
+         [keys]\npolicy = \"fixed-window\"\nlimit = 5\nwindow_ms = 10\n",
+    );
+    let server = Server::start(&["--config", file.path()]);
+    let client = client();
+    for key in ["a", "b", "c"] {
+        let (status, _, body) = post(&client, &server.url(), json!({"key": key})).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let forgotten = "ratewarden_keys_forgotten_total{by=\"housekeeping\"}";
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = common::metrics(&client, server.http).await;
+        if common::metric_value(&text, forgotten) == 3 {
+            assert_eq!(
+                common::metric_value(&text, "ratewarden_keys_tracked{rule=\"keys\"}"),
+                0,
+                "{text}"
+            );
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "idle keys not forgotten within 10 s:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A rule's store full of keys that all still count refuses a new key by
 /// the failure policy, and its warning says where the store's size is set
 /// and how long a key of the rule counts, which is what that size must

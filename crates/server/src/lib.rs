@@ -421,17 +421,30 @@ pub async fn start(options: ServeOptions) -> anyhow::Result<Running> {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                _ = tick.tick() => {
-                    let done = keeper.housekeeping();
-                    if done.forgotten + done.forgotten_for_new_keys > 0 {
-                        tracing::debug!(
-                            forgotten = done.forgotten,
-                            forgotten_for_new_keys = done.forgotten_for_new_keys,
-                            "idle keys forgotten"
-                        );
-                    }
-                }
+                _ = tick.tick() => {}
                 _ = keeper_stop.wait_for(|s| *s) => return Ok(()),
+            }
+            // On the blocking pool: a pass takes whole shards' locks and
+            // visits every rule's store, with many rules many milliseconds
+            // that a runtime worker would not spend on the requests queued
+            // to it.
+            let pass = Arc::clone(&keeper);
+            let done = match tokio::task::spawn_blocking(move || pass.housekeeping()).await {
+                Ok(done) => done,
+                // Said now, and the next pass tried: ending the timer here
+                // would let idle keys fill the stores, said only at
+                // shutdown.
+                Err(e) => {
+                    tracing::error!(error = %e, "a housekeeping pass failed");
+                    continue;
+                }
+            };
+            if done.forgotten + done.forgotten_for_new_keys > 0 {
+                tracing::debug!(
+                    forgotten = done.forgotten,
+                    forgotten_for_new_keys = done.forgotten_for_new_keys,
+                    "idle keys forgotten"
+                );
             }
         }
     });
