@@ -61,7 +61,9 @@
 //! (`MemoryStore<FixedWindow>`); in a store built from a [`PolicyConfig`]
 //! ([`MemoryStore::for_config`], `LocalLimiter`), whose state is
 //! [`AnyState`](crate::registry::AnyState), every wide state takes the
-//! largest, 40 bytes: about 98 bytes a key in a full wide store.
+//! largest, 40 bytes: 49 bytes a slot with its key and control byte, so
+//! 56 to 112 bytes a key in a wide store by the table's load (about 103
+//! measured).
 //! `ratewarden bench` measures the bytes per key. While more than one
 //! thread decides, each keeps its own handle on the arrays it decided in
 //! (so that a decision writes no shared memory): an array a sweep or a
