@@ -41,9 +41,12 @@
 //! connections to accept is full; its calls time out anyway. A failed call
 //! (timed out, or a dropped connection) has every master of the slot map
 //! probed, at most one round per [`QUIET_CHECK_INTERVAL`] while no master
-//! is down and one per [`CHECK_INTERVAL`] while one is. A call not sent
-//! has the masters found down probed again, so they are probed as long as
-//! calls for their slots come, and the slot map is read again with each
+//! is down and one per [`CHECK_INTERVAL`] while one is. A call not sent,
+//! and a `ping` (which makes no call for their slots: serve's readiness
+//! store only pings), has the masters found down probed again, so they are
+//! probed as long as calls for their slots or pings come, and what a ping
+//! says of a master comes from a probe of its own, never from a mark
+//! alone; the slot map is read again with each
 //! round: their slots are sent again as soon as they accept connections,
 //! or as soon as the cluster names other masters for them (a replica that
 //! took over), then on a new connection (see [`DownMasters::check`]).
@@ -330,10 +333,13 @@ impl DownMasters {
         self.state().map.clone()
     }
 
-    /// Whether the master at `address` is down now: found so when last
-    /// probed, or refusing a TCP connection within the probe's time.
+    /// Whether the master at `address` refuses a TCP connection now, within
+    /// the probe's time: for what a message says of it. Not whether it was
+    /// found down when last probed: a store whose calls had no master
+    /// probed since (one that only pings, as serve's readiness store)
+    /// keeps that mark while the master is back, and then hangs.
     pub(crate) async fn refuses(&self, address: &Address) -> bool {
-        self.is_down(address) || refuses_connections(Some(address), self.probe_timeout).await
+        refuses_connections(Some(address), self.probe_timeout).await
     }
 
     /// When the master of the Redis key `name`, as the slot map last read
@@ -350,6 +356,13 @@ impl DownMasters {
     /// Whether the master at `address` was found down when last probed.
     pub(crate) fn is_down(&self, address: &Address) -> bool {
         self.any_down() && self.state().down.contains_key(address)
+    }
+
+    /// Whether the master at `address` was found unreachable (its host
+    /// gone) when last probed: a second probe would wait out its time
+    /// twice, where one of a master that refuses connections ends at once.
+    pub(crate) fn is_unreachable(&self, address: &Address) -> bool {
+        self.any_down() && self.state().down.get(address) == Some(&Down::Unreachable)
     }
 
     /// The slot range of the Redis key `name`, with its master as the

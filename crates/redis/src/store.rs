@@ -1408,6 +1408,22 @@ impl RedisStore {
         cluster.stalled(generation);
     }
 
+    /// On a cluster with masters found down, probes them again in the
+    /// background (see [`crate::down`]), so that a mark is cleared once its
+    /// master accepts connections.
+    fn probe_down_masters(&self) {
+        if let Backend::Cluster(cluster, down) = &self.inner.backend {
+            if down.any_down() {
+                let renewing = Arc::clone(cluster);
+                down.check(
+                    Probe::Down,
+                    || cluster.conn(),
+                    move || renewing.renew(false),
+                );
+            }
+        }
+    }
+
     /// On a cluster, checks in the background which masters are down (see
     /// [`crate::down`]).
     fn probe_every_master(&self) {
@@ -1425,19 +1441,14 @@ impl RedisStore {
     /// [`crate::down`]), the error of its call, which is not sent; the
     /// masters found down are then probed again, in the background.
     fn not_sent_to_down_master(&self, key: u64) -> Option<StoreError> {
-        let Backend::Cluster(cluster, down) = &self.inner.backend else {
+        let Backend::Cluster(_, down) = &self.inner.backend else {
             return None;
         };
         if !down.any_down() {
             return None;
         }
         let (range, why) = down.refusing(self.key_name(key).as_bytes())?;
-        let renewing = Arc::clone(cluster);
-        down.check(
-            Probe::Down,
-            || cluster.conn(),
-            move || renewing.renew(false),
-        );
+        self.probe_down_masters();
         Some(self.call_error(StoreError::new(
             StoreErrorKind::ConnectionDropped,
             format!(
@@ -1736,6 +1747,9 @@ impl RedisStore {
             let e = self.timed_out();
             StoreError::new(e.kind(), format!("{what} within {timeout_ms} ms"))
         };
+        // Marks of masters found down age here too, not only by calls: a
+        // store that only pings makes none.
+        self.probe_down_masters();
         let cluster = match self.conn() {
             Conn::Cluster(cluster) => cluster,
             mut conn => {
@@ -2960,8 +2974,8 @@ fn known_master_urls(down: &DownMasters, seeds: &[String]) -> Vec<String> {
 
 /// Whether no master of the slot map that `conn` reads hangs for it: each
 /// answers on it as itself (see [`check_master`]; one that answers but is
-/// not `ok` counts), or, when it does not, is down: `down` has found it
-/// so, or it refuses a TCP connection within `probe_timeout`. The map
+/// not `ok` counts), or, when it does not, is down: `down` has found its
+/// host gone, or it refuses a TCP connection within `probe_timeout`. The map
 /// read, and the masters found refusing here, which the caller marks down
 /// in `down` before it takes the connection.
 ///
@@ -2994,7 +3008,17 @@ async fn no_master_hangs(
         async move {
             match check_master(&mut conn, range).await {
                 Ok(()) | Err(MasterCheck::NotOk) => Ok(None),
-                Err(_) if range.master.as_ref().is_some_and(|m| down.is_down(m)) => Ok(None),
+                // A host found gone is trusted; a master found refusing
+                // connections is asked again (at once): it may be back, and
+                // hang now.
+                Err(_)
+                    if range
+                        .master
+                        .as_ref()
+                        .is_some_and(|m| down.is_unreachable(m)) =>
+                {
+                    Ok(None)
+                }
                 Err(_) if refuses_connections(range.master.as_ref(), probe_timeout).await => {
                     Ok(range.master.clone())
                 }

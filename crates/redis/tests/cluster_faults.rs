@@ -646,6 +646,59 @@ fn ping_fails_while_any_master_is_frozen() {
     });
 }
 
+/// A master found down by `ping` and restarted is not taken for down
+/// when it later hangs: `ping` says it does not answer, as it says of a
+/// master never down, and not that it refuses connections (the mark of
+/// the first outage stayed, where no decision had the masters probed
+/// again, and every ping after the first said so).
+#[test]
+fn ping_says_a_master_that_hangs_after_a_restart_does_not_answer() {
+    let mut cluster = RedisCluster::start();
+    let port = cluster.nodes()[1].port();
+    let rt = common::runtime();
+    let store = ready_store(&cluster, &rt, "hang-after-restart");
+    cluster.kill_node(1);
+    let refused = format!("(127.0.0.1:{port}) refuses connections (it is down)");
+    rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let e = store.ping().await.expect_err("a master is down");
+            if e.detail().contains(&refused) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the killed master not named: {e}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    cluster.restart_node(1);
+    rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while let Err(e) = store.ping().await {
+            assert!(
+                Instant::now() < deadline,
+                "not ready 30 s after the restart: {e}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    cluster.nodes()[1].pause();
+    // Spaced past the store's one new connection a second, as readiness
+    // probes are.
+    for _ in 0..4 {
+        let e = rt.block_on(store.ping()).expect_err("a master hangs");
+        assert!(!e.detail().contains("refuses connections"), "{e}");
+        assert!(
+            e.is_timeout() || e.detail().contains("no master answered CLUSTER SLOTS"),
+            "{e}"
+        );
+        std::thread::sleep(Duration::from_millis(1_100));
+    }
+    cluster.nodes()[1].resume();
+}
+
 /// A master restarted from its `nodes.conf` answers at once, but refuses
 /// its keys (`CLUSTERDOWN`) until the cluster takes it back: `ping` is not
 /// ready until then, so once it is, every key decides.
