@@ -1952,24 +1952,7 @@ impl RedisStore {
             }
         }
         match silent.as_slice() {
-            [] => match not_ok.as_slice() {
-                [] => Ok(()),
-                [one] => Err(StoreError::new(
-                    StoreErrorKind::ConnectionDropped,
-                    format!(
-                        "{one}: it does not report cluster_state:ok (the cluster has not \
-                         taken it back yet, or is down)"
-                    ),
-                )),
-                all => Err(StoreError::new(
-                    StoreErrorKind::ConnectionDropped,
-                    format!(
-                        "{}: none reports cluster_state:ok (the cluster is down: some slot \
-                         has no master that answers)",
-                        all.join("; ")
-                    ),
-                )),
-            },
+            [] => not_ok_said(&not_ok, checked),
             [one] => Err(timed_out(&format!("{one} did not answer"))),
             all if all.len() == checked => Err(timed_out(&format!(
                 "none of the {checked} masters ({}) answered",
@@ -3028,6 +3011,31 @@ async fn no_master_hangs(
     });
     let refusing = futures_util::future::try_join_all(checks).await?;
     Ok((slots, refusing.into_iter().flatten().collect()))
+}
+
+/// What `ping` says of the masters `not_ok` that answered without
+/// `cluster_state:ok`, of the `checked` that answered: "none" only when
+/// it is every one (a master restarted can report `ok` a moment before
+/// the others have taken it back).
+fn not_ok_said(not_ok: &[String], checked: usize) -> Result<(), StoreError> {
+    let said = match not_ok {
+        [] => return Ok(()),
+        [one] => format!(
+            "{one}: it does not report cluster_state:ok (the cluster has not taken it back \
+             yet, or is down)"
+        ),
+        all if all.len() == checked => format!(
+            "{}: none reports cluster_state:ok (the cluster is down: some slot has no master \
+             that answers)",
+            all.join("; ")
+        ),
+        some => format!(
+            "{}: they do not report cluster_state:ok (the cluster has not taken a master \
+             back yet, or is down)",
+            some.join("; ")
+        ),
+    };
+    Err(StoreError::new(StoreErrorKind::ConnectionDropped, said))
 }
 
 /// The `cluster_state` a `CLUSTER INFO` reply gives (`ok` or `fail`).
@@ -4252,6 +4260,32 @@ impl ratewarden_core::Limiter for RedisStore {
 mod tests {
     use ratewarden_core::{StoreError, StoreErrorKind};
     use std::time::Duration;
+
+    /// "none reports cluster_state:ok" only when no master that answered
+    /// does: after a restart, the restarted master can report `ok` while
+    /// two others do not yet.
+    #[test]
+    fn ping_says_none_only_of_every_master() {
+        let masters = |n: usize| -> Vec<String> { (0..n).map(|i| format!("m{i}")).collect() };
+        assert!(super::not_ok_said(&[], 3).is_ok());
+        let said = |n, checked| super::not_ok_said(&masters(n), checked).unwrap_err();
+        assert_eq!(
+            said(1, 3).detail(),
+            "m0: it does not report cluster_state:ok (the cluster has not taken it back yet, \
+             or is down)"
+        );
+        assert_eq!(
+            said(2, 3).detail(),
+            "m0; m1: they do not report cluster_state:ok (the cluster has not taken a master \
+             back yet, or is down)"
+        );
+        assert_eq!(
+            said(3, 3).detail(),
+            "m0; m1; m2: none reports cluster_state:ok (the cluster is down: some slot has no \
+             master that answers)"
+        );
+        assert_eq!(said(3, 3).kind(), StoreErrorKind::ConnectionDropped);
+    }
 
     /// A read of the slot map from every master does not wait for another
     /// call under way on the connection to end. redis-rs's own fan-out
