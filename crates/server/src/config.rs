@@ -477,6 +477,15 @@ impl Config {
                     (e.message().trim() == "duplicate key")
                         .then(|| e.span().and_then(|s| duplicate_header(text, s.start)))
                         .flatten()
+                })
+                .or_else(|| {
+                    e.message()
+                        .contains("expected a sequence")
+                        .then(|| {
+                            e.span()
+                                .and_then(|s| element_before_its_list(text, s.start))
+                        })
+                        .flatten()
                 });
             let (field, mut message) = match (header, missing) {
                 (Some((table, advice)), _) => (table, advice),
@@ -794,6 +803,37 @@ fn duplicate_header(text: &str, offset: usize) -> Option<(String, String)> {
         return None;
     };
     Some((name.to_owned(), advice))
+}
+
+/// The table and the advice for a list's element at `offset`
+/// (`[[domains.descriptors]]`) written where no element of the list
+/// holding it was opened before (no `[[domains]]`): that makes the holder
+/// one table, which the parser then calls a map where a sequence belongs,
+/// and no bracket is wrong. `None` for any other header.
+fn element_before_its_list(text: &str, offset: usize) -> Option<(String, String)> {
+    let offset = offset.min(text.len());
+    let line_start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let (name, true) = header(text[line_start..].lines().next()?)? else {
+        return None;
+    };
+    let (holder, _) = name.rsplit_once('.')?;
+    let holder = holder
+        .split('.')
+        .map(str::trim)
+        .collect::<Vec<_>>()
+        .join(".");
+    if text[..line_start]
+        .lines()
+        .any(|line| header(line).is_some_and(|(n, _)| n == holder))
+    {
+        return None;
+    }
+    let line = text[..line_start].lines().count() + 1;
+    let advice = format!(
+        "line {line}, [[{name}]], comes before any [[{holder}]], which makes {holder} one \
+         table rather than a list; open the element it belongs to with [[{holder}]] above it"
+    );
+    Some((holder, advice))
 }
 
 /// The table a header line opens, and whether it is an element of a list
@@ -1761,6 +1801,23 @@ shadow = true
                 "line 1, [[domains.descriptors]], comes before any [[domains]], which makes \
                  domains one table rather than a list; move it below the [[domains]] it belongs to",
             ),
+            // With no [[domains]] at all (the parser calls domains a map
+            // where a sequence belongs), and one level down.
+            (
+                "[[domains.descriptors]]\nkey = \"k\"\nlimit = 1\nwindow_ms = 1000\n",
+                1,
+                "line 1, [[domains.descriptors]], comes before any [[domains]], which makes \
+                 domains one table rather than a list; open the element it belongs to with \
+                 [[domains]] above it",
+            ),
+            (
+                "[[domains]]\ndomain = \"d\"\n[[domains.descriptors.descriptors]]\nkey = \"k\"\n\
+                 limit = 1\nwindow_ms = 1000\n",
+                3,
+                "line 3, [[domains.descriptors.descriptors]], comes before any \
+                 [[domains.descriptors]], which makes domains.descriptors one table rather than \
+                 a list; open the element it belongs to with [[domains.descriptors]] above it",
+            ),
             (
                 "[domains]\ndomain = \"d\"\n[[domains]]\ndomain = \"e\"\n",
                 3,
@@ -1787,6 +1844,8 @@ shadow = true
                 "keys"
             } else if text.contains("[domains.x]") {
                 "domains.x"
+            } else if text.contains("[[domains.descriptors.descriptors]]") {
+                "domains.descriptors"
             } else {
                 "domains"
             };
