@@ -76,7 +76,11 @@ impl Policy for FixedWindow {
     }
 
     fn is_forgettable(&self, s: &FixedWindowState, now_ms: u64) -> bool {
-        now_ms.saturating_sub(s.window_start_ms) >= self.window_ms
+        // A window that counts nothing is a new key's from its start on
+        // (a peek or a refusal is all it saw): kept, it would hold a place
+        // a key that counts needs, for a whole window.
+        let counting_ms = if s.current == 0 { 0 } else { self.window_ms };
+        now_ms >= s.window_start_ms && now_ms - s.window_start_ms >= counting_ms
     }
 
     fn limit(&self) -> u64 {
@@ -164,5 +168,18 @@ mod tests {
         p.decide(&mut s, 100, 1);
         assert!(!p.is_forgettable(&s, 999));
         assert!(p.is_forgettable(&s, 1000));
+    }
+
+    /// A key that counted nothing (peeks, refusals of a cost above the
+    /// limit) is forgettable at once, from its window's start.
+    #[test]
+    fn a_window_that_counts_nothing_is_forgettable_from_its_start() {
+        let p = FixedWindow::new(2, 1000).unwrap();
+        let mut s = p.new_state(1100);
+        assert!(p.decide(&mut s, 1100, 0).allowed);
+        assert!(!p.decide(&mut s, 1200, 3).allowed);
+        assert!(p.is_forgettable(&s, 1200));
+        // Not before it: a request from before 1000 is decided at 1000.
+        assert!(!p.is_forgettable(&s, 999));
     }
 }

@@ -151,7 +151,19 @@ impl Policy for SlidingWindowCounter {
     }
 
     fn is_forgettable(&self, s: &SlidingWindowCounterState, now_ms: u64) -> bool {
-        now_ms.saturating_sub(s.window_start_ms) >= self.window_ms.saturating_mul(2)
+        // What still counts: the current window's cost for two windows (one
+        // as the previous), the previous window's for one. A key that
+        // counts nothing (a peek or a refusal is all it saw) is a new key's
+        // from its window's start; kept, it would hold a place a key that
+        // counts needs, for two windows.
+        let counting_ms = if s.current > 0 {
+            self.window_ms.saturating_mul(2)
+        } else if s.previous > 0 {
+            self.window_ms
+        } else {
+            0
+        };
+        now_ms >= s.window_start_ms && now_ms - s.window_start_ms >= counting_ms
     }
 
     fn limit(&self) -> u64 {
@@ -291,5 +303,28 @@ mod tests {
         // The window starting at W = MAX_SAFE carries all MAX_SAFE; one
         // millisecond later the carried part floors to MAX_SAFE - 1.
         assert_eq!(retry, Some(1));
+    }
+
+    /// What counts decides how long a key is kept: its current window's
+    /// cost two windows, its previous window's one, nothing not at all.
+    #[test]
+    fn a_key_is_forgettable_once_nothing_it_counted_counts() {
+        let p = SlidingWindowCounter::new(5, 1000).unwrap();
+        // Only peeks and a refusal of a cost above the limit: at once.
+        let mut s = p.new_state(1100);
+        assert!(p.decide(&mut s, 1100, 0).allowed);
+        assert!(!p.decide(&mut s, 1200, 6).allowed);
+        assert!(p.is_forgettable(&s, 1200));
+        assert!(!p.is_forgettable(&s, 999));
+        // One admitted at 1100: until 3000.
+        p.decide(&mut s, 1100, 1);
+        assert!(!p.is_forgettable(&s, 2999));
+        assert!(p.is_forgettable(&s, 3000));
+        // Rolled into the next window by a peek, it still carries that
+        // cost as the previous window's, until 3000 too.
+        assert!(p.decide(&mut s, 2500, 0).allowed);
+        assert_eq!((s.previous, s.current), (1, 0));
+        assert!(!p.is_forgettable(&s, 2999));
+        assert!(p.is_forgettable(&s, 3000));
     }
 }

@@ -1790,6 +1790,35 @@ mod tests {
         assert_eq!(store.entries_tracked(), 1);
     }
 
+    /// Keys that counted nothing (peeks, refusals of a cost above the
+    /// limit) take places while the store has room, and give them up to
+    /// the first key that counts: under every policy, at once.
+    #[test]
+    fn keys_that_counted_nothing_make_room_for_one_that_counts() {
+        let options = MemoryOptions {
+            max_keys: 4,
+            shards: 1,
+        };
+        for policy in [
+            PolicyKind::FixedWindow,
+            PolicyKind::SlidingWindowCounter,
+            PolicyKind::SlidingLog,
+            PolicyKind::TokenBucket,
+            PolicyKind::Gcra,
+        ] {
+            let config = PolicyConfig::new(policy, 5, 1000);
+            let store = MemoryStore::for_config(&config, options).unwrap();
+            for key in 0..2 {
+                assert!(store.decide(key, 100, 0).unwrap().allowed, "{config}");
+            }
+            for key in 2..4 {
+                assert!(!store.decide(key, 100, 6).unwrap().allowed, "{config}");
+            }
+            let d = store.decide(4, 100, 1);
+            assert!(d.as_ref().is_ok_and(|d| d.allowed), "{config}: {d:?}");
+        }
+    }
+
     /// A small store picks few shards, so that one shard does not fill
     /// while the store is far from max_keys: it holds max_keys exactly.
     #[test]

@@ -41,10 +41,14 @@ else
   result = { 0, left, 0 }
 end
 
--- Forgettable one window after its start: start - NOW + W, at least 0.
--- Both terms are below 2^53, so the sum is exact when it is below 2^53,
--- and at or above it otherwise, which caps to MAX_TTL.
-local ttl = start - NOW + W
+-- Forgettable one window after its start while it counts: start - NOW + W,
+-- at least 0; from its start when it counts nothing (a peek or a refusal
+-- is all it saw), as is_forgettable says. Both terms are below 2^53, so
+-- the sum is exact when it is below 2^53, and at or above it otherwise,
+-- which caps to MAX_TTL.
+local counting = W
+if current == 0 then counting = 0 end
+local ttl = start - NOW + counting
 if ttl < 0 then ttl = 0 elseif ttl > MAX_TTL then ttl = MAX_TTL end
 if ttl <= 0 and GRACE == 0 then
   if s then redis.call('DEL', KEYS[1]) end

@@ -99,13 +99,17 @@ else
   result = { 0, left, 0 }
 end
 
--- Forgettable two windows after the current one's start: start - NOW + 2W,
--- at least 0. Both terms are below 2^53, so the sum is exact when it is
--- below 2^53, and at or above it otherwise, which caps to MAX_TTL.
+-- Forgettable once nothing it counted counts, as is_forgettable says: two
+-- windows after the current one's start while it counts, one while only
+-- the previous window does, from its start when neither does (a peek or a
+-- refusal is all it saw): start - NOW + that, at least 0. Both terms are
+-- below 2^53, so the sum is exact when it is below 2^53, and at or above
+-- it otherwise, which caps to MAX_TTL.
 local ttl = MAX_TTL
-local two = W + W
-if two < TWO53 then
-  ttl = start - NOW + two
+local counting = 0
+if current > 0 then counting = W + W elseif previous > 0 then counting = W end
+if counting < TWO53 then
+  ttl = start - NOW + counting
   if ttl < 0 then ttl = 0 elseif ttl > MAX_TTL then ttl = MAX_TTL end
 end
 if ttl <= 0 and GRACE == 0 then
