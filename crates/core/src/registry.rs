@@ -164,6 +164,31 @@ impl PolicyConfig {
         self.burst.unwrap_or(self.limit)
     }
 
+    /// Whether a limiter built for `self` decides as one built for `other`
+    /// would: the same policy and numbers, a default burst and that default
+    /// written out (`burst = limit`) being one. The Redis store names its
+    /// keys by the burst in effect too, so such limiters share counts.
+    ///
+    /// ```
+    /// use ratewarden_core::{PolicyConfig, PolicyKind};
+    /// let bucket = PolicyConfig::new(PolicyKind::TokenBucket, 10, 1000);
+    /// assert!(bucket.decides_alike(&bucket.with_burst(10)));
+    /// assert!(!bucket.decides_alike(&bucket.with_burst(20)));
+    /// ```
+    pub fn decides_alike(&self, other: &PolicyConfig) -> bool {
+        (
+            self.policy,
+            self.limit,
+            self.window_ms,
+            self.effective_burst(),
+        ) == (
+            other.policy,
+            other.limit,
+            other.window_ms,
+            other.effective_burst(),
+        )
+    }
+
     /// The largest cost any request can be admitted with: a bucket's burst,
     /// a window's limit. A larger cost is refused with no wait, whatever
     /// the state.

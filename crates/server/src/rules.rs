@@ -148,15 +148,6 @@ fn count_key(rule_id: &str, domain: Option<&str>, entries: &[(String, String)]) 
     xxh3_64(&composed)
 }
 
-/// Whether a limiter built for `a` decides as one for `b` would: the same
-/// policy and numbers, a default burst and that default written out
-/// (`burst = limit`) being one. Redis names its keys by the effective burst
-/// too, so both stores keep a rule's counts across such a reload.
-fn decides_alike(a: &PolicyConfig, b: &PolicyConfig) -> bool {
-    (a.policy, a.limit, a.window_ms, a.effective_burst())
-        == (b.policy, b.limit, b.window_ms, b.effective_burst())
-}
-
 impl RuleSet {
     /// Compiles `config`, building a limiter with `factory` for each rule
     /// unless `previous` has one for the same identity and policy.
@@ -173,7 +164,9 @@ impl RuleSet {
         let mut limiters = HashMap::new();
         for (id, spec) in rule_ids(&config) {
             let parts = match old.get(id.as_str()) {
-                Some(o) if decides_alike(&o.spec.policy, &spec.policy) => {
+                // Redis names keys by the effective burst too, so both
+                // stores keep a rule's counts across such a reload.
+                Some(o) if o.spec.policy.decides_alike(&spec.policy) => {
                     (Arc::clone(&o.limiter), o.local.clone(), o.failover.clone())
                 }
                 _ => {

@@ -109,7 +109,9 @@ pub enum BuildError {
     /// A fallback limiter was given with a failure policy other than
     /// [`FailurePolicy::Local`], which would never use it.
     FallbackUnused(FailurePolicy),
-    /// The fallback limiter's configuration differs from the limiter's.
+    /// The fallback limiter's configuration decides otherwise than the
+    /// limiter's ([`PolicyConfig::decides_alike`]: a bucket's default burst
+    /// and that burst written out are no difference).
     FallbackConfig {
         /// The limiter's configuration.
         limiter: PolicyConfig,
@@ -333,7 +335,7 @@ impl RateLimitBuilder {
             RateLimitHeaders::new(&self.policy_name, &config).map_err(BuildError::PolicyName)?;
         let fallback = match (self.failure_policy, self.fallback) {
             (FailurePolicy::Local, Some(fallback)) => {
-                if *fallback.config() != config {
+                if !fallback.config().decides_alike(&config) {
                     return Err(BuildError::FallbackConfig {
                         limiter: config,
                         fallback: *fallback.config(),

@@ -845,6 +845,21 @@ fn bad_configuration_is_an_error_that_says_what_to_change() {
             .contains("give the fallback the limiter's configuration"),
         "{err}"
     );
+    // A bucket's default burst and that burst written out decide alike,
+    // on either side.
+    let bucket = PolicyConfig::new(PolicyKind::TokenBucket, 10, 1000);
+    for (limiter, fallback) in [
+        (bucket, bucket.with_burst(10)),
+        (bucket.with_burst(10), bucket),
+    ] {
+        let (limiter, _clock) = local(limiter);
+        let (fallback, _clock) = local(fallback);
+        let built = RateLimitLayer::builder(Arc::new(limiter), GlobalKey::new(0))
+            .failure_policy(FailurePolicy::Local)
+            .local_fallback(fallback)
+            .build();
+        assert!(built.is_ok(), "{:?}", built.err());
+    }
 }
 
 /// A limiter whose store has failed.
