@@ -988,13 +988,20 @@ impl<P: Policy> MemoryStore<P> {
     /// ([`MemoryOptions::shards`]) make each hold shorter. It also takes the count of keys that full
     /// shards forgot on their own since the previous call
     /// ([`Housekeeping::forgotten_for_new_keys`]), so that a caller can
-    /// count all forgetting.
+    /// count all forgetting. A `now_ms` past 2^53 - 1, which no decision
+    /// takes ([`MemoryStore::decide`] refuses it), forgets nothing: every
+    /// key would look idle at such a time, and a mistaken clock (a time in
+    /// ns, `u64::MAX` for "later") would empty the store. (A time in µs is
+    /// below 2^53 until the year 2255: a valid time, it cannot be told.)
     pub fn forget_idle(&self, now_ms: u64, max_scanned: usize) -> Housekeeping {
         let inner = &*self.inner;
         let mut done = Housekeeping {
             forgotten_for_new_keys: self.take_forgotten_for_new_keys(),
             ..Housekeeping::default()
         };
+        if now_ms > MAX_SAFE {
+            return done;
+        }
         for _ in 0..inner.shards.len() {
             let index = inner.sweep_cursor.fetch_add(1, Ordering::Relaxed) & inner.shard_mask;
             let shard = &inner.shards[index];
@@ -1634,6 +1641,21 @@ mod tests {
         assert_eq!(swept.forgotten, 99);
         assert_eq!(store.entries_tracked(), 1);
         assert_eq!(store.decide(7, 2000, 0).unwrap().remaining, 4);
+    }
+
+    /// A time no decision takes forgets no key that still counts.
+    #[test]
+    fn forget_idle_past_2_pow_53_forgets_nothing() {
+        let store = MemoryStore::new(FixedWindow::new(5, 1000).unwrap(), MemoryOptions::default());
+        for _ in 0..5 {
+            assert!(store.decide(1, 100, 1).unwrap().allowed);
+        }
+        for now_ms in [MAX_SAFE + 1, u64::MAX] {
+            assert_eq!(store.forget_idle(now_ms, usize::MAX).forgotten, 0);
+        }
+        assert!(!store.decide(1, 200, 1).unwrap().allowed);
+        // 2^53 - 1 is a time a decision takes: there the key is idle.
+        assert_eq!(store.forget_idle(MAX_SAFE, usize::MAX).forgotten, 1);
     }
 
     #[test]
