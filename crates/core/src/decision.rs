@@ -10,7 +10,15 @@ use serde::{Deserialize, Serialize};
 /// With serde it is `{"allowed", "retry_after_ms", "remaining"}`, the wait
 /// exact (as [`Decision::retry_after_exact_ms`] gives it, so a JSON number
 /// above `u64::MAX` for the longest waits); reading one back refuses fields
-/// that contradict each other.
+/// that contradict each other. Such a wait (only a token bucket or GCRA
+/// with a huge burst and a tiny limit can make one) is a `u128`, which a
+/// serializer that goes through a value of its own may not hold: with
+/// serde_json (without its `arbitrary_precision` feature), `to_string` and
+/// `to_writer` write it, but `to_value` fails with "number out of range"
+/// (and the `json!` macro, which calls it, panics), and an `untagged` enum
+/// reads it back as a float. Where that matters, write
+/// [`Decision::retry_after_ms`] (capped at `u64::MAX`) in a struct of your
+/// own.
 ///
 /// ```
 /// use ratewarden_core::Decision;
