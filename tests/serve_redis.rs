@@ -1009,6 +1009,33 @@ fn an_evicting_redis_is_named_in_a_warning_at_start() {
     server.stop();
 }
 
+/// A user that may not run INFO leaves the eviction check (and a single
+/// node's check for a writable replica) undone: serve says so at start,
+/// once, and serves.
+#[test]
+fn a_user_without_info_is_told_what_went_unchecked() {
+    let redis =
+        RedisServer::start_with(&["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"]);
+    let granted = redis.cli(&["ACL", "SETUSER", "rw", "on", ">pw", "~*", "+@all", "-info"]);
+    assert_eq!(granted.trim(), "OK");
+    let url = format!("redis://rw:pw@127.0.0.1:{}", redis.port());
+    let config = ConfigFile::new("[keys]\nlimit = 10\nwindow_ms = 60000\n");
+    let (server, log) = Server::start_logged(&["--store", &url, "--config", config.path()]);
+    let lines = log.through_containing("listening");
+    let warned: Vec<&String> = lines.iter().filter(|l| l.contains("INFO memory")).collect();
+    assert_eq!(warned.len(), 1, "{lines:#?}");
+    assert!(
+        warned[0].contains("WARN")
+            && warned[0].contains("whether it evicts keys once full was not checked")
+            && warned[0].contains("nor whether it is a writable replica")
+            && warned[0].contains("grant the URL's user +info"),
+        "{}",
+        warned[0]
+    );
+    assert!(!warned[0].contains("pw@"), "{}", warned[0]);
+    server.stop();
+}
+
 /// On a cluster, the warning names the master that evicts: the URL's
 /// seeds need not be it, and one looked at would say `noeviction`.
 #[test]

@@ -1084,8 +1084,9 @@ impl RedisStore {
     /// Redis (on a cluster, any master, named) evicts keys once full: a key
     /// evicted starts its count again from empty, and admits again within
     /// its window, with nothing to show for it. Said, not refused: a Redis
-    /// shared with a cache may have reasons, and a user that may not run
-    /// `INFO` is not told.
+    /// shared with a cache may have reasons. When no `INFO` is answered (a
+    /// user without `+info`), that is said instead: the check did not run,
+    /// nor did a single node's for a writable replica.
     async fn warn_if_evicting(&self) {
         static WARNED: Mutex<Vec<String>> = Mutex::new(Vec::new());
         let mut cmd = redis::cmd("INFO");
@@ -1111,6 +1112,52 @@ impl RedisStore {
             }
             mut node => (vec![cmd.query_async::<Value>(&mut node).await], vec![None]),
         };
+        let url = self.url();
+        let first_warning = || {
+            let mut warned = WARNED.lock().unwrap_or_else(PoisonError::into_inner);
+            if warned.iter().any(|u| u == url) {
+                return false;
+            }
+            // A bound on what is kept: past it, a Redis may be warned of
+            // again.
+            if warned.len() < 64 {
+                warned.push(url.to_owned());
+            }
+            true
+        };
+        let refusals: Vec<RedisError> = answers
+            .iter()
+            .filter_map(|answer| match answer {
+                Ok(value) => value.clone().extract_error().err(),
+                Err(e) => Some(e.clone()),
+            })
+            .collect();
+        if refusals.len() == answers.len() {
+            // Timeouts and lost connections say nothing of INFO, and are
+            // met by the calls that follow.
+            let refused = refusals
+                .into_iter()
+                .find(|e| !e.is_timeout() && !e.is_connection_dropped());
+            if let Some(e) = refused {
+                if first_warning() {
+                    let replica = match self.conn() {
+                        Conn::Cluster(_) => "",
+                        _ => {
+                            " (nor whether it is a writable replica, which counts apart from its \
+                              master)"
+                        }
+                    };
+                    let e = map_error(e);
+                    tracing::warn!(
+                        "Redis at {url} did not answer INFO memory ({}): whether it evicts keys \
+                         once full was not checked{replica}; grant the URL's user +info \
+                         (docs/redis.md, \"What connecting checks\")",
+                        e.detail()
+                    );
+                }
+            }
+            return;
+        }
         let evicting = answers.iter().zip(masters).find_map(|(answer, master)| {
             let info = redis::from_redis_value_ref::<String>(answer.as_ref().ok()?).ok()?;
             Some((evicting_policy(&info)?, master))
@@ -1119,17 +1166,8 @@ impl RedisStore {
             return;
         };
         let which = master.map_or_else(String::new, |m| format!(" (its master at {m})"));
-        let url = self.url();
-        {
-            let mut warned = WARNED.lock().unwrap_or_else(PoisonError::into_inner);
-            if warned.iter().any(|u| u == url) {
-                return;
-            }
-            // A bound on what is kept: past it, a Redis may be warned of
-            // again.
-            if warned.len() < 64 {
-                warned.push(url.to_owned());
-            }
+        if !first_warning() {
+            return;
         }
         tracing::warn!(
             "Redis at {url}{which} evicts keys once full (maxmemory-policy {policy}, maxmemory \
