@@ -1809,6 +1809,20 @@ impl RedisStore {
                     }
                     Err(_) => return Err(timed_out("Redis did not answer PING")),
                 }
+                // A node made a replica since connecting (REPLICAOF): a
+                // writable one goes on deciding, apart from its master and
+                // refused at connect. A user that may not run INFO is not
+                // checked (connecting warned of it).
+                let mut info = redis::cmd("INFO");
+                info.arg("replication");
+                if let Ok(Ok(answer)) =
+                    tokio::time::timeout_at(deadline, self.try_call(&mut conn, &info)).await
+                {
+                    let text = redis::from_redis_value_ref::<String>(&answer).unwrap_or_default();
+                    if let Some(master) = replica_of(&text) {
+                        return Err(replica_error(self.url(), &master));
+                    }
+                }
                 // A Redis that answers can still refuse every decision.
                 let name = self.probe_key();
                 let checked =
@@ -3503,15 +3517,7 @@ async fn check_node<C: ConnectionLike>(
             .await
         {
             if let Some(master) = replica_of(&info) {
-                return Err(StoreError::new(
-                    StoreErrorKind::InvalidInput,
-                    format!(
-                        "Redis at {address} is a replica of {master} (INFO replication): a \
-                         read-only replica refuses every decision, and a writable one \
-                         counts apart from its master and the other replicas; point the URL \
-                         at its master"
-                    ),
-                ));
+                return Err(replica_error(address, &master));
             }
         }
     }
@@ -3598,6 +3604,18 @@ fn user_without_password(url: &str) -> bool {
         None => !userinfo.is_empty(),
         Some((user, password)) => !user.is_empty() && password.is_empty(),
     }
+}
+
+/// The error of a node at `address` that is a replica of `master`.
+fn replica_error(address: &str, master: &str) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::InvalidInput,
+        format!(
+            "Redis at {address} is a replica of {master} (INFO replication): a read-only \
+             replica refuses every decision, and a writable one counts apart from its master \
+             and the other replicas; point the URL at its master"
+        ),
+    )
 }
 
 /// The master (`HOST:PORT`) of a server that its `INFO replication`

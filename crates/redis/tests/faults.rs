@@ -383,6 +383,34 @@ fn ping_follows_redis() {
     assert_eq!(err.kind(), StoreErrorKind::ConnectionDropped, "{err}");
 }
 
+/// A node made a replica after the store connected (REPLICAOF) is not
+/// ready: a writable one would go on deciding apart from its master, and
+/// connecting refuses one. Made a master again, it is ready again.
+#[test]
+fn ping_is_not_ready_on_a_node_made_a_replica() {
+    let rt = common::runtime();
+    let master = RedisServer::start();
+    let server = RedisServer::start();
+    let store = rt.block_on(connected(&server, "replica"));
+    rt.block_on(store.ping()).expect("a running Redis answers");
+    for args in [
+        &["CONFIG", "SET", "replica-read-only", "no"][..],
+        &["REPLICAOF", "127.0.0.1", &master.port().to_string()],
+    ] {
+        assert_eq!(server.cli(args).trim(), "OK");
+    }
+    let err = rt.block_on(store.ping()).unwrap_err();
+    assert!(
+        err.detail().contains(&format!(
+            "is a replica of 127.0.0.1:{} (INFO replication)",
+            master.port()
+        )) && err.detail().contains("point the URL at its master"),
+        "{err}"
+    );
+    assert_eq!(server.cli(&["REPLICAOF", "NO", "ONE"]).trim(), "OK");
+    rt.block_on(store.ping()).expect("a master again");
+}
+
 #[test]
 fn sigstop_never_blocks_a_call_past_the_timeout() {
     let rt = common::runtime();
