@@ -786,6 +786,68 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
     server.stop();
 }
 
+/// A lone UTF-16 surrogate escape, which `JSON.stringify` and Python's
+/// `json.dumps` write from a client's string, was refused as malformed
+/// JSON: a caller that fails open let such a request through unlimited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_surrogate_escape_is_read_as_a_replacement_character() {
+    let file = ConfigFile::new(LONG_WINDOW);
+    let server = Server::start(&["--config", file.path()]);
+    let client = client();
+    let url = server.url();
+    let send = |body: &'static str| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let r = client.post(&url).body(body).send().await.unwrap();
+            let status = r.status().as_u16();
+            let text = r.text().await.unwrap();
+            assert_eq!(status, 200, "{body} -> {text}");
+            serde_json::from_str::<Value>(&text).unwrap()
+        }
+    };
+    // Lone ones, leading or trailing, and U+FFFD itself share one budget.
+    for (body, remaining) in [
+        (r#"{"key": "\ud800"}"#, 99),
+        (r#"{"key": "\ufffd"}"#, 98),
+        (r#"{"key": "\uDC00"}"#, 97),
+    ] {
+        let answer = send(body).await;
+        assert_eq!(answer["rule"], "keys", "{body}: {answer}");
+        assert_eq!(answer["remaining"], remaining, "{body}: {answer}");
+    }
+    // A leading one before another escape: that escape is kept.
+    assert_eq!(send(r#"{"key": "\ud800\u0041"}"#).await["remaining"], 99);
+    let (_, _, answer) = post(&client, &url, json!({"key": "\u{fffd}A"})).await;
+    assert_eq!(answer["remaining"], 98);
+    // A pair is the character it encodes.
+    assert_eq!(send(r#"{"key": "\ud83d\ude00"}"#).await["remaining"], 99);
+    let (_, _, answer) = post(&client, &url, json!({"key": "\u{1f600}"})).await;
+    assert_eq!(answer["remaining"], 98);
+    // An escaped backslash before `u` is six characters, not an escape.
+    assert_eq!(send(r#"{"key": "\\ud800"}"#).await["remaining"], 99);
+    let (_, _, answer) = post(&client, &url, json!({"key": "\\ud800"})).await;
+    assert_eq!(answer["remaining"], 98);
+    // In a descriptor's value and a domain too.
+    for body in [
+        r#"{"domain": "edge", "descriptors": [{"entries": [{"key": "remote_address", "value": "\udfff"}]}]}"#,
+        r#"{"domain": "edge", "descriptors": [{"entries": [{"key": "remote_address", "value": "\ufffd"}]}]}"#,
+    ] {
+        let answer = send(body).await;
+        assert_eq!(answer["rule"], "per-address", "{body}: {answer}");
+    }
+    let (_, _, answer) = post(
+        &client,
+        &url,
+        json!({"domain": "edge", "descriptors": [{"entries": [{"key": "remote_address", "value": "\u{fffd}"}]}]}),
+    )
+    .await;
+    assert_eq!(answer["remaining"], 97, "{answer}");
+    let answer =
+        send(r#"{"domain": "\ud800", "descriptors": [{"entries": [{"key": "k"}]}]}"#).await;
+    assert_eq!(answer["allowed"], true, "{answer}");
+    server.stop();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_under_load_loses_no_request_and_resets_no_count() {
     let rules = |extra_limit: u64| {

@@ -1,6 +1,7 @@
 //! The HTTP JSON interface: `POST /v1/check`, `GET /healthz`, `GET /readyz`,
 //! `GET /metrics` (on a port of its own when `--metrics` gives one).
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -776,6 +777,65 @@ fn cut_short_by_the_client(rejection: &BytesRejection) -> bool {
     false
 }
 
+/// `body` with each UTF-16 surrogate escape inside a JSON string that is
+/// no half of a pair (`"\ud800"`, `"\udc00"`, a high one not followed by
+/// a low one) made `\uFFFD`, which has the same length, so that serde's
+/// line and column still point into the body as sent.
+///
+/// serde_json refuses a lone surrogate, but JavaScript's `JSON.stringify`
+/// and Python's `json.dumps` write one from a client's string, and a caller
+/// that fails open on an error would let such a request through unlimited.
+/// So it is read as U+FFFD and decided, as gRPC reads bytes that are not
+/// UTF-8.
+fn lone_surrogates_replaced(body: &[u8]) -> Cow<'_, [u8]> {
+    // Most bodies have no `\u` escape at all: they are read as they came.
+    if !body.windows(2).any(|w| w == b"\\u") {
+        return Cow::Borrowed(body);
+    }
+    let mut out = Cow::Borrowed(body);
+    let mut in_string = false;
+    let mut i = 0;
+    while i < body.len() {
+        match body[i] {
+            b'"' => {
+                in_string = !in_string;
+                i += 1;
+            }
+            // Backslashes outside strings are a syntax error, left to serde.
+            b'\\' if in_string => match surrogate_at(body, i) {
+                Some(0xD800..=0xDBFF)
+                    if matches!(surrogate_at(body, i + 6), Some(0xDC00..=0xDFFF)) =>
+                {
+                    i += 12
+                }
+                Some(_) => {
+                    out.to_mut()[i..i + 6].copy_from_slice(b"\\uFFFD");
+                    i += 6;
+                }
+                // Any other escape's two bytes are passed together, so
+                // that the backslash or quote that `\\` or `\"` escapes is
+                // read as the start of nothing (the hex digits after any
+                // other `\u` hold neither).
+                None => i += 2,
+            },
+            _ => i += 1,
+        }
+    }
+    out
+}
+
+/// The code unit of the `\uXXXX` escape at `at` (hex in either case), if
+/// there is one and it is a surrogate.
+fn surrogate_at(body: &[u8], at: usize) -> Option<u16> {
+    let escape = body.get(at..at + 6)?;
+    let hex = escape.strip_prefix(b"\\u")?;
+    if !hex.iter().all(u8::is_ascii_hexdigit) {
+        return None;
+    }
+    let unit = u16::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?;
+    (0xD800..=0xDFFF).contains(&unit).then_some(unit)
+}
+
 /// A request's JSON as serde_json reads it, with the place of a field of
 /// the wrong type or name put before serde's message
 /// (`descriptors[0].entries[1].value: invalid type: ...`); the error keeps
@@ -886,6 +946,8 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
              {\"domain\": \"...\", \"descriptors\": [...]}, with Content-Length or chunked",
         );
     }
+    let body = lone_surrogates_replaced(body);
+    let body = &*body;
     let request: CheckRequest = match from_slice_at(body) {
         Ok(r) => r,
         // serde reads a struct from an array too, and then names a field's
@@ -1178,6 +1240,42 @@ mod tests {
                 "{bad}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn lone_surrogate_escapes_are_read_as_replacement_characters() {
+        let replaced = |body: &str| {
+            String::from_utf8(lone_surrogates_replaced(body.as_bytes()).into_owned()).unwrap()
+        };
+        let read = |body: &str| serde_json::from_str::<String>(&replaced(body)).unwrap();
+        assert_eq!(replaced(r#"{"key": "\ud800"}"#), r#"{"key": "\uFFFD"}"#);
+        // A trailing surrogate alone, or before its leading one.
+        assert_eq!(read(r#""\udc00""#), "\u{fffd}");
+        assert_eq!(read(r#""\uDE00\uD83D""#), "\u{fffd}\u{fffd}");
+        // A leading one followed by no trailing one, and then a pair.
+        assert_eq!(read(r#""\ud800\u0041""#), "\u{fffd}A");
+        assert_eq!(read(r#""\uD800\ud83d\ude00x""#), "\u{fffd}\u{1f600}x");
+        // A pair is kept, in either case.
+        assert_eq!(replaced(r#""\ud83d\ude00""#), r#""\ud83d\ude00""#);
+        assert_eq!(read(r#""\uD83D\uDE00""#), "\u{1f600}");
+        // An escaped backslash before `u` is no escape; one before an
+        // escape leaves that escape one.
+        assert_eq!(replaced(r#""\\ud800""#), r#""\\ud800""#);
+        assert_eq!(read(r#""\\\ud800""#), "\\\u{fffd}");
+        // An escaped quote does not end the string, and member names are
+        // strings too.
+        assert_eq!(
+            replaced(r#"{"a\"\ud800": "\udfff"}"#),
+            r#"{"a\"\uFFFD": "\uFFFD"}"#
+        );
+        // Outside strings nothing is changed: serde says what is wrong.
+        assert_eq!(replaced(r#"{\ud800: 1}"#), r#"{\ud800: 1}"#);
+        // A cut escape is left to serde too.
+        assert_eq!(replaced(r#""\ud80"#), r#""\ud80"#);
+        assert!(matches!(
+            lone_surrogates_replaced(br#"{"key": "\n"}"#),
+            Cow::Borrowed(_)
+        ));
     }
 
     #[test]
