@@ -618,7 +618,27 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
         (
             "{\"domain\": \"edge\", \"descriptors\": [{\"entries\": [{\"key\": \"k\"}], \"limit\": {\"requests_per_unit\": 5, \"unit\": 5}}]}",
             400,
-            "descriptors[0].limit.unit: invalid type: number, expected a string",
+            "descriptors[0].limit.unit: invalid type: integer `5`, expected a string",
+        ),
+        // A member given twice in a limit is refused, as in any other
+        // object, not read as the last one (a limit of 700 per minute).
+        (
+            "{\"domain\": \"edge\", \"descriptors\": [{\"entries\": [{\"key\": \"k\"}], \"limit\": {\"requests_per_unit\": 5, \"unit\": \"second\", \"unit\": \"minute\", \"requests_per_unit\": 700}}]}",
+            400,
+            "descriptors[0].limit: duplicate field `unit`",
+        ),
+        (
+            "{\"domain\": \"edge\", \"descriptors\": [{\"entries\": [{\"key\": \"k\"}], \"limit\": {\"requests_per_unit\": 5,\n\"requests_per_unit\": 700, \"unit\": \"second\"}}]}",
+            400,
+            // Its place alone: the line and column of the limit's own
+            // text would point elsewhere in the body.
+            "descriptors[0].limit: duplicate field `requests_per_unit`\"",
+        ),
+        // A trailing comma in a limit is said to be one.
+        (
+            "{\"domain\": \"edge\", \"descriptors\": [{\"entries\": [{\"key\": \"k\"}], \"limit\": {\"requests_per_unit\": 5,\n\"unit\": \"second\", }}]}",
+            400,
+            "malformed JSON at line 2 column 19: a comma is followed by no member",
         ),
         // Envoy's name for the cost is pointed to its HTTP one.
         (

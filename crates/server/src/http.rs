@@ -337,10 +337,12 @@ struct CheckRequest {
 }
 
 /// Reads a field that is present, null or not, so that absent (the
-/// default, `None`) and null (`Some(Value::Null)`) stay apart: a plain
-/// option reads both as `None`.
-fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<serde_json::Value>, D::Error> {
-    serde_json::Value::deserialize(d).map(Some)
+/// default, `None`) and null (`Some(Value::Null)`, or the raw text `null`)
+/// stay apart: a plain option reads both as `None`.
+fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
 }
 
 #[derive(Deserialize)]
@@ -353,9 +355,11 @@ struct DescriptorJson {
     /// The descriptor's own limit, as Envoy's `RateLimitDescriptor.limit`
     /// gives it: decided in place of the configured rule's. Any JSON value
     /// (null included), read by [`LimitJson::read`], which says what is
-    /// wrong with one that is no such object.
+    /// wrong with one that is no such object. Kept as its text: read into a
+    /// `Value` first, a member given twice was taken silently (the last
+    /// one), where every other object refuses it.
     #[serde(default, deserialize_with = "present")]
-    limit: Option<serde_json::Value>,
+    limit: Option<Box<serde_json::value::RawValue>>,
 }
 
 /// A descriptor's limit override: `requests_per_unit` per `unit`.
@@ -370,24 +374,36 @@ struct LimitJson {
 }
 
 impl LimitJson {
-    /// The override in `value`, or what to change; `at` names the
-    /// descriptor.
-    fn read(value: serde_json::Value, at: &str) -> Result<LimitOverride, String> {
+    /// The override in `raw` (its JSON text), or what to change; `at`
+    /// names the descriptor.
+    fn read(raw: &serde_json::value::RawValue, at: &str) -> Result<LimitOverride, String> {
         let example = "such as {\"requests_per_unit\": 10, \"unit\": \"minute\"}";
-        if !value.is_object() {
+        // The text starts at the value, with no whitespace before it.
+        if !raw.get().starts_with('{') {
             // `null` too: absent is the configured rule's limit, and a
-            // client sending null may have meant no limit at all.
+            // client sending null may have meant no limit at all. No
+            // object, so no member given twice to lose in a `Value`.
+            let kind = serde_json::from_str(raw.get())
+                .map_or_else(|_| "no object".to_owned(), |v| kind_of(&v));
             return Err(format!(
-                "{at}.limit is {}: leave it out for the configured rule's limit, or send \
-                 an object, {example}",
-                kind_of(&value)
+                "{at}.limit is {kind}: leave it out for the configured rule's limit, or send \
+                 an object, {example}"
             ));
         }
-        let limit: LimitJson =
-            serde_path_to_error::deserialize(value).map_err(|e| match place_of(&e) {
-                Some(place) => format!("{at}.limit.{place}: {}", e.inner()),
-                None => format!("{at}.limit: {}", e.inner()),
-            })?;
+        let mut reader = serde_json::Deserializer::from_str(raw.get());
+        let limit: LimitJson = serde_path_to_error::deserialize(&mut reader).map_err(|e| {
+            let place = place_of(&e);
+            let error = e.into_inner();
+            // The line and column are in the limit's own text, not the
+            // body: left out, the place saying where.
+            let message = error.to_string();
+            let at_position = format!(" at line {} column {}", error.line(), error.column());
+            let message = message.strip_suffix(&at_position).unwrap_or(&message);
+            match place {
+                Some(place) => format!("{at}.limit.{place}: {message}"),
+                None => format!("{at}.limit: {message}"),
+            }
+        })?;
         let (Some(n), Some(unit)) = (limit.requests_per_unit, limit.unit) else {
             return Err(format!(
                 "{at}.limit needs both requests_per_unit and unit, {example}"
@@ -836,6 +852,23 @@ fn surrogate_at(body: &[u8], at: usize) -> Option<u16> {
     (0xD800..=0xDFFF).contains(&unit).then_some(unit)
 }
 
+/// The byte of `body` at serde_json's `line` and `column` (both from 1;
+/// the column counts bytes), if there is one.
+fn byte_at(body: &[u8], line: usize, column: usize) -> Option<u8> {
+    let start = match line.checked_sub(2) {
+        None => 0,
+        Some(newlines) => {
+            body.iter()
+                .enumerate()
+                .filter(|(_, &b)| b == b'\n')
+                .nth(newlines)?
+                .0
+                + 1
+        }
+    };
+    body.get(start + column.checked_sub(1)?).copied()
+}
+
 /// A request's JSON as serde_json reads it, with the place of a field of
 /// the wrong type or name put before serde's message
 /// (`descriptors[0].entries[1].value: invalid type: ...`); the error keeps
@@ -959,13 +992,19 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
             )
         }
         // serde_json's "key must be a string" means an unquoted member
-        // name, which reads as if the "key" field were meant.
+        // name, which reads as if the "key" field were meant; or, at a `}`,
+        // a trailing comma in JSON it skips whole (a descriptor's limit,
+        // kept as its text), where it elsewhere says "trailing comma".
         Err(e) if e.error.to_string().starts_with("key must be a string") => {
+            let what = if byte_at(body, e.line(), e.column()) == Some(b'}') {
+                "a comma is followed by no member; remove it (JSON allows no trailing comma)"
+            } else {
+                "a member name must be a string in double quotes, as in {\"key\": \"user:42\"}"
+            };
             return bad(
                 StatusCode::BAD_REQUEST,
                 format!(
-                    "malformed JSON at line {} column {}: a member name must be a string in \
-                     double quotes, as in {{\"key\": \"user:42\"}}",
+                    "malformed JSON at line {} column {}: {what}",
                     e.line(),
                     e.column()
                 ),
@@ -1013,7 +1052,7 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
         (None, Some(domain), Some(descriptors)) => {
             let mut requests = Vec::with_capacity(descriptors.len());
             for (i, Object(d)) in descriptors.into_iter().enumerate() {
-                let limit = match d.limit.map(|l| LimitJson::read(l, &format!("descriptors[{i}]"))) {
+                let limit = match d.limit.map(|l| LimitJson::read(&l, &format!("descriptors[{i}]"))) {
                     Some(Err(m)) => return bad(StatusCode::BAD_REQUEST, m),
                     Some(Ok(l)) => Some(l),
                     None => None,
