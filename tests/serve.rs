@@ -727,6 +727,36 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
         "{text}"
     );
     assert!(text.contains("characters) at line 1 column"), "{text}");
+    // Nor a long member name, in the place (one of 60,000 characters came
+    // back whole) or in the message, nor a place of many parts.
+    let name = "A".repeat(60_000);
+    let body = format!("{{\"key\": {{\"{name}\": 01}}}}");
+    let text = short_answer(client.post(&url).body(body), 400).await;
+    assert!(
+        text.contains(&format!(
+            "malformed JSON: key.{}... (60000 characters): invalid number at line 1 column",
+            &name[..24]
+        )),
+        "{text}"
+    );
+    let body = format!(
+        "{{\"key\": {}01{}}}",
+        format!("{{\"{}\": ", &name[..40]).repeat(100),
+        "}".repeat(100)
+    );
+    let text = short_answer(client.post(&url).body(body), 400).await;
+    assert!(
+        text.contains("characters): invalid number at line 1 column"),
+        "{text}"
+    );
+    let body = format!(
+        "{{\"domain\": \"edge\", \"descriptors\": [{{\"entries\": [{{\"key\": \"k\"}}], \"limit\": {{\"{name}\": 1}}}}]}}"
+    );
+    let text = short_answer(client.post(&url).body(body), 400).await;
+    assert!(
+        text.contains("descriptors[0].limit: unknown field `AAAAAAAA"),
+        "{text}"
+    );
 
     // Only the body's size is bounded: a long key within it is a key.
     let long_key = format!("{{\"key\": \"{}\"}}", "x".repeat(60_000));

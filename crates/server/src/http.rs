@@ -396,9 +396,7 @@ impl LimitJson {
             let error = e.into_inner();
             // The line and column are in the limit's own text, not the
             // body: left out, the place saying where.
-            let message = error.to_string();
-            let at_position = format!(" at line {} column {}", error.line(), error.column());
-            let message = message.strip_suffix(&at_position).unwrap_or(&message);
+            let message = JsonError { place: None, error }.message();
             match place {
                 Some(place) => format!("{at}.limit.{place}: {message}"),
                 None => format!("{at}.limit: {message}"),
@@ -609,7 +607,17 @@ fn kind_of(value: &serde_json::Value) -> String {
 /// `text` from a client, to be shown in a message: cut after 24
 /// characters, so that a long one is not echoed back whole.
 fn cut_short(text: &str) -> String {
-    match text.char_indices().nth(24) {
+    cut_after(text, 24)
+}
+
+/// The most characters of serde's message, or of a field's place in the
+/// request, shown before it is cut: either can quote a client's text (a
+/// string of the wrong type, a member name) or be made of many parts.
+const MAX_MESSAGE_CHARS: usize = 200;
+
+/// `text` cut after `max_chars` characters, saying how long it was.
+fn cut_after(text: &str, max_chars: usize) -> String {
+    match text.char_indices().nth(max_chars) {
         Some((cut, _)) => format!("{}... ({} characters)", &text[..cut], text.chars().count()),
         None => text.to_owned(),
     }
@@ -901,21 +909,25 @@ fn place_of(e: &serde_path_to_error::Error<serde_json::Error>) -> Option<String>
     };
     let mut place = String::new();
     for segment in &segments[..upto] {
+        // A member name is the client's: cut as other client text is (one
+        // of 60,000 characters was echoed whole).
         let name = match segment {
             Segment::Seq { index } => {
                 place.push_str(&format!("[{index}]"));
                 continue;
             }
-            Segment::Map { key } => key.as_str(),
-            Segment::Enum { variant } => variant.as_str(),
-            Segment::Unknown => "?",
+            Segment::Map { key } => cut_short(key),
+            Segment::Enum { variant } => cut_short(variant),
+            Segment::Unknown => "?".to_owned(),
         };
         if !place.is_empty() {
             place.push('.');
         }
-        place.push_str(name);
+        place.push_str(&name);
     }
-    (!place.is_empty()).then_some(place)
+    // Any JSON value (a key's, a cost's) nests up to serde_json's 128
+    // levels, each of which adds a member name.
+    (!place.is_empty()).then(|| cut_after(&place, MAX_MESSAGE_CHARS))
 }
 
 /// serde_json's error, and the field it is in.
@@ -932,29 +944,32 @@ impl JsonError {
     fn column(&self) -> usize {
         self.error.column()
     }
+
+    /// serde's message without its line and column, cut: it quotes a
+    /// string of the wrong type whole (`invalid type: string "..."`), and
+    /// an unknown member's name (`unknown field ...`).
+    fn message(&self) -> String {
+        let message = self.error.to_string();
+        let at = format!(" at line {} column {}", self.line(), self.column());
+        cut_after(
+            message.strip_suffix(&at).unwrap_or(&message),
+            MAX_MESSAGE_CHARS,
+        )
+    }
 }
 
 impl std::fmt::Display for JsonError {
-    /// serde's message quotes a string of the wrong type whole (`invalid
-    /// type: string "..."`): it is cut, as other client text is, keeping
-    /// the line and column after it.
+    /// The place, the message cut as other client text is, and the line
+    /// and column after it.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        const MAX_CHARS: usize = 200;
         if let Some(place) = &self.place {
             write!(f, "{place}: ")?;
         }
-        let message = self.error.to_string();
-        let at = format!(" at line {} column {}", self.line(), self.column());
-        let text = message.strip_suffix(&at).unwrap_or(&message);
-        match text.char_indices().nth(MAX_CHARS) {
-            Some((cut, _)) => write!(
-                f,
-                "{}... ({} characters){at}",
-                &text[..cut],
-                text.chars().count()
-            ),
-            None => write!(f, "{message}"),
+        write!(f, "{}", self.message())?;
+        if self.line() > 0 {
+            write!(f, " at line {} column {}", self.line(), self.column())?;
         }
+        Ok(())
     }
 }
 
