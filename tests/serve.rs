@@ -510,6 +510,23 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
     let cases: &[(&str, u16, &str)] = &[
         ("{\"key\": ", 400, "malformed JSON"),
         ("not json", 400, "malformed JSON"),
+        // A syntax error before a member's name is read says the place
+        // known so far, or none: no `?` for the rest.
+        (
+            "{",
+            400,
+            "malformed JSON: EOF while parsing an object at line 1 column 1;",
+        ),
+        (
+            "{\"key\": \"k\",}",
+            400,
+            "malformed JSON: trailing comma at line 1 column 13;",
+        ),
+        (
+            "{\"domain\": \"edge\", \"descriptors\": [{\"entries\": [{\"key\": \"k\", \"value\": \"v\",}]}]}",
+            400,
+            "malformed JSON: descriptors[0].entries[0]: trailing comma at line 1 column",
+        ),
         ("{}", 400, "key is missing"),
         ("{\"cost\": 1}", 400, "key is missing"),
         ("{\"key\": \"k\", \"cost\": -1}", 400, "cost is -1"),

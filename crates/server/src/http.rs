@@ -918,7 +918,10 @@ fn place_of(e: &serde_path_to_error::Error<serde_json::Error>) -> Option<String>
             }
             Segment::Map { key } => cut_short(key),
             Segment::Enum { variant } => cut_short(variant),
-            Segment::Unknown => "?".to_owned(),
+            // serde_path_to_error's `?`, where a syntax error stops it
+            // before a member's name is read (`{`, a trailing comma),
+            // says nothing: the known part of the place is said alone.
+            Segment::Unknown => continue,
         };
         if !place.is_empty() {
             place.push('.');
