@@ -620,6 +620,19 @@ async fn every_bad_request_gets_a_4xx_that_says_what_is_wrong() {
             400,
             "domain is null: it must be a JSON string, such as {\\\"domain\\\": \\\"api\\\"}",
         ),
+        // Null descriptors are refused as a null key is: not read as
+        // absent, which decided a key request with them and said a
+        // domain had no descriptors.
+        (
+            "{\"key\": \"k\", \"descriptors\": null}",
+            400,
+            "descriptors is null: send a list of descriptors with a domain, such as",
+        ),
+        (
+            "{\"domain\": \"edge\", \"descriptors\": null}",
+            400,
+            "descriptors is null: send a list",
+        ),
         ("[1]", 400, "malformed JSON: the body must be a JSON object"),
         // A wrong type is named by its place, not only its line and column.
         (

@@ -326,7 +326,11 @@ struct CheckRequest {
     /// As `key`.
     #[serde(default, deserialize_with = "present")]
     domain: Option<serde_json::Value>,
-    descriptors: Option<Vec<Object<DescriptorJson>>>,
+    /// `Some(None)` for `null`, which is refused as `key`'s is: read as
+    /// absent, a key request with it was decided, and a domain with it
+    /// was said to have no descriptors at all.
+    #[serde(default, deserialize_with = "present")]
+    descriptors: Option<Option<Vec<Object<DescriptorJson>>>>,
     /// `None` when absent, `Some(Value::Null)` for `null`, which is not
     /// the absent cost of 1. Any JSON value, so that [`parse_cost`] says
     /// what is wrong with one that is no number in its own words (a
@@ -337,8 +341,8 @@ struct CheckRequest {
 }
 
 /// Reads a field that is present, null or not, so that absent (the
-/// default, `None`) and null (`Some(Value::Null)`, or the raw text `null`)
-/// stay apart: a plain option reads both as `None`.
+/// default, `None`) and null (`Some(Value::Null)`, the raw text `null`,
+/// or `Some(None)`) stay apart: a plain option reads both as `None`.
 fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
     d: D,
 ) -> Result<Option<T>, D::Error> {
@@ -883,7 +887,9 @@ fn byte_at(body: &[u8], line: usize, column: usize) -> Option<u8> {
 /// serde_json's line and column.
 fn from_slice_at(body: &[u8]) -> Result<CheckRequest, JsonError> {
     let mut reader = serde_json::Deserializer::from_slice(body);
-    let request = serde_path_to_error::deserialize(&mut reader).map_err(|e| JsonError {
+    // An object only: every field has a default, so serde's derive would
+    // read `[1]` as a request with the key 1.
+    let Object(request) = serde_path_to_error::deserialize(&mut reader).map_err(|e| JsonError {
         place: place_of(&e),
         error: e.into_inner(),
     })?;
@@ -1059,8 +1065,19 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
         Ok(d) => d,
         Err(m) => return bad(StatusCode::BAD_REQUEST, m),
     };
+    let descriptors = match request.descriptors {
+        Some(None) => {
+            return bad(
+                StatusCode::BAD_REQUEST,
+                "descriptors is null: send a list of descriptors with a domain, such as \
+                 {\"domain\": \"api\", \"descriptors\": [{\"entries\": [{\"key\": \"user\", \
+                 \"value\": \"ann\"}]}]}, or leave descriptors out and send a key",
+            )
+        }
+        descriptors => descriptors.flatten(),
+    };
     let listed = key.is_none();
-    let outcomes = match (key, domain, request.descriptors) {
+    let outcomes = match (key, domain, descriptors) {
         (Some(key), None, None) if key.is_empty() => Err(BadRequest(
             "key is empty; send the key to limit by, such as {\"key\": \"user:42\"} (an empty key \
              would put every such request in one budget)"
