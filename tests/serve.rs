@@ -925,6 +925,23 @@ async fn a_lone_surrogate_escape_is_read_as_a_replacement_character() {
     let answer =
         send(r#"{"domain": "\ud800", "descriptors": [{"entries": [{"key": "k"}]}]}"#).await;
     assert_eq!(answer["allowed"], true, "{answer}");
+    // Bytes that are not UTF-8 in a string, as the gRPC API reads them: a
+    // bad sequence is one U+FFFD, and shares its count.
+    for (bytes, remaining) in [
+        (&b"{\"key\": \"x\xff\"}"[..], 99),
+        (&b"{\"key\": \"x\xc3\"}"[..], 98),
+    ] {
+        let r = client.post(&url).body(bytes).send().await.unwrap();
+        let status = r.status().as_u16();
+        let answer: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+        assert_eq!(
+            (status, &answer["remaining"]),
+            (200, &json!(remaining)),
+            "{answer}"
+        );
+    }
+    let (_, _, answer) = post(&client, &url, json!({"key": "x\u{fffd}"})).await;
+    assert_eq!(answer["remaining"], 97, "{answer}");
     server.stop();
 }
 

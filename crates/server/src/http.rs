@@ -1003,7 +1003,13 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
              {\"domain\": \"...\", \"descriptors\": [...]}, with Content-Length or chunked",
         );
     }
-    let body = lone_surrogates_replaced(body);
+    // Bytes that are not UTF-8 read as U+FFFD, each bad sequence, as the
+    // gRPC API reads them, and for the same reason: an error would let a
+    // caller that fails open pass such a key unlimited. (A syntax error
+    // after one is then placed up to two columns further on: U+FFFD takes
+    // three bytes where a bad byte took one.)
+    let text = String::from_utf8_lossy(body);
+    let body = lone_surrogates_replaced(text.as_bytes());
     let body = &*body;
     let request: CheckRequest = match from_slice_at(body) {
         Ok(r) => r,
