@@ -1,7 +1,7 @@
 //! The store: connection, key names, script calls, replies and errors.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -548,6 +548,10 @@ struct Inner {
     options: RedisOptions,
     /// The URL connected to, redacted.
     url: String,
+    /// Whether Redis refused this store's `INFO` (a user without `+info`,
+    /// or `INFO` renamed away): `ping` then stops asking it, since every
+    /// refusal is one more entry in Redis's `ACL LOG`.
+    info_refused: AtomicBool,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -1139,6 +1143,7 @@ impl RedisStore {
                 .into_iter()
                 .find(|e| !e.is_timeout() && !e.is_connection_dropped());
             if let Some(e) = refused {
+                self.inner.info_refused.store(true, Ordering::Relaxed);
                 if first_warning() {
                     let replica = match self.conn() {
                         Conn::Cluster(_) => "",
@@ -1150,8 +1155,9 @@ impl RedisStore {
                     let e = map_error(e);
                     tracing::warn!(
                         "Redis at {url} did not answer INFO memory ({}): whether it evicts keys \
-                         once full was not checked{replica}; grant the URL's user +info \
-                         (docs/redis.md, \"What connecting checks\")",
+                         once full was not checked{replica}; grant the URL's user +info, \
+                         unless INFO is renamed away on purpose (docs/redis.md, \"What \
+                         connecting checks\")",
                         e.detail()
                     );
                 }
@@ -1203,6 +1209,7 @@ impl RedisStore {
                 config_args,
                 options,
                 url,
+                info_refused: AtomicBool::new(false),
             }),
         }
     }
@@ -1811,16 +1818,26 @@ impl RedisStore {
                 }
                 // A node made a replica since connecting (REPLICAOF): a
                 // writable one goes on deciding, apart from its master and
-                // refused at connect. A user that may not run INFO is not
-                // checked (connecting warned of it).
-                let mut info = redis::cmd("INFO");
-                info.arg("replication");
-                if let Ok(Ok(answer)) =
-                    tokio::time::timeout_at(deadline, self.try_call(&mut conn, &info)).await
-                {
-                    let text = redis::from_redis_value_ref::<String>(&answer).unwrap_or_default();
-                    if let Some(master) = replica_of(&text) {
-                        return Err(replica_error(self.url(), &master));
+                // refused at connect. Not asked where INFO was refused
+                // (connecting warned of it), and given half the time left,
+                // so that a slow answer leaves the decision check its own.
+                if !self.inner.info_refused.load(Ordering::Relaxed) {
+                    let mut info = redis::cmd("INFO");
+                    info.arg("replication");
+                    let now = tokio::time::Instant::now();
+                    let half = now + deadline.saturating_duration_since(now) / 2;
+                    match tokio::time::timeout_at(half, self.try_call(&mut conn, &info)).await {
+                        Ok(Ok(answer)) => {
+                            let text =
+                                redis::from_redis_value_ref::<String>(&answer).unwrap_or_default();
+                            if let Some(master) = replica_of(&text) {
+                                return Err(replica_error(self.url(), &master));
+                            }
+                        }
+                        Ok(Err(e)) if !e.is_timeout() && !e.is_connection_dropped() => {
+                            self.inner.info_refused.store(true, Ordering::Relaxed);
+                        }
+                        _ => {}
                     }
                 }
                 // A Redis that answers can still refuse every decision.

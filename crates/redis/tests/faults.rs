@@ -411,6 +411,36 @@ fn ping_is_not_ready_on_a_node_made_a_replica() {
     rt.block_on(store.ping()).expect("a master again");
 }
 
+/// A user refused INFO is asked it at connect, and once by ping at most:
+/// each refusal is an entry in Redis's ACL LOG, and readiness probes come
+/// every few seconds for as long as the store runs.
+#[test]
+fn ping_stops_asking_info_of_a_user_refused_it() {
+    let rt = common::runtime();
+    let server = RedisServer::start();
+    let granted = server.cli(&["ACL", "SETUSER", "rw", "on", ">pw", "~*", "+@all", "-info"]);
+    assert_eq!(granted.trim(), "OK");
+    let url = format!("redis://rw:pw@127.0.0.1:{}", server.port());
+    let store = rt
+        .block_on(RedisStore::connect(&url, REFERENCE, options("no-info")))
+        .expect("connect");
+    // The refusals counted in the ACL LOG (one entry for them all).
+    let refusals = || -> u64 {
+        let log = server.cli(&["ACL", "LOG"]);
+        let lines: Vec<&str> = log.lines().map(str::trim).collect();
+        lines
+            .iter()
+            .position(|l| *l == "count")
+            .map_or(0, |i| lines[i + 1].parse().unwrap())
+    };
+    rt.block_on(store.ping()).expect("ready");
+    let after_first = refusals();
+    for _ in 0..5 {
+        rt.block_on(store.ping()).expect("ready");
+    }
+    assert_eq!(refusals(), after_first);
+}
+
 #[test]
 fn sigstop_never_blocks_a_call_past_the_timeout() {
     let rt = common::runtime();
