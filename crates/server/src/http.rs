@@ -627,6 +627,40 @@ fn cut_after(text: &str, max_chars: usize) -> String {
     }
 }
 
+/// `message` with the text between each pair of backticks or double
+/// quotes (serde quotes a client's strings and member names so, escaping a
+/// `"` inside as `\"`) cut short, quotes kept.
+fn quotes_cut_short(message: &str) -> String {
+    let mut out = String::with_capacity(message.len().min(MAX_MESSAGE_CHARS * 2));
+    let mut rest = message;
+    while let Some(open) = rest.find(['`', '"']) {
+        let quote = rest[open..].chars().next().unwrap_or('"');
+        let inner_start = open + 1;
+        // The closing quote: the next one not escaped by a backslash.
+        let mut close = None;
+        let mut escaped = false;
+        for (i, c) in rest[inner_start..].char_indices() {
+            match c {
+                '\\' if quote == '"' && !escaped => escaped = true,
+                c if c == quote && !escaped => {
+                    close = Some(inner_start + i);
+                    break;
+                }
+                _ => escaped = false,
+            }
+        }
+        let Some(close) = close else {
+            break;
+        };
+        out.push_str(&rest[..inner_start]);
+        out.push_str(&cut_short(&rest[inner_start..close]));
+        out.push(quote);
+        rest = &rest[close + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// `value` as a whole number from 0 to 2^53 - 1, or what is wrong with it,
 /// naming it `field`.
 fn whole_number(field: &str, value: serde_json::Value) -> Result<u64, String> {
@@ -954,14 +988,16 @@ impl JsonError {
         self.error.column()
     }
 
-    /// serde's message without its line and column, cut: it quotes a
-    /// string of the wrong type whole (`invalid type: string "..."`), and
-    /// an unknown member's name (`unknown field ...`).
+    /// serde's message without its line and column, with the client's text
+    /// it quotes whole cut short (a string of the wrong type, `invalid
+    /// type: string "..."`; an unknown member's name, ``unknown field `...`,
+    /// expected ...``), so that what follows it (the fields expected) is
+    /// still said; and the whole cut, as a bound.
     fn message(&self) -> String {
         let message = self.error.to_string();
         let at = format!(" at line {} column {}", self.line(), self.column());
         cut_after(
-            message.strip_suffix(&at).unwrap_or(&message),
+            &quotes_cut_short(message.strip_suffix(&at).unwrap_or(&message)),
             MAX_MESSAGE_CHARS,
         )
     }
@@ -1031,14 +1067,15 @@ async fn decide(service: &Service, body: Result<Bytes, BytesRejection>) -> Respo
             } else {
                 "a member name must be a string in double quotes, as in {\"key\": \"user:42\"}"
             };
+            let place = e.place.as_ref().map_or(String::new(), |p| format!(" in {p}"));
             return bad(
                 StatusCode::BAD_REQUEST,
                 format!(
-                    "malformed JSON at line {} column {}: {what}",
+                    "malformed JSON at line {} column {}{place}: {what}",
                     e.line(),
                     e.column()
                 ),
-            )
+            );
         }
         Err(e) if e.to_string().contains("unknown field `hits_addend`") => {
             return bad(
@@ -1319,6 +1356,33 @@ mod tests {
                 e.starts_with(&format!("cost is {what}: it must be a JSON number")),
                 "{bad}: {e}"
             );
+        }
+    }
+
+    /// A client's text that serde quotes is cut short on its own, so that
+    /// what follows it is still said.
+    #[test]
+    fn quoted_client_text_is_cut_and_the_rest_kept() {
+        let long = "u".repeat(300);
+        let cut = format!("{}... (300 characters)", "u".repeat(24));
+        assert_eq!(
+            quotes_cut_short(&format!(
+                "unknown field `{long}`, expected `requests_per_unit` or `unit`"
+            )),
+            format!("unknown field `{cut}`, expected `requests_per_unit` or `unit`")
+        );
+        // An escaped quote inside a string does not end it.
+        let quoted = format!("{}\\\"{}", "a".repeat(20), "b".repeat(20));
+        assert_eq!(
+            quotes_cut_short(&format!("invalid type: string \"{quoted}\", expected u64")),
+            format!(
+                "invalid type: string \"{}... (42 characters)\", expected u64",
+                &quoted[..24]
+            )
+        );
+        // Short quotes, and an unmatched one, are left as they are.
+        for kept in ["expected `a` or `b`", "a \"b", "no quotes"] {
+            assert_eq!(quotes_cut_short(kept), kept);
         }
     }
 
