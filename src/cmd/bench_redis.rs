@@ -732,9 +732,10 @@ fn incr_step(
     let rate = redis_benchmark(common, &extra, requests);
     let pattern = format!("{key_prefix}incr:*");
     let removed = remove_keys(admin, &pattern).map_err(|e| {
+        let cli = redis_cli_options(common);
         format!(
             "removing its keys, which have no TTL: {e}; remove them with \
-             redis-cli --scan --pattern '{pattern}' | xargs redis-cli unlink"
+             redis-cli{cli} --scan --pattern '{pattern}' | xargs redis-cli{cli} unlink"
         )
     });
     match (rate, removed) {
@@ -1091,6 +1092,28 @@ fn redis_benchmark_target(url: &str) -> Result<Target, String> {
         address,
         password,
     })
+}
+
+/// The server that `redis-benchmark`'s options `common` name, as
+/// `redis-cli` options (each with a space before it), the password shown
+/// as `***` for the user to write back: a command to paste that names no
+/// server would go to 127.0.0.1:6379.
+fn redis_cli_options(common: &[String]) -> String {
+    let mut out = String::new();
+    let mut options = common.iter();
+    while let Some(option) = options.next() {
+        let Some(value) = options.next() else {
+            break;
+        };
+        let (name, value) = match option.as_str() {
+            "-h" | "-p" | "-s" | "--user" => (option.as_str(), value.as_str()),
+            "--dbnum" => ("-n", value.as_str()),
+            "-a" => ("-a", "***"),
+            _ => continue,
+        };
+        out.push_str(&format!(" {name} '{value}'"));
+    }
+    out
 }
 
 /// `redis-benchmark --version`'s answer, or what to install.
@@ -1559,6 +1582,23 @@ fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> std::thread::JoinHandle<V
 
 #[cfg(test)]
 mod tests {
+
+    /// The cleanup command a failed INCR step prints names the server that
+    /// was benchmarked, its password hidden.
+    #[test]
+    fn redis_cli_options_name_the_benchmarked_server() {
+        let owned = |args: &[&str]| -> Vec<String> { args.iter().map(|a| a.to_string()).collect() };
+        let tcp = owned(&[
+            "-h", "10.0.0.5", "-p", "6380", "--dbnum", "3", "--user", "rw", "-a", "secret", "-n",
+            "1000", "-c", "4", "-P", "16", "-q",
+        ]);
+        assert_eq!(
+            super::redis_cli_options(&tcp),
+            " -h '10.0.0.5' -p '6380' -n '3' --user 'rw' -a '***'"
+        );
+        let unix = owned(&["-s", "/run/redis.sock", "-n", "1000", "-q"]);
+        assert_eq!(super::redis_cli_options(&unix), " -s '/run/redis.sock'");
+    }
     use super::*;
 
     #[test]
