@@ -1072,8 +1072,19 @@ fn bad_arguments_exit_non_zero_with_a_clear_message() {
         ],
         &[
             "--keys, --seed are options of the in-memory bench only",
-            "`ratewarden bench-redis --store redis://127.0.0.1:1`",
+            "`ratewarden bench-redis --store 'redis://127.0.0.1:1'`",
         ],
+    );
+    // Quoted, so that a query's `&` does not end the command in a shell.
+    fails_with(
+        &[
+            "bench",
+            "--store",
+            "redis+unix:///tmp/r.sock?db=2&pass=secret",
+            "--keys",
+            "5",
+        ],
+        &["`ratewarden bench-redis --store 'redis+unix:///tmp/r.sock?"],
     );
     fails_with(
         &["bench", "--accuracy-duration-ms", "10"],

@@ -917,9 +917,10 @@ fn memory_only_message(flags: &[&str], store: &str, quick: bool, json: bool) -> 
     } else {
         " (the URL you gave; its credentials are hidden here as ***: write them back)".to_owned()
     };
+    // Quoted for a shell: a `redis+unix://` URL's query holds `?` and `&`.
     format!(
         "{} {} of the in-memory bench only; for Redis, run `ratewarden bench-redis \
-         --store {shown}{kept}`{hidden}, which takes sizes of its own (--requests, --keys, \
+         --store '{shown}'{kept}`{hidden}, which takes sizes of its own (--requests, --keys, \
          --pipeline, --connections, --round-trips, --rounds)",
         flags.join(", "),
         if flags.len() == 1 {
@@ -1026,13 +1027,13 @@ mod tests {
             "{m}"
         );
         assert!(
-            m.contains("`ratewarden bench-redis --store redis://127.0.0.1:6379`,"),
+            m.contains("`ratewarden bench-redis --store 'redis://127.0.0.1:6379'`,"),
             "{m}"
         );
         // --quick and --json, which bench-redis takes too, are kept.
         let m = memory_only_message(&["--seed"], "redis://127.0.0.1:6379", true, true);
         assert!(
-            m.contains("`ratewarden bench-redis --store redis://127.0.0.1:6379 --quick --json`,"),
+            m.contains("`ratewarden bench-redis --store 'redis://127.0.0.1:6379' --quick --json`,"),
             "{m}"
         );
         let m = memory_only_message(&["--keys", "--seed"], "redis://:s3cret@h:1", false, false);
