@@ -953,6 +953,32 @@ impl<P: Policy> MemoryStore<P> {
         Ok(decision)
     }
 
+    /// Whether a request for `key` that admits would find a place now: the
+    /// store holds the key, or the key's shard is not full. A request that
+    /// admits nothing (a peek) is answered for a key not held even in a full
+    /// shard, as a new key's, where one that admits fails
+    /// ([`StoreErrorKind::CapacityExhausted`]): a caller that checks many
+    /// keys with peeks before it decides them for real (a request whose
+    /// descriptors must all admit before any is charged) asks this after
+    /// each peek, so that it does not charge one key and then find no
+    /// room for the next. Another thread may fill or free the shard after.
+    pub fn has_room_for(&self, key: u64) -> bool {
+        let inner = &*self.inner;
+        let hash = inner.hasher.hash_one(key);
+        let shard = &inner.shards[(hash >> 32) as usize & inner.shard_mask];
+        let table = shard.lock();
+        if table.entries.len() < inner.max_keys_per_shard {
+            return true;
+        }
+        match &table.entries {
+            // A forgotten key's cell is DEAD; a pinned key (PINNED) is held.
+            Entries::Packed(entries) => entries
+                .cell(packed_hash(hash), key)
+                .is_some_and(|cell| cell.load(Ordering::Acquire) != DEAD),
+            Entries::Wide(entries) => entries.find(hash, |e| e.0 == key).is_some(),
+        }
+    }
+
     /// How many keys the store holds now.
     pub fn entries_tracked(&self) -> usize {
         self.inner
@@ -1810,6 +1836,40 @@ mod tests {
         // and takes the new one.
         assert!(store.decide(99, 1000, 1).unwrap().allowed);
         assert_eq!(store.entries_tracked(), 1);
+    }
+
+    /// A full shard has room for the keys it holds (key 0, kept beside
+    /// the array, too), and none for another, which a peek does not change.
+    #[test]
+    fn has_room_for_tells_held_keys_from_new_ones_in_a_full_shard() {
+        let options = MemoryOptions {
+            max_keys: 2,
+            shards: 1,
+        };
+        let packed = MemoryStore::new(FixedWindow::new(5, 1000).unwrap(), options);
+        let wide =
+            MemoryStore::for_config(&PolicyConfig::new(PolicyKind::SlidingLog, 5, 1000), options)
+                .unwrap();
+        let check = |decide: &dyn Fn(u64, u64, u64) -> bool, room: &dyn Fn(u64) -> bool| {
+            assert!(room(0) && room(7));
+            assert!(decide(0, 100, 1) && decide(7, 100, 1));
+            assert!(room(0) && room(7));
+            assert!(!room(8));
+            // A peek of a key not held is answered, and makes no room.
+            assert!(decide(8, 100, 0));
+            assert!(!room(8));
+        };
+        check(&|k, t, c| packed.decide(k, t, c).unwrap().allowed, &|k| {
+            packed.has_room_for(k)
+        });
+        check(&|k, t, c| wide.decide(k, t, c).unwrap().allowed, &|k| {
+            wide.has_room_for(k)
+        });
+        // A key refused twice in a row is pinned beside the table: held.
+        for _ in 0..3 {
+            assert!(!packed.decide(7, 100, 5).unwrap().allowed);
+        }
+        assert!(packed.has_room_for(7));
     }
 
     /// Keys that counted nothing (peeks, refusals of a cost above the
