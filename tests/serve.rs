@@ -3410,6 +3410,52 @@ async fn a_full_store_episode_ends_with_a_line_that_counts_its_failures() {
     assert_eq!(common::metric(&client, server.http, series).await, 5);
 }
 
+/// A request whose descriptor is a new key of a full store is refused
+/// before any other descriptor is charged: the peek that checks it is
+/// answered (a peek needs no room), but the take would find none.
+#[tokio::test]
+async fn a_new_key_of_a_full_store_charges_no_other_descriptor() {
+    let file = ConfigFile::new(
+        "[server]\nmax_keys = 1\n\n[[domains]]\ndomain = \"d\"\n\
+         [[domains.descriptors]]\nkey = \"fw\"\npolicy = \"fixed-window\"\nlimit = 5\n\
+         window_ms = 600000\n\
+         [[domains.descriptors]]\nkey = \"sl\"\npolicy = \"sliding-log\"\nlimit = 5\n\
+         window_ms = 600000\n",
+    );
+    let server = Server::start(&["--config", file.path()]);
+    let client = client();
+    let url = server.url();
+    let entry = |key: &str, value: &str| json!({"entries": [{"key": key, "value": value}]});
+    // The sliding-log rule's store is full with one key; the victim has
+    // its whole budget, in a store of its own.
+    let (status, _, body) = post(
+        &client,
+        &url,
+        json!({"domain": "d", "descriptors": [entry("sl", "filler")]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    for fresh in ["a", "b", "c"] {
+        let request =
+            json!({"domain": "d", "descriptors": [entry("fw", "victim"), entry("sl", fresh)]});
+        let (status, _, body) = post(&client, &url, request).await;
+        assert_eq!(status, 429, "{body}");
+        assert_eq!(
+            body["descriptors"][1]["failure"], "capacity_exhausted",
+            "{body}"
+        );
+    }
+    let (_, _, body) = post(
+        &client,
+        &url,
+        json!({"domain": "d", "cost": 0, "descriptors": [entry("fw", "victim")]}),
+    )
+    .await;
+    assert_eq!(body["remaining"], 5, "the victim was charged: {body}");
+    let series = "ratewarden_partial_consumptions_total";
+    assert_eq!(common::metric(&client, server.http, series).await, 0);
+}
+
 /// A rule's name may hold a line break (TOML allows it, and a name
 /// defaults to descriptor values): the log lines that name the rule keep it
 /// on their one line, escaped, so it cannot forge a line of its own.

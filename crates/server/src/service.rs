@@ -527,9 +527,21 @@ impl Service {
                         blocked.push(g);
                         continue;
                     };
-                    let (_, cost) = &groups[g];
+                    let (m, cost) = &groups[g];
+                    // A peek of a key the embedded store does not hold is
+                    // answered even when the key's shard is full, where the
+                    // take would fail for want of room: decided for real
+                    // first (below), so that the failure comes before any
+                    // other descriptor is charged.
+                    let no_room = *cost > 0
+                        && m.rule
+                            .local
+                            .as_ref()
+                            .is_some_and(|l| !l.store().has_room_for(m.key));
                     match check {
-                        Ok(d) if d.allowed && d.remaining >= *cost => peeks[g] = Some(d),
+                        Ok(d) if d.allowed && d.remaining >= *cost && !no_room => {
+                            peeks[g] = Some(d)
+                        }
                         // A refusal is decided for real below, and a failing
                         // store by the failure policy.
                         Ok(_) => blocked.push(g),
