@@ -633,11 +633,7 @@ impl<P: Policy> MemoryStore<P> {
             check_request(now_ms, cost)?;
         }
         let inner = &*self.inner;
-        let hash = inner.hasher.hash_one(key);
-        // Bits 32..48 pick the shard: a wide shard's SwissTable uses the
-        // low bits for the slot and the top seven for its control bytes,
-        // and a packed shard's table all but these (see `packed_hash`).
-        let index = (hash >> 32) as usize & inner.shard_mask;
+        let (hash, index) = inner.locate(key);
         let shard = &inner.shards[index];
         // A flood's refusal that changes nothing, decided on the pinned
         // key's snapshot (see `RefusedKey`): taken from the memo when this
@@ -964,9 +960,8 @@ impl<P: Policy> MemoryStore<P> {
     /// room for the next. Another thread may fill or free the shard after.
     pub fn has_room_for(&self, key: u64) -> bool {
         let inner = &*self.inner;
-        let hash = inner.hasher.hash_one(key);
-        let shard = &inner.shards[(hash >> 32) as usize & inner.shard_mask];
-        let table = shard.lock();
+        let (hash, index) = inner.locate(key);
+        let table = inner.shards[index].lock();
         if table.entries.len() < inner.max_keys_per_shard {
             return true;
         }
@@ -1094,6 +1089,16 @@ fn packed_hash(hash: u64) -> u64 {
 }
 
 impl<P: Policy> Inner<P> {
+    /// The hash of `key`, and the index of the shard that holds it. Bits
+    /// 32..48 pick the shard: a wide shard's SwissTable uses the low bits
+    /// for the slot and the top seven for its control bytes, and a packed
+    /// shard's table all but these (see `packed_hash`).
+    #[inline(always)]
+    fn locate(&self, key: u64) -> (u64, usize) {
+        let hash = self.hasher.hash_one(key);
+        (hash, (hash >> 32) as usize & self.shard_mask)
+    }
+
     fn packed_hash_of(&self, key: u64) -> u64 {
         packed_hash(self.hasher.hash_one(key))
     }
@@ -1357,8 +1362,7 @@ mod tests {
 
     /// The shard holding `key`.
     fn shard_of<P: Policy>(store: &MemoryStore<P>, key: u64) -> &Shard<P::State> {
-        let hash = store.inner.hasher.hash_one(key);
-        &store.inner.shards[(hash >> 32) as usize & store.inner.shard_mask]
+        &store.inner.shards[store.inner.locate(key).1]
     }
 
     /// A key refused twice in a row by one thread is pinned; its later
@@ -2240,8 +2244,7 @@ mod tests {
         };
         let store = MemoryStore::new(FixedWindow::new(10, 1000).unwrap(), options);
         store.inner.views.enable();
-        let shard =
-            |key: u64| (store.inner.hasher.hash_one(key) >> 32) as usize & store.inner.shard_mask;
+        let shard = |key: u64| store.inner.locate(key).1;
         // Key 0 is `EMPTY`, kept beside the array: the keys start at 1.
         let keys_of = |index: usize| (1..).filter(move |&key| shard(key) == index);
         let (a, b) = (keys_of(0).next().unwrap(), keys_of(1).next().unwrap());
