@@ -603,6 +603,7 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
         let (incr, incr_keys_removed) = incr_step(
             &mut admin,
             &common_with(plan.requests),
+            &target.redis_cli_options(),
             &keys,
             &key_prefix,
             plan.requests,
@@ -714,11 +715,13 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
 /// `redis-benchmark`'s `INCR`, Redis's simplest write, for scale: over
 /// `keys` keys under `key_prefix`, as the scripts' requests are spread.
 /// `INCR` sets no TTL, so its keys are removed as soon as the step ends,
-/// whether it ended well or not. Returns the requests per second and how
-/// many keys were removed.
+/// whether it ended well or not; a failure to remove them gives the
+/// command that does, with `cli`, the target as `redis-cli` options.
+/// Returns the requests per second and how many keys were removed.
 fn incr_step(
     admin: &mut redis::Connection,
     common: &[String],
+    cli: &str,
     keys: &str,
     key_prefix: &str,
     requests: u64,
@@ -732,7 +735,6 @@ fn incr_step(
     let rate = redis_benchmark(common, &extra, requests);
     let pattern = format!("{key_prefix}incr:*");
     let removed = remove_keys(admin, &pattern).map_err(|e| {
-        let cli = redis_cli_options(common);
         format!(
             "removing its keys, which have no TTL: {e}; remove them with \
              redis-cli{cli} --scan --pattern '{pattern}' | xargs redis-cli{cli} unlink"
@@ -1018,6 +1020,28 @@ struct Target {
     password: bool,
 }
 
+impl Target {
+    /// The server, as `redis-cli` options (each with a space before it),
+    /// the password shown as `***` for the user to write back: a command to
+    /// paste that names no server would go to 127.0.0.1:6379.
+    fn redis_cli_options(&self) -> String {
+        let mut out = String::new();
+        for pair in self.args.chunks(2) {
+            let [option, value] = pair else {
+                continue;
+            };
+            let (name, value) = match option.as_str() {
+                "-h" | "-p" | "-s" | "--user" => (option.as_str(), value.as_str()),
+                "--dbnum" => ("-n", value.as_str()),
+                "-a" => ("-a", "***"),
+                _ => continue,
+            };
+            out.push_str(&format!(" {name} '{value}'"));
+        }
+        out
+    }
+}
+
 /// Reads the store URL for `redis-benchmark`, or says what is wrong with
 /// its form, scheme by scheme.
 fn redis_benchmark_target(url: &str) -> Result<Target, String> {
@@ -1092,28 +1116,6 @@ fn redis_benchmark_target(url: &str) -> Result<Target, String> {
         address,
         password,
     })
-}
-
-/// The server that `redis-benchmark`'s options `common` name, as
-/// `redis-cli` options (each with a space before it), the password shown
-/// as `***` for the user to write back: a command to paste that names no
-/// server would go to 127.0.0.1:6379.
-fn redis_cli_options(common: &[String]) -> String {
-    let mut out = String::new();
-    let mut options = common.iter();
-    while let Some(option) = options.next() {
-        let Some(value) = options.next() else {
-            break;
-        };
-        let (name, value) = match option.as_str() {
-            "-h" | "-p" | "-s" | "--user" => (option.as_str(), value.as_str()),
-            "--dbnum" => ("-n", value.as_str()),
-            "-a" => ("-a", "***"),
-            _ => continue,
-        };
-        out.push_str(&format!(" {name} '{value}'"));
-    }
-    out
 }
 
 /// `redis-benchmark --version`'s answer, or what to install.
@@ -1587,17 +1589,12 @@ mod tests {
     /// was benchmarked, its password hidden.
     #[test]
     fn redis_cli_options_name_the_benchmarked_server() {
-        let owned = |args: &[&str]| -> Vec<String> { args.iter().map(|a| a.to_string()).collect() };
-        let tcp = owned(&[
-            "-h", "10.0.0.5", "-p", "6380", "--dbnum", "3", "--user", "rw", "-a", "secret", "-n",
-            "1000", "-c", "4", "-P", "16", "-q",
-        ]);
+        let cli = |url: &str| redis_benchmark_target(url).unwrap().redis_cli_options();
         assert_eq!(
-            super::redis_cli_options(&tcp),
+            cli("redis://rw:secret@10.0.0.5:6380/3"),
             " -h '10.0.0.5' -p '6380' -n '3' --user 'rw' -a '***'"
         );
-        let unix = owned(&["-s", "/run/redis.sock", "-n", "1000", "-q"]);
-        assert_eq!(super::redis_cli_options(&unix), " -s '/run/redis.sock'");
+        assert_eq!(cli("redis+unix:///run/redis.sock"), " -s '/run/redis.sock'");
     }
     use super::*;
 
