@@ -28,6 +28,7 @@
 #![warn(missing_docs)]
 
 mod down;
+mod io;
 mod limiter;
 mod store;
 #[cfg(feature = "test-support")]

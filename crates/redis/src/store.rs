@@ -103,6 +103,14 @@ const CLUSTER_BATCH_SLOW_CALL: Duration = Duration::from_millis(100);
 /// the memory a batch holds and on how long it keeps Redis busy.
 pub const MAX_BATCH: usize = 10_000;
 
+/// How many commands one node's connection holds waiting to be written.
+/// A caller that finds it full waits to be polled again once a place
+/// frees, which under a load of thousands of runnable tasks takes longer
+/// than the call may (see `io.rs`); far above what any caller keeps in
+/// flight, so that none waits, and a bound on the memory they hold (some
+/// 300 bytes each, the packed command and its reply's channel).
+const PIPELINE_BUFFER: usize = 65_536;
+
 /// How a [`RedisStore`] names keys, bounds its calls and sets TTLs.
 ///
 /// With serde, an object of these fields; a field left out takes its
@@ -607,6 +615,14 @@ impl RedisStore {
         config: PolicyConfig,
         options: RedisOptions,
     ) -> Result<Self, StoreError> {
+        crate::io::on_io(Self::connect_on_io(url, config, options)).await
+    }
+
+    async fn connect_on_io(
+        url: &str,
+        config: PolicyConfig,
+        options: RedisOptions,
+    ) -> Result<Self, StoreError> {
         config
             .build()
             .map_err(|e| StoreError::new(StoreErrorKind::InvalidInput, e.to_string()))?;
@@ -897,7 +913,8 @@ impl RedisStore {
                 let manager_config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(connect_timeout))
                     .set_response_timeout(Some(response_timeout))
-                    .set_number_of_retries(0);
+                    .set_number_of_retries(0)
+                    .set_pipeline_buffer_size(PIPELINE_BUFFER);
                 let address = address_of(client.get_connection_info().addr());
                 let connected =
                     ConnectionManager::new_with_config(client.clone(), manager_config.clone())
@@ -1013,11 +1030,19 @@ impl RedisStore {
         config: PolicyConfig,
         prefix: impl Into<String>,
     ) -> Result<RedisStore, StoreError> {
+        crate::io::on_io(self.with_config_on_io(config, prefix.into())).await
+    }
+
+    async fn with_config_on_io(
+        &self,
+        config: PolicyConfig,
+        prefix: String,
+    ) -> Result<RedisStore, StoreError> {
         config
             .build()
             .map_err(|e| StoreError::new(StoreErrorKind::InvalidInput, e.to_string()))?;
         let options = RedisOptions {
-            prefix: prefix.into(),
+            prefix,
             ..self.inner.options.clone()
         };
         let connect_timeout_ms = options.connect_timeout_ms;
@@ -1643,6 +1668,22 @@ impl RedisStore {
         now_ms: Option<u64>,
         cost: u64,
     ) -> Result<Decision, StoreError> {
+        if let Backend::Cluster(..) = self.inner.backend {
+            let store = self.clone();
+            return crate::io::on_io_task(
+                async move { store.decide_on_io(key, now_ms, cost).await },
+            )
+            .await;
+        }
+        crate::io::on_io(self.decide_on_io(key, now_ms, cost)).await
+    }
+
+    async fn decide_on_io(
+        &self,
+        key: u64,
+        now_ms: Option<u64>,
+        cost: u64,
+    ) -> Result<Decision, StoreError> {
         Self::check(now_ms, cost)?;
         if let Some(e) = self.not_sent_to_down_master(key) {
             return Err(e);
@@ -1786,6 +1827,10 @@ impl RedisStore {
     /// naming the master's slots and address. On a cluster, a timeout also
     /// starts a new connection for later calls, as a decision's does.
     pub async fn ping(&self) -> Result<(), StoreError> {
+        crate::io::on_io(self.ping_on_io()).await
+    }
+
+    async fn ping_on_io(&self) -> Result<(), StoreError> {
         let timeout_ms = self.inner.options.timeout_ms;
         let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
         let timed_out = |what: &str| {
@@ -2450,6 +2495,21 @@ impl RedisStore {
     /// 325 ms on a loaded one), or it fails with a timeout after Redis has
     /// applied it.
     pub async fn decide_many(
+        &self,
+        requests: &[(u64, u64)],
+        now_ms: Option<u64>,
+    ) -> Result<Vec<Result<Decision, StoreError>>, StoreError> {
+        if let Backend::Cluster(..) = self.inner.backend {
+            let (store, requests) = (self.clone(), requests.to_vec());
+            return crate::io::on_io_task(async move {
+                store.decide_many_on_io(&requests, now_ms).await
+            })
+            .await;
+        }
+        crate::io::on_io(self.decide_many_on_io(requests, now_ms)).await
+    }
+
+    async fn decide_many_on_io(
         &self,
         requests: &[(u64, u64)],
         now_ms: Option<u64>,
