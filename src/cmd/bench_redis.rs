@@ -496,9 +496,11 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
     // Without it the run could measure every policy and only then fail:
     // look first.
     let redis_benchmark_version = redis_benchmark_version()?;
-    // One client thread, as redis-benchmark has: on a small machine a
-    // second worker thread only takes a core from the server it measures,
-    // and hands every reply across threads.
+    // The calls are made on one thread, as redis-benchmark's are: on a
+    // small machine a second worker thread only takes a core from the
+    // server it measures. (The store writes and reads its connections on
+    // a thread of its own, as in every process that uses it: see
+    // docs/redis.md, "The connections' thread".)
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -18,25 +18,21 @@
 //! runtime. One thread is enough: it only moves bytes and parses replies,
 //! and Redis runs one command at a time anyway.
 //!
-//! This is half of what keeps a store answering under such a load; the
-//! other half is that a caller hands its command over without waiting to
-//! be polled again: one node's connection has room for `PIPELINE_BUFFER`
-//! commands (redis-rs's default, 50, had each caller past it wait a whole
-//! pass through the runnable tasks for a place), and a cluster's call runs
-//! as a task of this runtime ([`on_io_task`]). Measured with serve on one
-//! Redis on 2 cores, 16 HTTP/2 clients keeping 6,400 gRPC calls in flight:
-//! before, 80 to 93% of calls timed out in three runs, Redis receiving
-//! from a few to a few thousand commands a second; after, none did, at
-//! some 30,000 decisions a second (and 35 of 267,000 with 12,800 in
-//! flight); a 3-master cluster the same.
-//! The cost is the hand-over between threads: about a tenth fewer
-//! decisions a second at a normal load (wrk over HTTP, 2 to 32
+//! Each command also goes to Redis from a task of this runtime
+//! ([`handed_over`]), so that no caller waits to be polled again for a
+//! place in a connection's queue. Measured with serve on one Redis on 2
+//! cores, 16 HTTP/2 clients keeping 6,400 gRPC calls in flight: before,
+//! 80 to 93% of calls timed out in three runs, Redis receiving from a few
+//! to a few thousand commands a second; after, none did, at some 25,000
+//! decisions a second, nor with 12,800 in flight; a 3-master cluster the
+//! same. The cost is the hand-over between threads: 11 to 15% fewer
+//! decisions a second at a normal load (wrk over HTTP, 2 and 32
 //! connections, same run).
 
 use std::future::Future;
 use std::sync::OnceLock;
 
-use ratewarden_core::{StoreError, StoreErrorKind};
+use redis::{RedisError, RedisResult};
 use tokio::runtime::Handle;
 
 /// The runtime, made at the first call and run by a thread of its own for
@@ -75,19 +71,21 @@ pub(crate) async fn on_io<F: Future>(call: F) -> F::Output {
     .await
 }
 
-/// Runs `call` as a task of the connections' runtime, and waits for it;
-/// dropping the wait cancels the task, as dropping `call` would.
+/// Runs `request` (one command or pipeline to Redis, and its reply) as a
+/// task of the connections' runtime, and waits for it; dropping the wait
+/// cancels the task, as dropping `request` would.
 ///
-/// For a cluster connection: its callers hand each command to the
-/// connection's own task through a channel of 100 places (redis-rs's,
-/// fixed), and a caller that finds it full must be polled again to hand
-/// it over once a place frees. Among thousands of runnable tasks, that
-/// takes a pass through them all for each command, and calls time out
-/// before they are sent. Here each call's task hands its command over as
-/// soon as a place frees, and the caller waits only for the answer.
-pub(crate) async fn on_io_task<T: Send + 'static>(
-    call: impl Future<Output = Result<T, StoreError>> + Send + 'static,
-) -> Result<T, StoreError> {
+/// A connection's queue has a few dozen places (redis-rs's: 50 for one
+/// node, 100 for a cluster), and a caller that finds it full must be
+/// polled again to hand its command over once a place frees: among
+/// thousands of runnable tasks, a pass through them all for each command,
+/// and calls time out before they are sent. This runtime's tasks are
+/// polled as soon as a place frees. Only the request goes here: building
+/// it, reading the reply and timing the call stay with the caller, so that
+/// this one thread does little more than move bytes.
+pub(crate) async fn handed_over<T: Send + 'static>(
+    request: impl Future<Output = RedisResult<T>> + Send + 'static,
+) -> RedisResult<T> {
     /// Cancels the task when its caller stops waiting.
     struct AbortOnDrop(tokio::task::AbortHandle);
     impl Drop for AbortOnDrop {
@@ -95,16 +93,15 @@ pub(crate) async fn on_io_task<T: Send + 'static>(
             self.0.abort();
         }
     }
-    let task = handle().spawn(call);
+    let task = handle().spawn(request);
     let _abort = AbortOnDrop(task.abort_handle());
     match task.await {
         Ok(out) => out,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         // Only this function aborts the task, once its caller is gone; the
         // runtime is never shut down.
-        Err(e) => Err(StoreError::new(
-            StoreErrorKind::Backend,
-            format!("the store's call was cancelled: {e}"),
-        )),
+        Err(e) => Err(RedisError::from(std::io::Error::other(format!(
+            "the request to Redis was cancelled: {e}"
+        )))),
     }
 }

@@ -103,14 +103,6 @@ const CLUSTER_BATCH_SLOW_CALL: Duration = Duration::from_millis(100);
 /// the memory a batch holds and on how long it keeps Redis busy.
 pub const MAX_BATCH: usize = 10_000;
 
-/// How many commands one node's connection holds waiting to be written.
-/// A caller that finds it full waits to be polled again once a place
-/// frees, which under a load of thousands of runnable tasks takes longer
-/// than the call may (see `io.rs`); far above what any caller keeps in
-/// flight, so that none waits, and a bound on the memory they hold (some
-/// 300 bytes each, the packed command and its reply's channel).
-const PIPELINE_BUFFER: usize = 65_536;
-
 /// How a [`RedisStore`] names keys, bounds its calls and sets TTLs.
 ///
 /// With serde, an object of these fields; a field left out takes its
@@ -502,12 +494,22 @@ impl<C: Clone + Send + Sync + 'static> Renewing<C> {
     }
 }
 
+/// Every command goes to Redis from a task of the connections' runtime
+/// (see `io.rs`): a connection's queue has a few dozen places (redis-rs's),
+/// and a caller that finds it full must be polled again to hand its
+/// command over once a place frees, which a runtime busy with thousands of
+/// runnable tasks does too late. The caller keeps its own work (building
+/// the command, reading the reply, timeouts) and waits for the reply;
+/// dropping the wait cancels the task, as dropping the call did.
 impl ConnectionLike for Conn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            Conn::Node(c) => c.req_packed_command(cmd),
-            Conn::Cluster(c) => c.req_packed_command(cmd),
-        }
+        let (mut conn, cmd) = (self.clone(), cmd.clone());
+        Box::pin(crate::io::handed_over(async move {
+            match &mut conn {
+                Conn::Node(c) => c.req_packed_command(&cmd).await,
+                Conn::Cluster(c) => c.req_packed_command(&cmd).await,
+            }
+        }))
     }
 
     fn req_packed_commands<'a>(
@@ -516,10 +518,13 @@ impl ConnectionLike for Conn {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            Conn::Node(c) => c.req_packed_commands(cmd, offset, count),
-            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
-        }
+        let (mut conn, cmd) = (self.clone(), cmd.clone());
+        Box::pin(crate::io::handed_over(async move {
+            match &mut conn {
+                Conn::Node(c) => c.req_packed_commands(&cmd, offset, count).await,
+                Conn::Cluster(c) => c.req_packed_commands(&cmd, offset, count).await,
+            }
+        }))
     }
 
     fn get_db(&self) -> i64 {
@@ -913,8 +918,7 @@ impl RedisStore {
                 let manager_config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(connect_timeout))
                     .set_response_timeout(Some(response_timeout))
-                    .set_number_of_retries(0)
-                    .set_pipeline_buffer_size(PIPELINE_BUFFER);
+                    .set_number_of_retries(0);
                 let address = address_of(client.get_connection_info().addr());
                 let connected =
                     ConnectionManager::new_with_config(client.clone(), manager_config.clone())
@@ -1668,13 +1672,6 @@ impl RedisStore {
         now_ms: Option<u64>,
         cost: u64,
     ) -> Result<Decision, StoreError> {
-        if let Backend::Cluster(..) = self.inner.backend {
-            let store = self.clone();
-            return crate::io::on_io_task(
-                async move { store.decide_on_io(key, now_ms, cost).await },
-            )
-            .await;
-        }
         crate::io::on_io(self.decide_on_io(key, now_ms, cost)).await
     }
 
@@ -2499,13 +2496,6 @@ impl RedisStore {
         requests: &[(u64, u64)],
         now_ms: Option<u64>,
     ) -> Result<Vec<Result<Decision, StoreError>>, StoreError> {
-        if let Backend::Cluster(..) = self.inner.backend {
-            let (store, requests) = (self.clone(), requests.to_vec());
-            return crate::io::on_io_task(async move {
-                store.decide_many_on_io(&requests, now_ms).await
-            })
-            .await;
-        }
         crate::io::on_io(self.decide_many_on_io(requests, now_ms)).await
     }
 

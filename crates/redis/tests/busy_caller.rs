@@ -1,10 +1,13 @@
 //! A call that Redis answers in time is decided, however long the caller's
-//! runtime is kept from polling the call again: the call's command is
-//! handed over at its first poll, and the connection is written and read
-//! on a thread of its own, not by the caller's runtime.
+//! runtime is kept from polling the call again: its command is handed to
+//! a thread of the store's own at its first poll, and that thread writes
+//! it, waits for a place in the connection's queue if need be, and reads
+//! the reply.
 
 mod common;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ratewarden_core::{PolicyConfig, PolicyKind};
@@ -15,6 +18,10 @@ use ratewarden_redis::{RedisOptions, RedisStore};
 /// lets one node's connection hold by default, and past the 100 of a
 /// cluster connection's channel.
 const CALLS: u64 = 300;
+
+/// The calls' timeout: long enough that a loaded machine answers them all
+/// within it.
+const TIMEOUT: Duration = Duration::from_secs(1);
 
 /// On a runtime of one thread, `CALLS` calls are started, each polled
 /// once, then the thread is kept busy for three times their timeout (as a
@@ -28,7 +35,7 @@ fn answered_while_the_caller_is_busy(url: &str) {
         .build()
         .expect("a runtime");
     let options = RedisOptions {
-        timeout_ms: 100,
+        timeout_ms: TIMEOUT.as_millis() as u64,
         ..common::exact_options("busy-caller")
     };
     rt.block_on(async {
@@ -36,15 +43,22 @@ fn answered_while_the_caller_is_busy(url: &str) {
         let store = RedisStore::connect(url, config, options)
             .await
             .expect("connect to the test Redis");
+        let started = Arc::new(AtomicU64::new(0));
         let calls: Vec<_> = (0..CALLS)
             .map(|key| {
-                let store = store.clone();
-                tokio::spawn(async move { store.decide(key, None, 1).await })
+                let (store, started) = (store.clone(), Arc::clone(&started));
+                tokio::spawn(async move {
+                    started.fetch_add(1, Ordering::Relaxed);
+                    store.decide(key, None, 1).await
+                })
             })
             .collect();
-        // The calls are polled once, in turn, before this task is again.
-        tokio::task::yield_now().await;
-        std::thread::sleep(Duration::from_millis(300));
+        // The runtime polls some 60 tasks between two polls of this one:
+        // every call is polled once before the thread is kept busy.
+        while started.load(Ordering::Relaxed) < CALLS {
+            tokio::task::yield_now().await;
+        }
+        std::thread::sleep(3 * TIMEOUT);
         let mut failed = Vec::new();
         for (key, call) in calls.into_iter().enumerate() {
             match call.await.expect("the call's task") {
