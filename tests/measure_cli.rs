@@ -1226,7 +1226,8 @@ fn small_json_run(url: &str, extra: &[&str]) -> (Vec<serde_json::Value>, Vec<ser
 
 /// A run that fails after the policies were measured (here the baseline
 /// script, refused `HSET`, which the policies' scripts do not use) prints
-/// their rows before it fails: they are not lost to a later step.
+/// what it ran with and their rows before it fails: they are not lost to
+/// a later step, and read as a finished run's first lines do.
 #[test]
 fn bench_redis_prints_the_policies_measured_before_a_failure() {
     let server = RedisServer::start();
@@ -1253,17 +1254,30 @@ fn bench_redis_prints_the_policies_measured_before_a_failure() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{stderr}");
         assert!(
-            stderr.contains("the figures of the policies measured before it are printed"),
+            stderr.contains("minimal-swc through this client")
+                && stderr.contains("what was measured before it is printed"),
             "{stderr}"
         );
         if json {
             let rows = json_rows(&out);
-            assert_eq!(rows.len(), 5, "{rows:?}");
-            assert!(rows.iter().all(|r| r["workload"] == "policy"), "{rows:?}");
+            assert_eq!(rows.len(), 6, "{rows:?}");
+            assert_eq!(rows[0]["workload"], "run", "{rows:?}");
+            assert_eq!(
+                rows[0]["store"],
+                format!("redis://***:***@127.0.0.1:{}", server.port()),
+                "{rows:?}"
+            );
+            assert!(
+                rows[1..].iter().all(|r| r["workload"] == "policy"),
+                "{rows:?}"
+            );
         } else {
             let table = String::from_utf8_lossy(&out.stdout);
-            assert!(table.starts_with("policy "), "{table}");
-            assert_eq!(table.lines().count(), 6, "{table}");
+            let lines: Vec<&str> = table.lines().collect();
+            assert_eq!(lines.len(), 8, "{table}");
+            assert!(lines[0].starts_with("machine: "), "{table}");
+            assert!(lines[1].starts_with("Redis at "), "{table}");
+            assert!(lines[2].starts_with("policy "), "{table}");
         }
     }
 }

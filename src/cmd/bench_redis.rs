@@ -467,23 +467,31 @@ fn during(step: &str, shown: &str) -> impl FnOnce(String) -> String {
     move |e| format!("{at}: {e}")
 }
 
-/// Everything a run measured, for the table or the JSON lines.
-struct Measured {
+/// What a run says before its rounds: what it measured with, and the
+/// figures measured so far. A run that fails partway prints this much
+/// (rows of later steps are `None`), so that minutes of a run are not lost
+/// to a later step.
+struct FirstPart {
     /// The URL without its credentials.
     shown: String,
     load_at_start: String,
-    load_at_end: String,
     /// `redis-benchmark --version`'s answer.
     redis_benchmark: String,
     /// What every key the run wrote begins with.
     key_prefix: String,
-    slice_requests: u64,
     figures: Vec<PolicyFigures>,
-    minimal_rate: f64,
-    minimal_usec: Option<f64>,
-    incr: f64,
-    /// How many keys the `INCR` step wrote, all removed when it ended.
-    incr_keys_removed: u64,
+    /// The minimal script through this client: decisions a second and the
+    /// server's usec per call.
+    minimal: Option<(f64, Option<f64>)>,
+    /// redis-benchmark's `INCR`: requests a second, and how many keys it
+    /// wrote, all removed when it ended.
+    incr: Option<(f64, u64)>,
+}
+
+/// Everything a run measured, for the table or the JSON lines.
+struct Measured {
+    first: FirstPart,
+    load_at_end: String,
     rounds: Vec<Round>,
     verdict: Verdict,
     elapsed_s: f64,
@@ -538,10 +546,16 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
     // pattern finds every key of the run.
     let key_prefix = format!("{}:", escape_key_part(&prefix));
 
-    // The policies' figures measured before a failure are printed, as
-    // bench's rows are: minutes of a run are not lost to a later step.
-    let mut figures = Vec::new();
-    let measured = (|| -> Result<Measured, String> {
+    let mut first = FirstPart {
+        shown: shown.clone(),
+        load_at_start,
+        redis_benchmark: redis_benchmark_version,
+        key_prefix: key_prefix.clone(),
+        figures: Vec::new(),
+        minimal: None,
+        incr: None,
+    };
+    let measured = (|| -> Result<(String, Vec<Round>, Verdict), String> {
         for policy in PolicyKind::ALL {
             let name = policy.name();
             let config = PolicyConfig::new(policy, REFERENCE.limit, REFERENCE.window_ms);
@@ -557,7 +571,7 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
                 .block_on(pipelined(&stores, args, plan.requests))
                 .map_err(during(&step, &shown))?;
             let usec = usec_per_call(&mut admin, "evalsha").map_err(during(&step, &shown))?;
-            figures.push(PolicyFigures {
+            first.figures.push(PolicyFigures {
                 policy,
                 decisions_per_s: done as f64 / seconds,
                 round_trip_us,
@@ -584,7 +598,8 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
             ))
             .map_err(during(step, &shown))?;
         let minimal_usec = usec_per_call(&mut admin, "evalsha").map_err(during(step, &shown))?;
-        let slice_requests = (plan.requests / SLICES).max(1);
+        first.minimal = Some((minimal_rate, minimal_usec));
+        let slice_requests = slice_requests(plan);
         let common_with = |n: u64| -> Vec<String> {
             let mut common = target.args.clone();
             common.extend(
@@ -611,6 +626,7 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
             plan.requests,
         )
         .map_err(during("redis-benchmark INCR", &shown))?;
+        first.incr = Some((incr, incr_keys_removed));
         let minimal_args: Vec<String> = [
             "-r",
             keys.as_str(),
@@ -671,38 +687,24 @@ fn measure(args: &Args, plan: &Plan, target: &Target) -> Result<(), String> {
             rounds.push(round);
         }
         let verdict = Verdict::of(&rounds).ok_or("a round gave no figure")?;
-        Ok(Measured {
-            shown,
-            load_at_start,
-            load_at_end: super::bench::load_average(),
-            redis_benchmark: redis_benchmark_version,
-            key_prefix,
-            slice_requests,
-            figures: std::mem::take(&mut figures),
-            minimal_rate,
-            minimal_usec,
-            incr,
-            incr_keys_removed,
+        Ok((super::bench::load_average(), rounds, verdict))
+    })();
+    let measured = match measured {
+        Ok((load_at_end, rounds, verdict)) => Measured {
+            first,
+            load_at_end,
             rounds,
             verdict,
             elapsed_s: started.elapsed().as_secs_f64(),
-        })
-    })();
-    let measured = match measured {
-        Ok(measured) => measured,
-        Err(e) if !figures.is_empty() => {
+        },
+        Err(e) if !first.figures.is_empty() => {
             let out = if args.json {
-                figures.iter().fold(String::new(), |mut out, f| {
-                    outln!(out, "{}", policy_json(f));
-                    out
-                })
+                first_part_json(args, plan, &first)
             } else {
-                policy_table(&figures)
+                first_part_table(args, plan, &first)
             };
             let _ = super::print_out(&out);
-            return Err(format!(
-                "{e}; the figures of the policies measured before it are printed"
-            ));
+            return Err(format!("{e}; what was measured before it is printed"));
         }
         Err(e) => return Err(e),
     };
@@ -800,34 +802,7 @@ fn rounds(n: usize) -> String {
 }
 
 fn print_table(args: &Args, plan: &Plan, m: &Measured) -> String {
-    let mut out = String::new();
-    outln!(out, "machine: {}", super::bench::machine(&m.load_at_start));
-    outln!(
-        out,
-        "Redis at {}: {} requests per measurement, pipeline {}, {} connections, {} keys, \
-         {} round trips per policy; reference numbers ({} per {} ms); {}; keys under {}",
-        m.shown,
-        plan.requests,
-        args.pipeline,
-        args.connections,
-        args.keys,
-        plan.round_trips,
-        REFERENCE.limit,
-        REFERENCE.window_ms,
-        rounds(plan.rounds),
-        m.key_prefix
-    );
-    out.push_str(&policy_table(&m.figures));
-    outln!(
-        out,
-        "{:<26} {:>12.0} {:>11} {:>11} {:>17}",
-        "minimal-swc (this client)",
-        m.minimal_rate,
-        "-",
-        "-",
-        show(m.minimal_usec, 2)
-    );
-    outln!(out, "redis-benchmark INCR: {:.0} requests/s", m.incr);
+    let mut out = first_part_table(args, plan, &m.first);
     outln!(out);
     outln!(
         out,
@@ -887,6 +862,49 @@ fn print_table(args: &Args, plan: &Plan, m: &Measured) -> String {
     out
 }
 
+/// The table's lines of what the run measured with and of the figures
+/// measured before the rounds (those measured so far, for a run that
+/// failed partway).
+fn first_part_table(args: &Args, plan: &Plan, first: &FirstPart) -> String {
+    let mut out = String::new();
+    outln!(
+        out,
+        "machine: {}",
+        super::bench::machine(&first.load_at_start)
+    );
+    outln!(
+        out,
+        "Redis at {}: {} requests per measurement, pipeline {}, {} connections, {} keys, \
+         {} round trips per policy; reference numbers ({} per {} ms); {}; keys under {}",
+        first.shown,
+        plan.requests,
+        args.pipeline,
+        args.connections,
+        args.keys,
+        plan.round_trips,
+        REFERENCE.limit,
+        REFERENCE.window_ms,
+        rounds(plan.rounds),
+        first.key_prefix
+    );
+    out.push_str(&policy_table(&first.figures));
+    if let Some((rate, usec)) = first.minimal {
+        outln!(
+            out,
+            "{:<26} {:>12.0} {:>11} {:>11} {:>17}",
+            "minimal-swc (this client)",
+            rate,
+            "-",
+            "-",
+            show(usec, 2)
+        );
+    }
+    if let Some((incr, _)) = first.incr {
+        outln!(out, "redis-benchmark INCR: {incr:.0} requests/s");
+    }
+    out
+}
+
 /// The table's rows of the policies' own figures, with their header.
 fn policy_table(figures: &[PolicyFigures]) -> String {
     let mut out = String::new();
@@ -924,9 +942,10 @@ fn policy_json(f: &PolicyFigures) -> serde_json::Value {
     })
 }
 
-/// The JSON lines, in the table's order; `workload` tells the kinds of
-/// row apart, as in `bench`'s JSON (docs/redis.md lists every field).
-fn print_json(args: &Args, plan: &Plan, m: &Measured) -> String {
+/// The JSON lines of what the run measured with and of the figures
+/// measured before the rounds (those measured so far, for a run that
+/// failed partway).
+fn first_part_json(args: &Args, plan: &Plan, first: &FirstPart) -> String {
     let mut out = String::new();
     // What the rows were measured with, so that a saved file can be read
     // on its own.
@@ -934,36 +953,52 @@ fn print_json(args: &Args, plan: &Plan, m: &Measured) -> String {
         out,
         "{}",
         json!({
-            "workload": "run", "policy": null, "store": m.shown,
-            "machine": super::bench::machine(&m.load_at_start),
-            "redis_benchmark": m.redis_benchmark,
+            "workload": "run", "policy": null, "store": first.shown,
+            "machine": super::bench::machine(&first.load_at_start),
+            "redis_benchmark": first.redis_benchmark,
             "limit": REFERENCE.limit, "window_ms": REFERENCE.window_ms,
             "requests": plan.requests, "pipeline": args.pipeline,
             "connections": args.connections, "keys": args.keys,
             "round_trips": plan.round_trips, "rounds": plan.rounds,
-            "slices": SLICES, "slice_requests": m.slice_requests, "quick": args.quick,
-            "key_prefix": m.key_prefix,
+            "slices": SLICES, "slice_requests": slice_requests(plan), "quick": args.quick,
+            "key_prefix": first.key_prefix,
         })
     );
-    for f in &m.figures {
+    for f in &first.figures {
         outln!(out, "{}", policy_json(f));
     }
-    outln!(
-        out,
-        "{}",
-        json!({
-            "workload": "baseline", "policy": "minimal-swc", "client": "ratewarden",
-            "decisions_per_s": m.minimal_rate, "server_usec_per_call": m.minimal_usec,
-        })
-    );
-    outln!(
-        out,
-        "{}",
-        json!({
-            "workload": "baseline", "command": "INCR", "client": "redis-benchmark",
-            "requests_per_s": m.incr, "keys_removed": m.incr_keys_removed,
-        })
-    );
+    if let Some((rate, usec)) = first.minimal {
+        outln!(
+            out,
+            "{}",
+            json!({
+                "workload": "baseline", "policy": "minimal-swc", "client": "ratewarden",
+                "decisions_per_s": rate, "server_usec_per_call": usec,
+            })
+        );
+    }
+    if let Some((incr, removed)) = first.incr {
+        outln!(
+            out,
+            "{}",
+            json!({
+                "workload": "baseline", "command": "INCR", "client": "redis-benchmark",
+                "requests_per_s": incr, "keys_removed": removed,
+            })
+        );
+    }
+    out
+}
+
+/// Requests per slice of a round, for each script and driver.
+fn slice_requests(plan: &Plan) -> u64 {
+    (plan.requests / SLICES).max(1)
+}
+
+/// The JSON lines, in the table's order; `workload` tells the kinds of
+/// row apart, as in `bench`'s JSON (docs/redis.md lists every field).
+fn print_json(args: &Args, plan: &Plan, m: &Measured) -> String {
+    let mut out = first_part_json(args, plan, &m.first);
     for (i, r) in m.rounds.iter().enumerate() {
         outln!(
             out,
@@ -1003,7 +1038,7 @@ fn print_json(args: &Args, plan: &Plan, m: &Measured) -> String {
         "{}",
         json!({
             "workload": "end", "elapsed_s": m.elapsed_s,
-            "load_average_at_start": m.load_at_start, "load_average_at_end": m.load_at_end,
+            "load_average_at_start": m.first.load_at_start, "load_average_at_end": m.load_at_end,
         })
     );
     out
