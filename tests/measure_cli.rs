@@ -716,6 +716,19 @@ fn simulate_refuses_what_would_draw_a_misleading_chart() {
         ],
         &["--policy names gcra twice"],
     );
+    // A trailing or doubled comma: an empty name, said as such.
+    fails_with(
+        &[
+            "simulate",
+            "--policy",
+            "gcra,",
+            "--shape",
+            "steady-2x",
+            "--out",
+            svg,
+        ],
+        &["--policy gcra, has an empty name: remove the extra comma"],
+    );
     // The attack's first requests are at 999 and 1000 ms.
     fails_with(
         &[

@@ -81,6 +81,13 @@ fn prepare(args: &Args) -> Result<Prepared<'_>> {
     let shape: Shape = args.shape.parse().map_err(anyhow::Error::msg)?;
     let mut kinds = Vec::new();
     for name in &args.policy {
+        // `--policy gcra,` or `--policy a,,b` has an empty name, which the
+        // lookup would call "unknown policy ``".
+        ensure!(
+            !name.trim().is_empty(),
+            "--policy {} has an empty name: remove the extra comma",
+            args.policy.join(",")
+        );
         let kind = contender_policy(name.trim())?;
         // Validate the configuration as a user would write it.
         PolicyConfig::new(kind, args.limit, args.window_ms)
