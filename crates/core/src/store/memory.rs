@@ -257,6 +257,13 @@ struct Inner<P: Policy> {
     /// Keys forgotten to make room for new ones since `forget_idle` last
     /// took the count; written only by a full shard's sweep.
     forgotten_for_new_keys: Padded<AtomicUsize>,
+    /// How many keys the shards hold, changed under a shard's lock where a
+    /// key is stored or forgotten (a new key, a sweep; never by a decision
+    /// on a known key): so that counting the keys, and finding a store
+    /// empty, takes no shard's lock. A server with thousands of rules has
+    /// a store for each, most of them empty, and counts them all for every
+    /// metrics scrape and housekeeping pass.
+    keys: Padded<AtomicUsize>,
     /// Read by every lock-free decision, written only when an array is
     /// retired.
     views: Padded<StoreViews>,
@@ -590,6 +597,7 @@ impl<P: Policy> MemoryStore<P> {
                 max_keys_per_shard,
                 sweep_cursor: Padded(AtomicUsize::new(0)),
                 forgotten_for_new_keys: Padded(AtomicUsize::new(0)),
+                keys: Padded(AtomicUsize::new(0)),
                 views: Padded(StoreViews::new(shards)),
             }),
         }
@@ -974,13 +982,11 @@ impl<P: Policy> MemoryStore<P> {
         }
     }
 
-    /// How many keys the store holds now.
+    /// How many keys the store holds now (while other threads store or
+    /// forget keys, as of some instant of the call), without taking any
+    /// shard's lock.
     pub fn entries_tracked(&self) -> usize {
-        self.inner
-            .shards
-            .iter()
-            .map(|s| s.lock().entries.len())
-            .sum()
+        self.inner.keys.load(Ordering::Relaxed)
     }
 
     /// The count of keys that full shards forgot on their own to make room
@@ -1020,7 +1026,10 @@ impl<P: Policy> MemoryStore<P> {
             forgotten_for_new_keys: self.take_forgotten_for_new_keys(),
             ..Housekeeping::default()
         };
-        if now_ms > MAX_SAFE {
+        // An empty store has nothing to forget: its shards are not locked
+        // (a key stored meanwhile is idle at `now_ms` no sooner than the
+        // next call).
+        if now_ms > MAX_SAFE || inner.keys.load(Ordering::Relaxed) == 0 {
             return done;
         }
         for _ in 0..inner.shards.len() {
@@ -1135,6 +1144,7 @@ impl<P: Policy> Inner<P> {
         key: u64,
         state: P::State,
     ) {
+        self.keys.fetch_add(1, Ordering::Relaxed);
         if let Entries::Packed(table) = entries {
             if let Some(packed) = pack(&self.policy, &state) {
                 if table.is_full() {
@@ -1195,6 +1205,7 @@ impl<P: Policy> Inner<P> {
         let forgotten = before - table.entries.len();
         if forgotten > 0 {
             table.forgot_at_ms = table.forgot_at_ms.max(now_ms);
+            self.keys.fetch_sub(forgotten, Ordering::Relaxed);
         }
         forgotten
     }
@@ -1730,6 +1741,63 @@ mod tests {
         }
         assert_eq!(total, 1600);
         assert_eq!(store.entries_tracked(), 0);
+    }
+
+    /// The store's count of its keys is what its shards hold, counted
+    /// under their locks, through new keys, full shards forgetting to make
+    /// room, housekeeping and a shard turning wide; and housekeeping of an
+    /// empty store locks no shard.
+    #[test]
+    fn the_key_count_is_the_shards_keys() {
+        let held = |store: &MemoryStore| -> usize {
+            let inner = &store.inner;
+            inner.shards.iter().map(|s| s.lock().entries.len()).sum()
+        };
+        for policy in PolicyKind::ALL {
+            let options = MemoryOptions {
+                max_keys: 256,
+                shards: 4,
+            };
+            let store =
+                MemoryStore::for_config(&PolicyConfig::new(policy, 3, 1000), options).unwrap();
+            let cursor = || store.inner.sweep_cursor.load(Ordering::Relaxed);
+            let before = cursor();
+            assert_eq!(store.forget_idle(0, 1).scanned, 0);
+            assert_eq!(
+                cursor(),
+                before,
+                "{policy}: an empty store's shards were visited"
+            );
+            // Keys and costs from a fixed sequence, times moving on so
+            // that keys fall idle; full shards forget to make room.
+            let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+            for step in 0..20_000u64 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let now_ms = step / 4;
+                let _ = store.decide(x % 1_000, now_ms, x % 5);
+                if step % 997 == 0 {
+                    store.forget_idle(now_ms, 64);
+                }
+                if step % 101 == 0 {
+                    assert_eq!(store.entries_tracked(), held(&store), "{policy} at {step}");
+                }
+            }
+            // A time past what most packed states hold turns a shard wide,
+            // with its keys (the log is wide from the start).
+            store.decide(1_001, 1 << 50, 1).unwrap();
+            assert_eq!(store.entries_tracked(), held(&store), "{policy} at 2^50");
+            store.forget_idle(MAX_SAFE, usize::MAX);
+            assert_eq!((store.entries_tracked(), held(&store)), (0, 0), "{policy}");
+            let before = cursor();
+            store.forget_idle(MAX_SAFE, usize::MAX);
+            assert_eq!(
+                cursor(),
+                before,
+                "{policy}: an emptied store's shards were visited"
+            );
+        }
     }
 
     /// A full shard is swept for a new key only once enough new keys, or
