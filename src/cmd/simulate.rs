@@ -644,10 +644,12 @@ fn steps(points: &[Point], value: impl Fn(&Point) -> f64) -> Vec<(f64, f64)> {
 }
 
 /// An axis tick as a reader writes it: `3000`, not `3000.0`; `0.25`, not
-/// `0.25000000000000006`; from a million on `1.6e16`, whose digits would
-/// run past the 80 px beside the axis, over its title.
-fn tick_label(v: f64) -> String {
-    if v.abs() >= 1e6 {
+/// `0.25000000000000006`; on an axis reaching a million (`axis_top`),
+/// every tick but 0 as `1.6e16`, whose digits would run past the 80 px
+/// beside the axis, over its title (all of them, so that `500000` and
+/// `1e6` do not stand side by side on one axis).
+fn tick_label(v: f64, axis_top: f64) -> String {
+    if axis_top >= 1e6 && v != 0.0 {
         let text = format!("{v:.2e}");
         let (mantissa, exponent) = text.split_once('e').unwrap_or((&text, "0"));
         let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
@@ -709,8 +711,8 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
             .configure_mesh()
             .x_desc("time (ms)")
             .y_desc("offered and admitted rate (requests/s), solid")
-            .x_label_formatter(&|ms| tick_label(*ms))
-            .y_label_formatter(&|v| tick_label(*v))
+            .x_label_formatter(&|ms| tick_label(*ms, end_ms))
+            .y_label_formatter(&|v| tick_label(*v, rate_top))
             .label_style(("sans-serif", 15))
             .draw()?;
         chart
@@ -719,7 +721,7 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
                 "admitted in the trailing {} ms (requests), dashed",
                 args.window_ms
             ))
-            .y_label_formatter(&|v| tick_label(*v))
+            .y_label_formatter(&|v| tick_label(*v, count_top))
             .label_style(("sans-serif", 15))
             .draw()?;
         let grey = RGBColor(0x99, 0x99, 0x99);
@@ -847,11 +849,19 @@ mod tests {
             (3000.0, "3000"),
             (0.25000000000000006, "0.25"),
             (999_999.0, "999999"),
+        ] {
+            assert_eq!(tick_label(v, 999_999.0), label, "{v}");
+        }
+        // On an axis reaching a million, every tick alike.
+        for (v, label) in [
+            (0.0, "0"),
+            (500_000.0, "5e5"),
             (1e6, "1e6"),
+            (2_500_000.0, "2.5e6"),
             (16_000_000_000_000_000.0, "1.6e16"),
             (9_007_199_254_740_991.0, "9.01e15"),
         ] {
-            assert_eq!(tick_label(v), label, "{v}");
+            assert_eq!(tick_label(v, 3.6e6), label, "{v}");
         }
     }
 
