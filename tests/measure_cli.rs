@@ -2127,3 +2127,47 @@ fn simulate_labels_the_time_ticks_of_a_short_run_exactly() {
         );
     }
 }
+
+/// A policy is drawn in its own colour wherever it stands in `--policy`,
+/// so two charts can be read side by side; and a one-hour run's time
+/// ticks are all written alike.
+#[test]
+fn simulate_draws_a_policy_in_its_colour_and_long_runs_ticks_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let chart = |policy: &str, duration_ms: &str| -> String {
+        let svg = scratch(&dir, "chart.svg");
+        let out = ratewarden(&[
+            "simulate",
+            "--policy",
+            policy,
+            "--shape",
+            "steady-2x",
+            "--duration-ms",
+            duration_ms,
+            "--bucket-ms",
+            "1000",
+            "--out",
+            svg.to_str().unwrap(),
+        ]);
+        assert_succeeded(&out);
+        std::fs::read_to_string(&svg).unwrap()
+    };
+    // gcra's colour, and fixed-window's (the first of the palette).
+    let (gcra, first) = ("stroke=\"#FF7F0E\"", "stroke=\"#D62728\"");
+    for policies in ["gcra", "sliding-log,gcra"] {
+        let svg = chart(policies, "3000");
+        assert!(svg.contains(gcra), "{policies}: gcra not in its colour");
+        assert!(
+            !svg.contains(first),
+            "{policies}: drawn in fixed-window's colour"
+        );
+    }
+    let svg = chart("gcra", "3600000");
+    for tick in ["5e5", "1e6", "1.5e6"] {
+        assert!(
+            svg.contains(&format!("\n{tick}\n</text>")),
+            "no time tick labelled {tick}"
+        );
+    }
+    assert!(!svg.contains("\n500000\n</text>"), "a tick written out");
+}

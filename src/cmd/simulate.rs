@@ -609,6 +609,7 @@ fn put_back(output: &Output, aside: Option<tempfile::TempPath>) -> Result<(), St
     }
 }
 
+/// One colour per policy, in [`PolicyKind::ALL`]'s order.
 const PALETTE: [RGBColor; 5] = [
     RGBColor(0xd6, 0x27, 0x28),
     RGBColor(0x1f, 0x77, 0xb4),
@@ -616,6 +617,7 @@ const PALETTE: [RGBColor; 5] = [
     RGBColor(0x94, 0x67, 0xbd),
     RGBColor(0xff, 0x7f, 0x0e),
 ];
+const _: () = assert!(PALETTE.len() == PolicyKind::ALL.len());
 
 /// A temporary file in `dir`, removed unless persisted, with the
 /// permissions a file the user creates gets (0666 less the umask; a
@@ -749,7 +751,12 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
                 DashedPathElement::new([(x, y), (x + 20, y)], 3, 3, BLACK.stroke_width(2))
             });
         for (i, run) in runs.iter().enumerate() {
-            let color = PALETTE[i % PALETTE.len()];
+            // By policy, not by place in --policy: a policy keeps its
+            // colour from one chart to the next.
+            let color = PALETTE[PolicyKind::ALL
+                .iter()
+                .position(|k| *k == run.kind)
+                .unwrap_or(i)];
             // Earlier policies are drawn wider, so a policy that decides
             // exactly like another still shows under it.
             let width = 2 * (runs.len() - i) as u32;
