@@ -15,8 +15,11 @@
 //! context ([`on_io`]): the future itself is still polled by the caller,
 //! but what it spawns (a connection's task, a reconnection, a probe of a
 //! cluster node) and the sockets and timers it makes belong to this
-//! runtime. One thread is enough: it only moves bytes and parses replies,
-//! and Redis runs one command at a time anyway.
+//! runtime. One thread does the connections' work for every store of the
+//! process: it serializes the commands, routes a cluster's, writes them,
+//! parses the replies and fires the store's timers (a 10,000-request
+//! cluster batch, with 50 ms calls of another store beside it, kept their
+//! median at about 1 ms in a release build, none timing out).
 //!
 //! Each command also goes to Redis from a task of this runtime
 //! ([`handed_over`]), so that no caller waits to be polled again for a
@@ -80,9 +83,10 @@ pub(crate) async fn on_io<F: Future>(call: F) -> F::Output {
 /// polled again to hand its command over once a place frees: among
 /// thousands of runnable tasks, a pass through them all for each command,
 /// and calls time out before they are sent. This runtime's tasks are
-/// polled as soon as a place frees. Only the request goes here: building
-/// it, reading the reply and timing the call stay with the caller, so that
-/// this one thread does little more than move bytes.
+/// polled as soon as a place frees. Only the request goes here (redis-rs
+/// serializes it, and for a cluster routes it, on this thread): deciding
+/// what to send, reading the reply's decision and timing the call stay
+/// with the caller.
 pub(crate) async fn handed_over<T: Send + 'static>(
     request: impl Future<Output = RedisResult<T>> + Send + 'static,
 ) -> RedisResult<T> {

@@ -494,8 +494,11 @@ impl<C: Clone + Send + Sync + 'static> Renewing<C> {
     }
 }
 
-/// Every command goes to Redis from a task of the connections' runtime
-/// (see `io.rs`): a connection's queue has a few dozen places (redis-rs's),
+/// Every command sent through a `Conn` (every decision's and batch's,
+/// and the checks') goes to Redis from a task of the connections' runtime
+/// (see `io.rs`; a cluster's `ASKING` pipeline, its `SCRIPT LOAD` on every
+/// master and the masters' probes go on the cluster connection directly,
+/// from the caller): a connection's queue has a few dozen places (redis-rs's),
 /// and a caller that finds it full must be polled again to hand its
 /// command over once a place frees, which a runtime busy with thousands of
 /// runnable tasks does too late. The caller keeps its own work (building
