@@ -756,7 +756,8 @@ fn draw(shape: Shape, args: &Args, bucket_ms: u64, runs: &[Run]) -> Result<Strin
             let color = PALETTE[PolicyKind::ALL
                 .iter()
                 .position(|k| *k == run.kind)
-                .unwrap_or(i)];
+                .unwrap_or(i)
+                % PALETTE.len()];
             // Earlier policies are drawn wider, so a policy that decides
             // exactly like another still shows under it.
             let width = 2 * (runs.len() - i) as u32;
