@@ -9,14 +9,6 @@ use ratewarden_core::{PolicyConfig, PolicyKind};
 use ratewarden_redis::test_support::RedisServer;
 use ratewarden_redis::{RedisOptions, RedisStore};
 
-const POLICIES: [PolicyKind; 5] = [
-    PolicyKind::FixedWindow,
-    PolicyKind::SlidingWindowCounter,
-    PolicyKind::SlidingLog,
-    PolicyKind::TokenBucket,
-    PolicyKind::Gcra,
-];
-
 /// A connection of the test's own to the server at `url`, and a store on
 /// it for `config` with options `tag` and no grace: the TTLs are the
 /// policy's.
@@ -51,7 +43,7 @@ fn pttl(con: &mut redis::Connection, store: &RedisStore, key: u64) -> i64 {
 fn requests_that_count_nothing_keep_no_key() {
     let server = RedisServer::start();
     let rt = common::runtime();
-    for policy in POLICIES {
+    for policy in PolicyKind::ALL {
         let config = PolicyConfig::new(policy, 5, 1000);
         let (mut con, store) = connected(&server.url(), &rt, config, "kept");
         let peek = rt.block_on(store.decide(1, None, 0)).unwrap();

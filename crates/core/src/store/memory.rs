@@ -1953,13 +1953,7 @@ mod tests {
             max_keys: 4,
             shards: 1,
         };
-        for policy in [
-            PolicyKind::FixedWindow,
-            PolicyKind::SlidingWindowCounter,
-            PolicyKind::SlidingLog,
-            PolicyKind::TokenBucket,
-            PolicyKind::Gcra,
-        ] {
+        for policy in PolicyKind::ALL {
             let config = PolicyConfig::new(policy, 5, 1000);
             let store = MemoryStore::for_config(&config, options).unwrap();
             for key in 0..2 {
