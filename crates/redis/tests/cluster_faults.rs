@@ -523,30 +523,53 @@ fn ping_names_a_killed_master_as_down() {
 /// Connecting just after a master died, before the cluster flags it
 /// failed: a check whose key is that master's fails naming the master as
 /// down (it read "Moved: SLOT HOST:PORT" alone, redis-rs having sent the
-/// check elsewhere). Prefixes are tried until one's check key is there.
+/// check elsewhere). The prefix is chosen, before the kill, so that the
+/// check key is that master's (left to chance, 20 prefixes can all miss).
 #[test]
 fn connecting_just_after_a_master_died_names_it_as_down() {
     let mut cluster = RedisCluster::start();
     let port = cluster.nodes()[0].port();
+    let (options, check_key) = options_with_check_key_on(&cluster, 0, "died-at-connect");
     cluster.kill_node(0);
     let rt = common::runtime();
-    let e = (0..20)
-        .find_map(|i| {
-            rt.block_on(RedisStore::connect(
-                &cluster.url(),
-                REFERENCE,
-                options(&format!("died-at-connect-{i}")),
-            ))
-            .err()
-        })
-        .expect("one of 20 prefixes has its check key on the dead master");
+    let e = rt
+        .block_on(RedisStore::connect(&cluster.url(), REFERENCE, options))
+        .expect_err("the check key's master is down");
     assert_eq!(e.kind(), StoreErrorKind::ConnectionDropped, "{e}");
+    assert!(e.detail().contains(&check_key), "{e}");
     assert!(
         e.detail().contains(&format!(
             "(127.0.0.1:{port}) refuses connections (it is down); its keys cannot be decided"
         )),
         "{e}"
     );
+}
+
+/// Options for a store whose connect check decides on a key of the
+/// master at `index` (which must answer), with that key's name: tried
+/// prefix by prefix, as the check key's slot follows from the prefix.
+fn options_with_check_key_on(
+    cluster: &RedisCluster,
+    index: usize,
+    tag: &str,
+) -> (RedisOptions, String) {
+    (0..1_000)
+        .map(|i| {
+            let options = options(&format!("{tag}-{i}"));
+            // Under the store's prefix and configuration, as its keys
+            // are, named `probe` where they end in a number.
+            let key = ratewarden_redis::key_name(&options.prefix, &REFERENCE, 0);
+            let stem = key
+                .strip_suffix('0')
+                .expect("a key name ends in its number");
+            let check_key = format!("{stem}probe");
+            (options, check_key)
+        })
+        .find(|(_, check_key)| {
+            let answer = cluster.nodes()[index].cli(&["EXISTS", check_key]);
+            !answer.contains("MOVED")
+        })
+        .expect("one of 1,000 prefixes has its check key on the master")
 }
 
 /// While a killed node is down, a node that a concurrent test starts
@@ -914,23 +937,18 @@ fn a_hung_master_costs_a_batch_its_own_keys_only() {
 /// Connecting while a master hangs fails within the connect time, saying
 /// what failed and how to find the node: the check's timeout names none.
 /// (The check decides on one key, so it meets the hung master only when
-/// the key's slot is there: prefixes are tried until one's is.)
+/// the key's slot is there: the prefix is chosen so that it is.)
 #[test]
 fn connecting_while_a_master_hangs_says_how_to_find_it() {
     let cluster = RedisCluster::start();
+    let (options, _) = options_with_check_key_on(&cluster, 1, "hung-at-connect");
     cluster.nodes()[1].pause();
     let rt = common::runtime();
-    let failed = (0..20).find_map(|i| {
-        let started = Instant::now();
-        let connected = rt.block_on(RedisStore::connect(
-            &cluster.url(),
-            REFERENCE,
-            options(&format!("hung-at-connect-{i}")),
-        ));
-        connected.err().map(|e| (e, started.elapsed()))
-    });
+    let started = Instant::now();
+    let connected = rt.block_on(RedisStore::connect(&cluster.url(), REFERENCE, options));
+    let took = started.elapsed();
     cluster.nodes()[1].resume();
-    let (e, took) = failed.expect("one of 20 prefixes has its check key on the hung master");
+    let e = connected.expect_err("the check key's master hangs");
     assert!(
         took < Duration::from_millis(2_000) + MARGIN,
         "{took:?}: {e}"
