@@ -10,13 +10,7 @@ use ratewarden_redis::RedisStore;
 /// Twenty stores of several policies, made from `first`: each decides on
 /// its own counts, keyed by its prefix and its configuration.
 async fn twenty_stores(first: &RedisStore) -> Vec<RedisStore> {
-    let kinds = [
-        PolicyKind::FixedWindow,
-        PolicyKind::SlidingWindowCounter,
-        PolicyKind::SlidingLog,
-        PolicyKind::TokenBucket,
-        PolicyKind::Gcra,
-    ];
+    let kinds = PolicyKind::ALL;
     let mut stores = Vec::new();
     for i in 0..20 {
         let config = PolicyConfig::new(kinds[i % kinds.len()], 2, 60_000);
