@@ -8,6 +8,7 @@ use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long a server may take to start answering.
@@ -33,14 +34,64 @@ pub fn fill_accept_queue(listener: &TcpListener) -> Vec<TcpStream> {
 
 /// A free loopback port; with `bus`, port + 10000 (a cluster node's bus)
 /// is free too.
+///
+/// Taken below the system's range of ephemeral ports (Linux's
+/// `ip_local_port_range`, 32768 and up by default), and never the same one
+/// twice in a process: a port that a killed server frees for its restart
+/// then stays free, where one from the ephemeral range could meanwhile be
+/// handed to a concurrent test's `bind(0)`, or be an outgoing connection's
+/// own port. Each process starts at its own place in the range, so that two
+/// test processes at once seldom try the same ports. Where the ephemeral
+/// range starts too low for that, the system picks (`bind(0)`).
 pub fn free_port(bus: bool) -> u16 {
+    /// The first port handed out; below it are well-known services' ports.
+    const FIRST: u32 = 10_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let bindable = |port: u32| {
+        u16::try_from(port).is_ok_and(|port| TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok())
+    };
+    // The ports and their buses stay below the ephemeral range.
+    let end = u32::from(ephemeral_ports_start()).saturating_sub(u32::from(BUS_OFFSET));
+    if end < FIRST + 1_000 {
+        return free_port_from_the_system(bus);
+    }
+    let span = end - FIRST;
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id() % span,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..span {
+        let port = FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        if bindable(port) && (!bus || bindable(port + u32::from(BUS_OFFSET))) {
+            return u16::try_from(port).expect("below the ephemeral range");
+        }
+    }
+    panic!("no free loopback port found from {FIRST} to {end}");
+}
+
+/// How far above its port a cluster node's bus listens.
+const BUS_OFFSET: u16 = 10_000;
+
+/// The first port of the system's ephemeral range: Linux's, or 32768 (the
+/// lowest default of Linux and the BSDs) where it cannot be read.
+fn ephemeral_ports_start() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
+}
+
+/// [`free_port`] as the system picks it.
+fn free_port_from_the_system(bus: bool) -> u16 {
     for _ in 0..1000 {
         let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind a loopback port");
         let port = listener.local_addr().expect("local address").port();
         if !bus {
             return port;
         }
-        if port < 55_000 && TcpListener::bind((Ipv4Addr::LOCALHOST, port + 10_000)).is_ok() {
+        if port < 55_000 && TcpListener::bind((Ipv4Addr::LOCALHOST, port + BUS_OFFSET)).is_ok() {
             return port;
         }
     }
@@ -409,7 +460,7 @@ impl RedisServer {
             let _ = child.kill();
             let _ = child.wait();
             if self.cluster {
-                let bus = self.tls_port.unwrap_or(self.port) + 10_000;
+                let bus = self.tls_port.unwrap_or(self.port) + BUS_OFFSET;
                 self.bus_hold = TcpListener::bind((Ipv4Addr::LOCALHOST, bus)).ok();
             }
         }
