@@ -128,6 +128,7 @@ fi
 cat > "$work/overload.toml" <<TOML
 [server]
 failure_policy = "closed"
+store_timeout_ms = 100
 
 [keys]
 limit = 1000
@@ -150,7 +151,7 @@ wait_port "$http"; wait_port "$grpc"
 
 # Sums a metric's series, optionally only those with a label.
 metric() {
-    curl -sf "http://127.0.0.1:$http/metrics" |
+    curl -sSf "http://127.0.0.1:$http/metrics" |
         awk -v name="$1" -v label="${2:-}" '
             index($0, name "{") == 1 && (label == "" || index($0, label) > 0) { sum += $NF }
             END { printf "%d\n", sum }'
@@ -166,7 +167,7 @@ request = function()
 end
 LUA
 
-echo "ratewarden serve on $store (failure_policy closed, store_timeout_ms 100), $(nproc) cores, ${duration_s} s a step"
+echo "$bin serve on $store, failure_policy closed, store_timeout_ms 100, $(nproc) cores, ${duration_s} s a step"
 printf '%-28s %10s %10s %14s %12s %10s %10s\n' load "in flight" "answered/s" "store timeouts" "closed answers" p50 p99
 step() {
     local name=$1 flight=$2 answered_s p50 p99 timeouts0 closed0 timeouts closed
