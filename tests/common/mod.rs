@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ratewarden_server::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use ratewarden_server::proto::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -30,6 +30,28 @@ pub fn exit_within(child: &mut Child, within: Duration) -> Option<std::process::
             return None;
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until just past the next window edge when it is nearer than
+/// `margin`; returns at once otherwise. `serve` decides on the real clock,
+/// and its windows start at multiples of `window_ms` since the Unix epoch
+/// (an hour's window on the hour, UTC). A sliding-window counter weights
+/// the previous window's count rounded down, so just after an edge a full
+/// count counts one less and one more request is admitted: a test that
+/// asserts an exact total must not have an edge fall among its requests.
+/// Called just before the counted part, with a margin longer than that
+/// part can take on a busy machine.
+pub async fn clear_of_window_edge(window_ms: u64, margin: Duration) {
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let to_edge = window_ms - now_ms % window_ms;
+    if u128::from(to_edge) < margin.as_millis() {
+        // A little past it, so that the requests all fall in the next
+        // window, a whole window away from the one after.
+        tokio::time::sleep(Duration::from_millis(to_edge + 50)).await;
     }
 }
 
