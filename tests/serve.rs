@@ -3668,7 +3668,9 @@ async fn a_configuration_read_that_blocks_does_not_keep_serve_from_stopping() {
             .expect("the ratewarden binary starts")
     };
     let mut child = start();
-    std::thread::sleep(Duration::from_millis(300));
+    // Signalled before its handler is in place, it would die of the
+    // signal rather than stop.
+    common::wait_until_it_catches_sigterm(child.id(), Duration::from_secs(10));
     let sent = Command::new("kill")
         .args(["-s", "TERM", &child.id().to_string()])
         .status()

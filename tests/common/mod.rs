@@ -55,6 +55,33 @@ pub async fn clear_of_window_edge(window_ms: u64, margin: Duration) {
     }
 }
 
+/// Waits (at most `within`) until process `pid` catches SIGTERM, as
+/// `/proc/PID/status` shows in its `SigCgt` mask: until then a SIGTERM
+/// would kill it outright rather than stop it cleanly. Panics, saying so,
+/// when it does not by then.
+pub fn wait_until_it_catches_sigterm(pid: u32, within: Duration) {
+    // SIGTERM is signal 15: bit 14 of the mask.
+    const SIGTERM_BIT: u64 = 1 << 14;
+    let deadline = Instant::now() + within;
+    loop {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap_or_else(|e| panic!("process {pid}'s status: {e}"));
+        let caught = status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigCgt:"))
+            .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+            .unwrap_or_else(|| panic!("no SigCgt in process {pid}'s status:\n{status}"));
+        if caught & SIGTERM_BIT != 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "process {pid} did not catch SIGTERM within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// The first line `child` prints on its standard output (piped), waited
 /// for at most 30 s: where `serve` says it listens.
 pub fn first_line(child: &mut Child) -> Result<String, std::sync::mpsc::RecvTimeoutError> {
