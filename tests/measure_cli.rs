@@ -1868,11 +1868,12 @@ fn bench_redis_fails_in_bounded_time_when_redis_freezes() {
             &url,
             "--quick",
             // Enough requests (a tenth of them with --quick) that the
-            // minimal script's step lasts about a second, so the freeze
-            // lands in it even when this test's thread is slow to see its
-            // first key.
+            // minimal script's step lasts some seconds, so the freeze lands
+            // in it even when this test's thread is slow to see its first
+            // key or `kill` is slow to start. Not more: every policy's step
+            // before it takes as many requests.
             "--requests",
-            "600000",
+            "1200000",
             "--round-trips",
             "0",
             "--keys",
