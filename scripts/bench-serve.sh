@@ -14,6 +14,7 @@
 #
 # Needs wrk, nginx and redis-server (Debian: apt-get install wrk nginx
 # redis-server). Usage: scripts/bench-serve.sh [DURATION_S] [CONNECTIONS]
+# BIN=PATH measures another build of ratewarden (an older one, to compare).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,7 +28,7 @@ for tool in wrk nginx redis-server; do
 done
 
 cargo build --release --quiet
-bin="${CARGO_TARGET_DIR:-target}/release/ratewarden"
+bin=${BIN:-${CARGO_TARGET_DIR:-target}/release/ratewarden}
 
 work=$(mktemp -d)
 pids=()
@@ -111,7 +112,7 @@ pids+=($!)
 
 for port in "$nginx_port" "$limit_port" "$mem_http" "$redis_http"; do wait_port "$port"; done
 
-echo "wrk -t$threads -c$connections -d${duration_s}s --latency, POST /v1/check over $keys keys, $(nproc) cores"
+echo "$bin; wrk -t$threads -c$connections -d${duration_s}s --latency, POST /v1/check over $keys keys, $(nproc) cores"
 printf '%-34s %12s %10s %10s %10s\n' target "requests/s" "p50" "p99" "non-2xx"
 run() {
     local name=$1 port=$2 out
