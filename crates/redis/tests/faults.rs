@@ -48,6 +48,13 @@ async fn connected(server: &RedisServer, tag: &str) -> RedisStore {
         .expect("connect")
 }
 
+/// A store on `server` with [`patient_options`]`(tag)`.
+async fn connected_patiently(server: &RedisServer, tag: &str) -> RedisStore {
+    RedisStore::connect(&server.url(), REFERENCE, patient_options(tag))
+        .await
+        .expect("connect")
+}
+
 async fn limiter(server: &RedisServer, policy: FailurePolicy) -> RedisLimiter {
     let store = connected(server, "fault").await;
     RedisLimiter::new(store, RedisTime::Server, policy, MemoryOptions::default()).unwrap()
@@ -400,13 +407,7 @@ fn ping_is_not_ready_on_a_node_made_a_replica() {
     let rt = common::runtime();
     let master = RedisServer::start();
     let server = RedisServer::start();
-    let store = rt
-        .block_on(RedisStore::connect(
-            &server.url(),
-            REFERENCE,
-            patient_options("replica"),
-        ))
-        .expect("connect");
+    let store = rt.block_on(connected_patiently(&server, "replica"));
     rt.block_on(store.ping()).expect("a running Redis answers");
     for args in [
         &["CONFIG", "SET", "replica-read-only", "no"][..],
@@ -873,13 +874,7 @@ fn a_flushed_script_comes_back_without_eval() {
 fn errors_redis_answers_name_the_redis() {
     let rt = common::runtime();
     let server = RedisServer::start();
-    let store = rt
-        .block_on(RedisStore::connect(
-            &server.url(),
-            REFERENCE,
-            patient_options("oom"),
-        ))
-        .expect("connect");
+    let store = rt.block_on(connected_patiently(&server, "oom"));
     assert_eq!(
         server.cli(&["CONFIG", "SET", "maxmemory", "1"]).trim(),
         "OK"
