@@ -80,8 +80,8 @@ pub struct Args {
     #[arg(long, value_parser = super::trimmed)]
     pub store: String,
     /// Decisions per pipelined measurement (per policy, and per script in
-    /// each round), 4,000 to 100,000,000 (40,000 with --quick, which takes
-    /// a tenth).
+    /// each round), 4,000 to 100,000,000; --quick takes a tenth of it (20,000
+    /// by default), so with --quick at least 40,000.
     #[arg(long, default_value_t = 200_000, value_parser = crate::cmd::whole::<u64>)]
     pub requests: u64,
     /// Requests per pipelined batch, 1 to 10,000.
