@@ -280,10 +280,11 @@ fn policy_script(policy: PolicyKind) -> (&'static Script, &'static str) {
     (script, source)
 }
 
-/// One call's handle on the connection: cheap to clone.
+/// One call's handle on the connection: cheap to clone. A node's comes
+/// with its [`Renewing`], whose [`ReconnectPace`] its calls go through.
 #[derive(Clone)]
 enum Conn {
-    Node(ConnectionManager),
+    Node(ConnectionManager, Arc<Renewing<ConnectionManager>>),
     Cluster(ClusterConnection),
 }
 
@@ -300,6 +301,93 @@ enum Backend {
 /// The least time between two starts of a new connection, so that a Redis
 /// that keeps timing out is not sent a storm of connections.
 const REBUILD_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How long calls to one node fail at once, without trying a new
+/// connection, after Redis closed the new ones as soon as they were made.
+const RECONNECT_PACE: Duration = Duration::from_millis(100);
+
+/// Paces the new connections to one node that Redis closes as soon as they
+/// are made: a Redis at its `maxclients` accepts each, answers with an
+/// error and closes it. redis-rs's connection manager starts a new
+/// connection on the next call after a connection fails, so every call
+/// would make one (about 2,700 a second from one `serve` at 10,000 calls a
+/// second, each accepted and closed by a Redis already at its limit, and
+/// as many from every process of a fleet). A call that fails so within
+/// twice [`RECONNECT_PACE`] of the last that did, with no call answered
+/// between, starts a pause of [`RECONNECT_PACE`] in which calls fail at
+/// once as connection errors; the first call after it tries again. A lone
+/// failure starts none: an idle connection Redis closed (which the call's
+/// retry on a new connection replaces), or the error a connection manager
+/// kept from an outage, returned once to the first call after it. Nor does
+/// a refused connection (a Redis that is down costs itself nothing, and is
+/// decided on again from its first call back).
+struct ReconnectPace {
+    /// When, in milliseconds from `made`, a call last failed with a
+    /// connection closed by Redis, with no call answered since; 0 for none.
+    last_closed_ms: AtomicU64,
+    /// Until when, in milliseconds from `made`, calls fail at once.
+    paused_until_ms: AtomicU64,
+    made: Instant,
+}
+
+impl ReconnectPace {
+    fn new() -> Self {
+        ReconnectPace {
+            last_closed_ms: AtomicU64::new(0),
+            paused_until_ms: AtomicU64::new(0),
+            made: Instant::now(),
+        }
+    }
+
+    /// Milliseconds from `made`, at least 1 (0 means none).
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.made.elapsed().as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
+
+    fn pace_ms() -> u64 {
+        u64::try_from(RECONNECT_PACE.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The error of a call made during a pause, or `None` to make it.
+    fn paused(&self) -> Option<RedisError> {
+        let until = self.paused_until_ms.load(Ordering::Relaxed);
+        let now_ms = self.now_ms();
+        if now_ms >= until {
+            return None;
+        }
+        Some(RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::ConnectionAborted,
+            format!(
+                "Redis closed the new connections as soon as they were made (at its \
+                 maxclients, or a proxy before it refusing them); the next is tried in {} ms, \
+                 calls fail at once until then",
+                until - now_ms
+            ),
+        )))
+    }
+
+    /// Takes the outcome of a call made.
+    fn took<T>(&self, result: &RedisResult<T>) {
+        match result {
+            Ok(_) => {
+                if self.last_closed_ms.load(Ordering::Relaxed) != 0 {
+                    self.last_closed_ms.store(0, Ordering::Relaxed);
+                }
+            }
+            Err(e) if e.is_connection_dropped() && !e.is_connection_refusal() => {
+                let now_ms = self.now_ms();
+                let last = self.last_closed_ms.swap(now_ms, Ordering::Relaxed);
+                if last != 0 && now_ms.saturating_sub(last) <= 2 * Self::pace_ms() {
+                    self.paused_until_ms
+                        .fetch_max(now_ms.saturating_add(Self::pace_ms()), Ordering::Relaxed);
+                }
+            }
+            Err(_) => {}
+        }
+    }
+}
 
 /// Makes a new connection of the store's kind, for [`Renewing`].
 type Connect<C> = Box<dyn Fn() -> BoxFuture<'static, RedisResult<C>> + Send + Sync>;
@@ -345,6 +433,8 @@ struct Renewing<C> {
     /// a single call waiting on a connection that stopped answering waits
     /// for one begun after the call (see [`RedisStore::watched`]).
     swaps: tokio::sync::watch::Sender<Swap>,
+    /// On one node, the pause after new connections Redis closed at once.
+    pace: ReconnectPace,
 }
 
 /// A replacement of a [`Renewing`] connection.
@@ -384,6 +474,7 @@ impl<C: Clone + Send + Sync + 'static> Renewing<C> {
                 generation: 0,
                 begun: tokio::time::Instant::now(),
             }),
+            pace: ReconnectPace::new(),
         }
     }
 
@@ -509,7 +600,14 @@ impl ConnectionLike for Conn {
         let (mut conn, cmd) = (self.clone(), cmd.clone());
         Box::pin(crate::io::handed_over(async move {
             match &mut conn {
-                Conn::Node(c) => c.req_packed_command(&cmd).await,
+                Conn::Node(c, renewing) => {
+                    if let Some(e) = renewing.pace.paused() {
+                        return Err(e);
+                    }
+                    let result = c.req_packed_command(&cmd).await;
+                    renewing.pace.took(&result);
+                    result
+                }
                 Conn::Cluster(c) => c.req_packed_command(&cmd).await,
             }
         }))
@@ -524,7 +622,14 @@ impl ConnectionLike for Conn {
         let (mut conn, cmd) = (self.clone(), cmd.clone());
         Box::pin(crate::io::handed_over(async move {
             match &mut conn {
-                Conn::Node(c) => c.req_packed_commands(&cmd, offset, count).await,
+                Conn::Node(c, renewing) => {
+                    if let Some(e) = renewing.pace.paused() {
+                        return Err(e);
+                    }
+                    let result = c.req_packed_commands(&cmd, offset, count).await;
+                    renewing.pace.took(&result);
+                    result
+                }
                 Conn::Cluster(c) => c.req_packed_commands(&cmd, offset, count).await,
             }
         }))
@@ -532,7 +637,7 @@ impl ConnectionLike for Conn {
 
     fn get_db(&self) -> i64 {
         match self {
-            Conn::Node(c) => c.get_db(),
+            Conn::Node(c, _) => c.get_db(),
             Conn::Cluster(c) => c.get_db(),
         }
     }
@@ -1352,7 +1457,7 @@ impl RedisStore {
     /// A handle on the current connection, for one call.
     fn conn(&self) -> Conn {
         match &self.inner.backend {
-            Backend::Node(c, _) => Conn::Node(c.conn()),
+            Backend::Node(c, _) => Conn::Node(c.conn(), Arc::clone(c)),
             Backend::Cluster(c, _) => Conn::Cluster(c.conn()),
         }
     }
@@ -2421,7 +2526,7 @@ impl RedisStore {
 
     async fn load_script_once(&self, conn: &mut Conn) -> RedisResult<()> {
         match conn {
-            Conn::Node(_) => self
+            Conn::Node(..) => self
                 .inner
                 .script
                 .prepare_invoke()

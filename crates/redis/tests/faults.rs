@@ -1079,3 +1079,103 @@ fn a_redis_at_maxclients_is_named_so_by_ping() {
         "{e}"
     );
 }
+
+/// A Redis at its `maxclients` accepts each new connection only to close
+/// it: the store tries a new one at most about every 100 ms while that
+/// lasts (each call made one, some 2,700 a second from one busy `serve`),
+/// its calls failing at once meanwhile, and decides again soon after Redis
+/// takes connections again.
+#[test]
+fn a_redis_at_maxclients_is_not_sent_a_connection_per_call() {
+    use std::io::{Read, Write};
+    let rt = common::runtime();
+    let server = RedisServer::start();
+    let store = rt.block_on(connected_patiently(&server, "maxclients-pace"));
+    assert!(rt.block_on(store.decide(0, None, 1)).is_ok());
+    // One client of the test's own, kept, which asks Redis what it
+    // rejected; then a bound of one, under which the store's connection,
+    // closed from that client, cannot come back.
+    let mut held =
+        std::net::TcpStream::connect(("127.0.0.1", server.port())).expect("the test's client");
+    held.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut ask = |command: &str| -> String {
+        held.write_all(format!("{command}\r\n").as_bytes()).unwrap();
+        let mut said = Vec::new();
+        let mut buf = [0u8; 4096];
+        // A bulk reply (`$N\r\n` and N bytes and `\r\n`) or a line.
+        loop {
+            let n = held
+                .read(&mut buf)
+                .expect("Redis answers the test's client");
+            assert!(n > 0, "Redis closed the test's client");
+            said.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&said).into_owned();
+            let whole = match text.strip_prefix('$') {
+                Some(rest) => rest.split_once("\r\n").is_some_and(|(len, body)| {
+                    len.parse::<usize>().is_ok_and(|len| body.len() >= len + 2)
+                }),
+                None => text.ends_with("\r\n"),
+            };
+            if whole {
+                return text;
+            }
+        }
+    };
+    let rejected = |ask: &mut dyn FnMut(&str) -> String| -> u64 {
+        ask("INFO stats")
+            .lines()
+            .find_map(|l| l.strip_prefix("rejected_connections:"))
+            .and_then(|n| n.trim().parse().ok())
+            .expect("INFO stats gives rejected_connections")
+    };
+    assert_eq!(
+        server.cli(&["CONFIG", "SET", "maxclients", "1"]).trim(),
+        "OK"
+    );
+    assert!(ask("CLIENT KILL TYPE normal SKIPME yes").starts_with(':'));
+    let before = rejected(&mut ask);
+    let started = Instant::now();
+    let calls = rt.block_on(async {
+        let mut tasks = Vec::new();
+        for t in 0..4u64 {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut calls = 0u64;
+                while started.elapsed() < Duration::from_secs(1) {
+                    let e = store
+                        .decide(t * 1_000_000 + calls, None, 1)
+                        .await
+                        .expect_err("Redis takes no connection");
+                    assert_eq!(e.kind(), StoreErrorKind::ConnectionDropped, "{e}");
+                    calls += 1;
+                }
+                calls
+            }));
+        }
+        let mut calls = 0;
+        for task in tasks {
+            calls += task.await.expect("caller");
+        }
+        calls
+    });
+    let took_ms = u64::try_from(started.elapsed().as_millis()).unwrap();
+    let tried = rejected(&mut ask) - before;
+    // A pause of 100 ms after each pair of closed connections: at most two
+    // tries per 100 ms (the call's own and its retry on a new connection).
+    let bound = 2 * (took_ms / 100 + 2);
+    assert!(
+        calls > 4 * bound && tried <= bound,
+        "{calls} calls in {took_ms} ms made {tried} connections (at most {bound})"
+    );
+    assert_eq!(ask("CONFIG SET maxclients 10000").trim(), "+OK");
+    rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while let Err(e) = store.decide(1, None, 1).await {
+            assert!(
+                Instant::now() < deadline,
+                "not decided 5 s after Redis took connections again: {e}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}
