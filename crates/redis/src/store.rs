@@ -312,15 +312,18 @@ const RECONNECT_PACE: Duration = Duration::from_millis(100);
 /// connection on the next call after a connection fails, so every call
 /// would make one (about 2,700 a second from one `serve` at 10,000 calls a
 /// second, each accepted and closed by a Redis already at its limit, and
-/// as many from every process of a fleet). A call that fails so within
-/// twice [`RECONNECT_PACE`] of the last that did, with no call answered
-/// between, starts a pause of [`RECONNECT_PACE`] in which calls fail at
-/// once as connection errors; the first call after it tries again. A lone
-/// failure starts none: an idle connection Redis closed (which the call's
-/// retry on a new connection replaces), or the error a connection manager
-/// kept from an outage, returned once to the first call after it. Nor does
-/// a refused connection (a Redis that is down costs itself nothing, and is
-/// decided on again from its first call back).
+/// as many from every process of a fleet). A call begun after the last
+/// that failed so, and failing so itself within twice [`RECONNECT_PACE`]
+/// of it with no call answered between, starts a pause of
+/// [`RECONNECT_PACE`] in which calls fail at once as connection errors; the
+/// first call after it tries again. A lone failure starts none: an idle
+/// connection Redis closed (which the call's retry on a new connection
+/// replaces), or the error a connection manager kept from an outage,
+/// returned once to the first call after it; nor do the calls that were in
+/// flight together on a connection that broke (a Redis killed under load),
+/// begun before the first of them failed. Nor does a refused connection (a
+/// Redis that is down costs itself nothing, and is decided on again from
+/// its first call back).
 struct ReconnectPace {
     /// When, in milliseconds from `made`, a call last failed with a
     /// connection closed by Redis, with no call answered since; 0 for none.
@@ -360,16 +363,17 @@ impl ReconnectPace {
         Some(RedisError::from(std::io::Error::new(
             std::io::ErrorKind::ConnectionAborted,
             format!(
-                "Redis closed the new connections as soon as they were made (at its \
-                 maxclients, or a proxy before it refusing them); the next is tried in {} ms, \
-                 calls fail at once until then",
+                "Redis closed the connections as soon as they were made or used (a Redis \
+                 at its maxclients, a proxy before it refusing them, or a Redis gone); the \
+                 next is tried in {} ms, calls fail at once until then",
                 until - now_ms
             ),
         )))
     }
 
-    /// Takes the outcome of a call made.
-    fn took<T>(&self, result: &RedisResult<T>) {
+    /// Takes the outcome of a call made, begun at `begun_ms` (from
+    /// [`ReconnectPace::now_ms`]).
+    fn took<T>(&self, result: &RedisResult<T>, begun_ms: u64) {
         match result {
             Ok(_) => {
                 if self.last_closed_ms.load(Ordering::Relaxed) != 0 {
@@ -379,7 +383,10 @@ impl ReconnectPace {
             Err(e) if e.is_connection_dropped() && !e.is_connection_refusal() => {
                 let now_ms = self.now_ms();
                 let last = self.last_closed_ms.swap(now_ms, Ordering::Relaxed);
-                if last != 0 && now_ms.saturating_sub(last) <= 2 * Self::pace_ms() {
+                if last != 0
+                    && begun_ms > last
+                    && now_ms.saturating_sub(last) <= 2 * Self::pace_ms()
+                {
                     self.paused_until_ms
                         .fetch_max(now_ms.saturating_add(Self::pace_ms()), Ordering::Relaxed);
                 }
@@ -604,8 +611,9 @@ impl ConnectionLike for Conn {
                     if let Some(e) = renewing.pace.paused() {
                         return Err(e);
                     }
+                    let begun_ms = renewing.pace.now_ms();
                     let result = c.req_packed_command(&cmd).await;
-                    renewing.pace.took(&result);
+                    renewing.pace.took(&result, begun_ms);
                     result
                 }
                 Conn::Cluster(c) => c.req_packed_command(&cmd).await,
@@ -626,8 +634,9 @@ impl ConnectionLike for Conn {
                     if let Some(e) = renewing.pace.paused() {
                         return Err(e);
                     }
+                    let begun_ms = renewing.pace.now_ms();
                     let result = c.req_packed_commands(&cmd, offset, count).await;
-                    renewing.pace.took(&result);
+                    renewing.pace.took(&result, begun_ms);
                     result
                 }
                 Conn::Cluster(c) => c.req_packed_commands(&cmd, offset, count).await,
