@@ -128,6 +128,14 @@ impl Server {
             .spawn()
             .expect("the ratewarden binary starts");
         let line = first_line(&mut child).expect("serve prints where it listens");
+        if line.is_empty() {
+            // Its standard output closed unwritten: it ended at start.
+            let status = exit_within(&mut child, Duration::from_secs(5));
+            panic!(
+                "serve {args:?} ended before it listened ({status:?}): on a store, its start-up \
+                 checks failed (a busy machine can make them miss a short store_timeout_ms)"
+            );
+        }
         // "ratewarden serve: HTTP on http://ADDR/v1/check, gRPC on ADDR",
         // with ", metrics on http://ADDR/metrics" before the gRPC address
         // under --metrics.
