@@ -353,6 +353,21 @@ impl ReconnectPace {
         u64::try_from(RECONNECT_PACE.as_millis()).unwrap_or(u64::MAX)
     }
 
+    /// Makes `call`, unless a pause is on (then fails at once), and takes
+    /// its outcome.
+    async fn call<T>(
+        &self,
+        call: impl std::future::Future<Output = RedisResult<T>>,
+    ) -> RedisResult<T> {
+        if let Some(e) = self.paused() {
+            return Err(e);
+        }
+        let begun_ms = self.now_ms();
+        let result = call.await;
+        self.took(&result, begun_ms);
+        result
+    }
+
     /// The error of a call made during a pause, or `None` to make it.
     fn paused(&self) -> Option<RedisError> {
         let until = self.paused_until_ms.load(Ordering::Relaxed);
@@ -607,15 +622,7 @@ impl ConnectionLike for Conn {
         let (mut conn, cmd) = (self.clone(), cmd.clone());
         Box::pin(crate::io::handed_over(async move {
             match &mut conn {
-                Conn::Node(c, renewing) => {
-                    if let Some(e) = renewing.pace.paused() {
-                        return Err(e);
-                    }
-                    let begun_ms = renewing.pace.now_ms();
-                    let result = c.req_packed_command(&cmd).await;
-                    renewing.pace.took(&result, begun_ms);
-                    result
-                }
+                Conn::Node(c, renewing) => renewing.pace.call(c.req_packed_command(&cmd)).await,
                 Conn::Cluster(c) => c.req_packed_command(&cmd).await,
             }
         }))
@@ -631,13 +638,10 @@ impl ConnectionLike for Conn {
         Box::pin(crate::io::handed_over(async move {
             match &mut conn {
                 Conn::Node(c, renewing) => {
-                    if let Some(e) = renewing.pace.paused() {
-                        return Err(e);
-                    }
-                    let begun_ms = renewing.pace.now_ms();
-                    let result = c.req_packed_commands(&cmd, offset, count).await;
-                    renewing.pace.took(&result, begun_ms);
-                    result
+                    renewing
+                        .pace
+                        .call(c.req_packed_commands(&cmd, offset, count))
+                        .await
                 }
                 Conn::Cluster(c) => c.req_packed_commands(&cmd, offset, count).await,
             }
