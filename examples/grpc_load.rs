@@ -31,8 +31,10 @@ use tonic::transport::{Channel, Endpoint};
 /// client's own memory and file limits, not the server, would be measured.
 const MAX_CONNECTIONS: usize = 1_024;
 const MAX_IN_FLIGHT: usize = 10_000;
-/// The longest run taken, in seconds.
-const MAX_DURATION_S: u64 = 3_600;
+/// The longest run taken, in seconds: every answered call's time is kept
+/// for the percentiles, 8 bytes each (some 100 MB for ten minutes at
+/// 20,000 calls a second).
+const MAX_DURATION_S: u64 = 600;
 
 #[derive(Parser)]
 #[command(about = "Keeps ShouldRateLimit calls in flight against a running server")]
