@@ -359,19 +359,19 @@ impl ReconnectPace {
         &self,
         call: impl std::future::Future<Output = RedisResult<T>>,
     ) -> RedisResult<T> {
-        if let Some(e) = self.paused() {
+        let begun_ms = self.now_ms();
+        if let Some(e) = self.paused(begun_ms) {
             return Err(e);
         }
-        let begun_ms = self.now_ms();
         let result = call.await;
         self.took(&result, begun_ms);
         result
     }
 
-    /// The error of a call made during a pause, or `None` to make it.
-    fn paused(&self) -> Option<RedisError> {
+    /// The error of a call made at `now_ms` during a pause, or `None` to
+    /// make it.
+    fn paused(&self, now_ms: u64) -> Option<RedisError> {
         let until = self.paused_until_ms.load(Ordering::Relaxed);
-        let now_ms = self.now_ms();
         if now_ms >= until {
             return None;
         }
